@@ -1,0 +1,171 @@
+/* cache.c -- the prefix cache: an open-addressing hash table from block hash to block id.
+ *
+ * The table holds int32 block ids only; the 128-bit keys live in the pool's hash[] array, so
+ * a slot costs 4 bytes and the table stays at most half full (size >= 2 * num_blocks, each
+ * block holds at most one entry). Linear probing from hash.lo; deletion shifts the following
+ * run back (no tombstones), so lookups never slow down as blocks churn.
+ *
+ * Policy: a hash maps to at most one block. Registering a hash that is already present keeps
+ * the first block (the newcomer stays an ordinary uncached block and is reused first once
+ * freed), exactly as vLLM does, so lookups stay deterministic. Eviction is lazy: a cached
+ * block whose ref count reaches 0 stays in the table and in the free list (see pool.c) until
+ * allocation pops it, which drops its entry (kvb_cache_evict).
+ */
+#include <string.h>
+
+#include "internal.h"
+
+KVB_INLINE int hash_eq(const kvb_hash_t *a, const kvb_hash_t *b) {
+    return a->lo == b->lo && a->hi == b->hi;
+}
+
+int32_t kvb_cache_find(const kvb_pool_t *p, const kvb_hash_t *h) {
+    uint64_t mask = p->table_mask, i = h->lo & mask;
+    for (;;) {
+        int32_t b = p->table[i];
+        if (b == KVB_NONE || hash_eq(&p->hash[b], h)) return b;
+        i = (i + 1) & mask;
+    }
+}
+
+static void table_remove(kvb_pool_t *p, int32_t b) {
+    uint64_t mask = p->table_mask, i = p->hash[b].lo & mask;
+    while (p->table[i] != b) i = (i + 1) & mask;
+    /* backward-shift deletion */
+    uint64_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        int32_t c = p->table[j];
+        if (c == KVB_NONE) break;
+        uint64_t home = p->hash[c].lo & mask;
+        /* c may move to i iff its home is not cyclically within (i, j] */
+        int stays = (i <= j) ? (home > i && home <= j) : (home > i || home <= j);
+        if (!stays) {
+            p->table[i] = c;
+            i = j;
+        }
+    }
+    p->table[i] = KVB_NONE;
+}
+
+/* Forget block b's entry and record it. */
+static void uncache(kvb_pool_t *p, int32_t b) {
+    table_remove(p, b);
+    p->flags[b] &= (uint8_t)~KVB_F_CACHED;
+    p->num_cached--;
+    if (p->record_events) kvb_pool_record(p, KVB_EV_REMOVED, b, &p->hash[b], NULL, NULL, 0);
+}
+
+void kvb_cache_evict(kvb_pool_t *p, int32_t b) {
+    uncache(p, b);
+    p->num_evictable--;
+    p->stats.evictions++;
+}
+
+void kvb_cache_drop(kvb_pool_t *p, int32_t b) {
+    if (!(p->flags[b] & KVB_F_CACHED)) return;
+    if (p->flags[b] & KVB_F_FREE) p->num_evictable--;
+    uncache(p, b);
+}
+
+int kvb_cache_put(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const kvb_hash_t *parent,
+                  const int32_t *tokens, int32_t block_size) {
+    uint64_t mask = p->table_mask, i = h->lo & mask;
+    for (;;) {
+        int32_t c = p->table[i];
+        if (c == KVB_NONE) break;
+        if (hash_eq(&p->hash[c], h)) return 0; /* first block keeps the entry */
+        i = (i + 1) & mask;
+    }
+    p->table[i] = b;
+    p->hash[b] = *h;
+    p->flags[b] |= KVB_F_CACHED;
+    p->num_cached++;
+    p->stats.stored++;
+    if (p->record_events)
+        kvb_pool_record(p, KVB_EV_STORED, b, h, parent, tokens, tokens ? block_size : 0);
+    return 1;
+}
+
+int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes, int64_t n,
+                     const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,
+                     int64_t *stored) {
+    if (!p->caching) return KVB_ESTATE;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (b <= 0 || b >= p->num_blocks) { p->err_a = i; p->err_b = b; return KVB_ERANGE; }
+        if (p->ref_count[b] <= 0) { p->err_a = i; p->err_b = b; return KVB_ESTATE; }
+        if ((p->flags[b] & KVB_F_CACHED) && !hash_eq(&p->hash[b], &hashes[i])) {
+            p->err_a = i; p->err_b = b;
+            return KVB_EDUP;
+        }
+        for (int64_t j = 0; j < i; j++) /* the same block twice under different hashes */
+            if (ids[j] == b && !hash_eq(&hashes[j], &hashes[i])) {
+                p->err_a = i; p->err_b = b;
+                return KVB_EDUP;
+            }
+    }
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (p->flags[ids[i]] & KVB_F_CACHED) continue;
+        const kvb_hash_t *par = i ? &hashes[i - 1] : parent;
+        count += kvb_cache_put(p, ids[i], &hashes[i], par,
+                               tokens ? tokens + i * (int64_t)block_size : NULL, block_size);
+    }
+    if (stored) *stored = count;
+    return KVB_OK;
+}
+
+int64_t kvb_cache_match(const kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n,
+                        int32_t *out) {
+    int64_t k = 0;
+    if (!p->caching) return 0;
+    for (; k < n; k++) {
+        int32_t b = kvb_cache_find(p, &hashes[k]);
+        if (b == KVB_NONE) break;
+        if (out) out[k] = b;
+    }
+    return k;
+}
+
+int64_t kvb_cache_lookup(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out) {
+    int64_t k = kvb_cache_match(p, hashes, n, out);
+    p->stats.queries++;
+    p->stats.query_blocks += (uint64_t)n;
+    p->stats.hit_blocks += (uint64_t)k;
+    return k;
+}
+
+int64_t kvb_cache_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out) {
+    int64_t k = kvb_cache_lookup(p, hashes, n, out);
+    for (int64_t i = 0; i < k; i++) {
+        int32_t b = out[i];
+        if (p->ref_count[b]++ == 0) {
+            kvb_pool_unlink(p, b);
+            p->num_evictable--;
+        }
+    }
+    return k;
+}
+
+int kvb_cache_reset(kvb_pool_t *p) {
+    if (p->num_cached != p->num_evictable) {
+        p->err_a = p->num_cached - p->num_evictable;
+        p->err_b = p->num_cached;
+        return KVB_ESTATE;
+    }
+    for (int32_t b = 1; b < p->num_blocks; b++) {
+        if (!(p->flags[b] & KVB_F_CACHED)) continue;
+        p->flags[b] &= (uint8_t)~KVB_F_CACHED;
+        /* now a never-cached free block: move it to the head so it is reused first */
+        kvb_pool_unlink(p, b);
+        p->ref_count[b] = 1;
+        kvb_pool_release(p, b);
+        p->stats.frees--; /* not a real free */
+    }
+    memset(p->table, 0xff, (size_t)(p->table_mask + 1) * sizeof *p->table);
+    p->num_cached = 0;
+    p->num_evictable = 0;
+    if (p->record_events) kvb_pool_record(p, KVB_EV_CLEARED, KVB_NONE, NULL, NULL, NULL, 0);
+    return KVB_OK;
+}

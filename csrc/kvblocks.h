@@ -1,0 +1,241 @@
+/* kvblocks.h -- public C API of the kvblocks core (plain C11, no Python headers).
+ *
+ * Three objects:
+ *   kvb_pool_t  the physical block pool: structure-of-arrays metadata per block (ref count,
+ *               free-list links, prefix-cache hash), an intrusive doubly linked free list,
+ *               an open-addressing hash table from 128-bit block hash to block id, stats and
+ *               an optional event log. Block 0 is the reserved null block.
+ *   kvb_mgr_t   the sequence-level manager: one block table (and token ids) per sequence
+ *               slot on top of a pool; fork, copy-on-write, truncate, batched decode step.
+ *   hashing     keyed SipHash-2-4 with 128-bit output, chained per full block.
+ *
+ * Conventions: every function that can fail returns 0 or a negative KVB_E* code, validates
+ * everything first and mutates only after validation succeeded (all-or-nothing). Nothing
+ * prints or aborts in release builds; KVB_ASSERT is active only with -DKVB_DEBUG.
+ */
+#ifndef KVBLOCKS_H
+#define KVBLOCKS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define KVB_INLINE static inline __attribute__((always_inline))
+#define KVB_NOINLINE __attribute__((noinline))
+#define KVB_LIKELY(x) __builtin_expect(!!(x), 1)
+#define KVB_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#define KVB_INLINE static inline
+#define KVB_NOINLINE
+#define KVB_LIKELY(x) (x)
+#define KVB_UNLIKELY(x) (x)
+#endif
+
+#ifdef KVB_DEBUG
+#include <assert.h>
+#define KVB_ASSERT(x) assert(x)
+#else
+#define KVB_ASSERT(x) ((void)0)
+#endif
+
+/* ---- error codes ------------------------------------------------------------------------ */
+enum {
+    KVB_OK = 0,
+    KVB_ENOMEM = -1,        /* malloc failed */
+    KVB_EOUTOFBLOCKS = -2,  /* not enough allocatable blocks; err_need / err_have say how many */
+    KVB_EINVAL = -3,        /* bad argument value (err_a: offending index, err_b: value) */
+    KVB_ERANGE = -4,        /* block id out of range or the null block (err_a: index, err_b: id) */
+    KVB_ESTATE = -5,        /* operation not allowed now (freeing a free block, ...) */
+    KVB_ECORRUPT = -6,      /* an invariant does not hold (check functions only) */
+    KVB_EUNKNOWN = -7,      /* sequence slot not live */
+    KVB_EDUP = -8,          /* a block or sequence given twice where that is not allowed */
+};
+
+#define KVB_NULL_BLOCK 0
+#define KVB_NONE (-1) /* "no block" in free-list links and hash-table slots */
+
+/* ---- hashing (hash.c) ------------------------------------------------------------------- */
+typedef struct { uint64_t lo, hi; } kvb_hash_t;
+
+/* SipHash-2-4 with 128-bit output (Aumasson & Bernstein, 2012) of len bytes under key. */
+void kvb_siphash128(const uint8_t key[16], const void *data, size_t len, kvb_hash_t *out);
+
+/* Chain seed of a sequence: the hash every block 0 chains on. salt (tenant, LoRA adapter...)
+ * is folded in here, so different salts never share a block. salt_len 0 = no salt. */
+void kvb_hash_root(const uint8_t key[16], const uint8_t *salt, size_t salt_len, kvb_hash_t *out);
+
+/* h[i] = SipHash128_key(h[i-1] || tokens of block i), h[-1] = *parent. Writes n_blocks hashes. */
+void kvb_hash_chain(const uint8_t key[16], const kvb_hash_t *parent, const int32_t *tokens,
+                    int64_t n_blocks, int32_t block_size, kvb_hash_t *out);
+
+/* ---- stats and events (pool.c) ---------------------------------------------------------- */
+typedef struct {
+    uint64_t queries;          /* prefix-cache lookups (calls) */
+    uint64_t query_blocks;     /* blocks asked for in lookups */
+    uint64_t hit_blocks;       /* blocks found in lookups */
+    uint64_t query_tokens;     /* tokens asked for (manager level) */
+    uint64_t hit_tokens;       /* tokens served from cache (manager level) */
+    uint64_t evictions;        /* cached blocks whose entry was dropped on reuse */
+    uint64_t allocations;      /* blocks handed out */
+    uint64_t frees;            /* blocks whose ref count reached zero */
+    uint64_t stored;           /* blocks registered in the prefix cache */
+} kvb_stats_t;
+
+enum { KVB_EV_STORED = 1, KVB_EV_REMOVED = 2, KVB_EV_CLEARED = 3 };
+
+typedef struct {               /* struct-of-arrays event log, grown on demand */
+    int64_t n, cap;            /* events recorded, capacity */
+    uint8_t *kind;             /* [cap] KVB_EV_* */
+    kvb_hash_t *hash;          /* [cap] block hash (STORED, REMOVED) */
+    kvb_hash_t *parent;        /* [cap] parent hash (STORED; root for block 0) */
+    int32_t *block;            /* [cap] block id */
+    int64_t *tok_off;          /* [cap] offset of the block's tokens in tokens[], -1 if none */
+    int64_t ntok, tok_cap;     /* token ids recorded, capacity */
+    int32_t *tokens;           /* [tok_cap] token ids of stored blocks */
+} kvb_events_t;
+
+/* ---- pool (pool.c, cache.c) ------------------------------------------------------------- */
+#define KVB_F_CACHED 1u        /* block holds a prefix-cache entry (hash is valid) */
+#define KVB_F_FREE 2u          /* block is linked in the free list (ref count 0) */
+
+typedef struct {
+    int32_t num_blocks;        /* total, including the null block 0 */
+    int32_t num_free;          /* blocks in the free list (never-cached free + evictable) */
+    int32_t num_cached;        /* blocks with KVB_F_CACHED (referenced or evictable) */
+    int32_t num_evictable;     /* cached blocks in the free list (ref count 0) */
+    int32_t free_head;         /* next block allocate() pops; KVB_NONE if empty */
+    int32_t free_tail;         /* last block of the free list; KVB_NONE if empty */
+    int32_t *ref_count;        /* [num_blocks] references held; 0 <=> in the free list */
+    int32_t *prev;             /* [num_blocks] free-list link toward head, KVB_NONE at head */
+    int32_t *next;             /* [num_blocks] free-list link toward tail, KVB_NONE at tail */
+    kvb_hash_t *hash;          /* [num_blocks] block hash, valid iff flags & KVB_F_CACHED */
+    uint8_t *flags;            /* [num_blocks] KVB_F_* bits */
+    int32_t *table;            /* [table_mask+1] open addressing slots: block id or KVB_NONE */
+    uint64_t table_mask;       /* table size - 1; size is a power of two >= 2 * num_blocks */
+    int caching;               /* prefix caching enabled */
+    int record_events;         /* append to events when nonzero */
+    kvb_stats_t stats;         /* counters since creation */
+    kvb_events_t events;       /* pending events (drained by the caller) */
+    int64_t err_a, err_b;      /* detail of the last error: need/have, or index/value */
+} kvb_pool_t;
+
+int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching);
+void kvb_pool_destroy(kvb_pool_t *p);
+size_t kvb_pool_bytes(const kvb_pool_t *p);  /* metadata bytes held */
+
+/* Allocate n blocks into out (all-or-nothing). Never-cached free blocks come first (they sit
+ * at the head of the free list), then the least recently released cached ones, whose entry is
+ * evicted. */
+int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out);
+/* Drop one reference of each id; validated first (range, not null, enough references even
+ * when an id repeats). A block reaching 0 joins the free list: cached blocks at the tail
+ * (evicted last, LRU), never-cached ones at the head (reused first). */
+int kvb_pool_free(kvb_pool_t *p, const int32_t *ids, int64_t n);
+/* Add one reference to each id (validated first: range, not null, not free unless cached).
+ * An evictable cached block leaves the free list (is pinned). */
+int kvb_pool_incref(kvb_pool_t *p, const int32_t *ids, int64_t n);
+int kvb_pool_check(const kvb_pool_t *p);
+
+/* Prefix cache (cache.c). */
+int32_t kvb_cache_find(const kvb_pool_t *p, const kvb_hash_t *h);         /* id or KVB_NONE */
+/* Register referenced full blocks under their hashes. A hash already present keeps its first
+ * block (the later block stays uncached); a block already cached under another hash is an
+ * error. Returns 0 or error; *stored (may be NULL) gets how many entries were added. */
+int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes, int64_t n,
+                     const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,
+                     int64_t *stored);
+/* Longest cached prefix of hashes: returns its length; ids written to out (may be NULL). */
+int64_t kvb_cache_lookup(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out);
+/* Same, and add one reference to each hit in the same step. */
+int64_t kvb_cache_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out);
+/* Drop the entry of one block (used when its content is about to change). */
+void kvb_cache_drop(kvb_pool_t *p, int32_t id);
+/* Drop every entry; only when no cached block is referenced (else KVB_ESTATE). */
+int kvb_cache_reset(kvb_pool_t *p);
+
+/* internal helpers shared by pool.c / cache.c / table.c */
+int kvb_events_reserve(kvb_events_t *ev, int64_t n_events, int64_t n_tokens);
+void kvb_events_clear(kvb_events_t *ev);
+void kvb_events_destroy(kvb_events_t *ev);
+
+/* ---- manager (table.c) ------------------------------------------------------------------ */
+typedef struct {
+    int32_t *blocks;           /* [bcap] block table: physical ids in logical order */
+    int32_t nblocks, bcap;     /* blocks held (committed + reserved), capacity */
+    int32_t *tokens;           /* [tcap] committed token ids */
+    int64_t ntokens, tcap;     /* committed tokens, capacity */
+    kvb_hash_t *hashes;        /* [hcap] hashes of the leading full blocks */
+    int32_t nhashed, hcap;     /* hashes known (<= ntokens / block_size), capacity */
+    kvb_hash_t root;           /* chain seed (salt folded in) */
+    uint32_t gen;              /* bumped when the slot is freed; odd = live */
+    uint32_t stamp;            /* last append_batch call that touched it (duplicate check) */
+    int32_t next_free;         /* free-slot stack link */
+    int32_t swapped;           /* blocks refer to the host pool (swap_out) */
+} kvb_seq_t;
+
+typedef struct {
+    kvb_pool_t *pool;          /* device pool (not owned) */
+    kvb_pool_t *host;          /* host pool for swapping or NULL (not owned) */
+    int32_t block_size;        /* tokens per block, >= 1 */
+    int32_t bs_shift;          /* log2(block_size) when a power of two, else -1 */
+    uint8_t key[16];           /* hash key */
+    kvb_seq_t *seqs;           /* [scap] sequence slots */
+    int32_t nseqs, scap;       /* live sequences, capacity */
+    int32_t free_slot;         /* head of the free-slot stack, KVB_NONE if empty */
+    uint32_t stamp;            /* append_batch call counter */
+    int64_t *copies;           /* [2 * ccap] pending (src, dst) copy-on-write pairs */
+    int64_t ncopies, ccap;     /* pairs pending, capacity */
+    int64_t err_a, err_b;      /* detail of the last error */
+} kvb_mgr_t;
+
+int kvb_mgr_init(kvb_mgr_t *m, kvb_pool_t *pool, kvb_pool_t *host, int32_t block_size,
+                 const uint8_t key[16]);
+void kvb_mgr_destroy(kvb_mgr_t *m);
+
+/* Blocks needed to add a prompt of n tokens with hits blocks of it cached (counting hits that
+ * are evictable now, since pinning them takes them out of the free pool). */
+int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                size_t salt_len, int32_t *slot_out, int64_t *cached_out);
+int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n);
+int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n);
+int kvb_mgr_reserve(kvb_mgr_t *m, int32_t slot, int64_t n);
+int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens);
+int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out);
+int kvb_mgr_free(kvb_mgr_t *m, int32_t slot);
+int kvb_mgr_check(const kvb_mgr_t *m);
+/* Blocks appending n tokens to slot would take from the pool now (growth + copy-on-write). */
+int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n);
+
+/* Swap a sequence's blocks to the host pool and back. pairs_out gets nblocks (src, dst)
+ * pairs; the sequence keeps its tokens. */
+int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out);
+int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out);
+
+/* Attention metadata (meta.c). For sequences slots[0..B), the last qlens[i] committed tokens
+ * are computed this step. Output arrays are caller-provided with the capacities given. */
+typedef struct {
+    int64_t *slot_mapping;     /* [cap_tokens] slot of each query token; -1 pads */
+    int32_t *block_tables;     /* [B * max_blocks] padded with the null block */
+    int32_t *seq_lens;         /* [B] tokens in context after this step */
+    int32_t *qo_indptr;        /* [B + 1] query offsets */
+    int32_t *kv_indptr;        /* [B + 1] FlashInfer CSR offsets into kv_indices */
+    int32_t *kv_indices;       /* [cap_indices] FlashInfer page ids */
+    int32_t *kv_last_page_len; /* [B] tokens in each sequence's last page, 1..block_size */
+    int64_t cap_tokens;        /* capacity of slot_mapping */
+    int64_t cap_indices;       /* capacity of kv_indices */
+    int32_t max_blocks;        /* row width of block_tables */
+    int64_t n_tokens;          /* out: query tokens written */
+    int64_t n_indices;         /* out: kv_indices written */
+} kvb_meta_t;
+
+int kvb_mgr_metadata(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens, int64_t B,
+                     kvb_meta_t *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVBLOCKS_H */

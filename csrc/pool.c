@@ -1,0 +1,285 @@
+/* pool.c -- the physical block pool: ref counts and an intrusive doubly linked free list.
+ *
+ * Metadata is structure-of-arrays, one entry per block: ref_count, prev/next (the free-list
+ * links, int32 block ids, KVB_NONE at the ends), hash and flags. A block is in the free list
+ * iff its ref count is 0 (flag KVB_F_FREE), except the null block 0, which is never listed,
+ * never handed out, freed or cached.
+ *
+ * The free list is ordered by reuse: allocate() pops from the head. A block whose last
+ * reference goes away is pushed at the head when it holds no prefix-cache entry (so it is
+ * reused first and does not flush real cache entries) and at the tail when it does (lazy
+ * eviction in least-recently-released order). Popping a cached block evicts its entry. A
+ * cache hit on an evictable block unlinks it from the middle: every list operation is O(1).
+ *
+ * Invariants (kvb_pool_check verifies all of them):
+ *   num_free == length of the list == #{b != 0 : ref_count[b] == 0}
+ *   num_cached == #{b : flags[b] & CACHED} == entries in the hash table
+ *   num_evictable == #{b : CACHED and FREE}
+ *   every cached block is found in the table under its hash.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* ---- free-list primitives --------------------------------------------------------------- */
+KVB_INLINE void list_push_head(kvb_pool_t *p, int32_t b) {
+    p->prev[b] = KVB_NONE;
+    p->next[b] = p->free_head;
+    if (p->free_head != KVB_NONE) p->prev[p->free_head] = b;
+    else p->free_tail = b;
+    p->free_head = b;
+    p->flags[b] |= KVB_F_FREE;
+    p->num_free++;
+}
+
+KVB_INLINE void list_push_tail(kvb_pool_t *p, int32_t b) {
+    p->next[b] = KVB_NONE;
+    p->prev[b] = p->free_tail;
+    if (p->free_tail != KVB_NONE) p->next[p->free_tail] = b;
+    else p->free_head = b;
+    p->free_tail = b;
+    p->flags[b] |= KVB_F_FREE;
+    p->num_free++;
+}
+
+void kvb_pool_unlink(kvb_pool_t *p, int32_t b) {
+    int32_t pr = p->prev[b], nx = p->next[b];
+    if (pr != KVB_NONE) p->next[pr] = nx; else p->free_head = nx;
+    if (nx != KVB_NONE) p->prev[nx] = pr; else p->free_tail = pr;
+    p->prev[b] = p->next[b] = KVB_NONE;
+    p->flags[b] &= (uint8_t)~KVB_F_FREE;
+    p->num_free--;
+}
+
+/* ---- events ----------------------------------------------------------------------------- */
+int kvb_grow(void **ptr, int64_t *cap, int64_t need, size_t elem) {
+    if (need <= *cap) return KVB_OK;
+    int64_t nc = *cap ? *cap : 64;
+    while (nc < need) nc *= 2;
+    void *np_ = realloc(*ptr, (size_t)nc * elem);
+    if (!np_) return KVB_ENOMEM;
+    *ptr = np_;
+    *cap = nc;
+    return KVB_OK;
+}
+
+int kvb_events_reserve(kvb_events_t *ev, int64_t n_events, int64_t n_tokens) {
+    int64_t need = ev->n + n_events;
+    if (need > ev->cap) {
+        int64_t c;
+        c = ev->cap; if (kvb_grow((void **)&ev->kind, &c, need, sizeof *ev->kind)) return KVB_ENOMEM;
+        c = ev->cap; if (kvb_grow((void **)&ev->hash, &c, need, sizeof *ev->hash)) return KVB_ENOMEM;
+        c = ev->cap; if (kvb_grow((void **)&ev->parent, &c, need, sizeof *ev->parent)) return KVB_ENOMEM;
+        c = ev->cap; if (kvb_grow((void **)&ev->block, &c, need, sizeof *ev->block)) return KVB_ENOMEM;
+        c = ev->cap; if (kvb_grow((void **)&ev->tok_off, &c, need, sizeof *ev->tok_off)) return KVB_ENOMEM;
+        ev->cap = c;
+    }
+    return kvb_grow((void **)&ev->tokens, &ev->tok_cap, ev->ntok + n_tokens, sizeof *ev->tokens);
+}
+
+void kvb_events_clear(kvb_events_t *ev) { ev->n = 0; ev->ntok = 0; }
+
+void kvb_events_destroy(kvb_events_t *ev) {
+    free(ev->kind); free(ev->hash); free(ev->parent); free(ev->block); free(ev->tok_off);
+    free(ev->tokens);
+    memset(ev, 0, sizeof *ev);
+}
+
+/* Record one event; when memory runs out the event is dropped (recording is best-effort and
+ * must never make an allocator call fail after it mutated state). */
+void kvb_pool_record(kvb_pool_t *p, int kind, int32_t b, const kvb_hash_t *h,
+                     const kvb_hash_t *parent, const int32_t *tokens, int32_t ntok) {
+    kvb_events_t *ev = &p->events;
+    if (kvb_events_reserve(ev, 1, tokens ? ntok : 0)) return;
+    int64_t i = ev->n++;
+    ev->kind[i] = (uint8_t)kind;
+    ev->block[i] = b;
+    if (h) ev->hash[i] = *h; else ev->hash[i].lo = ev->hash[i].hi = 0;
+    if (parent) ev->parent[i] = *parent; else ev->parent[i].lo = ev->parent[i].hi = 0;
+    if (tokens) {
+        ev->tok_off[i] = ev->ntok;
+        memcpy(ev->tokens + ev->ntok, tokens, (size_t)ntok * sizeof *tokens);
+        ev->ntok += ntok;
+    } else {
+        ev->tok_off[i] = -1;
+    }
+}
+
+/* ---- lifecycle -------------------------------------------------------------------------- */
+int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching) {
+    memset(p, 0, sizeof *p);
+    if (num_blocks < 2) return KVB_EINVAL;
+    uint64_t tsize = 8;
+    while (tsize < 2 * (uint64_t)num_blocks) tsize <<= 1;
+    size_t n = (size_t)num_blocks;
+    p->ref_count = calloc(n, sizeof *p->ref_count);
+    p->prev = malloc(n * sizeof *p->prev);
+    p->next = malloc(n * sizeof *p->next);
+    p->hash = malloc(n * sizeof *p->hash);
+    p->flags = calloc(n, sizeof *p->flags);
+    p->table = malloc(tsize * sizeof *p->table);
+    if (!p->ref_count || !p->prev || !p->next || !p->hash || !p->flags || !p->table) {
+        kvb_pool_destroy(p);
+        return KVB_ENOMEM;
+    }
+    memset(p->table, 0xff, tsize * sizeof *p->table); /* all KVB_NONE */
+    p->num_blocks = num_blocks;
+    p->table_mask = tsize - 1;
+    p->caching = caching;
+    /* free list 1, 2, ..., N-1 in order; the null block 0 is never listed */
+    for (int32_t b = 1; b < num_blocks; b++) {
+        p->prev[b] = b - 1;
+        p->next[b] = b + 1;
+        p->flags[b] = KVB_F_FREE;
+    }
+    p->prev[1] = KVB_NONE;
+    p->next[num_blocks - 1] = KVB_NONE;
+    p->prev[0] = p->next[0] = KVB_NONE;
+    p->free_head = 1;
+    p->free_tail = num_blocks - 1;
+    p->num_free = num_blocks - 1;
+    return KVB_OK;
+}
+
+void kvb_pool_destroy(kvb_pool_t *p) {
+    free(p->ref_count); free(p->prev); free(p->next); free(p->hash); free(p->flags);
+    free(p->table);
+    kvb_events_destroy(&p->events);
+    memset(p, 0, sizeof *p);
+}
+
+size_t kvb_pool_bytes(const kvb_pool_t *p) {
+    size_t n = (size_t)p->num_blocks;
+    return n * (sizeof *p->ref_count + sizeof *p->prev + sizeof *p->next + sizeof *p->hash +
+                sizeof *p->flags) +
+           (size_t)(p->table_mask + 1) * sizeof *p->table + sizeof *p;
+}
+
+/* ---- allocate / free / incref ----------------------------------------------------------- */
+int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out) {
+    if (KVB_UNLIKELY(n < 0)) { p->err_a = 0; p->err_b = n; return KVB_EINVAL; }
+    if (KVB_UNLIKELY(n > p->num_free)) {
+        p->err_a = n;
+        p->err_b = p->num_free;
+        return KVB_EOUTOFBLOCKS;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        int32_t b = p->free_head;
+        int32_t nx = p->next[b];
+        p->free_head = nx;
+        if (nx != KVB_NONE) p->prev[nx] = KVB_NONE;
+        uint8_t f = p->flags[b];
+        p->flags[b] = f & (uint8_t)~KVB_F_FREE;
+        if (KVB_UNLIKELY(f & KVB_F_CACHED)) kvb_cache_evict(p, b);
+        p->ref_count[b] = 1;
+        out[i] = b;
+    }
+    if (p->free_head == KVB_NONE) p->free_tail = KVB_NONE;
+    p->num_free -= n;
+    p->stats.allocations += (uint64_t)n;
+    return KVB_OK;
+}
+
+/* A block whose ref count just reached 0 joins the free list: cached ones at the tail
+ * (evicted last, least recently released first), the others at the head (reused first). */
+KVB_INLINE void link_free(kvb_pool_t *p, int32_t b) {
+    if (p->flags[b] & KVB_F_CACHED) {
+        list_push_tail(p, b);
+        p->num_evictable++;
+    } else {
+        list_push_head(p, b);
+    }
+    p->stats.frees++;
+}
+
+void kvb_pool_release(kvb_pool_t *p, int32_t b) {
+    KVB_ASSERT(b > 0 && b < p->num_blocks && p->ref_count[b] > 0);
+    if (--p->ref_count[b] == 0) link_free(p, b);
+}
+
+int kvb_pool_free(kvb_pool_t *p, const int32_t *ids, int64_t n) {
+    /* validate by tentatively dropping the references, undo on failure */
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (KVB_UNLIKELY(b <= 0 || b >= p->num_blocks || p->ref_count[b] <= 0)) {
+            for (int64_t j = 0; j < i; j++) p->ref_count[ids[j]]++;
+            p->err_a = i;
+            p->err_b = b;
+            return (b <= 0 || b >= p->num_blocks) ? KVB_ERANGE : KVB_ESTATE;
+        }
+        p->ref_count[b]--;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (p->ref_count[b] == 0 && !(p->flags[b] & KVB_F_FREE)) link_free(p, b);
+    }
+    return KVB_OK;
+}
+
+int kvb_pool_incref(kvb_pool_t *p, const int32_t *ids, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (KVB_UNLIKELY(b <= 0 || b >= p->num_blocks)) {
+            p->err_a = i; p->err_b = b;
+            return KVB_ERANGE;
+        }
+        if (KVB_UNLIKELY(p->ref_count[b] == 0 && !(p->flags[b] & KVB_F_CACHED))) {
+            p->err_a = i; p->err_b = b;
+            return KVB_ESTATE;
+        }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (p->ref_count[b]++ == 0) { /* evictable cached block: pin it */
+            kvb_pool_unlink(p, b);
+            p->num_evictable--;
+        }
+    }
+    return KVB_OK;
+}
+
+/* ---- invariant check -------------------------------------------------------------------- */
+#define FAIL(a, b) do { ((kvb_pool_t *)p)->err_a = (a); ((kvb_pool_t *)p)->err_b = (b); \
+                        return KVB_ECORRUPT; } while (0)
+
+int kvb_pool_check(const kvb_pool_t *p) {
+    int32_t N = p->num_blocks;
+    if (p->ref_count[0] != 0 || p->flags[0] != 0) FAIL(1, 0);
+    /* walk the list */
+    int64_t len = 0, evictable = 0;
+    int32_t prev = KVB_NONE;
+    for (int32_t b = p->free_head; b != KVB_NONE; b = p->next[b]) {
+        if (b <= 0 || b >= N) FAIL(2, b);
+        if (p->prev[b] != prev) FAIL(3, b);
+        if (p->ref_count[b] != 0 || !(p->flags[b] & KVB_F_FREE)) FAIL(4, b);
+        if (p->flags[b] & KVB_F_CACHED) evictable++;
+        prev = b;
+        if (++len > N) FAIL(5, len); /* cycle */
+    }
+    if (prev != p->free_tail) FAIL(6, prev);
+    if (len != p->num_free) FAIL(7, len);
+    if (evictable != p->num_evictable) FAIL(8, evictable);
+    int64_t free_blocks = 0, cached = 0;
+    for (int32_t b = 1; b < N; b++) {
+        if (p->ref_count[b] < 0) FAIL(9, b);
+        if ((p->ref_count[b] == 0) != ((p->flags[b] & KVB_F_FREE) != 0)) FAIL(10, b);
+        free_blocks += p->ref_count[b] == 0;
+        if (p->flags[b] & KVB_F_CACHED) {
+            cached++;
+            if (!p->caching) FAIL(11, b);
+            if (kvb_cache_find(p, &p->hash[b]) != b) FAIL(12, b);
+        }
+    }
+    if (free_blocks != p->num_free) FAIL(13, free_blocks);
+    if (cached != p->num_cached) FAIL(14, cached);
+    int64_t entries = 0;
+    for (uint64_t s = 0; s <= p->table_mask; s++) {
+        int32_t b = p->table[s];
+        if (b == KVB_NONE) continue;
+        if (b <= 0 || b >= N || !(p->flags[b] & KVB_F_CACHED)) FAIL(15, b);
+        entries++;
+    }
+    if (entries != p->num_cached) FAIL(16, entries);
+    return KVB_OK;
+}

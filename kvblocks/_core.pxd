@@ -1,0 +1,149 @@
+# Declarations of csrc/kvblocks.h, the C core (declared once, here).
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+
+cdef extern from "kvblocks.h" nogil:
+    enum:
+        KVB_OK
+        KVB_ENOMEM
+        KVB_EOUTOFBLOCKS
+        KVB_EINVAL
+        KVB_ERANGE
+        KVB_ESTATE
+        KVB_ECORRUPT
+        KVB_EUNKNOWN
+        KVB_EDUP
+        KVB_EV_STORED
+        KVB_EV_REMOVED
+        KVB_EV_CLEARED
+        KVB_F_CACHED
+        KVB_F_FREE
+        KVB_NONE
+
+    ctypedef struct kvb_hash_t:
+        uint64_t lo
+        uint64_t hi
+
+    void kvb_siphash128(const uint8_t *key, const void *data, size_t len, kvb_hash_t *out)
+    void kvb_hash_root(const uint8_t *key, const uint8_t *salt, size_t salt_len, kvb_hash_t *out)
+    void kvb_hash_chain(const uint8_t *key, const kvb_hash_t *parent, const int32_t *tokens,
+                        int64_t n_blocks, int32_t block_size, kvb_hash_t *out)
+
+    ctypedef struct kvb_stats_t:
+        uint64_t queries, query_blocks, hit_blocks, query_tokens, hit_tokens
+        uint64_t evictions, allocations, frees, stored
+
+    ctypedef struct kvb_events_t:
+        int64_t n, cap
+        uint8_t *kind
+        kvb_hash_t *hash
+        kvb_hash_t *parent
+        int32_t *block
+        int64_t *tok_off
+        int64_t ntok, tok_cap
+        int32_t *tokens
+
+    ctypedef struct kvb_pool_t:
+        int32_t num_blocks, num_free, num_cached, num_evictable, free_head, free_tail
+        int32_t *ref_count
+        int32_t *prev
+        int32_t *next
+        kvb_hash_t *hash
+        uint8_t *flags
+        int32_t *table
+        uint64_t table_mask
+        int caching, record_events
+        kvb_stats_t stats
+        kvb_events_t events
+        int64_t err_a, err_b
+
+    int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching)
+    void kvb_pool_destroy(kvb_pool_t *p)
+    size_t kvb_pool_bytes(const kvb_pool_t *p)
+    int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out)
+    int kvb_pool_free(kvb_pool_t *p, const int32_t *ids, int64_t n)
+    int kvb_pool_incref(kvb_pool_t *p, const int32_t *ids, int64_t n)
+    int kvb_pool_check(const kvb_pool_t *p)
+    int32_t kvb_cache_find(const kvb_pool_t *p, const kvb_hash_t *h)
+    int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes, int64_t n,
+                         const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,
+                         int64_t *stored)
+    int64_t kvb_cache_lookup(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out)
+    int64_t kvb_cache_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out)
+    int kvb_cache_reset(kvb_pool_t *p)
+    void kvb_events_clear(kvb_events_t *ev)
+
+    ctypedef struct kvb_seq_t:
+        int32_t *blocks
+        int32_t nblocks, bcap
+        int32_t *tokens
+        int64_t ntokens, tcap
+        kvb_hash_t *hashes
+        int32_t nhashed, hcap
+        kvb_hash_t root
+        uint32_t gen, stamp
+        int32_t next_free, swapped
+
+    ctypedef struct kvb_mgr_t:
+        kvb_pool_t *pool
+        kvb_pool_t *host
+        int32_t block_size
+        uint8_t key[16]
+        kvb_seq_t *seqs
+        int32_t nseqs, scap
+        int64_t *copies
+        int64_t ncopies, ccap
+        int64_t err_a, err_b
+
+    int kvb_mgr_init(kvb_mgr_t *m, kvb_pool_t *pool, kvb_pool_t *host, int32_t block_size,
+                     const uint8_t *key)
+    void kvb_mgr_destroy(kvb_mgr_t *m)
+    int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                    size_t salt_len, int32_t *slot_out, int64_t *cached_out)
+    int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n)
+    int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n)
+    int kvb_mgr_reserve(kvb_mgr_t *m, int32_t slot, int64_t n)
+    int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens)
+    int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out)
+    int kvb_mgr_free(kvb_mgr_t *m, int32_t slot)
+    int kvb_mgr_check(const kvb_mgr_t *m)
+    int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n)
+    int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out)
+    int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out)
+
+    ctypedef struct kvb_meta_t:
+        int64_t *slot_mapping
+        int32_t *block_tables
+        int32_t *seq_lens
+        int32_t *qo_indptr
+        int32_t *kv_indptr
+        int32_t *kv_indices
+        int32_t *kv_last_page_len
+        int64_t cap_tokens, cap_indices
+        int32_t max_blocks
+        int64_t n_tokens, n_indices
+
+    int kvb_mgr_metadata(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                         int64_t B, kvb_meta_t *out)
+
+
+cdef class BlockPool:
+    cdef kvb_pool_t p
+    cdef bytes _key
+    cdef bint _initialized
+
+
+cdef class BlockManager:
+    cdef kvb_mgr_t m
+    cdef readonly BlockPool pool
+    cdef readonly BlockPool host_pool
+    cdef double _watermark
+    cdef int64_t _watermark_blocks
+    cdef bint _initialized
+    cdef dict _slots
+    cdef list _ids
+    cdef object _buf
+    cdef int32_t _slot(self, object seq_id) except -1
+    cdef int32_t[::1] _slots_of(self, object seq_ids) except *
+    cdef int _err(self, int rc, str what) except -1
+    cdef _register(self, object seq_id, int32_t slot)
+    cdef int _fill_meta(self, int32_t[::1] slots, int32_t[::1] q, kvb_meta_t *meta) except -1

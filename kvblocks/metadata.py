@@ -1,0 +1,89 @@
+"""Attention metadata for one forward step (``BlockManager.metadata``).
+
+The arrays are what the kernels take: vLLM-style ``slot_mapping`` (int64), FlashAttention's
+padded ``block_tables`` (int32, padded with the null block 0) with ``seq_lens``, and
+FlashInfer's CSR page layout ``qo_indptr`` / ``kv_indptr`` / ``kv_indices`` /
+``kv_last_page_len`` (int32). They are numpy arrays, so they export through DLPack
+(``np.from_dlpack``, ``torch.from_dlpack``, ``cupy.from_dlpack``).
+
+For CUDA graphs, allocate fixed buffers once and pass them every step::
+
+    >>> from kvblocks import BlockManager, AttentionMetadata
+    >>> mgr = BlockManager(64, 16)
+    >>> _ = mgr.add("a", list(range(20)))
+    >>> buf = AttentionMetadata.allocate(max_batch=8, max_tokens=256, max_indices=64,
+    ...                                  max_blocks_per_seq=8)
+    >>> meta = mgr.metadata(["a"], [20], out=buf)
+    >>> meta.slot_mapping[:3].tolist(), meta.kv_indptr.tolist(), meta.kv_last_page_len.tolist()
+    ([16, 17, 18], [0, 2], [4])
+    >>> int(buf.slot_mapping[20])   # the unused tail of the fixed buffer is padding
+    -1
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+
+__all__ = ["AttentionMetadata"]
+
+_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "qo_indptr", "kv_indptr", "kv_indices",
+           "kv_last_page_len")
+
+
+class AttentionMetadata:
+    """Metadata arrays of one step; ``allocate`` makes fixed-capacity buffers to reuse."""
+
+    __slots__ = _FIELDS + ("num_tokens", "num_seqs")
+
+    def __init__(self, slot_mapping, block_tables, seq_lens, qo_indptr, kv_indptr, kv_indices,
+                 kv_last_page_len, num_tokens=0, num_seqs=0):
+        self.slot_mapping = slot_mapping
+        self.block_tables = block_tables
+        self.seq_lens = seq_lens
+        self.qo_indptr = qo_indptr
+        self.kv_indptr = kv_indptr
+        self.kv_indices = kv_indices
+        self.kv_last_page_len = kv_last_page_len
+        self.num_tokens = num_tokens
+        self.num_seqs = num_seqs
+
+    @classmethod
+    def allocate(cls, max_batch: int, max_tokens: int, max_indices: int,
+                 max_blocks_per_seq: int) -> "AttentionMetadata":
+        """Fixed buffers for batches of up to ``max_batch`` sequences, ``max_tokens`` query
+        tokens, ``max_indices`` pages in all and ``max_blocks_per_seq`` pages per sequence."""
+        for name, v in (("max_batch", max_batch), ("max_tokens", max_tokens),
+                        ("max_indices", max_indices),
+                        ("max_blocks_per_seq", max_blocks_per_seq)):
+            if int(v) < 0 or (name != "max_tokens" and int(v) < 1):
+                raise InvalidArgumentError(f"{name} must be positive, got {v}")
+        return cls(
+            slot_mapping=np.full(max_tokens, -1, dtype=np.int64),
+            block_tables=np.zeros((max_batch, max_blocks_per_seq), dtype=np.int32),
+            seq_lens=np.zeros(max_batch, dtype=np.int32),
+            qo_indptr=np.zeros(max_batch + 1, dtype=np.int32),
+            kv_indptr=np.zeros(max_batch + 1, dtype=np.int32),
+            kv_indices=np.zeros(max_indices, dtype=np.int32),
+            kv_last_page_len=np.zeros(max_batch, dtype=np.int32),
+        )
+
+    def _fill(self, mgr, slots, query_lens) -> "AttentionMetadata":
+        from ._core import _fill_metadata
+
+        n_tok, n_idx = _fill_metadata(mgr, slots, query_lens, self.slot_mapping,
+                                      self.block_tables, self.seq_lens, self.qo_indptr,
+                                      self.kv_indptr, self.kv_indices, self.kv_last_page_len)
+        b = slots.shape[0]
+        return AttentionMetadata(self.slot_mapping[:n_tok], self.block_tables[:b],
+                                 self.seq_lens[:b], self.qo_indptr[:b + 1],
+                                 self.kv_indptr[:b + 1], self.kv_indices[:n_idx],
+                                 self.kv_last_page_len[:b], n_tok, b)
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in _FIELDS}
+
+    def __repr__(self) -> str:
+        return (f"AttentionMetadata(num_seqs={self.num_seqs}, num_tokens={self.num_tokens}, "
+                f"kv_indices={len(self.kv_indices)})")
