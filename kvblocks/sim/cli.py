@@ -1,0 +1,238 @@
+"""The ``kvblocks`` command line: ``simulate`` and ``plan``.
+
+Every error the user can cause (missing or malformed file, bad lengths, unknown model,
+memory that does not fit) prints one ``kvblocks: error: ...`` line and exits with status 2;
+no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from ..errors import KVBlocksError
+from .errors import SimulationError
+from .models import DEFAULT_MODEL, PRESETS, ModelSpec, custom_model, get_model, memory_bill
+from .plan import DIST_HELP, format_plan, make_plan, parse_dist, plan_json
+
+__all__ = ["main", "build_parser"]
+
+DEFAULT_GPU_MEM = 80.0
+DEFAULT_SWAP_GIB = 4.0
+
+SIM_EPILOG = """\
+workloads:
+  (none)               the built-in default (kvblocks/data/default_workload.jsonl): chats under
+                       shared system prompts, multi-turn history, parallel sampling, long documents
+  Mooncake JSONL       {"timestamp" ms, "input_length", "output_length", "hash_ids"}; each hash id
+                       is 512 deterministic tokens, so equal ids share prefix-cache blocks
+  Azure CSV            TIMESTAMP, ContextTokens, GeneratedTokens (lengths only: no sharing)
+
+memory:   KV pool = --gpu-mem - weights - reserve (default reserve: 10%% of --gpu-mem), in blocks of
+          --block-size tokens x KV bytes per token; --num-blocks sets the pool directly.
+time:     step = overhead + prefill tokens x prefill cost + decode tokens x decode cost
+          + KV tokens read x kv-read cost; defaults model one H100-class GPU (see docs/simulator.md).
+
+examples:
+  kvblocks simulate
+  kvblocks simulate --trace mooncake_conversation_trace.jsonl --model llama-3.1-8b --gpu-mem 80
+  kvblocks simulate --trace azure_conv.csv --model qwen2.5-7b --gpu-mem 24 --json
+  kvblocks simulate --layers 40 --kv-heads 8 --head-dim 128 --params 13 --gpu-mem 48 --plot mem.png
+"""
+
+PLAN_EPILOG = f"""\
+{DIST_HELP}.
+
+examples:
+  kvblocks plan --model llama-3.1-8b --gpu-mem 80 --prompt-len uniform:128:4096 --output-len 512
+  kvblocks plan --model deepseek-v2-lite --gpu-mem 48 --prompt-len lognormal:2000:3000 --output-len normal:300:100
+"""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and memory")
+    names = ", ".join(m.name.lower() for m in PRESETS.values())
+    g.add_argument("--model", metavar="NAME", help=f"preset: {names} (default {DEFAULT_MODEL})")
+    g.add_argument("--layers", type=int, help="custom model: transformer layers")
+    g.add_argument("--kv-heads", type=int, default=0, help="custom model: KV heads")
+    g.add_argument("--head-dim", type=int, default=0, help="custom model: head dimension")
+    g.add_argument("--latent-dim", type=int, default=0, help="custom MLA model: latent elements per token and layer")
+    g.add_argument("--params", type=float, default=0.0, metavar="BILLIONS", help="custom model: parameters (weights)")
+    g.add_argument("--dtype", metavar="DTYPE", help="KV cache dtype: bf16 (default), fp16, fp8, fp32")
+    g.add_argument("--gpu-mem", type=float, default=DEFAULT_GPU_MEM, metavar="GiB", help="GPU memory (default 80)")
+    g.add_argument("--reserve", type=float, metavar="GiB", help="activation/context reserve (default 10%% of --gpu-mem)")
+    g.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
+    g.add_argument("--num-blocks", type=int, metavar="N", help="KV blocks, overriding the memory computation")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``kvblocks``."""
+    parser = argparse.ArgumentParser(prog="kvblocks", description="kvblocks: paged KV-cache memory manager tools.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    sim = sub.add_parser(
+        "simulate",
+        help="replay a workload through the real allocator and print the memory bill",
+        description="Replay a workload through kvblocks.BlockManager under a continuous-batching "
+        "scheduler model, and contrast it with contiguous max-length reservation.",
+        epilog=SIM_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = sim.add_argument_group("workload")
+    g.add_argument("--trace", metavar="FILE", help="Mooncake JSONL, kvblocks JSONL or Azure CSV (default: built-in)")
+    g.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure", "kvblocks"], help="trace format")
+    g.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
+    g.add_argument("--time-scale", type=float, default=1.0, metavar="F",
+                   help="multiply arrival times by F (2 = half the rate, 0 = all at once)")  # fmt: skip
+    _add_model_args(sim)
+    g = sim.add_argument_group("engine")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument("--watermark", type=float, default=0.01, help="fraction of blocks admission keeps free (0.01)")
+    g.add_argument("--preemption", default="recompute", choices=["recompute", "swap"], help="when decode cannot grow")
+    g.add_argument("--host-mem", type=float, metavar="GiB", help=f"swap space (default {DEFAULT_SWAP_GIB:g} with swap)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch (256)")
+    g.add_argument("--token-budget", type=int, default=8192, help="tokens per step, max_num_batched_tokens (8192)")
+    g.add_argument("--max-model-len", type=int, metavar="N",
+                   help="contiguous baseline reservation per sequence (default: longest request)")  # fmt: skip
+    g.add_argument("--no-contiguous", action="store_true", help="skip the contiguous baseline")
+    g = sim.add_argument_group("time model (defaults derived from the model, H100-class GPU)")
+    g.add_argument("--step-overhead-ms", type=float, help="fixed cost per step")
+    g.add_argument("--prefill-us", type=float, help="cost per prefill token")
+    g.add_argument("--decode-us", type=float, help="cost per decode token")
+    g.add_argument("--kv-read-ns", type=float, help="cost per cached token read by a decoding token")
+    g = sim.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print the report as JSON")
+    g.add_argument("--plot", metavar="FILE", help="write memory use and concurrency over time (PNG/SVG/PDF; needs matplotlib)")
+    g.add_argument("--progress", dest="progress", action="store_true", default=None, help="progress bar on stderr")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+    plan = sub.add_parser(
+        "plan",
+        help="how many sequences fit: paged vs contiguous, with the per-token bill",
+        description="Capacity plan: concurrent sequences under paged allocation versus contiguous "
+        "max-length reservation, and the GPU memory bill per token.",
+        epilog=PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_args(plan)
+    plan.add_argument("--prompt-len", required=True, metavar="DIST", help="prompt length distribution")
+    plan.add_argument("--output-len", required=True, metavar="DIST", help="output length distribution")
+    plan.add_argument("--max-len", type=int, metavar="N", help="contiguous reservation (default: longest draw)")
+    plan.add_argument("--samples", type=int, default=100_000, help="lengths drawn (100000)")
+    plan.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser
+
+
+def _model(args: argparse.Namespace) -> ModelSpec:
+    if args.layers is not None:
+        if args.model:
+            raise SimulationError("give either --model or --layers/--kv-heads/--head-dim, not both")
+        return custom_model(args.layers, args.kv_heads, args.head_dim, args.dtype or "bf16", args.params * 1e9,
+                            args.latent_dim)  # fmt: skip
+    return get_model(args.model or DEFAULT_MODEL).with_kv_dtype(args.dtype)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from .contiguous import simulate_contiguous
+    from .progress import ProgressBar
+    from .report import format_simulation, simulation_json
+    from .scheduler import SchedulerConfig, simulate_paged
+    from .timing import TimeModel
+    from .workload import load_workload
+
+    if args.time_scale < 0 or args.time_scale != args.time_scale:
+        raise SimulationError(f"--time-scale must be >= 0, got {args.time_scale}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise SimulationError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    model = _model(args)
+    host = args.host_mem if args.host_mem is not None else (DEFAULT_SWAP_GIB if args.preemption == "swap" else 0.0)
+    bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks, host)
+    tm = TimeModel.for_model(model, args.step_overhead_ms, args.prefill_us, args.decode_us, args.kv_read_ns)
+    workload = load_workload(args.trace, args.format, args.limit)
+    if args.time_scale != 1.0:
+        workload = workload.scaled(args.time_scale)
+    wstats = workload.stats()
+    cfg = SchedulerConfig(
+        num_blocks=bill.num_blocks,
+        block_size=bill.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        watermark=args.watermark,
+        max_num_seqs=args.max_num_seqs,
+        token_budget=args.token_budget,
+        preemption=args.preemption,
+        host_blocks=bill.host_blocks,
+        block_bytes=bill.block_bytes,
+    )
+    cfg.validate()
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    bar = ProgressBar("simulate", len(workload)) if show else None
+    try:
+        paged = simulate_paged(workload, cfg, tm, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    contiguous = None
+    if not args.no_contiguous:
+        max_len = args.max_model_len or int(wstats["max_total"])
+        bar = ProgressBar("contiguous", len(workload)) if show else None
+        try:
+            contiguous = simulate_contiguous(workload, cfg, tm, max_len, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
+    desc = (
+        f"continuous batching, {cfg.token_budget:,} tokens/step, <= {cfg.max_num_seqs} seqs, watermark "
+        f"{cfg.watermark:g}, prefix caching {'on' if cfg.enable_prefix_caching else 'off'}, "
+        f"preemption by {cfg.preemption}; step = {tm.step_overhead_s * 1e3:.2f} ms + "
+        f"{tm.prefill_s_per_token * 1e6:.1f} us/prefill tok + {tm.decode_s_per_token * 1e6:.1f} us/decode tok + "
+        f"{tm.kv_read_s_per_token * 1e9:.1f} ns/KV tok read"
+    )
+    if args.plot:
+        from .plot import plot_results
+
+        plot_results([r for r in (paged, contiguous) if r is not None], args.plot,
+                     title=f"{workload.name} on {model.name}, {args.gpu_mem:g} GiB")  # fmt: skip
+    if args.json:
+        config = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+        print(simulation_json(workload.name, wstats, bill, config, tm.as_dict(), paged, contiguous))
+    else:
+        print(format_simulation(workload.name, wstats, bill, desc, paged, contiguous))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    model = _model(args)
+    bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks)
+    prompt = parse_dist(args.prompt_len, "--prompt-len")
+    output = parse_dist(args.output_len, "--output-len")
+    plan = make_plan(bill, prompt, output, args.max_len, args.samples, args.seed)
+    print(plan_json(plan) if args.json else format_plan(plan))
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``kvblocks`` console script and of ``python -m kvblocks``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return _simulate(args) if args.command == "simulate" else _plan(args)
+    except KVBlocksError as e:
+        print(f"kvblocks: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvblocks: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0

@@ -1,0 +1,219 @@
+"""Model presets and the memory bill: what a GPU's memory buys in KV-cache blocks.
+
+KV bytes per token:
+
+* standard attention (MHA/GQA): ``2 (K and V) x layers x kv_heads x head_dim x dtype bytes``;
+* MLA (DeepSeek-V2/V3): one compressed latent per token and layer, shared by K and V:
+  ``layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes``.
+
+The KV pool is ``GPU memory - weights - reserve``. The reserve defaults to 10% of GPU memory:
+the margin vLLM's default ``gpu_memory_utilization=0.9`` leaves for the CUDA context,
+activation peaks of a step and allocator slack. Presets use the public ``config.json`` values
+of each model on the Hugging Face Hub (parameter counts from the model cards).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Dict, Optional
+
+from .errors import SimulationError
+
+__all__ = ["ModelSpec", "MemoryBill", "PRESETS", "DTYPE_BYTES", "get_model", "custom_model", "memory_bill", "GiB"]
+
+GiB = 1 << 30
+DTYPE_BYTES: Dict[str, int] = {
+    "fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1,
+}  # fmt: skip
+DEFAULT_RESERVE_FRACTION = 0.10
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the memory bill and the time model need to know about a model."""
+
+    name: str
+    num_layers: int  # transformer layers holding KV
+    num_kv_heads: int  # KV heads (GQA); 0 for MLA
+    head_dim: int  # elements per head; 0 for MLA
+    params: float  # total parameters (weights resident on the GPU)
+    active_params: float  # parameters used per token (differs for mixture-of-experts)
+    max_context: int  # max_position_embeddings
+    kv_dtype: str = "bf16"  # KV cache element type
+    weight_dtype: str = "bf16"  # weight element type
+    latent_dim: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim elements per token and layer
+    source: str = ""  # where the numbers come from
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def weight_bytes(self) -> int:
+        return int(self.params * DTYPE_BYTES[self.weight_dtype])
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token occupies across all layers."""
+        if self.latent_dim:
+            return self.num_layers * self.latent_dim * self.kv_dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+    def kv_formula(self) -> str:
+        """The per-token KV bill as a readable product."""
+        b = self.kv_dtype_bytes
+        if self.latent_dim:
+            return f"{self.num_layers} layers x {self.latent_dim} latent (MLA) x {b} B ({self.kv_dtype})"
+        return f"2 (K,V) x {self.num_layers} layers x {self.num_kv_heads} kv heads x {self.head_dim} head dim x {b} B ({self.kv_dtype})"
+
+    def with_kv_dtype(self, dtype: Optional[str]) -> "ModelSpec":
+        if dtype is None:
+            return self
+        _check_dtype(dtype)
+        return replace(self, kv_dtype=dtype.lower())
+
+
+PRESETS: Dict[str, ModelSpec] = {
+    m.name.lower(): m
+    for m in [
+        ModelSpec("Llama-3.1-8B", 32, 8, 128, 8.03e9, 8.03e9, 131072, source="meta-llama/Llama-3.1-8B"),
+        ModelSpec("Llama-3.1-70B", 80, 8, 128, 70.55e9, 70.55e9, 131072, source="meta-llama/Llama-3.1-70B"),
+        ModelSpec("Qwen2.5-7B", 28, 4, 128, 7.62e9, 7.62e9, 32768, source="Qwen/Qwen2.5-7B"),
+        ModelSpec("Mistral-7B", 32, 8, 128, 7.25e9, 7.25e9, 32768, source="mistralai/Mistral-7B-v0.3"),
+        # MLA: kv_lora_rank 512 + qk_rope_head_dim 64; 15.7B total, 2.4B active (MoE).
+        ModelSpec("DeepSeek-V2-Lite", 27, 0, 0, 15.7e9, 2.4e9, 163840, latent_dim=576,
+                  source="deepseek-ai/DeepSeek-V2-Lite"),
+    ]
+}  # fmt: skip
+ALIASES = {
+    "llama3-8b": "llama-3.1-8b", "llama-3-8b": "llama-3.1-8b", "llama-8b": "llama-3.1-8b",
+    "llama3-70b": "llama-3.1-70b", "llama-3-70b": "llama-3.1-70b", "llama-70b": "llama-3.1-70b",
+    "qwen2.5-7b-instruct": "qwen2.5-7b", "mistral-7b-v0.3": "mistral-7b", "mistral-7b-instruct": "mistral-7b",
+    "deepseek-v2-lite-chat": "deepseek-v2-lite",
+}  # fmt: skip
+DEFAULT_MODEL = "llama-3.1-8b"
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype.lower() not in DTYPE_BYTES:
+        raise SimulationError(f"unknown dtype {dtype!r} (known: {', '.join(sorted(set(DTYPE_BYTES)))})")
+
+
+def get_model(name: str) -> ModelSpec:
+    """A preset by (case-insensitive) name or alias; raises SimulationError when unknown."""
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in PRESETS:
+        raise SimulationError(f"unknown model {name!r} (known: {', '.join(m.name for m in PRESETS.values())})")
+    return PRESETS[key]
+
+
+def custom_model(
+    layers: int,
+    kv_heads: int = 0,
+    head_dim: int = 0,
+    dtype: str = "bf16",
+    params: float = 0.0,
+    latent_dim: int = 0,
+    max_context: int = 131072,
+) -> ModelSpec:
+    """A model from explicit shapes (``latent_dim`` > 0 for MLA instead of heads x head_dim)."""
+    _check_dtype(dtype)
+    if layers < 1 or layers > 10_000:
+        raise SimulationError(f"--layers must be in [1, 10000], got {layers}")
+    if latent_dim < 0 or kv_heads < 0 or head_dim < 0:
+        raise SimulationError("--kv-heads, --head-dim and --latent-dim must be >= 0")
+    if not latent_dim and (kv_heads < 1 or head_dim < 1):
+        raise SimulationError("a custom model needs --kv-heads and --head-dim (or --latent-dim for MLA)")
+    if params < 0:
+        raise SimulationError(f"--params must be >= 0, got {params}")
+    name = f"custom({layers}L x {kv_heads}H x {head_dim}D)" if not latent_dim else f"custom({layers}L x {latent_dim} MLA)"
+    d = dtype.lower()
+    return ModelSpec(name, layers, kv_heads, head_dim, params, params, max_context, d, d, latent_dim, "command line")
+
+
+@dataclass(frozen=True)
+class MemoryBill:
+    """How GPU memory splits into weights, reserve and a KV pool of blocks."""
+
+    model: ModelSpec
+    gpu_bytes: int
+    weight_bytes: int
+    reserve_bytes: int
+    reserve_note: str
+    block_size: int
+    kv_bytes_per_token: int
+    num_blocks: int  # usable KV blocks (BlockManager gets one more: the null block)
+    host_blocks: int = 0  # blocks of host (swap) memory
+    extra: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.gpu_bytes - self.weight_bytes - self.reserve_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
+
+    @property
+    def token_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def as_dict(self) -> Dict[str, object]:
+        return {
+            "model": self.model.name,
+            "gpu_gib": self.gpu_bytes / GiB,
+            "weights_gib": self.weight_bytes / GiB,
+            "reserve_gib": self.reserve_bytes / GiB,
+            "reserve_note": self.reserve_note,
+            "kv_pool_gib": self.kv_pool_bytes / GiB,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_formula": self.model.kv_formula(),
+            "block_size": self.block_size,
+            "block_bytes": self.block_bytes,
+            "num_blocks": self.num_blocks,
+            "token_slots": self.token_slots,
+            "host_blocks": self.host_blocks,
+        }
+
+
+def memory_bill(
+    model: ModelSpec,
+    gpu_mem_gib: float,
+    block_size: int,
+    reserve_gib: Optional[float] = None,
+    num_blocks: Optional[int] = None,
+    host_mem_gib: float = 0.0,
+) -> MemoryBill:
+    """Split ``gpu_mem_gib`` into weights, reserve and KV blocks (``num_blocks`` overrides)."""
+    if block_size < 1 or block_size > 65536:
+        raise SimulationError(f"--block-size must be in [1, 65536], got {block_size}")
+    if not (gpu_mem_gib > 0) or gpu_mem_gib > 1e6:
+        raise SimulationError(f"--gpu-mem must be a positive number of GiB, got {gpu_mem_gib}")
+    if host_mem_gib < 0:
+        raise SimulationError(f"--host-mem must be >= 0, got {host_mem_gib}")
+    gpu = int(gpu_mem_gib * GiB)
+    if reserve_gib is None:
+        reserve = int(gpu * DEFAULT_RESERVE_FRACTION)
+        note = f"{DEFAULT_RESERVE_FRACTION:.0%} of GPU memory (CUDA context, activations, slack)"
+    else:
+        if reserve_gib < 0:
+            raise SimulationError(f"--reserve must be >= 0, got {reserve_gib}")
+        reserve = int(reserve_gib * GiB)
+        note = "set by --reserve"
+    per_block = model.kv_bytes_per_token * block_size
+    host_blocks = int(host_mem_gib * GiB) // per_block
+    if num_blocks is not None:
+        if num_blocks < 1:
+            raise SimulationError(f"--num-blocks must be >= 1, got {num_blocks}")
+        return MemoryBill(model, gpu, model.weight_bytes, reserve, note, block_size, model.kv_bytes_per_token,
+                          num_blocks, host_blocks)  # fmt: skip
+    pool = gpu - model.weight_bytes - reserve
+    if pool < per_block:
+        raise SimulationError(
+            f"{model.name} does not fit: {gpu_mem_gib:g} GiB GPU memory - {model.weight_bytes / GiB:.2f} GiB weights"
+            f" - {reserve / GiB:.2f} GiB reserve leaves no room for one KV block ({per_block / (1 << 20):.2f} MiB)"
+        )
+    return MemoryBill(model, gpu, model.weight_bytes, reserve, note, block_size, model.kv_bytes_per_token,
+                      pool // per_block, host_blocks)  # fmt: skip

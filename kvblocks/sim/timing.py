@@ -1,0 +1,93 @@
+"""The per-step time model of a continuous-batching engine.
+
+One engine step runs every scheduled token through the model once::
+
+    step = overhead + prefill_tokens x prefill_cost + decode_tokens x decode_cost
+           + kv_tokens_read x kv_read_cost + swapped_bytes / swap_bandwidth
+
+Defaults are first-order numbers for one H100-SXM-class GPU (989 dense bf16 TFLOP/s,
+3.35 TB/s HBM), derived from the model:
+
+* ``overhead``: reading every weight once per step at 80% of HBM bandwidth, plus 1 ms of
+  host-side scheduling and kernel launches;
+* ``prefill_cost`` and ``decode_cost``: ``2 x active parameters`` FLOPs per token at 50% of
+  peak (attention FLOPs of long prompts are ignored);
+* ``kv_read_cost``: a decoding token's attention reads every cached token of its sequence
+  once: ``KV bytes per token`` at 80% of HBM bandwidth;
+* swap: 25 GB/s (PCIe 5 x16 in practice).
+
+Every constant is overridable from the command line; the point is the memory bill, and this
+model only has to rank schedules sensibly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Dict, Optional
+
+from .errors import SimulationError
+from .models import ModelSpec
+
+__all__ = ["TimeModel", "PEAK_FLOPS", "HBM_BYTES_PER_S"]
+
+PEAK_FLOPS = 989e12
+HBM_BYTES_PER_S = 3.35e12
+COMPUTE_EFFICIENCY = 0.5
+BANDWIDTH_EFFICIENCY = 0.8
+HOST_OVERHEAD_S = 1e-3
+SWAP_BYTES_PER_S = 25e9
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Seconds per engine step as a linear function of the work in it."""
+
+    step_overhead_s: float
+    prefill_s_per_token: float
+    decode_s_per_token: float
+    kv_read_s_per_token: float
+    swap_bytes_per_s: float = SWAP_BYTES_PER_S
+
+    @classmethod
+    def for_model(
+        cls,
+        model: ModelSpec,
+        step_overhead_ms: Optional[float] = None,
+        prefill_us: Optional[float] = None,
+        decode_us: Optional[float] = None,
+        kv_read_ns: Optional[float] = None,
+    ) -> "TimeModel":
+        """Defaults from the model (see module docstring), each overridable."""
+        for name, v in (("--step-overhead-ms", step_overhead_ms), ("--prefill-us", prefill_us),
+                        ("--decode-us", decode_us), ("--kv-read-ns", kv_read_ns)):  # fmt: skip
+            if v is not None and not (v >= 0 and v < 1e9):
+                raise SimulationError(f"{name} must be a non-negative number, got {v}")
+        flops_token = 2.0 * model.active_params / (PEAK_FLOPS * COMPUTE_EFFICIENCY)
+        overhead = model.weight_bytes / (HBM_BYTES_PER_S * BANDWIDTH_EFFICIENCY) + HOST_OVERHEAD_S
+        kv_read = model.kv_bytes_per_token / (HBM_BYTES_PER_S * BANDWIDTH_EFFICIENCY)
+        return cls(
+            step_overhead_s=overhead if step_overhead_ms is None else step_overhead_ms * 1e-3,
+            prefill_s_per_token=flops_token if prefill_us is None else prefill_us * 1e-6,
+            decode_s_per_token=flops_token if decode_us is None else decode_us * 1e-6,
+            kv_read_s_per_token=kv_read if kv_read_ns is None else kv_read_ns * 1e-9,
+        )
+
+    def step(self, prefill_tokens: int, decode_tokens: int, kv_tokens_read: int, swap_bytes: int = 0) -> float:
+        """Seconds one step takes."""
+        return (
+            self.step_overhead_s
+            + prefill_tokens * self.prefill_s_per_token
+            + decode_tokens * self.decode_s_per_token
+            + kv_tokens_read * self.kv_read_s_per_token
+            + swap_bytes / self.swap_bytes_per_s
+        )
+
+    def as_dict(self) -> Dict[str, float]:
+        d = asdict(self)
+        return {
+            "step_overhead_ms": d["step_overhead_s"] * 1e3,
+            "prefill_us_per_token": d["prefill_s_per_token"] * 1e6,
+            "decode_us_per_token": d["decode_s_per_token"] * 1e6,
+            "kv_read_ns_per_token": d["kv_read_s_per_token"] * 1e9,
+            "swap_gb_per_s": d["swap_bytes_per_s"] / 1e9,
+        }
