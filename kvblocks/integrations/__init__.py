@@ -1,0 +1,10 @@
+"""Adapters between kvblocks and inference frameworks.
+
+Each submodule imports its framework lazily (only when the submodule itself is imported), so
+``import kvblocks`` never needs torch or transformers:
+
+* :mod:`kvblocks.integrations.transformers` - :class:`PagedKVCache`, a Hugging Face
+  ``transformers`` ``Cache`` whose K/V live in kvblocks blocks (needs ``kvblocks[transformers]``).
+"""
+
+__all__ = ["transformers"]
