@@ -7,6 +7,7 @@ KVBLOCKS_SANITIZE=1  AddressSanitizer + UndefinedBehaviorSanitizer (run python w
 import os
 import sys
 
+import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
@@ -42,8 +43,8 @@ directives = {
 ext = Extension(
     "kvblocks._core",
     sources=["kvblocks/_core.pyx"] + C_SOURCES,
-    include_dirs=["csrc"],
-    define_macros=macros,
+    include_dirs=["csrc", numpy.get_include()],
+    define_macros=macros + [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=compile_args,
     extra_link_args=link_args,
     depends=["csrc/kvblocks.h", "csrc/internal.h", "kvblocks/_core.pxd"],

@@ -1,4 +1,5 @@
 # Declarations of csrc/kvblocks.h, the C core (declared once, here).
+cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 cdef extern from "kvblocks.h" nogil:
@@ -141,9 +142,11 @@ cdef class BlockManager:
     cdef bint _initialized
     cdef dict _slots
     cdef list _ids
-    cdef object _buf
+    cdef cnp.ndarray _buf
+    cdef cnp.ndarray _imap
     cdef int32_t _slot(self, object seq_id) except -1
-    cdef int32_t[::1] _slots_of(self, object seq_ids) except *
+    cdef cnp.ndarray _slots_of(self, object seq_ids, Py_ssize_t *count)
     cdef int _err(self, int rc, str what) except -1
     cdef _register(self, object seq_id, int32_t slot)
-    cdef int _fill_meta(self, int32_t[::1] slots, int32_t[::1] q, kvb_meta_t *meta) except -1
+    cdef int _fill_meta(self, int32_t *slots, int32_t *q, Py_ssize_t B,
+                        kvb_meta_t *meta) except -1

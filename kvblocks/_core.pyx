@@ -10,8 +10,10 @@ import os
 import numpy as np
 
 cimport cython
+cimport numpy as cnp
 from cpython.buffer cimport PyBUF_WRITABLE
 from cpython.dict cimport PyDict_GetItem
+from cpython.long cimport PyLong_AsLong
 from cpython.object cimport PyObject
 from libc.stdint cimport INT32_MAX, INT32_MIN, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
@@ -31,7 +33,10 @@ from kvblocks.errors import (
 from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvblocks.stats import CacheStats
 
-_DEFAULT_KEY = os.urandom(16)  # per-process secret hash key
+cnp.import_array()
+
+_DEFAULT_KEY = os.urandom(16)
+cdef Py_ssize_t _IMAP_LIMIT = 1 << 22  # int ids below this also get an array slot map  # per-process secret hash key
 
 
 def default_hash_key():
@@ -45,15 +50,35 @@ def default_hash_key():
 cdef object _INT32 = np.dtype(np.int32)
 
 
-cdef object as_int32(object obj, str name):
+cdef extern from "Python.h":
+    int _PyLong_Sign(object v)
+
+
+cdef inline bint is_i32_vector(object obj):
+    """True for a 1-D C-contiguous aligned int32 ndarray (the zero-conversion fast path)."""
+    if not cnp.PyArray_Check(obj):
+        return False
+    cdef cnp.ndarray a = <cnp.ndarray>obj
+    return (cnp.PyArray_TYPE(a) == cnp.NPY_INT32 and cnp.PyArray_NDIM(a) == 1
+            and cnp.PyArray_ISCARRAY_RO(a))
+
+
+cdef inline int32_t *i32_data(cnp.ndarray a):
+    return <int32_t *>cnp.PyArray_DATA(a) if cnp.PyArray_DIM(a, 0) else NULL
+
+
+cdef inline cnp.ndarray new_i32(Py_ssize_t n):
+    cdef cnp.npy_intp dim = n
+    return cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+
+
+cdef cnp.ndarray as_int32(object obj, str name):
     """A 1-D C-contiguous int32 array from an int array, list or range; checks the range."""
+    if is_i32_vector(obj):
+        return <cnp.ndarray>obj
     cdef object arr
     if type(obj) is np.ndarray:
         arr = obj
-        if arr.dtype is _INT32 or arr.dtype == _INT32:
-            if arr.ndim != 1:
-                raise InvalidArgumentError(f"{name} must be 1-D, got shape {arr.shape}")
-            return np.ascontiguousarray(arr)
     else:
         try:
             arr = np.asarray(obj)
@@ -134,10 +159,9 @@ def hash_blocks(token_ids, int block_size, *, parent=None, salt=None, key=None):
     if block_size < 1:
         raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
     cdef bytes k = as_key(key)
-    cdef int32_t[::1] toks = as_int32(token_ids, "token_ids")
-    cdef int64_t n = toks.shape[0] // block_size
-    out = np.empty((n, 2), dtype=np.uint64)
-    cdef uint64_t[:, ::1] o = out
+    cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
+    cdef int64_t n = cnp.PyArray_DIM(toks, 0) // block_size
+    cdef cnp.ndarray out = np.empty((n, 2), dtype=np.uint64)
     cdef kvb_hash_t root
     cdef bytes s
     if parent is not None:
@@ -149,8 +173,8 @@ def hash_blocks(token_ids, int block_size, *, parent=None, salt=None, key=None):
         s = as_salt(salt)
         kvb_hash_root(<const uint8_t *>k, <const uint8_t *>s, len(s), &root)
     if n:
-        kvb_hash_chain(<const uint8_t *>k, &root, &toks[0], n, block_size,
-                       <kvb_hash_t *>&o[0, 0])
+        kvb_hash_chain(<const uint8_t *>k, &root, i32_data(toks), n, block_size,
+                       <kvb_hash_t *>cnp.PyArray_DATA(out))
     return out
 
 
@@ -337,9 +361,8 @@ cdef class BlockPool:
         """
         if n < 0 or n > INT32_MAX:
             raise InvalidArgumentError(f"allocate: n must be >= 0, got {n}")
-        out = np.empty(n, dtype=np.int32)
-        cdef int32_t[::1] o = out
-        cdef int rc = kvb_pool_allocate(&self.p, <int32_t>n, &o[0] if n else NULL)
+        cdef cnp.ndarray out = new_i32(n)
+        cdef int rc = kvb_pool_allocate(&self.p, <int32_t>n, i32_data(out))
         if rc:
             raise_code(rc, f"allocate({n})", self.p.err_a, self.p.err_b)
         return out
@@ -350,17 +373,15 @@ cdef class BlockPool:
         Blocks join the free list in the order given: pass a block table reversed so that
         the longest prefixes are evicted first.
         """
-        cdef int32_t[::1] v = as_int32(ids, "ids")
-        cdef Py_ssize_t n = v.shape[0]
-        cdef int rc = kvb_pool_free(&self.p, &v[0] if n else NULL, n)
+        cdef cnp.ndarray v = as_int32(ids, "ids")
+        cdef int rc = kvb_pool_free(&self.p, i32_data(v), cnp.PyArray_DIM(v, 0))
         if rc:
             raise_code(rc, "free", self.p.err_a, self.p.err_b)
 
     def incref(self, ids):
         """Add one reference to each block (share it); pins evictable cached blocks."""
-        cdef int32_t[::1] v = as_int32(ids, "ids")
-        cdef Py_ssize_t n = v.shape[0]
-        cdef int rc = kvb_pool_incref(&self.p, &v[0] if n else NULL, n)
+        cdef cnp.ndarray v = as_int32(ids, "ids")
+        cdef int rc = kvb_pool_incref(&self.p, i32_data(v), cnp.PyArray_DIM(v, 0))
         if rc:
             raise_code(rc, "incref", self.p.err_a, self.p.err_b)
 
@@ -410,9 +431,9 @@ cdef class BlockPool:
         Returns how many entries were added. ``parent`` and ``token_ids`` (the blocks' tokens,
         concatenated) only feed the BlockStored event.
         """
-        cdef int32_t[::1] v = as_int32(ids, "ids")
+        cdef cnp.ndarray v = as_int32(ids, "ids")
         cdef uint64_t[:, ::1] h = as_hashes(hashes)
-        cdef Py_ssize_t n = v.shape[0]
+        cdef Py_ssize_t n = cnp.PyArray_DIM(v, 0)
         if h.shape[0] != n:
             raise InvalidArgumentError(f"cache: {n} ids but {h.shape[0]} hashes")
         if not self.p.caching:
@@ -422,17 +443,17 @@ cdef class BlockPool:
         if parent is not None:
             par = _parent_hash(parent)
             ppar = &par
-        cdef int32_t[::1] toks
+        cdef cnp.ndarray toks
         cdef const int32_t *tp = NULL
         cdef int32_t bs = 0
         if token_ids is not None:
             toks = as_int32(token_ids, "token_ids")
-            if n == 0 or toks.shape[0] % n:
+            if n == 0 or cnp.PyArray_DIM(toks, 0) % n:
                 raise InvalidArgumentError("cache: token_ids must hold whole blocks")
-            bs = toks.shape[0] // n
-            tp = &toks[0] if toks.shape[0] else NULL
+            bs = cnp.PyArray_DIM(toks, 0) // n
+            tp = i32_data(toks)
         cdef int64_t stored = 0
-        cdef int rc = kvb_cache_insert(&self.p, &v[0] if n else NULL,
+        cdef int rc = kvb_cache_insert(&self.p, i32_data(v),
                                        <kvb_hash_t *>&h[0, 0] if n else NULL, n, ppar, tp, bs,
                                        &stored)
         if rc:
@@ -443,10 +464,9 @@ cdef class BlockPool:
         """Ids of the longest cached prefix of ``hashes`` (int32), NOT pinned."""
         cdef uint64_t[:, ::1] h = as_hashes(hashes)
         cdef Py_ssize_t n = h.shape[0]
-        out = np.empty(n, dtype=np.int32)
-        cdef int32_t[::1] o = out
+        cdef cnp.ndarray out = new_i32(n)
         cdef int64_t k = kvb_cache_lookup(&self.p, <kvb_hash_t *>&h[0, 0] if n else NULL, n,
-                                          &o[0] if n else NULL)
+                                          i32_data(out))
         return out[:k]
 
     def lookup_and_pin(self, hashes):
@@ -454,10 +474,9 @@ cdef class BlockPool:
         which a hit can be evicted). Release them with free()."""
         cdef uint64_t[:, ::1] h = as_hashes(hashes)
         cdef Py_ssize_t n = h.shape[0]
-        out = np.empty(n, dtype=np.int32)
-        cdef int32_t[::1] o = out
-        cdef int64_t k = kvb_cache_lookup_pin(&self.p, <kvb_hash_t *>&h[0, 0] if n else NULL, n,
-                                              &o[0] if n else NULL)
+        cdef cnp.ndarray out = new_i32(n)
+        cdef int64_t k = kvb_cache_lookup_pin(&self.p, <kvb_hash_t *>&h[0, 0] if n else NULL,
+                                              n, i32_data(out))
         return out[:k]
 
     def reset_prefix_cache(self):
@@ -526,14 +545,15 @@ cdef class SeqBatch:
     (a freed sequence is detected through its slot generation).
     """
     cdef readonly object seq_ids
-    cdef object _slots_arr
-    cdef object _gens_arr
-    cdef int32_t[::1] slots
-    cdef uint32_t[::1] gens
+    cdef cnp.ndarray _slots_arr
+    cdef cnp.ndarray _gens_arr
+    cdef int32_t *slots
+    cdef uint32_t *gens
+    cdef Py_ssize_t n
     cdef object owner
 
     def __len__(self):
-        return self.slots.shape[0]
+        return self.n
 
 
 cdef class BlockManager:
@@ -579,6 +599,7 @@ cdef class BlockManager:
         self._slots = {}
         self._ids = []
         self._buf = np.empty(64, dtype=np.int32)
+        self._imap = np.zeros(64, dtype=np.int32)
 
     def __dealloc__(self):
         if self._initialized:
@@ -595,34 +616,48 @@ cdef class BlockManager:
             raise UnknownSequenceError(f"unknown sequence {seq_id!r}")
         return <int32_t><object>o
 
-    cdef int32_t[::1] _slots_of(self, object seq_ids) except *:
-        """Slots of a list of sequence ids (into a reused buffer) or of a SeqBatch."""
+    cdef cnp.ndarray _slots_of(self, object seq_ids, Py_ssize_t *count):
+        """Slots of a list of sequence ids (written into a reused buffer) or of a SeqBatch;
+        the first *count entries of the returned int32 array are valid."""
         cdef SeqBatch sb
         cdef Py_ssize_t i, n
         cdef PyObject *o
-        if isinstance(seq_ids, SeqBatch):
+        cdef int32_t *slots
+        if type(seq_ids) is SeqBatch:
             sb = <SeqBatch>seq_ids
             if sb.owner is not self:
                 raise InvalidArgumentError("this SeqBatch belongs to another BlockManager")
-            n = sb.slots.shape[0]
+            n = sb.n
             for i in range(n):
                 if self.m.seqs[sb.slots[i]].gen != sb.gens[i]:
                     raise UnknownSequenceError(
                         f"sequence {sb.seq_ids[i]!r} of this SeqBatch was freed")
-            return sb.slots
-        if not isinstance(seq_ids, (list, tuple)):
+            count[0] = n
+            return sb._slots_arr
+        if not isinstance(seq_ids, list):
             seq_ids = list(seq_ids)
-        n = len(seq_ids)
-        if self._buf.shape[0] < n:
-            self._buf = np.empty(max(n, 2 * self._buf.shape[0]), dtype=np.int32)
-        cdef int32_t[::1] buf = self._buf
+        n = len(<list>seq_ids)
+        if cnp.PyArray_DIM(self._buf, 0) < n:
+            self._buf = new_i32(max(n, 2 * cnp.PyArray_DIM(self._buf, 0)))
+        slots = <int32_t *>cnp.PyArray_DATA(self._buf)
+        cdef int32_t *imap = <int32_t *>cnp.PyArray_DATA(self._imap)
+        cdef Py_ssize_t ilen = cnp.PyArray_DIM(self._imap, 0)
+        cdef long v
+        cdef object sid
         for i in range(n):
-            o = PyDict_GetItem(self._slots, seq_ids[i])
+            sid = (<list>seq_ids)[i]
+            if type(sid) is int:  # small int ids: an array lookup instead of a dict probe
+                v = PyLong_AsLong(sid) if -1 <= _PyLong_Sign(sid) else -1
+                if 0 <= v < ilen and imap[v]:
+                    slots[i] = imap[v] - 1
+                    continue
+            o = PyDict_GetItem(self._slots, sid)
             if o is NULL:
-                _check_id(seq_ids[i])
-                raise UnknownSequenceError(f"unknown sequence {seq_ids[i]!r}")
-            buf[i] = <int32_t><object>o
-        return buf[:n]
+                _check_id(sid)
+                raise UnknownSequenceError(f"unknown sequence {sid!r}")
+            slots[i] = <int32_t><object>o
+        count[0] = n
+        return self._buf
 
     cdef int _err(self, int rc, str what) except -1:
         return raise_code(rc, what, self.m.err_a, self.m.err_b)
@@ -674,9 +709,11 @@ cdef class BlockManager:
 
     def can_append(self, seq_ids, Py_ssize_t n=1):
         """Whether every sequence can take ``n`` more tokens at once (one decode step)."""
-        cdef int32_t[::1] slots = self._slots_of(seq_ids)
+        cdef Py_ssize_t count, i
+        cdef cnp.ndarray arr = self._slots_of(seq_ids, &count)
+        cdef int32_t *slots = i32_data(arr)
         cdef int64_t need = 0
-        for i in range(slots.shape[0]):
+        for i in range(count):
             need += kvb_mgr_blocks_needed(&self.m, slots[i], n)
         return need <= self.pool.p.num_free
 
@@ -697,12 +734,12 @@ cdef class BlockManager:
         _check_id(seq_id)
         if seq_id in self._slots:
             raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
-        cdef int32_t[::1] toks = as_int32(token_ids, "token_ids")
+        cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
         cdef bytes s = as_salt(salt)
         cdef int32_t slot
         cdef int64_t cached
-        cdef Py_ssize_t n = toks.shape[0]
-        cdef int rc = kvb_mgr_add(&self.m, &toks[0] if n else NULL, n, <const uint8_t *>s,
+        cdef Py_ssize_t n = cnp.PyArray_DIM(toks, 0)
+        cdef int rc = kvb_mgr_add(&self.m, i32_data(toks), n, <const uint8_t *>s,
                                   len(s), &slot, &cached)
         if rc:
             self._err(rc, f"add({seq_id!r}, {n} tokens)")
@@ -711,6 +748,16 @@ cdef class BlockManager:
 
     cdef _register(self, object seq_id, int32_t slot):
         self._slots[seq_id] = slot
+        cdef Py_ssize_t cap
+        if type(seq_id) is int and 0 <= seq_id < _IMAP_LIMIT:
+            cap = cnp.PyArray_DIM(self._imap, 0)
+            if seq_id >= cap:
+                while cap <= seq_id:
+                    cap *= 2
+                grown = np.zeros(cap, dtype=np.int32)
+                grown[:cnp.PyArray_DIM(self._imap, 0)] = self._imap
+                self._imap = grown
+            (<int32_t *>cnp.PyArray_DATA(self._imap))[<Py_ssize_t>seq_id] = slot + 1
         while len(self._ids) <= slot:
             self._ids.append(None)
         self._ids[slot] = seq_id
@@ -719,9 +766,9 @@ cdef class BlockManager:
         """Commit tokens: grow the table, copy-on-write a shared last block, and register
         blocks that become full in the prefix cache."""
         cdef int32_t slot = self._slot(seq_id)
-        cdef int32_t[::1] toks = as_int32(token_ids, "token_ids")
-        cdef Py_ssize_t n = toks.shape[0]
-        cdef int rc = kvb_mgr_append(&self.m, slot, &toks[0] if n else NULL, n)
+        cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
+        cdef Py_ssize_t n = cnp.PyArray_DIM(toks, 0)
+        cdef int rc = kvb_mgr_append(&self.m, slot, i32_data(toks), n)
         if rc:
             self._err(rc, f"append({seq_id!r}, {n} tokens)")
 
@@ -731,15 +778,15 @@ cdef class BlockManager:
         ``seq_ids`` is a list of ids or a SeqBatch from batch(); ``token_ids`` one token per
         sequence. All-or-nothing: if the step does not fit, nothing is appended.
         """
-        cdef int32_t[::1] slots = self._slots_of(seq_ids)
-        cdef int32_t[::1] toks = as_int32(token_ids, "token_ids")
-        cdef Py_ssize_t n = slots.shape[0]
-        if toks.shape[0] != n:
+        cdef Py_ssize_t n
+        cdef cnp.ndarray slots = self._slots_of(seq_ids, &n)
+        cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
+        if cnp.PyArray_DIM(toks, 0) != n:
             raise InvalidArgumentError(
-                f"append_batch: {n} sequences but {toks.shape[0]} tokens")
+                f"append_batch: {n} sequences but {cnp.PyArray_DIM(toks, 0)} tokens")
         if n == 0:
             return
-        cdef int rc = kvb_mgr_append_batch(&self.m, &slots[0], &toks[0], n)
+        cdef int rc = kvb_mgr_append_batch(&self.m, i32_data(slots), i32_data(toks), n)
         if rc:
             if rc == KVB_EDUP:
                 raise InvalidArgumentError(
@@ -753,15 +800,17 @@ cdef class BlockManager:
 
     def batch(self, seq_ids):
         """Resolve sequence ids once into a SeqBatch for repeated append_batch / metadata."""
-        cdef int32_t[::1] slots = self._slots_of(seq_ids)
+        cdef Py_ssize_t n, i
+        cdef cnp.ndarray slots = self._slots_of(seq_ids, &n)
         cdef SeqBatch sb = SeqBatch.__new__(SeqBatch)
         sb.seq_ids = tuple(seq_ids)
-        sb._slots_arr = np.array(slots, dtype=np.int32)
-        sb._gens_arr = np.empty(slots.shape[0], dtype=np.uint32)
-        sb.slots = sb._slots_arr
-        sb.gens = sb._gens_arr
-        for i in range(slots.shape[0]):
-            sb.gens[i] = self.m.seqs[slots[i]].gen
+        sb.n = n
+        sb._slots_arr = slots[:n].copy()
+        sb._gens_arr = np.empty(n, dtype=np.uint32)
+        sb.slots = <int32_t *>cnp.PyArray_DATA(sb._slots_arr)
+        sb.gens = <uint32_t *>cnp.PyArray_DATA(sb._gens_arr)
+        for i in range(n):
+            sb.gens[i] = self.m.seqs[sb.slots[i]].gen
         sb.owner = self
         return sb
 
@@ -802,6 +851,8 @@ cdef class BlockManager:
         cdef int32_t slot = self._slot(seq_id)
         kvb_mgr_free(&self.m, slot)
         del self._slots[seq_id]
+        if type(seq_id) is int and 0 <= seq_id < cnp.PyArray_DIM(self._imap, 0):
+            (<int32_t *>cnp.PyArray_DATA(self._imap))[<Py_ssize_t>seq_id] = 0
         self._ids[slot] = None
 
     # -- queries ------------------------------------------------------------------------------
@@ -809,10 +860,9 @@ cdef class BlockManager:
         """Physical block ids in logical order (an int32 copy)."""
         cdef int32_t slot = self._slot(seq_id)
         cdef kvb_seq_t *s = &self.m.seqs[slot]
-        out = np.empty(s.nblocks, dtype=np.int32)
-        cdef int32_t[::1] o = out
+        cdef cnp.ndarray out = new_i32(s.nblocks)
         if s.nblocks:
-            memcpy(&o[0], s.blocks, s.nblocks * sizeof(int32_t))
+            memcpy(cnp.PyArray_DATA(out), s.blocks, s.nblocks * sizeof(int32_t))
         return out
 
     def num_tokens(self, seq_id):
@@ -895,11 +945,14 @@ cdef class BlockManager:
         returned; otherwise fresh arrays are allocated.
         """
         from kvblocks.metadata import AttentionMetadata
-        cdef int32_t[::1] slots = self._slots_of(seq_ids)
-        cdef int32_t[::1] q = as_int32(query_lens, "query_lens")
-        cdef Py_ssize_t B = slots.shape[0], i
-        if q.shape[0] != B:
-            raise InvalidArgumentError(f"metadata: {B} sequences but {q.shape[0]} query_lens")
+        cdef Py_ssize_t B, i
+        cdef cnp.ndarray slot_arr = self._slots_of(seq_ids, &B)
+        cdef cnp.ndarray q_arr = as_int32(query_lens, "query_lens")
+        if cnp.PyArray_DIM(q_arr, 0) != B:
+            raise InvalidArgumentError(
+                f"metadata: {B} sequences but {cnp.PyArray_DIM(q_arr, 0)} query_lens")
+        cdef int32_t *slots = i32_data(slot_arr)
+        cdef int32_t *q = i32_data(q_arr)
         cdef int64_t ntok = 0, nidx = 0, nb, maxb = 0
         cdef kvb_seq_t *s
         if out is None:
@@ -910,12 +963,11 @@ cdef class BlockManager:
                 maxb = nb if nb > maxb else maxb
                 ntok += q[i] if q[i] > 0 else 0
             out = AttentionMetadata.allocate(B, ntok, max(nidx, 1), max(maxb, 1))
-        return out._fill(self, slots, q)
+        return out._fill(self, slot_arr[:B], q_arr)
 
-    cdef int _fill_meta(self, int32_t[::1] slots, int32_t[::1] q, kvb_meta_t *meta) except -1:
-        cdef Py_ssize_t B = slots.shape[0]
-        cdef int rc = kvb_mgr_metadata(&self.m, &slots[0] if B else NULL,
-                                       &q[0] if B else NULL, B, meta)
+    cdef int _fill_meta(self, int32_t *slots, int32_t *q, Py_ssize_t B,
+                        kvb_meta_t *meta) except -1:
+        cdef int rc = kvb_mgr_metadata(&self.m, slots, q, B, meta)
         if rc:
             if rc == KVB_ERANGE:
                 raise InvalidArgumentError(
@@ -945,14 +997,14 @@ cdef inline int _check_id(object seq_id) except -1:
     raise InvalidTypeError(f"sequence ids must be int or str, got {type(seq_id).__name__}")
 
 
-def _fill_metadata(BlockManager mgr, int32_t[::1] slots, int32_t[::1] q,
+def _fill_metadata(BlockManager mgr, cnp.ndarray slots, cnp.ndarray q,
                    int64_t[::1] slot_mapping, int32_t[:, ::1] block_tables,
                    int32_t[::1] seq_lens, int32_t[::1] qo_indptr, int32_t[::1] kv_indptr,
                    int32_t[::1] kv_indices, int32_t[::1] kv_last_page_len):
     """Run the native metadata builder into the given buffers; returns (n_tokens, n_indices)."""
     cdef kvb_meta_t meta
     memset(&meta, 0, sizeof(meta))
-    cdef Py_ssize_t B = slots.shape[0]
+    cdef Py_ssize_t B = cnp.PyArray_DIM(slots, 0)
     if (seq_lens.shape[0] < B or kv_last_page_len.shape[0] < B or qo_indptr.shape[0] < B + 1
             or kv_indptr.shape[0] < B + 1 or block_tables.shape[0] < B):
         raise InvalidArgumentError(f"metadata: batch of {B} exceeds the buffers' capacity "
@@ -967,7 +1019,7 @@ def _fill_metadata(BlockManager mgr, int32_t[::1] slots, int32_t[::1] q,
     meta.cap_tokens = slot_mapping.shape[0]
     meta.cap_indices = kv_indices.shape[0]
     meta.max_blocks = block_tables.shape[1]
-    mgr._fill_meta(slots, q, &meta)
+    mgr._fill_meta(i32_data(slots), i32_data(q), B, &meta)
     return meta.n_tokens, meta.n_indices
 
 
