@@ -510,11 +510,8 @@ cdef class BlockPool:
             if kind == KVB_EV_STORED:
                 h = hash_int(ev.hash[i])
                 par = hash_int(ev.parent[i])
-                off = ev.tok_off[i]
-                ntok = (ev.tok_off[i + 1] if i + 1 < ev.n and ev.tok_off[i + 1] >= 0
-                        else ev.ntok) - off if off >= 0 else 0
-                toks = [ev.tokens[off + j] for j in range(ntok)] if off >= 0 else []
-                if (type(cur) is BlockStored and cur.block_hashes[-1] == par):
+                toks = _event_tokens(ev, i)
+                if isinstance(cur, BlockStored) and cur.block_hashes[len(cur.block_hashes) - 1] == par:
                     cur.block_hashes.append(h)
                     cur.token_ids.extend(toks)
                 else:
@@ -523,7 +520,7 @@ cdef class BlockPool:
                     out.append(cur)
             elif kind == KVB_EV_REMOVED:
                 h = hash_int(ev.hash[i])
-                if type(cur) is BlockRemoved:
+                if isinstance(cur, BlockRemoved):
                     cur.block_hashes.append(h)
                 else:
                     cur = BlockRemoved(block_hashes=[h])
@@ -533,6 +530,18 @@ cdef class BlockPool:
                 out.append(cur)
         kvb_events_clear(ev)
         return out
+
+
+cdef list _event_tokens(kvb_events_t *ev, int64_t i):
+    """Token ids recorded with event i (empty when none were given)."""
+    cdef int64_t off = ev.tok_off[i], end = ev.ntok, j
+    if off < 0:
+        return []
+    for j in range(i + 1, ev.n):  # the next event that recorded tokens ends this one's
+        if ev.tok_off[j] >= 0:
+            end = ev.tok_off[j]
+            break
+    return [ev.tokens[j] for j in range(off, end)]
 
 
 # ---------------------------------------------------------------------------------------------
