@@ -246,17 +246,27 @@ static void grow_table(kvb_mgr_t *m, kvb_seq_t *s, int64_t n) {
     }
 }
 
-int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n) {
+/* Make n slots after the committed tokens writable (copy-on-write of the write block, growth),
+ * with capacity for `tokens` more committed tokens. Shared by append and reserve. */
+static int make_room(kvb_mgr_t *m, int32_t slot, int64_t n, int64_t tokens, kvb_seq_t **out) {
     kvb_seq_t *s = live_seq(m, slot);
     if (!s) return KVB_EUNKNOWN;
     if (s->swapped) return KVB_ESTATE;
     if (n < 0) { m->err_a = 0; m->err_b = n; return KVB_EINVAL; }
+    *out = s;
     if (n == 0) return KVB_OK;
     int64_t need = need_for(m, s, n);
     if (need > m->pool->num_free) return out_of_blocks(m, need, m->pool->num_free);
-    if (reserve_capacity(m, s, n, need)) return KVB_ENOMEM;
+    if (reserve_capacity(m, s, tokens, need)) return KVB_ENOMEM;
     make_writable(m, s);
     grow_table(m, s, n);
+    return KVB_OK;
+}
+
+int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n) {
+    kvb_seq_t *s;
+    int rc = make_room(m, slot, n, n, &s);
+    if (rc || n == 0) return rc;
     memcpy(s->tokens + s->ntokens, tokens, (size_t)n * sizeof *tokens);
     s->ntokens += n;
     if (m->pool->caching) hash_full_blocks(m, s);
@@ -264,17 +274,8 @@ int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n)
 }
 
 int kvb_mgr_reserve(kvb_mgr_t *m, int32_t slot, int64_t n) {
-    kvb_seq_t *s = live_seq(m, slot);
-    if (!s) return KVB_EUNKNOWN;
-    if (s->swapped) return KVB_ESTATE;
-    if (n < 0) { m->err_a = 0; m->err_b = n; return KVB_EINVAL; }
-    if (n == 0) return KVB_OK;
-    int64_t need = need_for(m, s, n);
-    if (need > m->pool->num_free) return out_of_blocks(m, need, m->pool->num_free);
-    if (reserve_capacity(m, s, 0, need)) return KVB_ENOMEM;
-    make_writable(m, s);
-    grow_table(m, s, n);
-    return KVB_OK;
+    kvb_seq_t *s;
+    return make_room(m, slot, n, 0, &s);
 }
 
 int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n) {
