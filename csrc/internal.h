@@ -2,7 +2,14 @@
 #ifndef KVBLOCKS_INTERNAL_H
 #define KVBLOCKS_INTERNAL_H
 
+#include <string.h>
+
 #include "kvblocks.h"
+
+/* memcpy that accepts NULL pointers when n is 0 (memcpy itself does not: C11 7.24.1). */
+KVB_INLINE void kvb_copy(void *dst, const void *src, size_t n) {
+    if (n) memcpy(dst, src, n);
+}
 
 /* pool.c */
 void kvb_pool_unlink(kvb_pool_t *p, int32_t b);   /* take a free block out of the list */

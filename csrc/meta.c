@@ -60,10 +60,10 @@ int kvb_mgr_metadata(const kvb_mgr_t *m, const int32_t *slots, const int32_t *ql
         }
         if (out->block_tables) {
             int32_t *row = out->block_tables + i * (int64_t)out->max_blocks;
-            memcpy(row, blocks, (size_t)nb * sizeof *row);
+            kvb_copy(row, blocks, (size_t)nb * sizeof *row);
             memset(row + nb, 0, (size_t)(out->max_blocks - nb) * sizeof *row);
         }
-        memcpy(out->kv_indices + k, blocks, (size_t)nb * sizeof *blocks);
+        kvb_copy(out->kv_indices + k, blocks, (size_t)nb * sizeof *blocks);
         k += nb;
         out->seq_lens[i] = (int32_t)L;
         out->qo_indptr[i + 1] = (int32_t)t;

@@ -214,7 +214,7 @@ int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *s
     }
     kvb_pool_allocate(p, (int32_t)need, s->blocks + hits);
     s->nblocks = (int32_t)total;
-    if (n) memcpy(s->tokens, tokens, (size_t)n * sizeof *tokens);
+    kvb_copy(s->tokens, tokens, (size_t)n * sizeof *tokens);
     s->ntokens = n;
     if (p->caching) {
         s->nhashed = (int32_t)hits;
@@ -364,9 +364,9 @@ int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out) {
         ensure_hashes(s, ps->nhashed + 1))
         return KVB_ENOMEM;
     take_slot(m, slot);
-    memcpy(s->tokens, ps->tokens, (size_t)ps->ntokens * sizeof *s->tokens);
-    memcpy(s->blocks, ps->blocks, (size_t)nb * sizeof *s->blocks);
-    memcpy(s->hashes, ps->hashes, (size_t)ps->nhashed * sizeof *s->hashes);
+    kvb_copy(s->tokens, ps->tokens, (size_t)ps->ntokens * sizeof *s->tokens);
+    kvb_copy(s->blocks, ps->blocks, (size_t)nb * sizeof *s->blocks);
+    kvb_copy(s->hashes, ps->hashes, (size_t)ps->nhashed * sizeof *s->hashes);
     s->ntokens = ps->ntokens;
     s->nblocks = (int32_t)nb;
     s->nhashed = ps->nhashed;
@@ -404,7 +404,7 @@ static int move_blocks(kvb_mgr_t *m, kvb_seq_t *s, kvb_pool_t *src, kvb_pool_t *
         pairs[2 * i + 1] = fresh[i];
     }
     for (int32_t i = nb - 1; i >= 0; i--) kvb_pool_release(src, s->blocks[i]);
-    memcpy(s->blocks, fresh, (size_t)nb * sizeof *fresh);
+    kvb_copy(s->blocks, fresh, (size_t)nb * sizeof *fresh);
     free(fresh);
     return KVB_OK;
 }
