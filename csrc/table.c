@@ -330,10 +330,24 @@ int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *toke
 }
 
 /* ---- truncate / fork / free ------------------------------------------------------------- */
+/* Forget pending copies whose destination block was just released: nothing will read it, and
+ * once reallocated the late copy would overwrite its new owner's data. */
+static void drop_dead_copies(kvb_mgr_t *m) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < m->ncopies; i++) {
+        if (m->pool->ref_count[m->copies[2 * i + 1]] == 0) continue;
+        m->copies[2 * k] = m->copies[2 * i];
+        m->copies[2 * k + 1] = m->copies[2 * i + 1];
+        k++;
+    }
+    m->ncopies = k;
+}
+
 static void release_tail(kvb_mgr_t *m, kvb_seq_t *s, int32_t keep) {
     kvb_pool_t *p = s->swapped ? m->host : m->pool;
     for (int32_t i = s->nblocks - 1; i >= keep; i--) kvb_pool_release(p, s->blocks[i]);
     s->nblocks = keep;
+    if (KVB_UNLIKELY(m->ncopies) && p == m->pool) drop_dead_copies(m);
 }
 
 int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens) {
@@ -406,6 +420,7 @@ static int move_blocks(kvb_mgr_t *m, kvb_seq_t *s, kvb_pool_t *src, kvb_pool_t *
     for (int32_t i = nb - 1; i >= 0; i--) kvb_pool_release(src, s->blocks[i]);
     kvb_copy(s->blocks, fresh, (size_t)nb * sizeof *fresh);
     free(fresh);
+    if (KVB_UNLIKELY(m->ncopies) && src == m->pool) drop_dead_copies(m);
     return KVB_OK;
 }
 

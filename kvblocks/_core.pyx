@@ -328,7 +328,7 @@ cdef class BlockPool:
     @property
     def usage(self):
         """Fraction of the non-null blocks that are referenced, 0..1."""
-        return (self.p.num_blocks - 1 - self.p.num_free) / (self.p.num_blocks - 1)
+        return (self.p.num_blocks - 1 - self.p.num_free) / <double>(self.p.num_blocks - 1)
 
     @property
     def enable_prefix_caching(self):
@@ -699,7 +699,7 @@ cdef class BlockManager:
         """Blocks a table of ``num_tokens`` tokens takes (ceil division)."""
         if num_tokens < 0:
             raise InvalidArgumentError(f"num_tokens must be >= 0, got {num_tokens}")
-        return -(-num_tokens // self.m.block_size)
+        return (num_tokens + self.m.block_size - 1) // self.m.block_size
 
     def can_add(self, Py_ssize_t num_tokens):
         """Whether a prompt of ``num_tokens`` fits now while keeping the watermark free.
@@ -898,9 +898,18 @@ cdef class BlockManager:
     def is_swapped(self, seq_id):
         return bool(self.m.seqs[self._slot(seq_id)].swapped)
 
+    @property
+    def num_pending_copies(self):
+        """Copy-on-write copies queued and not yet drained by take_copies()."""
+        return self.m.ncopies
+
     def take_copies(self):
         """Drain the pending (src, dst) block copies from copy-on-write: int64 [n, 2].
-        Execute them (ops.copy_blocks) before the step writes into the dst blocks."""
+
+        Execute them (ops.copy_blocks) before the step writes any KV (and before swap pairs
+        from the same step). A copy whose dst block is released before it is drained (free,
+        truncate, swap_out) is dropped: nothing will read that block.
+        """
         cdef int64_t n = self.m.ncopies
         out = np.empty((n, 2), dtype=np.int64)
         cdef int64_t[:, ::1] o = out
@@ -971,7 +980,7 @@ cdef class BlockManager:
                 nidx += nb
                 maxb = nb if nb > maxb else maxb
                 ntok += q[i] if q[i] > 0 else 0
-            out = AttentionMetadata.allocate(B, ntok, max(nidx, 1), max(maxb, 1))
+            out = AttentionMetadata.allocate(max(B, 1), ntok, max(nidx, 1), max(maxb, 1))
         return out._fill(self, slot_arr[:B], q_arr)
 
     cdef int _fill_meta(self, int32_t *slots, int32_t *q, Py_ssize_t B,

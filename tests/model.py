@@ -204,6 +204,9 @@ class ManagerModel:
         self._make_writable(s)
         self._grow(s, n)
 
+    def _drop_dead_copies(self):
+        self.copies = [(a, b) for a, b in self.copies if self.pool.ref[b] > 0]
+
     def truncate(self, sid, n):
         s = self.seqs[sid]
         if s.swapped:
@@ -215,6 +218,7 @@ class ManagerModel:
             self.pool.release(b)
         del s.blocks[keep:]
         del s.tokens[n:]
+        self._drop_dead_copies()
 
     def fork(self, pid, cid):
         p = self.seqs[pid]
@@ -232,6 +236,7 @@ class ManagerModel:
         pool = self.host if s.swapped else self.pool
         for b in reversed(s.blocks):
             pool.release(b)
+        self._drop_dead_copies()
 
     def _move(self, s, src, dst):
         if len(s.blocks) > len(dst.free):
@@ -241,6 +246,7 @@ class ManagerModel:
         for b in reversed(s.blocks):
             src.release(b)
         s.blocks = fresh
+        self._drop_dead_copies()
         return pairs
 
     def swap_out(self, sid):

@@ -40,3 +40,32 @@ def test_append_batch_validates_in_order():
     with pytest.raises(InvalidStateError):
         mgr.append_batch([1, 1], [0, 0])
     mgr.check()
+
+
+def test_pending_copy_into_a_released_block_is_dropped():
+    """Found while writing examples/engine_loop.py: a copy-on-write copy still pending when
+    its sequence was freed kept naming the released dst block; once reallocated, the late
+    copy would overwrite its new owner's KV. Such copies are now dropped."""
+    mgr = BlockManager(8, 4)
+    mgr.add("a", [1, 2, 3, 4, 5])
+    mgr.fork("a", "b")
+    mgr.append("b", [6])                       # copy-on-write of the shared partial block
+    assert mgr.num_pending_copies == 1
+    mgr.free("b")                              # its private copy is released
+    assert mgr.num_pending_copies == 0 and mgr.take_copies().shape == (0, 2)
+    mgr.fork("a", "c")
+    mgr.append("c", [7])
+    mgr.truncate("c", 4)                       # the copied block is released again
+    assert mgr.num_pending_copies == 0
+    mgr.check()
+
+
+def test_can_add_counts_partial_blocks():
+    """blocks_for_tokens rounded down (-(-n // bs) under cdivision): can_add said yes to a
+    prompt that add then refused."""
+    mgr = BlockManager(3, 4)                   # 2 usable blocks
+    assert mgr.blocks_for_tokens(5) == 2 and mgr.blocks_for_tokens(8) == 2
+    assert not mgr.can_add(9)
+    assert mgr.can_add(8)
+    mgr.add("a", list(range(8)))
+    assert mgr.pool.usage == 1.0
