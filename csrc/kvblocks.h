@@ -172,6 +172,7 @@ typedef struct {
     int32_t nhashed, hcap;     /* hashes known (<= ntokens / block_size), capacity */
     kvb_hash_t root;           /* chain seed (salt folded in) */
     uint32_t gen;              /* bumped when the slot is freed; odd = live */
+    uint32_t tver;             /* bumped when an existing table entry changes (not on growth) */
     uint32_t stamp;            /* last append_batch call that touched it (duplicate check) */
     int32_t next_free;         /* free-slot stack link */
     int32_t swapped;           /* blocks refer to the host pool (swap_out) */
@@ -228,6 +229,11 @@ typedef struct {
     int64_t cap_tokens;        /* capacity of slot_mapping */
     int64_t cap_indices;       /* capacity of kv_indices */
     int32_t max_blocks;        /* row width of block_tables */
+    int64_t *row_cache;        /* optional [4 * cap_rows]: per row, what the last call wrote
+                                * (slot, gen << 32 | tver, blocks, kv offset), so rows whose
+                                * table only grew rewrite just their new entries */
+    int64_t cap_rows;          /* rows the row cache holds */
+    int64_t valid_rows;        /* in/out: leading rows of the row cache that are valid */
     int64_t n_tokens;          /* out: query tokens written */
     int64_t n_indices;         /* out: kv_indices written */
 } kvb_meta_t;

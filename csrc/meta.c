@@ -6,6 +6,12 @@
  * FlashAttention block tables (int32, null block 0 as padding), and FlashInfer's CSR page
  * layout (kv_indptr, kv_indices, kv_last_page_len, qo_indptr; int32). Buffers have fixed
  * capacity (CUDA graphs replay them): unused slot_mapping entries are set to -1.
+ *
+ * Reused buffers are updated incrementally when a row cache is given: a row that holds the
+ * same sequence as in the last call, whose table entries did not change since (the sequence's
+ * tver), only gets its new blocks written, in block_tables always and in kv_indices when its
+ * CSR offset did not move. In a decode step most tables only grow, so most of the
+ * O(total blocks) copying is skipped.
  * Validation covers every sequence and capacity before the first byte is written.
  */
 #include <string.h>
@@ -41,12 +47,25 @@ int kvb_mgr_metadata(const kvb_mgr_t *m, const int32_t *slots, const int32_t *ql
     if (nidx > out->cap_indices) { mm->err_a = nidx; mm->err_b = out->cap_indices; return KVB_ERANGE; }
 
     int64_t t = 0, k = 0;
+    int64_t *rc = out->row_cache;
+    int64_t valid = rc ? out->valid_rows : 0;
     out->qo_indptr[0] = 0;
     out->kv_indptr[0] = 0;
     for (int64_t i = 0; i < B; i++) {
         const kvb_seq_t *s = &m->seqs[slots[i]];
         int64_t L = s->ntokens, nb = (L + bs - 1) / bs, start = L - qlens[i];
         const int32_t *blocks = s->blocks;
+        /* entries [0, same_bt) of the block-table row and [0, same_kv) of the kv_indices
+         * segment are still in the buffers from the last call */
+        int64_t same_bt = 0, same_kv = 0;
+        if (i < valid) {
+            int64_t *r = rc + 4 * i;
+            int64_t version = ((int64_t)s->gen << 32) | s->tver;
+            if (r[0] == slots[i] && r[1] == version && r[2] <= nb) {
+                same_bt = r[2];
+                same_kv = r[3] == k ? r[2] : 0;
+            }
+        }
         /* slot mapping: walk block by block, no division per token */
         int64_t pos = start;
         while (pos < L) {
@@ -60,10 +79,19 @@ int kvb_mgr_metadata(const kvb_mgr_t *m, const int32_t *slots, const int32_t *ql
         }
         if (out->block_tables) {
             int32_t *row = out->block_tables + i * (int64_t)out->max_blocks;
-            kvb_copy(row, blocks, (size_t)nb * sizeof *row);
-            memset(row + nb, 0, (size_t)(out->max_blocks - nb) * sizeof *row);
+            kvb_copy(row + same_bt, blocks + same_bt, (size_t)(nb - same_bt) * sizeof *row);
+            if (!same_bt) /* a row written for this table already has its zero padding */
+                memset(row + nb, 0, (size_t)(out->max_blocks - nb) * sizeof *row);
         }
-        kvb_copy(out->kv_indices + k, blocks, (size_t)nb * sizeof *blocks);
+        kvb_copy(out->kv_indices + k + same_kv, blocks + same_kv,
+                 (size_t)(nb - same_kv) * sizeof *blocks);
+        if (rc && i < out->cap_rows) {
+            int64_t *r = rc + 4 * i;
+            r[0] = slots[i];
+            r[1] = ((int64_t)s->gen << 32) | s->tver;
+            r[2] = nb;
+            r[3] = k;
+        }
         k += nb;
         out->seq_lens[i] = (int32_t)L;
         out->qo_indptr[i + 1] = (int32_t)t;
@@ -73,5 +101,6 @@ int kvb_mgr_metadata(const kvb_mgr_t *m, const int32_t *slots, const int32_t *ql
     for (int64_t j = t; j < out->cap_tokens; j++) out->slot_mapping[j] = -1;
     out->n_tokens = t;
     out->n_indices = k;
+    if (rc) out->valid_rows = B < out->cap_rows ? B : out->cap_rows;
     return KVB_OK;
 }

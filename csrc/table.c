@@ -88,6 +88,7 @@ static void make_writable(kvb_mgr_t *m, kvb_seq_t *s) {
             m->ncopies++;
         }
         s->blocks[w] = nb;
+        s->tver++;
         kvb_pool_release(p, b);
     } else if (p->flags[b] & KVB_F_CACHED) {
         kvb_cache_drop(p, b);
@@ -346,6 +347,7 @@ static void drop_dead_copies(kvb_mgr_t *m) {
 static void release_tail(kvb_mgr_t *m, kvb_seq_t *s, int32_t keep) {
     kvb_pool_t *p = s->swapped ? m->host : m->pool;
     for (int32_t i = s->nblocks - 1; i >= keep; i--) kvb_pool_release(p, s->blocks[i]);
+    if (keep < s->nblocks) s->tver++;
     s->nblocks = keep;
     if (KVB_UNLIKELY(m->ncopies) && p == m->pool) drop_dead_copies(m);
 }
@@ -419,6 +421,7 @@ static int move_blocks(kvb_mgr_t *m, kvb_seq_t *s, kvb_pool_t *src, kvb_pool_t *
     }
     for (int32_t i = nb - 1; i >= 0; i--) kvb_pool_release(src, s->blocks[i]);
     kvb_copy(s->blocks, fresh, (size_t)nb * sizeof *fresh);
+    s->tver++;
     free(fresh);
     if (KVB_UNLIKELY(m->ncopies) && src == m->pool) drop_dead_copies(m);
     return KVB_OK;

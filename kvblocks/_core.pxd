@@ -121,6 +121,8 @@ cdef extern from "kvblocks.h" nogil:
         int32_t *kv_last_page_len
         int64_t cap_tokens, cap_indices
         int32_t max_blocks
+        int64_t *row_cache
+        int64_t cap_rows, valid_rows
         int64_t n_tokens, n_indices
 
     int kvb_mgr_metadata(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
@@ -148,5 +150,4 @@ cdef class BlockManager:
     cdef cnp.ndarray _slots_of(self, object seq_ids, Py_ssize_t *count)
     cdef int _err(self, int rc, str what) except -1
     cdef _register(self, object seq_id, int32_t slot)
-    cdef int _fill_meta(self, int32_t *slots, int32_t *q, Py_ssize_t B,
-                        kvb_meta_t *meta) except -1
+    cdef object _fill_meta(self, object out, int32_t *slots, int32_t *q, Py_ssize_t B)

@@ -31,6 +31,7 @@ from kvblocks.errors import (
     UnknownSequenceError,
 )
 from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvblocks.metadata import AttentionMetadata
 from kvblocks.stats import CacheStats
 
 cnp.import_array()
@@ -65,6 +66,22 @@ cdef inline bint is_i32_vector(object obj):
 
 cdef inline int32_t *i32_data(cnp.ndarray a):
     return <int32_t *>cnp.PyArray_DATA(a) if cnp.PyArray_DIM(a, 0) else NULL
+
+
+cdef void *buf_ptr(object arr, int typenum, int ndim, Py_ssize_t rows, str name) except NULL:
+    """Data pointer of a writable C-contiguous buffer of the given dtype, rank and rows."""
+    if not cnp.PyArray_Check(arr):
+        raise InvalidTypeError(f"metadata: buffer {name} must be a numpy array")
+    cdef cnp.ndarray a = <cnp.ndarray>arr
+    if (cnp.PyArray_TYPE(a) != typenum or cnp.PyArray_NDIM(a) != ndim
+            or not cnp.PyArray_ISCARRAY(a)):
+        want = "int64" if typenum == cnp.NPY_INT64 else "int32"
+        raise InvalidTypeError(f"metadata: buffer {name} must be a writable C-contiguous "
+                               f"{ndim}-D {want} array, got {arr.dtype} {arr.shape}")
+    if cnp.PyArray_DIM(a, 0) < rows:
+        raise InvalidArgumentError(f"metadata: buffer {name} holds {cnp.PyArray_DIM(a, 0)} "
+                                   f"rows, the batch needs {rows}")
+    return cnp.PyArray_DATA(a)
 
 
 cdef inline cnp.ndarray new_i32(Py_ssize_t n):
@@ -962,7 +979,6 @@ cdef class BlockManager:
         written into its fixed buffers (CUDA-graph friendly) and views of the used part are
         returned; otherwise fresh arrays are allocated.
         """
-        from kvblocks.metadata import AttentionMetadata
         cdef Py_ssize_t B, i
         cdef cnp.ndarray slot_arr = self._slots_of(seq_ids, &B)
         cdef cnp.ndarray q_arr = as_int32(query_lens, "query_lens")
@@ -981,11 +997,37 @@ cdef class BlockManager:
                 maxb = nb if nb > maxb else maxb
                 ntok += q[i] if q[i] > 0 else 0
             out = AttentionMetadata.allocate(max(B, 1), ntok, max(nidx, 1), max(maxb, 1))
-        return out._fill(self, slot_arr[:B], q_arr)
+        return self._fill_meta(out, slots, q, B)
 
-    cdef int _fill_meta(self, int32_t *slots, int32_t *q, Py_ssize_t B,
-                        kvb_meta_t *meta) except -1:
-        cdef int rc = kvb_mgr_metadata(&self.m, slots, q, B, meta)
+    cdef object _fill_meta(self, object out, int32_t *slots, int32_t *q, Py_ssize_t B):
+        """Validate the buffers of ``out``, run the native builder into them and return an
+        AttentionMetadata of views over the used part."""
+        cdef kvb_meta_t meta
+        memset(&meta, 0, sizeof(meta))
+        sm, bt, sl = out.slot_mapping, out.block_tables, out.seq_lens
+        qo, kvp, kvi, last = out.qo_indptr, out.kv_indptr, out.kv_indices, out.kv_last_page_len
+        meta.slot_mapping = <int64_t *>buf_ptr(sm, cnp.NPY_INT64, 1, 0, "slot_mapping")
+        meta.seq_lens = <int32_t *>buf_ptr(sl, cnp.NPY_INT32, 1, B, "seq_lens")
+        meta.qo_indptr = <int32_t *>buf_ptr(qo, cnp.NPY_INT32, 1, B + 1, "qo_indptr")
+        meta.kv_indptr = <int32_t *>buf_ptr(kvp, cnp.NPY_INT32, 1, B + 1, "kv_indptr")
+        meta.kv_indices = <int32_t *>buf_ptr(kvi, cnp.NPY_INT32, 1, 0, "kv_indices")
+        meta.kv_last_page_len = <int32_t *>buf_ptr(last, cnp.NPY_INT32, 1, B,
+                                                   "kv_last_page_len")
+        meta.cap_tokens = cnp.PyArray_DIM(<cnp.ndarray>sm, 0)
+        meta.cap_indices = cnp.PyArray_DIM(<cnp.ndarray>kvi, 0)
+        if bt is not None:
+            meta.block_tables = <int32_t *>buf_ptr(bt, cnp.NPY_INT32, 2, B, "block_tables")
+            meta.max_blocks = <int32_t>cnp.PyArray_DIM(<cnp.ndarray>bt, 1)
+        cdef cnp.ndarray rows = out._row_cache
+        if rows is not None and out._owner is self:
+            meta.row_cache = <int64_t *>cnp.PyArray_DATA(rows)
+            meta.cap_rows = cnp.PyArray_DIM(rows, 0) // 4
+            meta.valid_rows = out._valid_rows
+        elif rows is not None:  # first use, or another manager's buffers: start afresh
+            meta.row_cache = <int64_t *>cnp.PyArray_DATA(rows)
+            meta.cap_rows = cnp.PyArray_DIM(rows, 0) // 4
+            meta.valid_rows = 0
+        cdef int rc = kvb_mgr_metadata(&self.m, slots, q, B, &meta)
         if rc:
             if rc == KVB_ERANGE:
                 raise InvalidArgumentError(
@@ -997,7 +1039,12 @@ cdef class BlockManager:
             if rc == KVB_ESTATE:
                 raise InvalidStateError("metadata: a sequence is swapped out")
             self._err(rc, "metadata")
-        return 0
+        if rows is not None:
+            out._owner = self
+            out._valid_rows = meta.valid_rows
+        cdef Py_ssize_t nt = meta.n_tokens, ni = meta.n_indices
+        return AttentionMetadata(sm[:nt], bt[:B] if bt is not None else None, sl[:B],
+                                 qo[:B + 1], kvp[:B + 1], kvi[:ni], last[:B], nt, B)
 
     def check(self):
         """Verify the pool, the host pool and every block table (ref counts equal the
@@ -1013,32 +1060,6 @@ cdef inline int _check_id(object seq_id) except -1:
     if isinstance(seq_id, (int, str)) and not isinstance(seq_id, bool):
         return 0
     raise InvalidTypeError(f"sequence ids must be int or str, got {type(seq_id).__name__}")
-
-
-def _fill_metadata(BlockManager mgr, cnp.ndarray slots, cnp.ndarray q,
-                   int64_t[::1] slot_mapping, int32_t[:, ::1] block_tables,
-                   int32_t[::1] seq_lens, int32_t[::1] qo_indptr, int32_t[::1] kv_indptr,
-                   int32_t[::1] kv_indices, int32_t[::1] kv_last_page_len):
-    """Run the native metadata builder into the given buffers; returns (n_tokens, n_indices)."""
-    cdef kvb_meta_t meta
-    memset(&meta, 0, sizeof(meta))
-    cdef Py_ssize_t B = cnp.PyArray_DIM(slots, 0)
-    if (seq_lens.shape[0] < B or kv_last_page_len.shape[0] < B or qo_indptr.shape[0] < B + 1
-            or kv_indptr.shape[0] < B + 1 or block_tables.shape[0] < B):
-        raise InvalidArgumentError(f"metadata: batch of {B} exceeds the buffers' capacity "
-                                   f"{seq_lens.shape[0]}")
-    meta.slot_mapping = &slot_mapping[0] if slot_mapping.shape[0] else NULL
-    meta.block_tables = &block_tables[0, 0]
-    meta.seq_lens = &seq_lens[0]
-    meta.qo_indptr = &qo_indptr[0]
-    meta.kv_indptr = &kv_indptr[0]
-    meta.kv_indices = &kv_indices[0]
-    meta.kv_last_page_len = &kv_last_page_len[0]
-    meta.cap_tokens = slot_mapping.shape[0]
-    meta.cap_indices = kv_indices.shape[0]
-    meta.max_blocks = block_tables.shape[1]
-    mgr._fill_meta(i32_data(slots), i32_data(q), B, &meta)
-    return meta.n_tokens, meta.n_indices
 
 
 def siphash128(key, data) -> bytes:

@@ -33,9 +33,15 @@ _FIELDS = ("slot_mapping", "block_tables", "seq_lens", "qo_indptr", "kv_indptr",
 
 
 class AttentionMetadata:
-    """Metadata arrays of one step; ``allocate`` makes fixed-capacity buffers to reuse."""
+    """Metadata arrays of one step; ``allocate`` makes fixed-capacity buffers to reuse.
 
-    __slots__ = _FIELDS + ("num_tokens", "num_seqs")
+    Buffers from ``allocate`` remember which sequence each row held: on the next step a row
+    whose block table only grew gets just its new blocks written (decode steps then copy a
+    few blocks instead of every table). Do not write into them yourself, or call
+    ``invalidate()`` after you do.
+    """
+
+    __slots__ = _FIELDS + ("num_tokens", "num_seqs", "_row_cache", "_valid_rows", "_owner")
 
     def __init__(self, slot_mapping, block_tables, seq_lens, qo_indptr, kv_indptr, kv_indices,
                  kv_last_page_len, num_tokens=0, num_seqs=0):
@@ -48,6 +54,9 @@ class AttentionMetadata:
         self.kv_last_page_len = kv_last_page_len
         self.num_tokens = num_tokens
         self.num_seqs = num_seqs
+        self._row_cache = None  # buffers from allocate(): what each row held last step
+        self._valid_rows = 0
+        self._owner = None
 
     @classmethod
     def allocate(cls, max_batch: int, max_tokens: int, max_indices: int,
@@ -59,7 +68,7 @@ class AttentionMetadata:
                         ("max_blocks_per_seq", max_blocks_per_seq)):
             if int(v) < 0 or (name != "max_tokens" and int(v) < 1):
                 raise InvalidArgumentError(f"{name} must be positive, got {v}")
-        return cls(
+        meta = cls(
             slot_mapping=np.full(max_tokens, -1, dtype=np.int64),
             block_tables=np.zeros((max_batch, max_blocks_per_seq), dtype=np.int32),
             seq_lens=np.zeros(max_batch, dtype=np.int32),
@@ -68,18 +77,13 @@ class AttentionMetadata:
             kv_indices=np.zeros(max_indices, dtype=np.int32),
             kv_last_page_len=np.zeros(max_batch, dtype=np.int32),
         )
+        meta._row_cache = np.full(4 * max_batch, -1, dtype=np.int64)
+        return meta
 
-    def _fill(self, mgr, slots, query_lens) -> "AttentionMetadata":
-        from ._core import _fill_metadata
-
-        n_tok, n_idx = _fill_metadata(mgr, slots, query_lens, self.slot_mapping,
-                                      self.block_tables, self.seq_lens, self.qo_indptr,
-                                      self.kv_indptr, self.kv_indices, self.kv_last_page_len)
-        b = slots.shape[0]
-        return AttentionMetadata(self.slot_mapping[:n_tok], self.block_tables[:b],
-                                 self.seq_lens[:b], self.qo_indptr[:b + 1],
-                                 self.kv_indptr[:b + 1], self.kv_indices[:n_idx],
-                                 self.kv_last_page_len[:b], n_tok, b)
+    def invalidate(self) -> None:
+        """Forget what the buffers held: the next fill rewrites every row. Needed only after
+        writing into the buffers yourself (metadata() does it for another manager)."""
+        self._valid_rows = 0
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in _FIELDS}
