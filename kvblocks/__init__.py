@@ -1,5 +1,12 @@
-"""kvblocks: a fast, exact paged KV-cache memory manager for LLM inference engines."""
+"""kvblocks: a fast, exact paged KV-cache memory manager for LLM inference engines.
 
+Block level: :class:`BlockPool` and :func:`hash_blocks`. Sequence level: :class:`BlockManager`
+with :class:`AttentionMetadata`. Device side: :class:`KVLayout`, :class:`KVCache` and
+:mod:`kvblocks.ops`. Every error derives from :class:`KVBlocksError`.
+"""
+
+from . import ops
+from ._core import BlockManager, BlockPool, SeqBatch, default_hash_key, hash_blocks
 from .errors import (
     CorruptionError,
     DeviceError,
@@ -11,15 +18,18 @@ from .errors import (
     OutOfBlocksError,
     UnknownSequenceError,
 )
+from .events import AllBlocksCleared, BlockRemoved, BlockStored
+from .layout import KVLayout
+from .metadata import AttentionMetadata
+from .stats import CacheStats
+from .storage import KVCache
 
 __version__ = "0.1.0"
 
-# device side (issue 4): KV storage and block operations; CuPy is imported only on use
-from .layout import KVLayout
-from .storage import KVCache
-from . import ops
-
-from ._core import BlockManager, BlockPool, SeqBatch, default_hash_key, hash_blocks
-from .events import AllBlocksCleared, BlockRemoved, BlockStored
-from .metadata import AttentionMetadata
-from .stats import CacheStats
+__all__ = [
+    "AllBlocksCleared", "AttentionMetadata", "BlockManager", "BlockPool", "BlockRemoved",
+    "BlockStored", "CacheStats", "CorruptionError", "DeviceError", "DuplicateSequenceError",
+    "InvalidArgumentError", "InvalidStateError", "InvalidTypeError", "KVBlocksError", "KVCache",
+    "KVLayout", "OutOfBlocksError", "SeqBatch", "UnknownSequenceError", "default_hash_key",
+    "hash_blocks", "ops", "__version__",
+]

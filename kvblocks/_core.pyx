@@ -316,6 +316,10 @@ cdef class BlockPool:
     def __reduce__(self):
         raise TypeError("BlockPool cannot be pickled")
 
+    def __repr__(self):
+        return (f"BlockPool(num_blocks={self.p.num_blocks}, free={self.p.num_free}, "
+                f"cached={self.p.num_cached}, evictable={self.p.num_evictable})")
+
     # -- sizes ------------------------------------------------------------------------------
     @property
     def num_blocks(self):
@@ -585,6 +589,10 @@ cdef class SeqBatch:
 cdef class BlockManager:
     """Block tables per sequence on top of a BlockPool: the KV memory manager of an engine.
 
+    Not thread-safe: call it from the scheduler thread (as engines do). Its ``pool`` is for
+    reading state and prefix-cache statistics; blocks allocated there directly are not
+    known to the manager (and ``check()`` would report them).
+
     >>> from kvblocks import BlockManager
     >>> mgr = BlockManager(num_blocks=16, block_size=4)
     >>> mgr.add("a", [1, 2, 3, 4, 5, 6])
@@ -633,6 +641,11 @@ cdef class BlockManager:
 
     def __reduce__(self):
         raise TypeError("BlockManager cannot be pickled")
+
+    def __repr__(self):
+        return (f"BlockManager(num_blocks={self.pool.p.num_blocks}, "
+                f"block_size={self.m.block_size}, seqs={self.m.nseqs}, "
+                f"free={self.pool.p.num_free})")
 
     # -- helpers ------------------------------------------------------------------------------
     cdef int32_t _slot(self, object seq_id) except -1:

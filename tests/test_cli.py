@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from subproc import run_python
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args: str, stdin_tty: bool = False, pre: str = "") -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if pre:
-        cmd = [sys.executable, "-c", pre + "; import sys; from kvblocks.__main__ import main; sys.exit(main(sys.argv[1:]))", *args]
+        cmd = ["-c", pre + "; import sys; from kvblocks.__main__ import main; sys.exit(main(sys.argv[1:]))", *args]
     else:
-        cmd = [sys.executable, "-m", "kvblocks", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        cmd = ["-m", "kvblocks", *args]
+    return run_python(cmd, timeout=120)
 
 
 def assert_one_line_error(p: subprocess.CompletedProcess, *needles: str) -> None:

@@ -6,11 +6,10 @@ seeded numpy and hypothesis; every error path asserts the storage is unchanged a
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from subproc import run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -158,7 +157,7 @@ def test_cuda_without_cupy_raises_device_error():
 
 def test_import_does_not_import_cupy():
     code = "import sys, kvblocks; assert 'cupy' not in sys.modules; print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out = run_python(["-c", code])
     assert out.returncode == 0, out.stderr
 
 

@@ -8,9 +8,9 @@ which the invariant proves since the model did not change either.
 
 import numpy as np
 import pytest
-from hypothesis import assume, strategies as st
-from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize,
-                                 invariant, precondition, rule, run_state_machine_as_test)
+from hypothesis import strategies as st
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant,
+                                 rule)
 
 import kvblocks
 from kvblocks import (DuplicateSequenceError, InvalidArgumentError, InvalidStateError,

@@ -9,7 +9,6 @@ len - 1 and rounded down to whole blocks).
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvblocks import BlockManager

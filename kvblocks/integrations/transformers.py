@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
