@@ -210,8 +210,13 @@ def advancing_decode(num_seqs, context, bs, runs):
         if was:
             gc.enable()
     fresh = mgr.metadata(sb, qlens)  # the incremental buffers hold exactly the fresh result
+    inc = mgr.metadata(sb, qlens, out=buf)
     for k, v in fresh.as_dict().items():
-        assert np.array_equal(getattr(mgr.metadata(sb, qlens, out=buf), k), v), k
+        got = getattr(inc, k)
+        if k == "block_tables":  # the buffer's rows are wider: the rest is null-block padding
+            assert not got[:, v.shape[1]:].any()
+            got = got[:, :v.shape[1]]
+        assert np.array_equal(got, v), k
     return {"p50_us": float(np.percentile(out, 50)) / 1e3,
             "p99_us": float(np.percentile(out, 99)) / 1e3,
             "min_us": float(out.min()) / 1e3, "runs": runs}

@@ -132,7 +132,7 @@ def hit_rate_curve(quick):
             dt = time.perf_counter() - t0
             s = mgr.pool.stats
             out.append({"trace": name, "blocks": blocks,
-                        "capacity_tokens": blocks * 16, "hit_rate": round(s.hit_rate, 4),
+                        "capacity_tokens": blocks * 16, "hit_rate_pct": round(100 * s.hit_rate, 2),
                         "evictions": s.evictions, "replay_s": round(dt, 3)})
     return out
 
@@ -152,7 +152,7 @@ def main(argv=None):
     curve = [] if args.no_curve else hit_rate_curve(args.quick)
     if curve:
         print()
-        print(table(curve, ["trace", "blocks", "capacity_tokens", "hit_rate", "evictions",
+        print(table(curve, ["trace", "blocks", "capacity_tokens", "hit_rate_pct", "evictions",
                             "replay_s"]))
     print("saved", save("bench_prefix", rows, {"hit_rate_curve": curve}))
 
