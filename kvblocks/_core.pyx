@@ -13,7 +13,7 @@ cimport cython
 cimport numpy as cnp
 from cpython.buffer cimport PyBUF_WRITABLE
 from cpython.dict cimport PyDict_GetItem
-from cpython.long cimport PyLong_AsLong
+from cpython.long cimport PyLong_AsLongAndOverflow
 from cpython.object cimport PyObject
 from libc.stdint cimport INT32_MAX, INT32_MIN, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
@@ -48,11 +48,6 @@ def default_hash_key():
 # ---------------------------------------------------------------------------------------------
 # argument conversion
 # ---------------------------------------------------------------------------------------------
-cdef object _INT32 = np.dtype(np.int32)
-
-
-cdef extern from "Python.h":
-    int _PyLong_Sign(object v)
 
 
 cdef inline bint is_i32_vector(object obj):
@@ -105,7 +100,7 @@ cdef cnp.ndarray as_int32(object obj, str name):
             arr = arr.astype(np.int32)
     if arr.ndim != 1:
         raise InvalidArgumentError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.dtype.kind not in "iu" or arr.dtype.kind == "b":
+    if arr.dtype.kind not in "iu":  # bools, floats and objects are refused
         raise InvalidTypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.size and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
         raise InvalidArgumentError(f"{name} holds values outside int32")
@@ -115,7 +110,9 @@ cdef cnp.ndarray as_int32(object obj, str name):
 cdef object as_hashes(object obj, str name="hashes"):
     """An (n, 2) C-contiguous uint64 array of [lo, hi] 128-bit hashes."""
     cdef object arr
-    if isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], int):
+    if isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], int):  # 128-bit ints
+        if not all(isinstance(h, int) and 0 <= h < (1 << 128) for h in obj):
+            raise InvalidArgumentError(f"{name}: 128-bit unsigned ints expected")
         arr = np.array([[h & 0xFFFFFFFFFFFFFFFF, h >> 64] for h in obj], dtype=np.uint64)
     else:
         arr = np.asarray(obj)
@@ -682,12 +679,13 @@ cdef class BlockManager:
         cdef int32_t *imap = <int32_t *>cnp.PyArray_DATA(self._imap)
         cdef Py_ssize_t ilen = cnp.PyArray_DIM(self._imap, 0)
         cdef long v
+        cdef int overflow
         cdef object sid
         for i in range(n):
             sid = (<list>seq_ids)[i]
             if type(sid) is int:  # small int ids: an array lookup instead of a dict probe
-                v = PyLong_AsLong(sid) if -1 <= _PyLong_Sign(sid) else -1
-                if 0 <= v < ilen and imap[v]:
+                v = PyLong_AsLongAndOverflow(sid, &overflow)
+                if not overflow and 0 <= v < ilen and imap[v]:
                     slots[i] = imap[v] - 1
                     continue
             o = PyDict_GetItem(self._slots, sid)

@@ -200,3 +200,13 @@ def test_success_paths_after_failures(mgr):
     assert pairs.shape == (1, 2)
     assert mgr.swap_in("d").shape == (1, 2)
     mgr.check()
+
+
+def test_hash_list_arguments():
+    pool = BlockPool(4, hash_key=KEY)
+    h = kvblocks.hash_blocks([1, 2, 3, 4], 4, key=KEY)
+    as_ints = [int(h[0, 0]) | (int(h[0, 1]) << 64)]
+    assert pool.lookup(as_ints).size == 0          # 128-bit ints are accepted
+    for bad in ([-1], [1 << 128], [1, "x"]):
+        with pytest.raises(InvalidArgumentError):
+            pool.lookup(bad)

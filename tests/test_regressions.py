@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvblocks import BlockManager, BlockStored, InvalidStateError
+from kvblocks import BlockManager, BlockStored, InvalidStateError, UnknownSequenceError
 
 
 def test_fork_and_metadata_of_an_empty_sequence():
@@ -69,3 +69,19 @@ def test_can_add_counts_partial_blocks():
     assert mgr.can_add(8)
     mgr.add("a", list(range(8)))
     assert mgr.pool.usage == 1.0
+
+
+def test_huge_int_ids_are_unknown_not_overflow():
+    """The small-int fast path of append_batch used PyLong_AsLong, which raised
+    OverflowError for ids beyond a C long instead of UnknownSequenceError."""
+    mgr = BlockManager(8, 4)
+    mgr.add(2 ** 70, [1])
+    mgr.append_batch([2 ** 70], [2])
+    assert mgr.num_tokens(2 ** 70) == 2
+    with pytest.raises(UnknownSequenceError):
+        mgr.append_batch([2 ** 71], [3])
+    with pytest.raises(UnknownSequenceError):
+        mgr.append_batch([-5], [3])
+    mgr.add(-5, [1])
+    mgr.append_batch([-5, 2 ** 70], [3, 4])
+    mgr.check()
