@@ -157,11 +157,7 @@ int kvb_cache_reset(kvb_pool_t *p) {
     for (int32_t b = 1; b < p->num_blocks; b++) {
         if (!(p->flags[b] & KVB_F_CACHED)) continue;
         p->flags[b] &= (uint8_t)~KVB_F_CACHED;
-        /* now a never-cached free block: move it to the head so it is reused first */
-        kvb_pool_unlink(p, b);
-        p->ref_count[b] = 1;
-        kvb_pool_release(p, b);
-        p->stats.frees--; /* not a real free */
+        kvb_pool_move_to_head(p, b); /* now never-cached: reused first */
     }
     memset(p->table, 0xff, (size_t)(p->table_mask + 1) * sizeof *p->table);
     p->num_cached = 0;

@@ -14,6 +14,7 @@ KVB_INLINE void kvb_copy(void *dst, const void *src, size_t n) {
 /* pool.c */
 void kvb_pool_unlink(kvb_pool_t *p, int32_t b);   /* take a free block out of the list */
 void kvb_pool_release(kvb_pool_t *p, int32_t b);  /* drop one (validated) reference */
+void kvb_pool_move_to_head(kvb_pool_t *p, int32_t b); /* relink a free block at the head */
 void kvb_pool_record(kvb_pool_t *p, int kind, int32_t b, const kvb_hash_t *h,
                      const kvb_hash_t *parent, const int32_t *tokens, int32_t ntok);
 int kvb_grow(void **ptr, int64_t *cap, int64_t need, size_t elem);

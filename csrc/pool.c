@@ -52,6 +52,11 @@ void kvb_pool_unlink(kvb_pool_t *p, int32_t b) {
     p->num_free--;
 }
 
+void kvb_pool_move_to_head(kvb_pool_t *p, int32_t b) {
+    kvb_pool_unlink(p, b);
+    list_push_head(p, b);
+}
+
 /* ---- events ----------------------------------------------------------------------------- */
 int kvb_grow(void **ptr, int64_t *cap, int64_t need, size_t elem) {
     if (need <= *cap) return KVB_OK;
