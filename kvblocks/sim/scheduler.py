@@ -238,6 +238,16 @@ def simulate_paged(
         preempt_recompute += 1
         return idx
 
+    def take_chunk(s: _Seq) -> None:
+        """Give s the next prefill chunk out of this step's token budget."""
+        nonlocal budget, pf_tokens
+        c = s.prefill_left if s.prefill_left < budget else budget
+        s.prefill_left -= c
+        budget -= c
+        pf_tokens += c
+        if s.prefill_left == 0:
+            completed.append(s)
+
     while True:
         while nxt < n_req and reqs[nxt].arrival <= now:
             waiting.append(_Seq(next_uid, reqs[nxt], 0))
@@ -285,12 +295,7 @@ def simulate_paged(
         for s in prefilling:
             if budget <= 0:
                 break
-            c = s.prefill_left if s.prefill_left < budget else budget
-            s.prefill_left -= c
-            budget -= c
-            pf_tokens += c
-            if s.prefill_left == 0:
-                completed.append(s)
+            take_chunk(s)
 
         # 3. admit: swapped sequences first, then the queue in order
         joined: List[_Seq] = []
@@ -311,12 +316,7 @@ def simulate_paged(
                 seats += 1 + s.forks
                 if s.prefill_left > 0:
                     prefilling.append(s)
-                    c = min(s.prefill_left, budget)
-                    s.prefill_left -= c
-                    budget -= c
-                    pf_tokens += c
-                    if s.prefill_left == 0:
-                        completed.append(s)
+                    take_chunk(s)
                 else:
                     joined.append(s)
                 continue
@@ -358,12 +358,7 @@ def simulate_paged(
             s.ctx = ntok
             s.prefill_left = ntok - cached
             prefilling.append(s)
-            c = min(s.prefill_left, budget)
-            s.prefill_left -= c
-            budget -= c
-            pf_tokens += c
-            if s.prefill_left == 0:
-                completed.append(s)
+            take_chunk(s)
 
         # 4. the step's duration and its sample
         kv_read = int(d_ctx.sum()) if n_dec else 0
