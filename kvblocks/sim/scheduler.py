@@ -216,11 +216,6 @@ def simulate_paged(
             t0 = perf()
             try:
                 pairs = mgr.swap_out(victim.uid)
-            except NotImplementedError:
-                raise SimulationError(
-                    "swap preemption is not available in this build of kvblocks "
-                    "(BlockManager.swap_out is not implemented); use --preemption recompute"
-                ) from None
             except OutOfBlocksError:
                 pairs = None  # host memory full: fall back to recompute
             finally:
