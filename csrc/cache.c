@@ -91,22 +91,30 @@ int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes
                      const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,
                      int64_t *stored) {
     if (!p->caching) return KVB_ESTATE;
-    for (int64_t i = 0; i < n; i++) {
+    /* Validate in O(n). An uncached block seen for the first time is marked and its hash
+     * parked in hash[] (meaningless while the CACHED bit is clear), so the same block given
+     * again under another hash is caught; the marks are cleared whatever the outcome. */
+    int rc = KVB_OK;
+    int64_t i = 0;
+    for (; i < n; i++) {
         int32_t b = ids[i];
-        if (b <= 0 || b >= p->num_blocks) { p->err_a = i; p->err_b = b; return KVB_ERANGE; }
-        if (p->ref_count[b] <= 0) { p->err_a = i; p->err_b = b; return KVB_ESTATE; }
-        if ((p->flags[b] & KVB_F_CACHED) && !hash_eq(&p->hash[b], &hashes[i])) {
-            p->err_a = i; p->err_b = b;
-            return KVB_EDUP;
+        if (b <= 0 || b >= p->num_blocks) { rc = KVB_ERANGE; break; }
+        if (p->ref_count[b] <= 0) { rc = KVB_ESTATE; break; }
+        if (p->flags[b] & (KVB_F_CACHED | KVB_F_MARK)) {
+            if (!hash_eq(&p->hash[b], &hashes[i])) { rc = KVB_EDUP; break; }
+        } else {
+            p->flags[b] |= KVB_F_MARK;
+            p->hash[b] = hashes[i];
         }
-        for (int64_t j = 0; j < i; j++) /* the same block twice under different hashes */
-            if (ids[j] == b && !hash_eq(&hashes[j], &hashes[i])) {
-                p->err_a = i; p->err_b = b;
-                return KVB_EDUP;
-            }
     }
+    if (rc) {
+        p->err_a = i;
+        p->err_b = ids[i];
+    }
+    for (int64_t j = 0; j < i; j++) p->flags[ids[j]] &= (uint8_t)~KVB_F_MARK;
+    if (rc) return rc;
     int64_t count = 0;
-    for (int64_t i = 0; i < n; i++) {
+    for (i = 0; i < n; i++) {
         if (p->flags[ids[i]] & KVB_F_CACHED) continue;
         const kvb_hash_t *par = i ? &hashes[i - 1] : parent;
         count += kvb_cache_put(p, ids[i], &hashes[i], par,
@@ -136,15 +144,19 @@ int64_t kvb_cache_lookup(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int
     return k;
 }
 
-int64_t kvb_cache_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out) {
-    int64_t k = kvb_cache_lookup(p, hashes, n, out);
-    for (int64_t i = 0; i < k; i++) {
-        int32_t b = out[i];
-        if (p->ref_count[b]++ == 0) {
+void kvb_cache_pin(kvb_pool_t *p, const int32_t *ids, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (p->ref_count[b]++ == 0) { /* evictable: leaves the free list */
             kvb_pool_unlink(p, b);
             p->num_evictable--;
         }
     }
+}
+
+int64_t kvb_cache_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out) {
+    int64_t k = kvb_cache_lookup(p, hashes, n, out);
+    kvb_cache_pin(p, out, k);
     return k;
 }
 

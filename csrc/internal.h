@@ -23,6 +23,7 @@ int kvb_grow(void **ptr, int64_t *cap, int64_t need, size_t elem);
 int64_t kvb_cache_match(const kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n,
                         int32_t *out);            /* kvb_cache_lookup without stats */
 void kvb_cache_evict(kvb_pool_t *p, int32_t b);   /* drop the entry of a block being reused */
+void kvb_cache_pin(kvb_pool_t *p, const int32_t *ids, int64_t n); /* +1 ref to cached hits */
 int kvb_cache_put(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const kvb_hash_t *parent,
                   const int32_t *tokens, int32_t block_size); /* 1 stored, 0 hash present */
 

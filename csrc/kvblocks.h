@@ -101,6 +101,7 @@ typedef struct {               /* struct-of-arrays event log, grown on demand */
 /* ---- pool (pool.c, cache.c) ------------------------------------------------------------- */
 #define KVB_F_CACHED 1u        /* block holds a prefix-cache entry (hash is valid) */
 #define KVB_F_FREE 2u          /* block is linked in the free list (ref count 0) */
+#define KVB_F_MARK 4u          /* scratch bit of one validation pass, clear between calls */
 
 typedef struct {
     int32_t num_blocks;        /* total, including the null block 0 */

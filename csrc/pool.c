@@ -234,13 +234,7 @@ int kvb_pool_incref(kvb_pool_t *p, const int32_t *ids, int64_t n) {
             return KVB_ESTATE;
         }
     }
-    for (int64_t i = 0; i < n; i++) {
-        int32_t b = ids[i];
-        if (p->ref_count[b]++ == 0) { /* evictable cached block: pin it */
-            kvb_pool_unlink(p, b);
-            p->num_evictable--;
-        }
-    }
+    kvb_cache_pin(p, ids, n); /* pins evictable cached blocks too */
     return KVB_OK;
 }
 
@@ -267,7 +261,7 @@ int kvb_pool_check(const kvb_pool_t *p) {
     if (evictable != p->num_evictable) FAIL(8, evictable);
     int64_t free_blocks = 0, cached = 0;
     for (int32_t b = 1; b < N; b++) {
-        if (p->ref_count[b] < 0) FAIL(9, b);
+        if (p->ref_count[b] < 0 || (p->flags[b] & KVB_F_MARK)) FAIL(9, b);
         if ((p->ref_count[b] == 0) != ((p->flags[b] & KVB_F_FREE) != 0)) FAIL(10, b);
         free_blocks += p->ref_count[b] == 0;
         if (p->flags[b] & KVB_F_CACHED) {

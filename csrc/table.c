@@ -95,18 +95,25 @@ static void make_writable(kvb_mgr_t *m, kvb_seq_t *s) {
     }
 }
 
-/* Register the blocks that became full, from block nhashed up to ntokens / block_size. */
-static void hash_full_blocks(kvb_mgr_t *m, kvb_seq_t *s) {
+/* Register full blocks [from, to) of s, whose hashes are known, in the prefix cache. */
+static void cache_blocks(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t to) {
     kvb_pool_t *p = m->pool;
-    int64_t full = blk_of(m, s->ntokens);
-    int32_t bs = m->block_size;
-    for (int64_t i = s->nhashed; i < full; i++) {
-        const kvb_hash_t *parent = i ? &s->hashes[i - 1] : &s->root;
-        const int32_t *toks = s->tokens + i * bs;
-        kvb_hash_chain(m->key, parent, toks, 1, bs, &s->hashes[i]);
+    for (int64_t i = from; i < to; i++) {
         int32_t b = s->blocks[i];
-        if (!(p->flags[b] & KVB_F_CACHED)) kvb_cache_put(p, b, &s->hashes[i], parent, toks, bs);
+        if (!(p->flags[b] & KVB_F_CACHED))
+            kvb_cache_put(p, b, &s->hashes[i], i ? &s->hashes[i - 1] : &s->root,
+                          s->tokens + i * m->block_size, m->block_size);
     }
+}
+
+/* Hash and register the blocks that became full, from block nhashed to ntokens / bs. */
+static void hash_full_blocks(kvb_mgr_t *m, kvb_seq_t *s) {
+    int64_t full = blk_of(m, s->ntokens);
+    int64_t from = s->nhashed;
+    kvb_hash_chain(m->key, from ? &s->hashes[from - 1] : &s->root,
+                   s->tokens + from * m->block_size, full - from, m->block_size,
+                   s->hashes + from);
+    cache_blocks(m, s, from, full);
     s->nhashed = (int32_t)full;
 }
 
@@ -206,25 +213,13 @@ int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *s
 
     /* mutate: pin the hits first so that allocation cannot evict them */
     take_slot(m, slot);
-    for (int64_t i = 0; i < hits; i++) {
-        int32_t b = s->blocks[i];
-        if (p->ref_count[b]++ == 0) {
-            kvb_pool_unlink(p, b);
-            p->num_evictable--;
-        }
-    }
+    kvb_cache_pin(p, s->blocks, hits);
     kvb_pool_allocate(p, (int32_t)need, s->blocks + hits);
     s->nblocks = (int32_t)total;
     kvb_copy(s->tokens, tokens, (size_t)n * sizeof *tokens);
     s->ntokens = n;
     if (p->caching) {
-        s->nhashed = (int32_t)hits;
-        /* hashes of the remaining full blocks are known; register them */
-        for (int64_t i = hits; i < full; i++) {
-            int32_t b = s->blocks[i];
-            kvb_cache_put(p, b, &s->hashes[i], i ? &s->hashes[i - 1] : &s->root,
-                          tokens + i * m->block_size, m->block_size);
-        }
+        cache_blocks(m, s, hits, full); /* their hashes are known already */
         s->nhashed = (int32_t)full;
         p->stats.queries++;
         p->stats.query_blocks += (uint64_t)full;
@@ -443,14 +438,7 @@ int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out) {
     int rc = move_blocks(m, s, m->host, m->pool, pairs_out);
     if (rc != KVB_OK) return rc;
     s->swapped = 0;
-    if (m->pool->caching) { /* the fresh copies of full blocks serve as cache entries again */
-        kvb_pool_t *p = m->pool;
-        for (int32_t i = 0; i < s->nhashed; i++) {
-            int32_t b = s->blocks[i];
-            kvb_cache_put(p, b, &s->hashes[i], i ? &s->hashes[i - 1] : &s->root,
-                          s->tokens + (int64_t)i * m->block_size, m->block_size);
-        }
-    }
+    if (m->pool->caching) cache_blocks(m, s, 0, s->nhashed); /* fresh copies serve hits again */
     return KVB_OK;
 }
 

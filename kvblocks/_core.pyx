@@ -2,14 +2,13 @@
 """Thin Cython wrappers over the C core (csrc/): BlockPool, BlockManager, hash_blocks.
 
 Each cdef class owns exactly one C object. C functions return 0 or a negative code;
-``_check`` maps codes to the exceptions of kvblocks.errors with a message saying what was
+``raise_code`` maps codes to the exceptions of kvblocks.errors with a message saying what was
 asked and what was there.
 """
 import os
 
 import numpy as np
 
-cimport cython
 cimport numpy as cnp
 from cpython.buffer cimport PyBUF_WRITABLE
 from cpython.dict cimport PyDict_GetItem
@@ -36,8 +35,8 @@ from kvblocks.stats import CacheStats
 
 cnp.import_array()
 
-_DEFAULT_KEY = os.urandom(16)
-cdef Py_ssize_t _IMAP_LIMIT = 1 << 22  # int ids below this also get an array slot map  # per-process secret hash key
+_DEFAULT_KEY = os.urandom(16)  # per-process secret hash key
+cdef Py_ssize_t _IMAP_LIMIT = 1 << 22  # int ids below this also get an array slot map
 
 
 def default_hash_key():

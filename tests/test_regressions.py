@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from kvblocks import BlockManager, BlockStored, InvalidStateError, UnknownSequenceError
+import kvblocks
+from kvblocks import (BlockManager, BlockPool, BlockStored, InvalidArgumentError,
+                      InvalidStateError, UnknownSequenceError)
 
 
 def test_fork_and_metadata_of_an_empty_sequence():
@@ -85,3 +87,17 @@ def test_huge_int_ids_are_unknown_not_overflow():
     mgr.add(-5, [1])
     mgr.append_batch([-5, 2 ** 70], [3, 4])
     mgr.check()
+
+
+def test_cache_validates_repeated_blocks_in_linear_time():
+    """BlockPool.cache compared every pair of ids to find a block given twice (quadratic:
+    0.66 ms for 2,048 blocks); it now marks blocks in one pass and clears the marks."""
+    pool = BlockPool(8)
+    h = kvblocks.hash_blocks(list(range(8)), 4)
+    b = pool.allocate(2)
+    with pytest.raises(InvalidArgumentError):
+        pool.cache([b[0], b[1], b[0]], [h[0], h[1], h[1]])    # b[0] under two hashes
+    assert pool.num_cached == 0
+    pool.check()                                             # no mark left behind
+    assert pool.cache([b[0], b[0], b[1]], [h[0], h[0], h[1]]) == 2   # same hash twice is fine
+    pool.check()
