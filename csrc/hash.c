@@ -80,20 +80,22 @@ void kvb_siphash128(const uint8_t key[16], const void *data, size_t len, kvb_has
 
 void kvb_hash_root(const uint8_t key[16], const uint8_t *salt, size_t salt_len,
                    kvb_hash_t *out) {
-    uint8_t small[64];
-    uint8_t *buf = small;
+    /* the message "kvb" tag || salt, fed a byte at a time (roots are hashed once per
+     * sequence): any salt length follows the one formula */
+    const uint8_t head[4] = {'k', 'v', 'b', salt_len ? 1 : 0};
     size_t len = 4 + salt_len;
-    if (len > sizeof small) { /* long salts: hash the salt first, then the tag and digest */
-        kvb_hash_t inner;
-        kvb_siphash128(key, salt, salt_len, &inner);
-        uint8_t tagged[4 + 16] = {'k', 'v', 'b', 2};
-        memcpy(tagged + 4, &inner, 16);
-        kvb_siphash128(key, tagged, sizeof tagged, out);
-        return;
+    sip_state s;
+    sip_init(&s, key);
+    uint64_t word = 0;
+    for (size_t i = 0; i < len; i++) {
+        uint8_t byte = i < 4 ? head[i] : salt[i - 4];
+        word |= (uint64_t)byte << (8 * (i & 7));
+        if ((i & 7) == 7) {
+            sip_word(&s, word);
+            word = 0;
+        }
     }
-    buf[0] = 'k'; buf[1] = 'v'; buf[2] = 'b'; buf[3] = salt_len ? 1 : 0;
-    if (salt_len) memcpy(buf + 4, salt, salt_len);
-    kvb_siphash128(key, buf, len, out);
+    sip_final(&s, word | (uint64_t)len << 56, out);
 }
 
 /* One block: message = parent.lo || parent.hi || tokens (4 bytes each, little-endian). */

@@ -53,7 +53,16 @@ enum {
     KVB_ECORRUPT = -6,      /* an invariant does not hold (check functions only) */
     KVB_EUNKNOWN = -7,      /* sequence slot not live */
     KVB_EDUP = -8,          /* a block or sequence given twice where that is not allowed */
+    KVB_ESWAPPED = -9,      /* the sequence is swapped out (err_a: index, err_b: slot) */
+    KVB_EPENDING = -10,     /* copy-on-write copies are pending: drain them first (err_a: n) */
+    KVB_EGAP = -11,         /* a step would leave committed tokens uncomputed (err_a: index,
+                             * err_b: tokens missing before the query) */
 };
+
+/* Error detail: every public function that returns an error sets err_a / err_b (meaning per
+ * code above) and err_what (a static name of the failed check, or NULL); they are cleared on
+ * entry, so a stale detail never leaks into a later error. */
+#define KVB_CLEAR_ERR(o) ((o)->err_a = 0, (o)->err_b = 0, (o)->err_what = NULL)
 
 #define KVB_NULL_BLOCK 0
 #define KVB_NONE (-1) /* "no block" in free-list links and hash-table slots */
@@ -96,12 +105,16 @@ typedef struct {               /* struct-of-arrays event log, grown on demand */
     int64_t *tok_off;          /* [cap] offset of the block's tokens in tokens[], -1 if none */
     int64_t ntok, tok_cap;     /* token ids recorded, capacity */
     int32_t *tokens;           /* [tok_cap] token ids of stored blocks */
+    int64_t max_pending;       /* events kept undrained at most; later ones are dropped */
+    uint64_t dropped;          /* events dropped since creation (log full or out of memory) */
 } kvb_events_t;
 
 /* ---- pool (pool.c, cache.c) ------------------------------------------------------------- */
 #define KVB_F_CACHED 1u        /* block holds a prefix-cache entry (hash is valid) */
 #define KVB_F_FREE 2u          /* block is linked in the free list (ref count 0) */
 #define KVB_F_MARK 4u          /* scratch bit of one validation pass, clear between calls */
+#define KVB_F_COPY_DST 8u      /* destination of a pending copy-on-write pair (table.c) */
+#define KVB_F_COPY_SRC 16u     /* source of a pending copy-on-write pair: held until drained */
 
 typedef struct {
     int32_t num_blocks;        /* total, including the null block 0 */
@@ -122,6 +135,7 @@ typedef struct {
     kvb_stats_t stats;         /* counters since creation */
     kvb_events_t events;       /* pending events (drained by the caller) */
     int64_t err_a, err_b;      /* detail of the last error: need/have, or index/value */
+    const char *err_what;      /* name of the failed invariant (check) or NULL */
 } kvb_pool_t;
 
 int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching);
@@ -139,7 +153,7 @@ int kvb_pool_free(kvb_pool_t *p, const int32_t *ids, int64_t n);
 /* Add one reference to each id (validated first: range, not null, not free unless cached).
  * An evictable cached block leaves the free list (is pinned). */
 int kvb_pool_incref(kvb_pool_t *p, const int32_t *ids, int64_t n);
-int kvb_pool_check(const kvb_pool_t *p);
+int kvb_pool_check(kvb_pool_t *p);
 
 /* Prefix cache (cache.c). */
 int32_t kvb_cache_find(const kvb_pool_t *p, const kvb_hash_t *h);         /* id or KVB_NONE */
@@ -171,6 +185,10 @@ typedef struct {
     int64_t ntokens, tcap;     /* committed tokens, capacity */
     kvb_hash_t *hashes;        /* [hcap] hashes of the leading full blocks */
     int32_t nhashed, hcap;     /* hashes known (<= ntokens / block_size), capacity */
+    int64_t ncomputed;         /* leading tokens whose K/V are written (or promised by the
+                                * last schedule/metadata call); <= ntokens */
+    int64_t drafted;           /* positions < drafted were scheduled as draft slots since the
+                                * last commit: append(computed=1) may commit up to here */
     kvb_hash_t root;           /* chain seed (salt folded in) */
     uint32_t gen;              /* bumped when the slot is freed; odd = live */
     uint32_t tver;             /* bumped when an existing table entry changes (not on growth) */
@@ -189,9 +207,11 @@ typedef struct {
     int32_t nseqs, scap;       /* live sequences, capacity */
     int32_t free_slot;         /* head of the free-slot stack, KVB_NONE if empty */
     uint32_t stamp;            /* append_batch call counter */
-    int64_t *copies;           /* [2 * ccap] pending (src, dst) copy-on-write pairs */
+    int64_t *copies;           /* [2 * ccap] pending (src, dst) copy-on-write pairs; each
+                                * holds one reference on src until drained or dropped */
     int64_t ncopies, ccap;     /* pairs pending, capacity */
     int64_t err_a, err_b;      /* detail of the last error */
+    const char *err_what;      /* name of the failed invariant (check) or NULL */
 } kvb_mgr_t;
 
 int kvb_mgr_init(kvb_mgr_t *m, kvb_pool_t *pool, kvb_pool_t *host, int32_t block_size,
@@ -202,20 +222,46 @@ void kvb_mgr_destroy(kvb_mgr_t *m);
  * are evictable now, since pinning them takes them out of the free pool). */
 int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
                 size_t salt_len, int32_t *slot_out, int64_t *cached_out);
-int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n);
+/* computed != 0: the tokens fill draft slots that the last schedule call computed. */
+int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n, int computed);
 int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n);
 int kvb_mgr_reserve(kvb_mgr_t *m, int32_t slot, int64_t n);
 int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens);
 int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out);
 int kvb_mgr_free(kvb_mgr_t *m, int32_t slot);
-int kvb_mgr_check(const kvb_mgr_t *m);
-/* Blocks appending n tokens to slot would take from the pool now (growth + copy-on-write). */
+int kvb_mgr_check(kvb_mgr_t *m);
+/* Blocks appending n tokens to slot would take from the pool now (growth + copy-on-write);
+ * for a swapped-out sequence, what swap_in takes plus that growth. Saturates, never wraps. */
 int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n);
+/* Blocks appending n tokens to each of count slots at once would take (copies counted as
+ * sequential appends make them). Swapped-out or unknown slots: KVB_ESTATE / KVB_EUNKNOWN. */
+int kvb_mgr_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_t n,
+                       int64_t *need_out);
 
-/* Swap a sequence's blocks to the host pool and back. pairs_out gets nblocks (src, dst)
- * pairs; the sequence keeps its tokens. */
+/* What add() would find now, without pinning or stats: cached tokens (*cached_out) and the
+ * blocks it would take from the free pool (*need_out, evictable hits included). */
+int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                  size_t salt_len, int64_t *cached_out, int64_t *need_out);
+
+/* Drain the pending copy-on-write pairs into out (2 * ncopies int64) and release the
+ * references they held on their sources. Returns the number of pairs. */
+int64_t kvb_mgr_take_copies(kvb_mgr_t *m, int64_t *out);
+
+/* A step computes, for each slots[i], its last qlens[i] committed tokens and drafts[i]
+ * (drafts may be NULL) reserved draft slots after them. Validation only when apply == 0:
+ * live, not swapped, no sequence twice, 0 <= qlens[i] <= ntokens, no uncomputed gap before
+ * the query, draft slots reserved, no pending copies. apply != 0 (after a successful check)
+ * marks every committed token computed and registers the blocks that became fully computed
+ * in the prefix cache. */
+int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                     const int32_t *drafts, int64_t B, int apply);
+
+/* Swap a sequence's blocks to the host pool and back; the sequence keeps its tokens.
+ * swap_out writes nblocks (device, host) pairs; a block that is the destination of a pending
+ * copy is read from that copy's source. swap_in re-shares computed full blocks still cached
+ * on the device and writes *npairs (host, device) pairs for the others. */
 int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out);
-int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out);
+int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs);
 
 /* Attention metadata (meta.c). For sequences slots[0..B), the last qlens[i] committed tokens
  * are computed this step. Output arrays are caller-provided with the capacities given. */
@@ -239,8 +285,8 @@ typedef struct {
     int64_t n_indices;         /* out: kv_indices written */
 } kvb_meta_t;
 
-int kvb_mgr_metadata(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens, int64_t B,
-                     kvb_meta_t *out);
+int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                     const int32_t *drafts, int64_t B, kvb_meta_t *out);
 
 #ifdef __cplusplus
 }

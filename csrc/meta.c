@@ -1,7 +1,8 @@
 /* meta.c -- attention metadata for one forward step, written into caller-provided buffers.
  *
  * For each sequence i of the batch, the last qlens[i] committed tokens are the queries of this
- * step (a prefill chunk or one decode token) and all ntokens are the context. Outputs follow
+ * step (a prefill chunk or one decode token), followed by drafts[i] speculative draft slots
+ * (reserved, not committed); the context is ntokens + drafts[i] positions. Outputs follow
  * what the kernels take: vLLM-style slot_mapping (int64, block * block_size + offset), padded
  * FlashAttention block tables (int32, null block 0 as padding), and FlashInfer's CSR page
  * layout (kv_indptr, kv_indices, kv_last_page_len, qo_indptr; int32). Buffers have fixed
@@ -18,33 +19,41 @@
 
 #include "internal.h"
 
-int kvb_mgr_metadata(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens, int64_t B,
-                     kvb_meta_t *out) {
-    kvb_mgr_t *mm = (kvb_mgr_t *)m;
+int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                     const int32_t *drafts, int64_t B, kvb_meta_t *out) {
     int32_t bs = m->block_size;
+    KVB_CLEAR_ERR(m);
     int64_t ntok = 0, nidx = 0;
     for (int64_t i = 0; i < B; i++) {
         int32_t slot = slots[i];
         if (slot < 0 || slot >= m->scap || !(m->seqs[slot].gen & 1u)) {
-            mm->err_a = i; mm->err_b = slot;
+            m->err_a = i; m->err_b = slot;
             return KVB_EUNKNOWN;
         }
         const kvb_seq_t *s = &m->seqs[slot];
-        if (s->swapped) { mm->err_a = i; mm->err_b = slot; return KVB_ESTATE; }
+        if (s->swapped) { m->err_a = i; m->err_b = slot; return KVB_ESWAPPED; }
         if (qlens[i] < 0 || qlens[i] > s->ntokens) {
-            mm->err_a = i; mm->err_b = qlens[i];
+            m->err_a = i; m->err_b = qlens[i];
             return KVB_EINVAL;
         }
-        int64_t nb = (s->ntokens + bs - 1) / bs;
+        int64_t d = drafts ? drafts[i] : 0;
+        int64_t nb = (s->ntokens + d + bs - 1) / bs;
+        if (d < 0 || nb > s->nblocks) { m->err_a = i; m->err_b = d; return KVB_ESTATE; }
         if (out->block_tables && nb > out->max_blocks) {
-            mm->err_a = nb; mm->err_b = out->max_blocks;
+            m->err_a = nb; m->err_b = out->max_blocks; m->err_what = "block_tables";
             return KVB_ERANGE;
         }
-        ntok += qlens[i];
+        ntok += qlens[i] + d;
         nidx += nb;
     }
-    if (ntok > out->cap_tokens) { mm->err_a = ntok; mm->err_b = out->cap_tokens; return KVB_ERANGE; }
-    if (nidx > out->cap_indices) { mm->err_a = nidx; mm->err_b = out->cap_indices; return KVB_ERANGE; }
+    if (ntok > out->cap_tokens) {
+        m->err_a = ntok; m->err_b = out->cap_tokens; m->err_what = "slot_mapping";
+        return KVB_ERANGE;
+    }
+    if (nidx > out->cap_indices) {
+        m->err_a = nidx; m->err_b = out->cap_indices; m->err_what = "kv_indices";
+        return KVB_ERANGE;
+    }
 
     int64_t t = 0, k = 0;
     int64_t *rc = out->row_cache;
@@ -53,7 +62,8 @@ int kvb_mgr_metadata(const kvb_mgr_t *m, const int32_t *slots, const int32_t *ql
     out->kv_indptr[0] = 0;
     for (int64_t i = 0; i < B; i++) {
         const kvb_seq_t *s = &m->seqs[slots[i]];
-        int64_t L = s->ntokens, nb = (L + bs - 1) / bs, start = L - qlens[i];
+        int64_t L = s->ntokens + (drafts ? drafts[i] : 0), nb = (L + bs - 1) / bs;
+        int64_t start = s->ntokens - qlens[i];
         const int32_t *blocks = s->blocks;
         /* entries [0, same_bt) of the block-table row and [0, same_kv) of the kv_indices
          * segment are still in the buffers from the last call */

@@ -91,12 +91,16 @@ void kvb_events_destroy(kvb_events_t *ev) {
     memset(ev, 0, sizeof *ev);
 }
 
-/* Record one event; when memory runs out the event is dropped (recording is best-effort and
- * must never make an allocator call fail after it mutated state). */
+/* Record one event; when the undrained log is full or memory runs out the event is dropped
+ * and counted (recording is best-effort and must never make an allocator call fail after it
+ * mutated state, nor grow without bound when nobody drains it). */
 void kvb_pool_record(kvb_pool_t *p, int kind, int32_t b, const kvb_hash_t *h,
                      const kvb_hash_t *parent, const int32_t *tokens, int32_t ntok) {
     kvb_events_t *ev = &p->events;
-    if (kvb_events_reserve(ev, 1, tokens ? ntok : 0)) return;
+    if (ev->n >= ev->max_pending || kvb_events_reserve(ev, 1, tokens ? ntok : 0)) {
+        ev->dropped++;
+        return;
+    }
     int64_t i = ev->n++;
     ev->kind[i] = (uint8_t)kind;
     ev->block[i] = b;
@@ -131,6 +135,7 @@ int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching) {
     memset(p->table, 0xff, tsize * sizeof *p->table); /* all KVB_NONE */
     p->num_blocks = num_blocks;
     p->table_mask = tsize - 1;
+    p->events.max_pending = (int64_t)1 << 20;
     p->caching = caching;
     /* free list 1, 2, ..., N-1 in order; the null block 0 is never listed */
     for (int32_t b = 1; b < num_blocks; b++) {
@@ -233,52 +238,57 @@ int kvb_pool_incref(kvb_pool_t *p, const int32_t *ids, int64_t n) {
             p->err_a = i; p->err_b = b;
             return KVB_ESTATE;
         }
+        if (KVB_UNLIKELY(p->ref_count[b] > INT32_MAX - n)) { /* even if b repeats n times */
+            p->err_a = i; p->err_b = b;
+            return KVB_EINVAL;
+        }
     }
     kvb_cache_pin(p, ids, n); /* pins evictable cached blocks too */
     return KVB_OK;
 }
 
 /* ---- invariant check -------------------------------------------------------------------- */
-#define FAIL(a, b) do { ((kvb_pool_t *)p)->err_a = (a); ((kvb_pool_t *)p)->err_b = (b); \
-                        return KVB_ECORRUPT; } while (0)
+#define FAIL(what, item) do { p->err_what = (what); p->err_a = 0; p->err_b = (item); \
+                             return KVB_ECORRUPT; } while (0)
 
-int kvb_pool_check(const kvb_pool_t *p) {
+int kvb_pool_check(kvb_pool_t *p) {
+    KVB_CLEAR_ERR(p);
     int32_t N = p->num_blocks;
-    if (p->ref_count[0] != 0 || p->flags[0] != 0) FAIL(1, 0);
+    if (p->ref_count[0] != 0 || p->flags[0] != 0) FAIL("null block 0 is referenced or flagged", 0);
     /* walk the list */
     int64_t len = 0, evictable = 0;
     int32_t prev = KVB_NONE;
     for (int32_t b = p->free_head; b != KVB_NONE; b = p->next[b]) {
-        if (b <= 0 || b >= N) FAIL(2, b);
-        if (p->prev[b] != prev) FAIL(3, b);
-        if (p->ref_count[b] != 0 || !(p->flags[b] & KVB_F_FREE)) FAIL(4, b);
+        if (b <= 0 || b >= N) FAIL("free list holds an out-of-range id", b);
+        if (p->prev[b] != prev) FAIL("free list prev link broken", b);
+        if (p->ref_count[b] != 0 || !(p->flags[b] & KVB_F_FREE)) FAIL("listed block is referenced or not flagged free", b);
         if (p->flags[b] & KVB_F_CACHED) evictable++;
         prev = b;
-        if (++len > N) FAIL(5, len); /* cycle */
+        if (++len > N) FAIL("free list has a cycle", len); /* cycle */
     }
-    if (prev != p->free_tail) FAIL(6, prev);
-    if (len != p->num_free) FAIL(7, len);
-    if (evictable != p->num_evictable) FAIL(8, evictable);
+    if (prev != p->free_tail) FAIL("free list tail is wrong", prev);
+    if (len != p->num_free) FAIL("free list length != num_free", len);
+    if (evictable != p->num_evictable) FAIL("evictable count != num_evictable", evictable);
     int64_t free_blocks = 0, cached = 0;
     for (int32_t b = 1; b < N; b++) {
-        if (p->ref_count[b] < 0 || (p->flags[b] & KVB_F_MARK)) FAIL(9, b);
-        if ((p->ref_count[b] == 0) != ((p->flags[b] & KVB_F_FREE) != 0)) FAIL(10, b);
+        if (p->ref_count[b] < 0 || (p->flags[b] & KVB_F_MARK)) FAIL("negative ref count or stale mark bit", b);
+        if ((p->ref_count[b] == 0) != ((p->flags[b] & KVB_F_FREE) != 0)) FAIL("ref count 0 <=> flagged free does not hold", b);
         free_blocks += p->ref_count[b] == 0;
         if (p->flags[b] & KVB_F_CACHED) {
             cached++;
-            if (!p->caching) FAIL(11, b);
-            if (kvb_cache_find(p, &p->hash[b]) != b) FAIL(12, b);
+            if (!p->caching) FAIL("block cached while caching is off", b);
+            if (kvb_cache_find(p, &p->hash[b]) != b) FAIL("cached block not found under its hash", b);
         }
     }
-    if (free_blocks != p->num_free) FAIL(13, free_blocks);
-    if (cached != p->num_cached) FAIL(14, cached);
+    if (free_blocks != p->num_free) FAIL("free blocks != num_free", free_blocks);
+    if (cached != p->num_cached) FAIL("cached blocks != num_cached", cached);
     int64_t entries = 0;
     for (uint64_t s = 0; s <= p->table_mask; s++) {
         int32_t b = p->table[s];
         if (b == KVB_NONE) continue;
-        if (b <= 0 || b >= N || !(p->flags[b] & KVB_F_CACHED)) FAIL(15, b);
+        if (b <= 0 || b >= N || !(p->flags[b] & KVB_F_CACHED)) FAIL("hash table holds an uncached or bad block", b);
         entries++;
     }
-    if (entries != p->num_cached) FAIL(16, entries);
+    if (entries != p->num_cached) FAIL("hash table entries != num_cached", entries);
     return KVB_OK;
 }

@@ -35,9 +35,27 @@ KVB_INLINE int64_t blocks_for(const kvb_mgr_t *m, int64_t t) {
     return blk_of(m, t + m->block_size - 1);
 }
 
-KVB_INLINE kvb_seq_t *live_seq(kvb_mgr_t *m, int32_t slot) {
+KVB_INLINE kvb_seq_t *live_seq(const kvb_mgr_t *m, int32_t slot) {
     if (KVB_UNLIKELY(slot < 0 || slot >= m->scap || !(m->seqs[slot].gen & 1u))) return NULL;
     return &m->seqs[slot];
+}
+
+/* The one preamble of every single-sequence entry point: the live sequence in slot, refused
+ * when swapped out unless allow_swapped. Sets the error detail (index 0, the slot). */
+static int get_seq(kvb_mgr_t *m, int32_t slot, int allow_swapped, kvb_seq_t **out) {
+    kvb_seq_t *s = live_seq(m, slot);
+    m->err_a = 0;
+    m->err_b = slot;
+    if (!s) return KVB_EUNKNOWN;
+    if (s->swapped && !allow_swapped) return KVB_ESWAPPED;
+    *out = s;
+    return KVB_OK;
+}
+
+/* Tokens no sequence can ever hold: more than the whole pool. Requests above it are refused
+ * before any size arithmetic, so ntokens + n never overflows (both stay below 2^62). */
+KVB_INLINE int64_t max_tokens(const kvb_mgr_t *m) {
+    return (int64_t)m->pool->num_blocks * m->block_size;
 }
 
 static int ensure_tokens(kvb_seq_t *s, int64_t need) {
@@ -52,6 +70,7 @@ static int ensure_blocks(kvb_seq_t *s, int64_t need) {
 }
 static int ensure_hashes(kvb_seq_t *s, int64_t need) {
     int64_t cap = s->hcap;
+    if (need > INT32_MAX) return KVB_ENOMEM;
     int rc = kvb_grow((void **)&s->hashes, &cap, need, sizeof *s->hashes);
     s->hcap = (int32_t)cap;
     return rc;
@@ -63,13 +82,109 @@ KVB_NOINLINE static int out_of_blocks(kvb_mgr_t *m, int64_t need, int64_t have) 
     return KVB_EOUTOFBLOCKS;
 }
 
+static uint32_t next_stamp(kvb_mgr_t *m) {
+    uint32_t stamp = ++m->stamp;
+    if (KVB_UNLIKELY(stamp == 0)) { /* wrapped: clear old stamps */
+        for (int32_t i = 0; i < m->scap; i++) m->seqs[i].stamp = 0;
+        stamp = m->stamp = 1;
+    }
+    return stamp;
+}
+
+/* ---- pending copy-on-write pairs -------------------------------------------------------- *
+ * A pair (src, dst) is queued when a write makes a private copy of a shared partial block.
+ * Until take_copies() drains it, the pair holds one reference on src (flag COPY_SRC), so src
+ * is never handed out, evicted or overwritten before the copy runs; dst is fresh and flagged
+ * COPY_DST. A new pair whose source is itself a pending dst reads that pair's source instead
+ * (chains collapse), so no block is both a source and a destination and one copy_blocks call
+ * runs any drained list in any order. Writers ignore the holds: the last sequence using a
+ * block writes in place (the pending copies run before the forward pass that writes). */
+KVB_NOINLINE static int32_t pending_src(const kvb_mgr_t *m, int32_t dst) {
+    for (int64_t i = 0; i < m->ncopies; i++)
+        if (m->copies[2 * i + 1] == dst) return (int32_t)m->copies[2 * i];
+    KVB_ASSERT(0);
+    return dst;
+}
+
+KVB_NOINLINE static int32_t pending_holds(const kvb_mgr_t *m, int32_t src) {
+    int32_t k = 0;
+    for (int64_t i = 0; i < m->ncopies; i++) k += m->copies[2 * i] == src;
+    return k;
+}
+
+/* References of block b held by sequences (its ref count less the pending-copy holds). */
+KVB_INLINE int32_t users(const kvb_mgr_t *m, int32_t b) {
+    int32_t r = m->pool->ref_count[b];
+    if (KVB_UNLIKELY(m->pool->flags[b] & KVB_F_COPY_SRC)) r -= pending_holds(m, b);
+    return r;
+}
+
+/* Queue (src, dst); capacity for one more pair was reserved by the caller. */
+static void queue_copy(kvb_mgr_t *m, int32_t src, int32_t dst) {
+    kvb_pool_t *p = m->pool;
+    if (KVB_UNLIKELY(p->flags[src] & KVB_F_COPY_DST)) src = pending_src(m, src);
+    p->ref_count[src]++; /* referenced already, so not in the free list */
+    p->flags[src] |= KVB_F_COPY_SRC;
+    p->flags[dst] |= KVB_F_COPY_DST;
+    m->copies[2 * m->ncopies] = src;
+    m->copies[2 * m->ncopies + 1] = dst;
+    m->ncopies++;
+}
+
+/* Release what pairs [0, n) of `pairs` hold; the flags are recomputed from what remains. */
+static void release_pairs(kvb_mgr_t *m, const int64_t *pairs, int64_t n) {
+    kvb_pool_t *p = m->pool;
+    for (int64_t i = 0; i < n; i++) {
+        p->flags[pairs[2 * i]] &= (uint8_t)~KVB_F_COPY_SRC;
+        p->flags[pairs[2 * i + 1]] &= (uint8_t)~KVB_F_COPY_DST;
+    }
+    for (int64_t i = 0; i < m->ncopies; i++) p->flags[m->copies[2 * i]] |= KVB_F_COPY_SRC;
+    for (int64_t i = 0; i < n; i++) kvb_pool_release(p, (int32_t)pairs[2 * i]);
+}
+
+int64_t kvb_mgr_take_copies(kvb_mgr_t *m, int64_t *out) {
+    int64_t n = m->ncopies;
+    kvb_copy(out, m->copies, (size_t)(2 * n) * sizeof *out);
+    m->ncopies = 0;
+    release_pairs(m, out, n);
+    return n;
+}
+
+/* Forget pending copies whose destination block was just released: nothing will read it, and
+ * once reallocated the late copy would overwrite its new owner's data. A dead destination that
+ * was already registered in the prefix cache (append of computed drafts) loses the entry: its
+ * content will never arrive. */
+static void drop_dead_copies(kvb_mgr_t *m) {
+    kvb_pool_t *p = m->pool;
+    int64_t k = 0;
+    for (int64_t i = 0; i < m->ncopies; i++) {
+        int32_t src = (int32_t)m->copies[2 * i], dst = (int32_t)m->copies[2 * i + 1];
+        if (p->ref_count[dst] == 0) {
+            if (p->flags[dst] & KVB_F_CACHED) {
+                kvb_cache_drop(p, dst);
+                kvb_pool_move_to_head(p, dst); /* now never-cached: reused first */
+            }
+            p->flags[dst] &= (uint8_t)~KVB_F_COPY_DST;
+            p->flags[src] &= (uint8_t)~KVB_F_COPY_SRC; /* set again below if still held */
+            kvb_pool_release(p, src);
+            continue;
+        }
+        m->copies[2 * k] = src;
+        m->copies[2 * k + 1] = dst;
+        k++;
+    }
+    m->ncopies = k;
+    for (int64_t i = 0; i < k; i++) p->flags[m->copies[2 * i]] |= KVB_F_COPY_SRC;
+}
+
+/* ---- write rule ------------------------------------------------------------------------- */
 /* Blocks taking n more written tokens would cost: growth plus copy-on-write of block w. */
 static int64_t need_for(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t n) {
     if (n <= 0) return 0;
     int64_t grow = blocks_for(m, s->ntokens + n) - s->nblocks;
     if (grow < 0) grow = 0;
     int64_t w = blk_of(m, s->ntokens);
-    if (w < s->nblocks && m->pool->ref_count[s->blocks[w]] > 1) grow++;
+    if (w < s->nblocks && users(m, s->blocks[w]) > 1) grow++;
     return grow;
 }
 
@@ -79,14 +194,10 @@ static void make_writable(kvb_mgr_t *m, kvb_seq_t *s) {
     int64_t w = blk_of(m, s->ntokens);
     if (w >= s->nblocks) return;
     int32_t b = s->blocks[w];
-    if (p->ref_count[b] > 1) {
+    if (users(m, b) > 1) {
         int32_t nb;
         kvb_pool_allocate(p, 1, &nb); /* cannot fail: counted by need_for */
-        if (off_in(m, s->ntokens)) {
-            m->copies[2 * m->ncopies] = b;
-            m->copies[2 * m->ncopies + 1] = nb;
-            m->ncopies++;
-        }
+        if (off_in(m, s->ntokens)) queue_copy(m, b, nb);
         s->blocks[w] = nb;
         s->tver++;
         kvb_pool_release(p, b);
@@ -106,14 +217,21 @@ static void cache_blocks(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t to) {
     }
 }
 
-/* Hash and register the blocks that became full, from block nhashed to ntokens / bs. */
-static void hash_full_blocks(kvb_mgr_t *m, kvb_seq_t *s) {
+/* Tokens [old, ncomputed) became computed: cache the blocks that are now fully computed. */
+static void computed_to(kvb_mgr_t *m, kvb_seq_t *s, int64_t ncomputed) {
+    int64_t from = blk_of(m, s->ncomputed);
+    s->ncomputed = ncomputed;
+    if (m->pool->caching) cache_blocks(m, s, from, blk_of(m, ncomputed));
+}
+
+/* Hash the blocks that became full (from block nhashed to ntokens / bs). They enter the
+ * prefix cache only once computed (computed_to). */
+static void hash_new_blocks(kvb_mgr_t *m, kvb_seq_t *s) {
     int64_t full = blk_of(m, s->ntokens);
     int64_t from = s->nhashed;
     kvb_hash_chain(m->key, from ? &s->hashes[from - 1] : &s->root,
                    s->tokens + from * m->block_size, full - from, m->block_size,
                    s->hashes + from);
-    cache_blocks(m, s, from, full);
     s->nhashed = (int32_t)full;
 }
 
@@ -130,7 +248,7 @@ static int reserve_capacity(kvb_mgr_t *m, kvb_seq_t *s, int64_t n, int64_t extra
 int kvb_mgr_init(kvb_mgr_t *m, kvb_pool_t *pool, kvb_pool_t *host, int32_t block_size,
                  const uint8_t key[16]) {
     memset(m, 0, sizeof *m);
-    if (block_size < 1) return KVB_EINVAL;
+    if (block_size < 1) { m->err_b = block_size; return KVB_EINVAL; }
     m->pool = pool;
     m->host = host;
     m->block_size = block_size;
@@ -180,6 +298,8 @@ static void take_slot(kvb_mgr_t *m, int32_t slot) {
     s->gen++; /* now odd: live */
     s->nblocks = 0;
     s->ntokens = 0;
+    s->ncomputed = 0;
+    s->drafted = 0;
     s->nhashed = 0;
     s->swapped = 0;
     m->nseqs++;
@@ -189,12 +309,13 @@ static void take_slot(kvb_mgr_t *m, int32_t slot) {
 int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
                 size_t salt_len, int32_t *slot_out, int64_t *cached_out) {
     kvb_pool_t *p = m->pool;
-    if (n < 0) { m->err_a = 0; m->err_b = n; return KVB_EINVAL; }
+    KVB_CLEAR_ERR(m);
+    if (n < 0) { m->err_b = n; return KVB_EINVAL; }
+    int64_t total = blocks_for(m, n), full = blk_of(m, n);
+    if (total >= p->num_blocks) return out_of_blocks(m, total, p->num_free);
     int32_t slot;
     if (new_slot(m, &slot)) return KVB_ENOMEM;
     kvb_seq_t *s = &m->seqs[slot];
-    int64_t total = blocks_for(m, n), full = blk_of(m, n);
-    if (total > INT32_MAX) { m->err_a = 0; m->err_b = n; return KVB_EINVAL; }
     if (ensure_tokens(s, n) || ensure_blocks(s, total) ||
         (p->caching && ensure_hashes(s, full + 1)))
         return KVB_ENOMEM;
@@ -218,8 +339,8 @@ int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *s
     s->nblocks = (int32_t)total;
     kvb_copy(s->tokens, tokens, (size_t)n * sizeof *tokens);
     s->ntokens = n;
+    s->ncomputed = hits * m->block_size; /* the rest enters the cache once computed */
     if (p->caching) {
-        cache_blocks(m, s, hits, full); /* their hashes are known already */
         s->nhashed = (int32_t)full;
         p->stats.queries++;
         p->stats.query_blocks += (uint64_t)full;
@@ -244,13 +365,11 @@ static void grow_table(kvb_mgr_t *m, kvb_seq_t *s, int64_t n) {
 
 /* Make n slots after the committed tokens writable (copy-on-write of the write block, growth),
  * with capacity for `tokens` more committed tokens. Shared by append and reserve. */
-static int make_room(kvb_mgr_t *m, int32_t slot, int64_t n, int64_t tokens, kvb_seq_t **out) {
-    kvb_seq_t *s = live_seq(m, slot);
-    if (!s) return KVB_EUNKNOWN;
-    if (s->swapped) return KVB_ESTATE;
-    if (n < 0) { m->err_a = 0; m->err_b = n; return KVB_EINVAL; }
-    *out = s;
+static int make_room(kvb_mgr_t *m, kvb_seq_t *s, int64_t n, int64_t tokens) {
+    if (n < 0) { m->err_b = n; return KVB_EINVAL; }
     if (n == 0) return KVB_OK;
+    if (n > max_tokens(m)) return out_of_blocks(m, blocks_for(m, max_tokens(m)) + 1,
+                                                m->pool->num_free);
     int64_t need = need_for(m, s, n);
     if (need > m->pool->num_free) return out_of_blocks(m, need, m->pool->num_free);
     if (reserve_capacity(m, s, tokens, need)) return KVB_ENOMEM;
@@ -259,51 +378,112 @@ static int make_room(kvb_mgr_t *m, int32_t slot, int64_t n, int64_t tokens, kvb_
     return KVB_OK;
 }
 
-int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n) {
+int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n, int computed) {
     kvb_seq_t *s;
-    int rc = make_room(m, slot, n, n, &s);
+    KVB_CLEAR_ERR(m);
+    int rc = get_seq(m, slot, 0, &s);
+    if (rc) return rc;
+    if (computed && n > 0 && (s->ncomputed != s->ntokens || n > s->drafted - s->ntokens)) {
+        m->err_a = s->drafted > s->ntokens ? s->drafted - s->ntokens : 0;
+        m->err_b = n;
+        m->err_what = "computed tokens must fill draft slots the last step scheduled";
+        return KVB_ESTATE;
+    }
+    rc = make_room(m, s, n, n);
     if (rc || n == 0) return rc;
     memcpy(s->tokens + s->ntokens, tokens, (size_t)n * sizeof *tokens);
     s->ntokens += n;
-    if (m->pool->caching) hash_full_blocks(m, s);
+    if (m->pool->caching) hash_new_blocks(m, s);
+    if (computed) computed_to(m, s, s->ntokens);
+    else s->drafted = 0;
     return KVB_OK;
 }
 
 int kvb_mgr_reserve(kvb_mgr_t *m, int32_t slot, int64_t n) {
     kvb_seq_t *s;
-    return make_room(m, slot, n, 0, &s);
+    KVB_CLEAR_ERR(m);
+    int rc = get_seq(m, slot, 0, &s);
+    return rc ? rc : make_room(m, s, n, 0);
 }
 
 int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n) {
-    kvb_seq_t *s = live_seq((kvb_mgr_t *)m, slot);
+    const kvb_seq_t *s = live_seq(m, slot);
     if (!s) return KVB_EUNKNOWN;
-    if (s->swapped) return blocks_for(m, s->ntokens + n);
+    if (n > max_tokens(m)) return INT64_MAX; /* more than the pool: never fits */
+    if (s->swapped) {
+        int64_t grow = blocks_for(m, s->ntokens + n) - s->nblocks;
+        return s->nblocks + (grow > 0 ? grow : 0);
+    }
     return need_for(m, s, n);
+}
+
+/* Exact blocks for n tokens each: the k batch members writing into one shared block b make
+ * min(k, users(b) - 1) copies. Out of line: only asked when the fast upper bound does not
+ * fit. Uses ref-count-sized scratch. */
+KVB_NOINLINE static int exact_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count,
+                                         int64_t n, int64_t *need_out) {
+    kvb_pool_t *p = m->pool;
+    int32_t *writers = calloc((size_t)p->num_blocks, sizeof *writers);
+    if (!writers) return KVB_ENOMEM;
+    int64_t need = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const kvb_seq_t *s = &m->seqs[slots[i]];
+        int64_t grow = blocks_for(m, s->ntokens + n) - s->nblocks;
+        need += grow > 0 ? grow : 0;
+        int64_t w = blk_of(m, s->ntokens);
+        if (w < s->nblocks) {
+            int32_t b = s->blocks[w];
+            if (users(m, b) - 1 > writers[b]++) need++;
+        }
+    }
+    free(writers);
+    *need_out = need;
+    return KVB_OK;
+}
+
+int kvb_mgr_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_t n,
+                       int64_t *need_out) {
+    KVB_CLEAR_ERR(m);
+    if (n < 0) { m->err_b = n; return KVB_EINVAL; }
+    int64_t need = 0;
+    for (int64_t i = 0; i < count; i++) {
+        kvb_seq_t *s;
+        int rc = get_seq(m, slots[i], 0, &s);
+        if (rc) { m->err_a = i; return rc; }
+        if (n > max_tokens(m)) { *need_out = INT64_MAX; return KVB_OK; }
+        need += need_for(m, s, n);
+    }
+    if (n > 0 && need > m->pool->num_free) return exact_batch_need(m, slots, count, n, need_out);
+    *need_out = need;
+    return KVB_OK;
 }
 
 /* The decode step: one token for each of n sequences, one call. */
 int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n) {
     kvb_pool_t *p = m->pool;
-    uint32_t stamp = ++m->stamp;
-    if (KVB_UNLIKELY(stamp == 0)) { /* wrapped: clear old stamps */
-        for (int32_t i = 0; i < m->scap; i++) m->seqs[i].stamp = 0;
-        stamp = m->stamp = 1;
-    }
+    KVB_CLEAR_ERR(m);
+    uint32_t stamp = next_stamp(m);
     int64_t need = 0;
     for (int64_t i = 0; i < n; i++) {
         kvb_seq_t *s = live_seq(m, slots[i]);
-        if (KVB_UNLIKELY(!s)) { m->err_a = i; m->err_b = slots[i]; return KVB_EUNKNOWN; }
-        if (KVB_UNLIKELY(s->stamp == stamp)) { m->err_a = i; m->err_b = slots[i]; return KVB_EDUP; }
-        if (KVB_UNLIKELY(s->swapped)) { m->err_a = i; m->err_b = slots[i]; return KVB_ESTATE; }
+        m->err_a = i;
+        m->err_b = slots[i];
+        if (KVB_UNLIKELY(!s)) return KVB_EUNKNOWN;
+        if (KVB_UNLIKELY(s->stamp == stamp)) return KVB_EDUP;
+        if (KVB_UNLIKELY(s->swapped)) return KVB_ESWAPPED;
         s->stamp = stamp;
         int64_t w = blk_of(m, s->ntokens);
-        if (w >= s->nblocks || p->ref_count[s->blocks[w]] > 1) need++;
+        if (w >= s->nblocks || p->ref_count[s->blocks[w]] > 1) need++; /* upper bound */
         if (KVB_UNLIKELY(s->ntokens + 1 > s->tcap || s->nblocks + 1 > s->bcap ||
                          (p->caching && w + 1 > s->hcap))) {
             if (reserve_capacity(m, s, 1, 1)) return KVB_ENOMEM;
         }
     }
-    if (KVB_UNLIKELY(need > p->num_free)) return out_of_blocks(m, need, p->num_free);
+    m->err_a = m->err_b = 0;
+    if (KVB_UNLIKELY(need > p->num_free)) {
+        if (exact_batch_need(m, slots, n, 1, &need)) return KVB_ENOMEM;
+        if (need > p->num_free) return out_of_blocks(m, need, p->num_free);
+    }
     if (KVB_UNLIKELY(kvb_grow((void **)&m->copies, &m->ccap, 2 * (m->ncopies + n),
                               sizeof *m->copies)))
         return KVB_ENOMEM;
@@ -320,25 +500,53 @@ int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *toke
         }
         s->tokens[t] = tokens[i];
         s->ntokens = t + 1;
-        if (off_in(m, t + 1) == 0 && p->caching) hash_full_blocks(m, s);
+        s->drafted = 0;
+        if (off_in(m, t + 1) == 0 && p->caching) hash_new_blocks(m, s);
     }
     return KVB_OK;
 }
 
-/* ---- truncate / fork / free ------------------------------------------------------------- */
-/* Forget pending copies whose destination block was just released: nothing will read it, and
- * once reallocated the late copy would overwrite its new owner's data. */
-static void drop_dead_copies(kvb_mgr_t *m) {
-    int64_t k = 0;
-    for (int64_t i = 0; i < m->ncopies; i++) {
-        if (m->pool->ref_count[m->copies[2 * i + 1]] == 0) continue;
-        m->copies[2 * k] = m->copies[2 * i];
-        m->copies[2 * k + 1] = m->copies[2 * i + 1];
-        k++;
+/* ---- schedule: the step that computes committed tokens ---------------------------------- */
+int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                     const int32_t *drafts, int64_t B, int apply) {
+    if (apply) {
+        for (int64_t i = 0; i < B; i++) {
+            kvb_seq_t *s = &m->seqs[slots[i]];
+            computed_to(m, s, s->ntokens);
+            s->drafted = s->ntokens + (drafts ? drafts[i] : 0);
+        }
+        return KVB_OK;
     }
-    m->ncopies = k;
+    KVB_CLEAR_ERR(m);
+    if (m->ncopies) { m->err_a = m->ncopies; return KVB_EPENDING; }
+    uint32_t stamp = next_stamp(m);
+    for (int64_t i = 0; i < B; i++) {
+        kvb_seq_t *s = live_seq(m, slots[i]);
+        int64_t q = qlens[i], d = drafts ? drafts[i] : 0;
+        m->err_a = i;
+        m->err_b = slots[i];
+        if (!s) return KVB_EUNKNOWN;
+        if (s->stamp == stamp) return KVB_EDUP;
+        if (s->swapped) return KVB_ESWAPPED;
+        s->stamp = stamp;
+        m->err_b = q;
+        if (q < 0 || q > s->ntokens) return KVB_EINVAL;
+        if (s->ntokens - q > s->ncomputed) {
+            m->err_b = s->ntokens - q - s->ncomputed;
+            return KVB_EGAP;
+        }
+        m->err_b = d;
+        if (d < 0) return KVB_EINVAL;
+        if (blocks_for(m, s->ntokens + d) > s->nblocks) {
+            m->err_what = "draft slots must be reserved first (reserve)";
+            return KVB_ESTATE;
+        }
+    }
+    m->err_a = m->err_b = 0;
+    return KVB_OK;
 }
 
+/* ---- truncate / fork / free ------------------------------------------------------------- */
 static void release_tail(kvb_mgr_t *m, kvb_seq_t *s, int32_t keep) {
     kvb_pool_t *p = s->swapped ? m->host : m->pool;
     for (int32_t i = s->nblocks - 1; i >= keep; i--) kvb_pool_release(p, s->blocks[i]);
@@ -348,9 +556,10 @@ static void release_tail(kvb_mgr_t *m, kvb_seq_t *s, int32_t keep) {
 }
 
 int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens) {
-    kvb_seq_t *s = live_seq(m, slot);
-    if (!s) return KVB_EUNKNOWN;
-    if (s->swapped) return KVB_ESTATE;
+    kvb_seq_t *s;
+    KVB_CLEAR_ERR(m);
+    int rc = get_seq(m, slot, 0, &s);
+    if (rc) return rc;
     if (ntokens < 0 || ntokens > s->ntokens) {
         m->err_a = s->ntokens;
         m->err_b = ntokens;
@@ -358,14 +567,17 @@ int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens) {
     }
     release_tail(m, s, (int32_t)blocks_for(m, ntokens));
     s->ntokens = ntokens;
+    if (s->ncomputed > ntokens) s->ncomputed = ntokens;
+    s->drafted = 0;
     if (s->nhashed > blk_of(m, ntokens)) s->nhashed = (int32_t)blk_of(m, ntokens);
     return KVB_OK;
 }
 
 int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out) {
-    kvb_seq_t *ps = live_seq(m, parent);
-    if (!ps) return KVB_EUNKNOWN;
-    if (ps->swapped) return KVB_ESTATE;
+    kvb_seq_t *ps;
+    KVB_CLEAR_ERR(m);
+    int rc = get_seq(m, parent, 0, &ps);
+    if (rc) return rc;
     int32_t slot;
     if (new_slot(m, &slot)) return KVB_ENOMEM;
     ps = &m->seqs[parent]; /* new_slot may have moved the array */
@@ -374,11 +586,14 @@ int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out) {
     if (ensure_tokens(s, ps->ntokens) || ensure_blocks(s, nb) ||
         ensure_hashes(s, ps->nhashed + 1))
         return KVB_ENOMEM;
+    for (int64_t i = 0; i < nb; i++) /* ref counts stay far below INT32_MAX: one per table */
+        if (m->pool->ref_count[ps->blocks[i]] == INT32_MAX) return KVB_ENOMEM;
     take_slot(m, slot);
     kvb_copy(s->tokens, ps->tokens, (size_t)ps->ntokens * sizeof *s->tokens);
     kvb_copy(s->blocks, ps->blocks, (size_t)nb * sizeof *s->blocks);
     kvb_copy(s->hashes, ps->hashes, (size_t)ps->nhashed * sizeof *s->hashes);
     s->ntokens = ps->ntokens;
+    s->ncomputed = ps->ncomputed;
     s->nblocks = (int32_t)nb;
     s->nhashed = ps->nhashed;
     s->root = ps->root;
@@ -388,10 +603,14 @@ int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out) {
 }
 
 int kvb_mgr_free(kvb_mgr_t *m, int32_t slot) {
-    kvb_seq_t *s = live_seq(m, slot);
-    if (!s) return KVB_EUNKNOWN;
+    kvb_seq_t *s;
+    KVB_CLEAR_ERR(m);
+    int rc = get_seq(m, slot, 1, &s);
+    if (rc) return rc;
     release_tail(m, s, 0); /* tail first: the longest prefixes are evicted first */
     s->ntokens = 0;
+    s->ncomputed = 0;
+    s->drafted = 0;
     s->nhashed = 0;
     s->swapped = 0;
     s->gen++; /* even: free */
@@ -402,104 +621,209 @@ int kvb_mgr_free(kvb_mgr_t *m, int32_t slot) {
 }
 
 /* ---- swap ------------------------------------------------------------------------------- */
-/* Move a sequence's blocks from one pool to another: allocate in dst, release in src. */
-static int move_blocks(kvb_mgr_t *m, kvb_seq_t *s, kvb_pool_t *src, kvb_pool_t *dst,
-                       int64_t *pairs) {
+int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out) {
+    kvb_seq_t *s;
+    KVB_CLEAR_ERR(m);
+    int rc = get_seq(m, slot, 0, &s);
+    if (rc) return rc;
+    if (!m->host) return KVB_ESTATE;
+    kvb_pool_t *p = m->pool, *h = m->host;
     int32_t nb = s->nblocks;
-    if (nb > dst->num_free) return out_of_blocks(m, nb, dst->num_free);
+    if (nb > h->num_free) return out_of_blocks(m, nb, h->num_free);
     int32_t *fresh = malloc((size_t)(nb ? nb : 1) * sizeof *fresh);
     if (!fresh) return KVB_ENOMEM;
-    kvb_pool_allocate(dst, nb, fresh);
+    kvb_pool_allocate(h, nb, fresh);
     for (int32_t i = 0; i < nb; i++) {
-        pairs[2 * i] = s->blocks[i];
-        pairs[2 * i + 1] = fresh[i];
+        int32_t b = s->blocks[i]; /* a pending copy's destination reads from its source */
+        pairs_out[2 * i] = (p->flags[b] & KVB_F_COPY_DST) ? pending_src(m, b) : b;
+        pairs_out[2 * i + 1] = fresh[i];
     }
-    for (int32_t i = nb - 1; i >= 0; i--) kvb_pool_release(src, s->blocks[i]);
+    for (int32_t i = nb - 1; i >= 0; i--) kvb_pool_release(p, s->blocks[i]);
     kvb_copy(s->blocks, fresh, (size_t)nb * sizeof *fresh);
-    s->tver++;
     free(fresh);
-    if (KVB_UNLIKELY(m->ncopies) && src == m->pool) drop_dead_copies(m);
+    s->tver++;
+    s->swapped = 1;
+    s->drafted = 0;
+    if (KVB_UNLIKELY(m->ncopies)) drop_dead_copies(m);
     return KVB_OK;
 }
 
-int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out) {
-    kvb_seq_t *s = live_seq(m, slot);
-    if (!s) return KVB_EUNKNOWN;
-    if (!m->host || s->swapped) return KVB_ESTATE;
-    int rc = move_blocks(m, s, m->pool, m->host, pairs_out);
-    if (rc == KVB_OK) s->swapped = 1;
-    return rc;
+/* Device blocks swap_in takes: one per block, less the computed full blocks whose content is
+ * still cached on the device (re-shared instead of copied; pinning an evictable one takes it
+ * out of the free pool all the same). hits_out[i] is the cached block for block i or 0. */
+static int64_t swap_in_need(const kvb_mgr_t *m, const kvb_seq_t *s, int32_t *hits_out) {
+    const kvb_pool_t *p = m->pool;
+    int64_t need = 0, ncached = p->caching ? blk_of(m, s->ncomputed) : 0;
+    for (int32_t i = 0; i < s->nblocks; i++) {
+        int32_t b = i < ncached ? kvb_cache_find(p, &s->hashes[i]) : KVB_NONE;
+        if (hits_out) hits_out[i] = b == KVB_NONE ? 0 : b;
+        need += b == KVB_NONE || p->ref_count[b] == 0;
+    }
+    return need;
 }
 
-int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out) {
-    kvb_seq_t *s = live_seq(m, slot);
-    if (!s) return KVB_EUNKNOWN;
+int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs) {
+    kvb_seq_t *s;
+    KVB_CLEAR_ERR(m);
+    int rc = get_seq(m, slot, 1, &s);
+    if (rc) return rc;
     if (!m->host || !s->swapped) return KVB_ESTATE;
-    int rc = move_blocks(m, s, m->host, m->pool, pairs_out);
-    if (rc != KVB_OK) return rc;
+    kvb_pool_t *p = m->pool;
+    int32_t nb = s->nblocks;
+    int32_t *dev = malloc((size_t)(nb ? nb : 1) * sizeof *dev);
+    if (!dev) return KVB_ENOMEM;
+    int64_t need = swap_in_need(m, s, dev);
+    if (need > p->num_free) { free(dev); return out_of_blocks(m, need, p->num_free); }
+    int64_t k = 0;
+    for (int32_t i = 0; i < nb; i++) { /* pin every hit before allocating the rest */
+        if (dev[i]) kvb_cache_pin(p, &dev[i], 1);
+    }
+    for (int32_t i = 0; i < nb; i++) {
+        if (!dev[i]) {
+            kvb_pool_allocate(p, 1, &dev[i]);
+            pairs_out[2 * k] = s->blocks[i];
+            pairs_out[2 * k + 1] = dev[i];
+            k++;
+        }
+    }
+    for (int32_t i = nb - 1; i >= 0; i--) kvb_pool_release(m->host, s->blocks[i]);
+    kvb_copy(s->blocks, dev, (size_t)nb * sizeof *dev);
+    free(dev);
+    s->tver++;
     s->swapped = 0;
-    if (m->pool->caching) cache_blocks(m, s, 0, s->nhashed); /* fresh copies serve hits again */
+    if (p->caching) cache_blocks(m, s, 0, blk_of(m, s->ncomputed)); /* serve hits again */
+    *npairs = k;
     return KVB_OK;
 }
 
 /* ---- check ------------------------------------------------------------------------------ */
-#define MFAIL(a, b) do { ((kvb_mgr_t *)m)->err_a = (a); ((kvb_mgr_t *)m)->err_b = (b); \
-                         rc = KVB_ECORRUPT; goto done; } while (0)
+#define MFAIL(what, item) do { m->err_what = (what); m->err_a = i; m->err_b = (item); \
+                               rc = KVB_ECORRUPT; goto done; } while (0)
 
-int kvb_mgr_check(const kvb_mgr_t *m) {
-    const kvb_pool_t *p = m->pool;
+int kvb_mgr_check(kvb_mgr_t *m) {
+    kvb_pool_t *p = m->pool;
     int rc = kvb_pool_check(p);
-    if (rc) return rc;
-    if (m->host && (rc = kvb_pool_check(m->host))) return rc;
+    if (rc) { m->err_what = p->err_what; m->err_a = p->err_a; m->err_b = p->err_b; return rc; }
+    if (m->host && (rc = kvb_pool_check(m->host))) {
+        m->err_what = m->host->err_what; m->err_a = m->host->err_a; m->err_b = m->host->err_b;
+        return rc;
+    }
+    KVB_CLEAR_ERR(m);
+    int64_t i = 0;
     int32_t *refs = calloc((size_t)p->num_blocks, sizeof *refs);
     int32_t *hrefs = m->host ? calloc((size_t)m->host->num_blocks, sizeof *hrefs) : NULL;
-    if (!refs || (m->host && !hrefs)) { free(refs); free(hrefs); return KVB_ENOMEM; }
+    uint8_t *computed = calloc((size_t)p->num_blocks, 1);
+    if (!refs || !computed || (m->host && !hrefs)) {
+        free(refs); free(hrefs); free(computed);
+        return KVB_ENOMEM;
+    }
     int64_t live = 0, nfree = 0;
-    for (int32_t i = 0; i < m->scap; i++) {
+    for (i = 0; i < m->scap; i++) {
         const kvb_seq_t *s = &m->seqs[i];
         if (!(s->gen & 1u)) { nfree++; continue; }
         live++;
         const kvb_pool_t *sp = s->swapped ? m->host : p;
         int32_t *r = s->swapped ? hrefs : refs;
-        if (s->swapped && !m->host) MFAIL(100, i);
-        if (s->nblocks < blocks_for(m, s->ntokens) || s->nblocks > s->bcap) MFAIL(101, i);
-        if (s->ntokens > s->tcap) MFAIL(102, i);
+        if (s->swapped && !m->host) MFAIL("swapped sequence without a host pool", 0);
+        if (s->nblocks < blocks_for(m, s->ntokens) || s->nblocks > s->bcap)
+            MFAIL("table shorter than its tokens or beyond capacity", s->nblocks);
+        if (s->ntokens > s->tcap) MFAIL("tokens beyond capacity", s->ntokens);
+        if (s->ncomputed < 0 || s->ncomputed > s->ntokens)
+            MFAIL("computed tokens outside [0, committed]", s->ncomputed);
         for (int32_t j = 0; j < s->nblocks; j++) {
             int32_t b = s->blocks[j];
-            if (b <= 0 || b >= sp->num_blocks) MFAIL(103, i);
+            if (b <= 0 || b >= sp->num_blocks) MFAIL("table holds an out-of-range block", b);
             r[b]++;
         }
+        if (!s->swapped)
+            for (int64_t j = 0; j < blk_of(m, s->ncomputed); j++) computed[s->blocks[j]] = 1;
         int64_t full = blk_of(m, s->ntokens);
-        if (s->nhashed != (p->caching ? full : 0)) MFAIL(104, i);
+        if (s->nhashed != (p->caching ? full : 0)) MFAIL("hashes known != full blocks", s->nhashed);
         for (int32_t j = 0; j < s->nhashed; j++) {
             kvb_hash_t h;
             kvb_hash_chain(m->key, j ? &s->hashes[j - 1] : &s->root,
                            s->tokens + (int64_t)j * m->block_size, 1, m->block_size, &h);
-            if (h.lo != s->hashes[j].lo || h.hi != s->hashes[j].hi) MFAIL(105, i);
+            if (h.lo != s->hashes[j].lo || h.hi != s->hashes[j].hi)
+                MFAIL("block hash does not match its tokens", j);
             int32_t b = s->blocks[j]; /* a cached full block holds this very content */
             if (!s->swapped && (p->flags[b] & KVB_F_CACHED) &&
                 (p->hash[b].lo != h.lo || p->hash[b].hi != h.hi))
-                MFAIL(106, i);
+                MFAIL("cached full block registered under another hash", b);
         }
         /* blocks past the write block are private */
         for (int64_t j = blk_of(m, s->ntokens) + 1; j < s->nblocks; j++)
-            if (sp->ref_count[s->blocks[j]] != 1) MFAIL(107, i);
+            if (s->swapped ? sp->ref_count[s->blocks[j]] != 1 : users(m, s->blocks[j]) != 1)
+                MFAIL("reserved block is shared", s->blocks[j]);
     }
-    if (live != m->nseqs) MFAIL(108, live);
+    i = 0;
+    if (live != m->nseqs) MFAIL("live slots != nseqs", live);
     int64_t stack = 0;
-    for (int32_t i = m->free_slot; i != KVB_NONE; i = m->seqs[i].next_free) {
-        if (m->seqs[i].gen & 1u) MFAIL(109, i);
-        if (++stack > m->scap) MFAIL(110, i);
+    for (int32_t k = m->free_slot; k != KVB_NONE; k = m->seqs[k].next_free) {
+        if (m->seqs[k].gen & 1u) MFAIL("free-slot stack holds a live slot", k);
+        if (++stack > m->scap) MFAIL("free-slot stack has a cycle", k);
     }
-    if (stack != nfree) MFAIL(111, stack);
-    for (int32_t b = 1; b < p->num_blocks; b++)
-        if (refs[b] != p->ref_count[b]) MFAIL(112, b);
+    if (stack != nfree) MFAIL("free-slot stack length != free slots", stack);
+    for (i = 0; i < m->ncopies; i++) {
+        int64_t src = m->copies[2 * i], dst = m->copies[2 * i + 1];
+        if (src <= 0 || src >= p->num_blocks || dst <= 0 || dst >= p->num_blocks)
+            MFAIL("pending copy holds an out-of-range block", src);
+        if (!(p->flags[src] & KVB_F_COPY_SRC) || (p->flags[src] & KVB_F_COPY_DST))
+            MFAIL("pending copy source not flagged, or also a destination", src);
+        if (!(p->flags[dst] & KVB_F_COPY_DST) || (p->flags[dst] & KVB_F_COPY_SRC) ||
+            p->ref_count[dst] == 0)
+            MFAIL("pending copy destination not flagged, also a source, or free", dst);
+        refs[src]++; /* the hold */
+    }
+    i = 0;
+    for (int32_t b = 1; b < p->num_blocks; b++) {
+        if (refs[b] != p->ref_count[b]) MFAIL("ref count != references held", b);
+        if ((p->flags[b] & (KVB_F_COPY_SRC | KVB_F_COPY_DST)) && !m->ncopies)
+            MFAIL("copy flag without a pending copy", b);
+    }
+    /* no prefix hit can read an unwritten slot: a full committed block that is cached under
+     * this sequence's hash but not computed by it must be computed by another holder */
+    for (i = 0; i < m->scap; i++) {
+        const kvb_seq_t *s = &m->seqs[i];
+        if (!(s->gen & 1u) || s->swapped || !p->caching) continue;
+        for (int64_t j = blk_of(m, s->ncomputed); j < s->nhashed; j++) {
+            int32_t b = s->blocks[j];
+            if ((p->flags[b] & KVB_F_CACHED) && !(p->flags[b] & KVB_F_COPY_DST) && !computed[b] &&
+                p->hash[b].lo == s->hashes[j].lo && p->hash[b].hi == s->hashes[j].hi)
+                MFAIL("cached block whose K/V no holder has computed", b);
+        }
+    }
+    i = 0;
     if (m->host)
         for (int32_t b = 1; b < m->host->num_blocks; b++)
-            if (hrefs[b] != m->host->ref_count[b]) MFAIL(113, b);
+            if (hrefs[b] != m->host->ref_count[b]) MFAIL("host ref count != references held", b);
     rc = KVB_OK;
 done:
     free(refs);
     free(hrefs);
+    free(computed);
     return rc;
+}
+
+/* ---- admission probe -------------------------------------------------------------------- */
+int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                  size_t salt_len, int64_t *cached_out, int64_t *need_out) {
+    kvb_pool_t *p = m->pool;
+    KVB_CLEAR_ERR(m);
+    if (n < 0) { m->err_b = n; return KVB_EINVAL; }
+    int64_t total = blocks_for(m, n), hits = 0, pinned_from_free = 0;
+    if (p->caching && n > 1) {
+        int64_t max_hits = blk_of(m, n - 1);
+        kvb_hash_t h, parent;
+        kvb_hash_root(m->key, salt, salt_len, &parent);
+        for (; hits < max_hits; hits++) { /* hash block by block: stop at the first miss */
+            kvb_hash_chain(m->key, &parent, tokens + hits * m->block_size, 1, m->block_size, &h);
+            int32_t b = kvb_cache_find(p, &h);
+            if (b == KVB_NONE) break;
+            pinned_from_free += p->ref_count[b] == 0;
+            parent = h;
+        }
+    }
+    *cached_out = hits * m->block_size;
+    *need_out = total - hits + pinned_from_free;
+    return KVB_OK;
 }

@@ -13,6 +13,9 @@ cdef extern from "kvblocks.h" nogil:
         KVB_ECORRUPT
         KVB_EUNKNOWN
         KVB_EDUP
+        KVB_ESWAPPED
+        KVB_EPENDING
+        KVB_EGAP
         KVB_EV_STORED
         KVB_EV_REMOVED
         KVB_EV_CLEARED
@@ -42,6 +45,8 @@ cdef extern from "kvblocks.h" nogil:
         int64_t *tok_off
         int64_t ntok, tok_cap
         int32_t *tokens
+        int64_t max_pending
+        uint64_t dropped
 
     ctypedef struct kvb_pool_t:
         int32_t num_blocks, num_free, num_cached, num_evictable, free_head, free_tail
@@ -56,6 +61,7 @@ cdef extern from "kvblocks.h" nogil:
         kvb_stats_t stats
         kvb_events_t events
         int64_t err_a, err_b
+        const char *err_what
 
     int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching)
     void kvb_pool_destroy(kvb_pool_t *p)
@@ -63,7 +69,7 @@ cdef extern from "kvblocks.h" nogil:
     int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out)
     int kvb_pool_free(kvb_pool_t *p, const int32_t *ids, int64_t n)
     int kvb_pool_incref(kvb_pool_t *p, const int32_t *ids, int64_t n)
-    int kvb_pool_check(const kvb_pool_t *p)
+    int kvb_pool_check(kvb_pool_t *p)
     int32_t kvb_cache_find(const kvb_pool_t *p, const kvb_hash_t *h)
     int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes, int64_t n,
                          const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,
@@ -78,6 +84,7 @@ cdef extern from "kvblocks.h" nogil:
         int32_t nblocks, bcap
         int32_t *tokens
         int64_t ntokens, tcap
+        int64_t ncomputed, drafted
         kvb_hash_t *hashes
         int32_t nhashed, hcap
         kvb_hash_t root
@@ -94,22 +101,31 @@ cdef extern from "kvblocks.h" nogil:
         int64_t *copies
         int64_t ncopies, ccap
         int64_t err_a, err_b
+        const char *err_what
 
     int kvb_mgr_init(kvb_mgr_t *m, kvb_pool_t *pool, kvb_pool_t *host, int32_t block_size,
                      const uint8_t *key)
     void kvb_mgr_destroy(kvb_mgr_t *m)
     int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
                     size_t salt_len, int32_t *slot_out, int64_t *cached_out)
-    int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n)
+    int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n,
+                       int computed)
     int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n)
     int kvb_mgr_reserve(kvb_mgr_t *m, int32_t slot, int64_t n)
     int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens)
     int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out)
     int kvb_mgr_free(kvb_mgr_t *m, int32_t slot)
-    int kvb_mgr_check(const kvb_mgr_t *m)
+    int kvb_mgr_check(kvb_mgr_t *m)
     int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n)
+    int kvb_mgr_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_t n,
+                           int64_t *need_out)
+    int64_t kvb_mgr_take_copies(kvb_mgr_t *m, int64_t *out)
+    int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                      size_t salt_len, int64_t *cached_out, int64_t *need_out)
+    int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                         const int32_t *drafts, int64_t B, int apply)
     int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out)
-    int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out)
+    int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs)
 
     ctypedef struct kvb_meta_t:
         int64_t *slot_mapping
@@ -125,13 +141,14 @@ cdef extern from "kvblocks.h" nogil:
         int64_t cap_rows, valid_rows
         int64_t n_tokens, n_indices
 
-    int kvb_mgr_metadata(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
-                         int64_t B, kvb_meta_t *out)
+    int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                         const int32_t *drafts, int64_t B, kvb_meta_t *out)
 
 
 cdef class BlockPool:
     cdef kvb_pool_t p
     cdef bytes _key
+    cdef object _block_size
     cdef bint _initialized
 
 
@@ -146,8 +163,18 @@ cdef class BlockManager:
     cdef list _ids
     cdef cnp.ndarray _buf
     cdef cnp.ndarray _imap
+    cdef int _busy
+    cdef unsigned long _owner
+    cdef int _enter(self) except -1
+    cdef void _leave(self) noexcept
     cdef int32_t _slot(self, object seq_id) except -1
-    cdef cnp.ndarray _slots_of(self, object seq_ids, Py_ssize_t *count)
+    cdef object _id_list(self, object seq_ids)
+    cdef cnp.ndarray _slots_of(self, object ids, Py_ssize_t *count)
     cdef int _err(self, int rc, str what) except -1
     cdef _register(self, object seq_id, int32_t slot)
-    cdef object _fill_meta(self, object out, int32_t *slots, int32_t *q, Py_ssize_t B)
+    cdef _unregister(self, object seq_id, int32_t slot)
+    cdef kvb_seq_t *_seq(self, object seq_id) except NULL
+    cdef int _check_step(self, cnp.ndarray slots, cnp.ndarray q, object d, Py_ssize_t B,
+                         str what) except -1
+    cdef object _fill_meta(self, object out, int32_t *slots, int32_t *q, int32_t *d,
+                           Py_ssize_t B)

@@ -41,7 +41,8 @@ class AttentionMetadata:
     ``invalidate()`` after you do.
     """
 
-    __slots__ = _FIELDS + ("num_tokens", "num_seqs", "_row_cache", "_valid_rows", "_owner")
+    __slots__ = _FIELDS + ("num_tokens", "num_seqs", "_row_cache", "_valid_rows", "_owner",
+                           "_base")
 
     def __init__(self, slot_mapping, block_tables, seq_lens, qo_indptr, kv_indptr, kv_indices,
                  kv_last_page_len, num_tokens=0, num_seqs=0):
@@ -57,6 +58,7 @@ class AttentionMetadata:
         self._row_cache = None  # buffers from allocate(): what each row held last step
         self._valid_rows = 0
         self._owner = None
+        self._base = None  # views returned by metadata(): the buffers they came from
 
     @classmethod
     def allocate(cls, max_batch: int, max_tokens: int, max_indices: int,

@@ -355,7 +355,16 @@ def simulate_paged(
             prefilling.append(s)
             take_chunk(s)
 
-        # 4. the step's duration and its sample
+        # 4. the step computes the decodes' newest tokens and the prompts whose prefill
+        # completes: declare it, so that their full blocks enter the prefix cache
+        t0 = perf()
+        if n_dec:
+            mgr.schedule(d_batch if d_batch is not None else d_uid.tolist(), np.ones(n_dec, np.int32))
+        for s in completed:
+            mgr.schedule([s.uid], [mgr.num_tokens(s.uid) - mgr.num_computed(s.uid)])
+        alloc += perf() - t0
+
+        # the step's duration and its sample
         kv_read = int(d_ctx.sum()) if n_dec else 0
         swap_bytes = (swapped_blocks - swap_blocks_step) * cfg.block_bytes
         dt = tm.step(pf_tokens, n_dec, kv_read, swap_bytes)

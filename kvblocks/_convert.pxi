@@ -1,0 +1,222 @@
+# Argument conversion and error mapping for _core.pyx (included there).
+#
+# The boundary rule every public call follows:
+#   1. convert: ids to exact int/str, tokens and ids to owned int32 arrays, scalars through
+#      as_int. Only this phase may run Python code (numpy conversion, __array__, generators);
+#   2. validate against the allocator's state;
+#   3. mutate, with no Python code running until the call returns.
+# A failed call raises a KVBlocksError subclass and changes nothing.
+
+cdef extern from "Python.h":
+    object PyNumber_Index(object o)
+    object PyUnicode_FromObject(object o)
+    bint PyLong_Check(object o)
+    bint PyUnicode_Check(object o)
+    bint PyBool_Check(object o)
+
+# exact numpy integer scalar types (their __index__ is numpy's C code, never user code)
+_NP_INT_TYPES = frozenset({np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                           np.uint32, np.uint64, np.intc, np.uintc, np.intp, np.uintp})
+
+
+cdef object norm_id(object sid):
+    """The exact ``int`` or ``str`` a sequence id stands for.
+
+    int subclasses and numpy integer scalars become the equal ``int`` (``np.int64(1)`` is id
+    1); str subclasses the equal ``str``, so their ``__hash__``/``__eq__`` never run inside
+    the allocator. ``bool``, ``float`` and anything else are refused: ``True`` and ``1.0``
+    would otherwise alias id 1.
+    """
+    cdef type t = type(sid)
+    if t is int or t is str:
+        return sid
+    if PyBool_Check(sid):
+        raise InvalidTypeError("sequence ids must be int or str, got bool")
+    if PyLong_Check(sid):
+        return PyNumber_Index(sid)  # an exact int copy; no user code runs
+    if PyUnicode_Check(sid):
+        return PyUnicode_FromObject(sid)  # an exact str copy
+    if t in _NP_INT_TYPES:
+        return PyNumber_Index(sid)
+    raise InvalidTypeError(f"sequence ids must be int or str, got {t.__name__}")
+
+
+cdef int64_t as_int(object v, str name, int64_t lo, int64_t hi) except? -1:
+    """A checked scalar: an int (or numpy integer) in [lo, hi]. Floats and bools are refused
+    (no silent truncation), out-of-range values raise InvalidArgumentError (no wrap-around)."""
+    cdef int overflow = 0
+    cdef long long x
+    if type(v) is not int:
+        if PyBool_Check(v) or not (PyLong_Check(v) or type(v) in _NP_INT_TYPES):
+            raise InvalidTypeError(f"{name} must be an int, got {type(v).__name__}")
+        v = PyNumber_Index(v)
+    x = PyLong_AsLongLongAndOverflow(v, &overflow)
+    if overflow or x < lo or x > hi:
+        raise InvalidArgumentError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return x
+
+
+cdef inline bint is_i32_vector(object obj):
+    """True for a 1-D C-contiguous aligned int32 ndarray (the zero-conversion fast path)."""
+    if not cnp.PyArray_Check(obj):
+        return False
+    cdef cnp.ndarray a = <cnp.ndarray>obj
+    return (cnp.PyArray_TYPE(a) == cnp.NPY_INT32 and cnp.PyArray_NDIM(a) == 1
+            and cnp.PyArray_ISCARRAY_RO(a))
+
+
+cdef inline int32_t *i32_data(cnp.ndarray a):
+    return <int32_t *>cnp.PyArray_DATA(a) if cnp.PyArray_DIM(a, 0) else NULL
+
+
+cdef void *buf_ptr(object arr, int typenum, int ndim, Py_ssize_t rows, str name) except NULL:
+    """Data pointer of a writable C-contiguous buffer of the given dtype, rank and rows."""
+    if not cnp.PyArray_Check(arr):
+        raise InvalidTypeError(f"metadata: buffer {name} must be a numpy array")
+    cdef cnp.ndarray a = <cnp.ndarray>arr
+    if (cnp.PyArray_TYPE(a) != typenum or cnp.PyArray_NDIM(a) != ndim
+            or not cnp.PyArray_ISCARRAY(a)):
+        want = "int64" if typenum == cnp.NPY_INT64 else "int32"
+        raise InvalidTypeError(f"metadata: buffer {name} must be a writable C-contiguous "
+                               f"{ndim}-D {want} array, got {arr.dtype} {arr.shape}")
+    if cnp.PyArray_DIM(a, 0) < rows:
+        raise InvalidArgumentError(f"metadata: buffer {name} holds {cnp.PyArray_DIM(a, 0)} "
+                                   f"rows, the batch needs {rows}")
+    return cnp.PyArray_DATA(a)
+
+
+cdef inline cnp.ndarray new_i32(Py_ssize_t n):
+    cdef cnp.npy_intp dim = n
+    return cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+
+
+cdef cnp.ndarray as_int32(object obj, str name):
+    """A 1-D C-contiguous int32 array from an int array, list or range; checks the range."""
+    if is_i32_vector(obj):
+        return <cnp.ndarray>obj
+    cdef object arr
+    if type(obj) is np.ndarray:
+        arr = obj
+    else:
+        try:
+            arr = np.asarray(obj)
+        except KVBlocksError:
+            raise
+        except Exception as exc:
+            raise InvalidTypeError(f"{name} must be a sequence of ints: "
+                                   f"{type(exc).__name__}") from None
+        if not cnp.PyArray_Check(arr):
+            raise InvalidTypeError(f"{name} must be a sequence of ints")
+        if arr.size == 0 and arr.ndim == 1:
+            arr = arr.astype(np.int32)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":  # bools, floats and objects are refused
+        raise InvalidTypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
+        raise InvalidArgumentError(f"{name} holds values outside int32")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+cdef object as_hashes(object obj, str name="hashes"):
+    """An (n, 2) C-contiguous uint64 array of [lo, hi] 128-bit hashes."""
+    cdef object arr
+    if isinstance(obj, (list, tuple)) and obj and type(obj[0]) is int:  # 128-bit ints
+        if not all(type(h) is int and 0 <= h < (1 << 128) for h in obj):
+            raise InvalidArgumentError(f"{name}: 128-bit unsigned ints expected")
+        arr = np.array([[h & 0xFFFFFFFFFFFFFFFF, h >> 64] for h in obj], dtype=np.uint64)
+    else:
+        try:
+            arr = np.asarray(obj)
+        except Exception as exc:
+            raise InvalidTypeError(f"{name}: {type(exc).__name__}") from None
+    if arr.size == 0:
+        return np.zeros((0, 2), dtype=np.uint64)
+    if arr.dtype != np.uint64:
+        raise InvalidTypeError(f"{name} must be uint64 [n, 2] (as from hash_blocks), "
+                               f"got dtype {arr.dtype}")
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise InvalidArgumentError(f"{name} must have shape [n, 2], got {arr.shape}")
+    return np.ascontiguousarray(arr)
+
+
+cdef bytes as_key(object key):
+    if key is None:
+        return _DEFAULT_KEY
+    if isinstance(key, str):
+        key = _utf8(key, "hash key")
+    if not isinstance(key, (bytes, bytearray, memoryview)):
+        raise InvalidTypeError(f"hash key must be 16 bytes, got {type(key).__name__}")
+    key = bytes(key)
+    if len(key) != 16:
+        raise InvalidArgumentError(f"hash key must be 16 bytes, got {len(key)}")
+    return key
+
+
+cdef bytes _utf8(str s, str what):
+    try:
+        return s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"{what} is not valid UTF-8 text (lone surrogate)") from None
+
+
+cdef bytes as_salt(object salt):
+    """The bytes a salt is hashed as: a type tag, then its content.
+
+    ``None`` is no salt. A ``str`` is tagged ``s`` and UTF-8 encoded, bytes-like salts are
+    tagged ``b``: ``"7"`` and ``b"7"`` are different salts, ``""`` differs from ``None``.
+    Other types (ints included) are refused: pass ``str(salt)`` to mean the text.
+    """
+    if salt is None:
+        return b""
+    if isinstance(salt, str):
+        return b"s" + _utf8(salt, "salt")
+    if isinstance(salt, (bytes, bytearray, memoryview)):
+        return b"b" + bytes(salt)
+    raise InvalidTypeError(f"salt must be str or bytes, got {type(salt).__name__}")
+
+
+cdef inline object hash_int(kvb_hash_t h):
+    return (<object>h.hi << 64) | <object>h.lo
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: the one mapping from C codes to kvblocks.errors
+# ---------------------------------------------------------------------------------------------
+cdef int raise_code(int rc, str what, int64_t a, int64_t b, const char *check=NULL,
+                    object seq=None) except -1:
+    """Raise the exception for C code ``rc``; a and b are the C error detail (see
+    kvblocks.h), ``check`` the name of a failed check, ``seq`` the sequence concerned."""
+    cdef str name = check.decode() if check is not NULL else ""
+    cdef str who = f"sequence {seq!r}" if seq is not None else "a sequence"
+    if rc == KVB_ENOMEM:
+        raise MemoryError(f"{what}: out of host memory")
+    if rc == KVB_EOUTOFBLOCKS:
+        raise OutOfBlocksError(f"{what}: need {a} blocks, {b} free")
+    if rc == KVB_ERANGE:
+        if name:
+            raise InvalidArgumentError(f"{what}: buffer {name} holds {b}, the step needs {a}")
+        raise InvalidArgumentError(f"{what}: value {b} at index {a} is out of range")
+    if rc == KVB_EINVAL:
+        raise InvalidArgumentError(f"{what}: invalid value {b}" + (f" at index {a}" if a else ""))
+    if rc == KVB_ESWAPPED:
+        raise InvalidStateError(f"{what}: {who} is swapped out (swap_in first)")
+    if rc == KVB_EPENDING:
+        raise InvalidStateError(f"{what}: {a} copy-on-write copies are pending; drain them "
+                                f"with take_copies() and run ops.copy_blocks first")
+    if rc == KVB_EGAP:
+        raise InvalidStateError(f"{what}: {who} has {b} committed tokens before the query "
+                                f"that were never computed; include them in query_lens")
+    if rc == KVB_ESTATE:
+        raise InvalidStateError(f"{what}: not allowed now" + (f": {name}" if name else
+                                                              f" (item {b} at index {a})"))
+    if rc == KVB_EDUP:
+        if seq is not None:
+            raise InvalidArgumentError(f"{what}: {who} appears twice")
+        raise InvalidArgumentError(f"{what}: duplicate or conflicting entry {b} at index {a}")
+    if rc == KVB_ECORRUPT:
+        raise CorruptionError(f"{what}: invariant violated: {name or 'unnamed'} "
+                              f"(item {b}, slot or index {a})")
+    if rc == KVB_EUNKNOWN:
+        raise UnknownSequenceError(f"{what}: unknown {who}")
+    raise KVBlocksError(f"{what}: error {rc}")

@@ -1,0 +1,788 @@
+# BlockManager and SeqBatch (included by _core.pyx).
+#
+# Every public method follows the boundary rule of _convert.pxi: arguments are converted
+# first (this may run Python code), then the call enters the manager (_enter: atomic with
+# respect to other threads and refusing re-entry from a callback), validates and mutates in C.
+from cpython.pythread cimport PyThread_get_thread_ident
+
+
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
+
+
+cdef class SeqBatch:
+    """Pre-resolved sequence handles for append_batch / metadata (a persistent batch).
+
+    Built by BlockManager.batch(seq_ids); it stays valid while those sequences are live
+    (a freed sequence is detected through its slot generation).
+    """
+    cdef readonly tuple seq_ids
+    cdef cnp.ndarray _slots_arr
+    cdef cnp.ndarray _gens_arr
+    cdef int32_t *slots
+    cdef uint32_t *gens
+    cdef Py_ssize_t n
+    cdef object owner
+
+    def __len__(self):
+        return self.n
+
+
+cdef class BlockManager:
+    """Block tables per sequence on top of a BlockPool: the KV memory manager of an engine.
+
+    ``BlockManager(num_blocks, block_size, *, enable_prefix_caching=True, watermark=0.0,
+    num_host_blocks=0, hash_key=None, enable_kv_events=False)``
+
+    - ``num_blocks``: device blocks, including the null block 0 (so ``num_blocks - 1`` usable).
+    - ``block_size``: tokens per block.
+    - ``watermark``: fraction of the usable blocks that admission (``can_add``,
+      ``can_swap_in``) keeps free for running sequences to grow into:
+      ``ceil(watermark * (num_blocks - 1))`` blocks. Appends may use them.
+    - ``num_host_blocks``: host (CPU) blocks for ``swap_out``, including the host pool's own
+      null block 0; 0 disables swapping.
+    - ``hash_key``: 16-byte key of the block hashes (per-process random when None).
+
+    Sequence ids are ``int`` or ``str`` (numpy integers count as ints; bools and floats are
+    refused). Each public call is atomic with respect to other threads; calling the manager
+    from inside one of its own calls (a callback) raises InvalidStateError.
+
+    Tokens are *committed* by add / append / append_batch and *computed* when a step's
+    ``metadata`` (or ``schedule``) is built for them; only computed blocks enter the prefix
+    cache. See docs/engine-integration.md for the one safe step order.
+
+    >>> from kvblocks import BlockManager
+    >>> mgr = BlockManager(num_blocks=16, block_size=4)
+    >>> mgr.add("a", [1, 2, 3, 4, 5, 6])
+    0
+    >>> mgr.fork("a", "b")
+    >>> mgr.append("b", [7])          # writes into the shared partial block: copy-on-write
+    >>> mgr.take_copies().tolist()
+    [[2, 3]]
+    >>> mgr.block_table("a").tolist(), mgr.block_table("b").tolist()
+    ([1, 2], [1, 3])
+    >>> mgr.free("a"); mgr.free("b"); mgr.pool.num_free
+    15
+    """
+
+    def __cinit__(self, num_blocks, block_size, *, bint enable_prefix_caching=True,
+                  watermark=0.0, num_host_blocks=0, hash_key=None,
+                  bint enable_kv_events=False):
+        cdef int32_t bs = <int32_t>as_int(block_size, "block_size", 1, INT32_MAX)
+        cdef int32_t nb = <int32_t>as_int(num_blocks, "num_blocks", 2, INT32_MAX - 1)
+        cdef int64_t nh = as_int(num_host_blocks, "num_host_blocks", 0, INT32_MAX - 1)
+        if nh == 1:
+            raise InvalidArgumentError(
+                "num_host_blocks must be 0 (no swapping) or >= 2 (block 0 is the null block)")
+        if PyBool_Check(watermark) or not isinstance(watermark, (int, float, np.floating,
+                                                                np.integer)):
+            raise InvalidTypeError(f"watermark must be a number, got {type(watermark).__name__}")
+        wm = float(watermark)
+        if not 0.0 <= wm < 1.0:  # also refuses nan
+            raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}")
+        self.pool = BlockPool(nb, enable_prefix_caching=enable_prefix_caching,
+                              hash_key=hash_key, enable_kv_events=enable_kv_events,
+                              block_size=bs)
+        self.host_pool = (BlockPool(nh, enable_prefix_caching=False) if nh else None)
+        self._watermark = wm
+        self._watermark_blocks = <int64_t>math.ceil(wm * (nb - 1))
+        cdef bytes key = self.pool._key
+        rc = kvb_mgr_init(&self.m, &self.pool.p,
+                          &self.host_pool.p if self.host_pool is not None else NULL,
+                          bs, <const uint8_t *>key)
+        if rc:
+            raise_code(rc, "BlockManager", 0, bs)
+        self._initialized = True
+        self._slots = {}
+        self._ids = []
+        self._buf = np.empty(64, dtype=np.int32)
+        self._imap = np.zeros(64, dtype=np.int32)
+
+    def __dealloc__(self):
+        if self._initialized:
+            kvb_mgr_destroy(&self.m)
+
+    def __reduce__(self):
+        raise TypeError("BlockManager cannot be pickled")
+
+    def __repr__(self):
+        return (f"BlockManager(num_blocks={self.pool.p.num_blocks}, "
+                f"block_size={self.m.block_size}, seqs={self.m.nseqs}, "
+                f"free={self.pool.p.num_free})")
+
+    # -- the call guard -------------------------------------------------------------------------
+    cdef int _enter(self) except -1:
+        """Enter a call: wait while another thread is inside one (it yielded the GIL, e.g.
+        in a garbage-collector callback); refuse re-entry from this thread."""
+        cdef unsigned long me
+        if self._busy:
+            me = PyThread_get_thread_ident()
+            if self._owner == me:
+                raise InvalidStateError("BlockManager called re-entrantly (from a callback "
+                                        "running inside one of its own calls)")
+            while self._busy:
+                with nogil:
+                    sched_yield()
+        self._busy = 1
+        self._owner = PyThread_get_thread_ident()
+        return 0
+
+    cdef void _leave(self) noexcept:
+        self._busy = 0
+
+    # -- helpers --------------------------------------------------------------------------------
+    cdef int32_t _slot(self, object seq_id) except -1:
+        """Slot of a normalized id (inside a call)."""
+        cdef PyObject *o = PyDict_GetItem(self._slots, seq_id)
+        if o is NULL:
+            raise UnknownSequenceError(f"unknown sequence {seq_id!r}")
+        return <int32_t><object>o
+
+    cdef object _id_list(self, object seq_ids):
+        """Phase 1 for a batch of ids: a SeqBatch as is, else a list of normalized ids (a
+        generator is consumed once; the caller's list is copied only if an id needs
+        normalizing)."""
+        cdef Py_ssize_t i, n
+        cdef list ids
+        if type(seq_ids) is SeqBatch:
+            return seq_ids
+        if type(seq_ids) is list:
+            ids = <list>seq_ids
+        elif isinstance(seq_ids, (str, bytes)):
+            raise InvalidTypeError("seq_ids must be a list of ids, not one id")
+        else:
+            try:
+                ids = list(seq_ids)
+            except KVBlocksError:
+                raise
+            except Exception as exc:
+                raise InvalidTypeError(f"seq_ids must be an iterable of ids: "
+                                       f"{type(exc).__name__}") from None
+        n = len(ids)
+        for i in range(n):
+            t = type(ids[i])
+            if t is not int and t is not str:
+                return [norm_id(x) for x in ids]
+        return ids
+
+    cdef cnp.ndarray _slots_of(self, object ids, Py_ssize_t *count):
+        """Phase 2 (inside a call): slots of the ids from _id_list, written into a reused
+        buffer, or those of a SeqBatch; the first *count entries are valid. No Python code
+        runs here, so the list cannot change under the loop."""
+        cdef SeqBatch sb
+        cdef Py_ssize_t i, n
+        cdef PyObject *o
+        cdef int32_t *slots
+        if type(ids) is SeqBatch:
+            sb = <SeqBatch>ids
+            if sb.owner is not self:
+                raise InvalidArgumentError("this SeqBatch belongs to another BlockManager")
+            n = sb.n
+            for i in range(n):
+                if self.m.seqs[sb.slots[i]].gen != sb.gens[i]:
+                    raise UnknownSequenceError(
+                        f"sequence {sb.seq_ids[i]!r} of this SeqBatch was freed")
+            count[0] = n
+            return sb._slots_arr
+        n = len(<list>ids)
+        if cnp.PyArray_DIM(self._buf, 0) < n:
+            self._buf = new_i32(max(n, 2 * cnp.PyArray_DIM(self._buf, 0)))
+        slots = <int32_t *>cnp.PyArray_DATA(self._buf)
+        cdef int32_t *imap = <int32_t *>cnp.PyArray_DATA(self._imap)
+        cdef Py_ssize_t ilen = cnp.PyArray_DIM(self._imap, 0)
+        cdef long v
+        cdef int overflow
+        cdef object sid
+        for i in range(n):
+            sid = (<list>ids)[i]
+            if type(sid) is int:  # small int ids: an array lookup instead of a dict probe
+                v = PyLong_AsLongAndOverflow(sid, &overflow)
+                if not overflow and 0 <= v < ilen and imap[v]:
+                    slots[i] = imap[v] - 1
+                    continue
+            o = PyDict_GetItem(self._slots, sid)
+            if o is NULL:
+                raise UnknownSequenceError(f"unknown sequence {sid!r}")
+            slots[i] = <int32_t><object>o
+        count[0] = n
+        return self._buf
+
+    cdef int _err(self, int rc, str what) except -1:
+        cdef object seq = None
+        cdef int64_t slot = self.m.err_b
+        if rc == KVB_ESWAPPED or rc == KVB_EDUP or rc == KVB_EUNKNOWN or rc == KVB_EGAP:
+            slot = self.m.err_b if rc != KVB_EGAP else -1
+            if 0 <= slot < len(self._ids):
+                seq = self._ids[slot]
+        return raise_code(rc, what, self.m.err_a, self.m.err_b, self.m.err_what, seq)
+
+    cdef _register(self, object seq_id, int32_t slot):
+        self._slots[seq_id] = slot
+        cdef Py_ssize_t cap
+        if type(seq_id) is int and 0 <= seq_id < _IMAP_LIMIT:
+            cap = cnp.PyArray_DIM(self._imap, 0)
+            if seq_id >= cap:
+                while cap <= seq_id:
+                    cap *= 2
+                grown = np.zeros(cap, dtype=np.int32)
+                grown[:cnp.PyArray_DIM(self._imap, 0)] = self._imap
+                self._imap = grown
+            (<int32_t *>cnp.PyArray_DATA(self._imap))[<Py_ssize_t>seq_id] = slot + 1
+        while len(self._ids) <= slot:
+            self._ids.append(None)
+        self._ids[slot] = seq_id
+
+    cdef _unregister(self, object seq_id, int32_t slot):
+        del self._slots[seq_id]
+        if type(seq_id) is int and 0 <= seq_id < cnp.PyArray_DIM(self._imap, 0):
+            (<int32_t *>cnp.PyArray_DATA(self._imap))[<Py_ssize_t>seq_id] = 0
+        self._ids[slot] = None
+
+    # -- properties -----------------------------------------------------------------------------
+    @property
+    def block_size(self):
+        return self.m.block_size
+
+    @property
+    def watermark(self):
+        return self._watermark
+
+    @property
+    def watermark_blocks(self):
+        """Blocks admission keeps free: ``ceil(watermark * (num_blocks - 1))``."""
+        return self._watermark_blocks
+
+    @property
+    def num_seqs(self):
+        return self.m.nseqs
+
+    def __len__(self):
+        return self.m.nseqs
+
+    def __contains__(self, seq_id):
+        try:
+            seq_id = norm_id(seq_id)
+        except InvalidTypeError:
+            return False
+        return seq_id in self._slots
+
+    def seq_ids(self):
+        """The live sequence ids (a list, in no particular order)."""
+        return list(self._slots)
+
+    # -- scheduling helpers ---------------------------------------------------------------------
+    def blocks_for_tokens(self, num_tokens):
+        """Blocks a table of ``num_tokens`` tokens takes (ceil division)."""
+        cdef int64_t n = as_int(num_tokens, "num_tokens", 0, INT64_MAX)
+        return (n - 1) // self.m.block_size + 1 if n else 0
+
+    def can_add(self, num_tokens):
+        """Whether a prompt of ``num_tokens`` fits now while keeping the watermark free.
+
+        Conservative: prefix-cache hits are not counted (``can_add_prompt`` counts them).
+        """
+        need = self.blocks_for_tokens(num_tokens)
+        return self.pool.p.num_free - need >= self._watermark_blocks
+
+    def probe(self, token_ids, *, salt=None):
+        """What ``add(seq, token_ids, salt=salt)`` would find now, without pinning anything
+        or counting stats: ``(cached_tokens, blocks_needed)``. Chunked prefill sizes its first
+        chunk from ``cached_tokens``; ``blocks_needed`` counts evictable hits, which pinning
+        takes out of the free pool."""
+        cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
+        cdef bytes s = as_salt(salt)
+        cdef int64_t cached = 0, need = 0
+        self._enter()
+        try:
+            rc = kvb_mgr_probe(&self.m, i32_data(toks), cnp.PyArray_DIM(toks, 0),
+                               <const uint8_t *>s, len(s), &cached, &need)
+            if rc:
+                self._err(rc, "probe")
+        finally:
+            self._leave()
+        return cached, need
+
+    def can_add_prompt(self, token_ids, *, salt=None):
+        """Whether ``add`` of this prompt fits now while keeping the watermark free,
+        counting its prefix-cache hits (nothing is pinned)."""
+        cached, need = self.probe(token_ids, salt=salt)
+        return self.pool.p.num_free - need >= self._watermark_blocks
+
+    def blocks_needed(self, seq_id, n=1):
+        """Blocks appending ``n`` tokens to ``seq_id`` would take now (growth plus
+        copy-on-write); for a swapped-out sequence, the blocks swap_in plus n tokens take."""
+        seq_id = norm_id(seq_id)
+        cdef int64_t k = as_int(n, "n", 0, INT64_MAX)
+        self._enter()
+        try:
+            return kvb_mgr_blocks_needed(&self.m, self._slot(seq_id), k)
+        finally:
+            self._leave()
+
+    def can_append(self, seq_ids, n=1):
+        """Whether every sequence can take ``n`` more tokens at once (one decode step).
+        False when one of them is swapped out."""
+        cdef int64_t k = as_int(n, "n", 0, INT64_MAX)
+        ids = self._id_list(seq_ids)
+        cdef Py_ssize_t count
+        cdef int64_t need = 0
+        self._enter()
+        try:
+            arr = self._slots_of(ids, &count)
+            rc = kvb_mgr_batch_need(&self.m, i32_data(arr), count, k, &need)
+            if rc == KVB_ESWAPPED:
+                return False
+            if rc:
+                self._err(rc, "can_append")
+            return need <= self.pool.p.num_free
+        finally:
+            self._leave()
+
+    def can_swap_out(self, seq_id):
+        cdef kvb_seq_t *s
+        """Whether ``swap_out(seq_id)`` would succeed now (host blocks available)."""
+        seq_id = norm_id(seq_id)
+        self._enter()
+        try:
+            s = &self.m.seqs[self._slot(seq_id)]
+            return (self.host_pool is not None and not s.swapped
+                    and s.nblocks <= self.host_pool.p.num_free)
+        finally:
+            self._leave()
+
+    def can_swap_in(self, seq_id):
+        cdef kvb_seq_t *s
+        """Whether ``swap_in(seq_id)`` fits now while keeping the watermark free."""
+        seq_id = norm_id(seq_id)
+        self._enter()
+        try:
+            s = &self.m.seqs[self._slot(seq_id)]
+            if not s.swapped:
+                return False
+            need = kvb_mgr_blocks_needed(&self.m, self._slot(seq_id), 0)
+            return self.pool.p.num_free - need >= self._watermark_blocks
+        finally:
+            self._leave()
+
+    @property
+    def num_free_blocks(self):
+        return self.pool.p.num_free
+
+    # -- sequence lifecycle -------------------------------------------------------------------------
+    def add(self, seq_id, token_ids, *, salt=None):
+        """Allocate a block table for a prompt; reuse cached full blocks.
+
+        Returns how many prompt tokens are already in the cache (and computed): a multiple
+        of block_size, at most ``len(token_ids) - 1`` so that at least one token is computed.
+        The rest is computed by the steps whose ``metadata`` covers it; only then do its full
+        blocks enter the prefix cache. ``salt`` (str or bytes: tenant, LoRA adapter, ...)
+        isolates the cache: different salts never share.
+        """
+        seq_id = norm_id(seq_id)
+        cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
+        cdef bytes s = as_salt(salt)
+        cdef int32_t slot
+        cdef int64_t cached
+        cdef Py_ssize_t n = cnp.PyArray_DIM(toks, 0)
+        self._enter()
+        try:
+            if seq_id in self._slots:
+                raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
+            rc = kvb_mgr_add(&self.m, i32_data(toks), n, <const uint8_t *>s, len(s), &slot,
+                             &cached)
+            if rc:
+                self._err(rc, f"add({seq_id!r}, {n} tokens)")
+            self._register(seq_id, slot)
+            return cached
+        finally:
+            self._leave()
+
+    def append(self, seq_id, token_ids, *, bint computed=False):
+        """Commit tokens: grow the table, copy-on-write a shared last block.
+
+        With ``computed=True`` the tokens are accepted speculative drafts whose K/V the last
+        step already wrote into draft slots (``metadata(..., draft_lens=...)``): they count as
+        computed at once (and their full blocks enter the prefix cache)."""
+        seq_id = norm_id(seq_id)
+        cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
+        cdef Py_ssize_t n = cnp.PyArray_DIM(toks, 0)
+        self._enter()
+        try:
+            rc = kvb_mgr_append(&self.m, self._slot(seq_id), i32_data(toks), n, computed)
+            if rc:
+                self._err(rc, f"append({seq_id!r}, {n} tokens)")
+        finally:
+            self._leave()
+
+    def append_batch(self, seq_ids, token_ids):
+        """One token for each sequence in one native call (the decode step).
+
+        ``seq_ids`` is a list of ids or a SeqBatch from batch(); ``token_ids`` one token per
+        sequence. All-or-nothing: if the step does not fit, nothing is appended.
+        """
+        cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
+        ids = self._id_list(seq_ids)
+        cdef Py_ssize_t n
+        self._enter()
+        try:
+            slots = self._slots_of(ids, &n)
+            if cnp.PyArray_DIM(toks, 0) != n:
+                raise InvalidArgumentError(
+                    f"append_batch: {n} sequences but {cnp.PyArray_DIM(toks, 0)} tokens")
+            if n == 0:
+                return
+            rc = kvb_mgr_append_batch(&self.m, i32_data(slots), i32_data(toks), n)
+            if rc:
+                self._err(rc, f"append_batch({n} sequences)")
+        finally:
+            self._leave()
+
+    def batch(self, seq_ids):
+        """Resolve sequence ids once into a SeqBatch for repeated append_batch / metadata."""
+        ids = self._id_list(seq_ids)
+        if type(ids) is SeqBatch:
+            return ids
+        ids = tuple(ids)
+        cdef Py_ssize_t n, i
+        cdef SeqBatch sb = SeqBatch.__new__(SeqBatch)
+        sb._gens_arr = np.empty(len(ids), dtype=np.uint32)
+        self._enter()
+        try:
+            slots = self._slots_of(list(ids), &n)
+            sb.seq_ids = ids
+            sb.n = n
+            sb._slots_arr = new_i32(n)
+            if n:
+                memcpy(cnp.PyArray_DATA(sb._slots_arr), cnp.PyArray_DATA(slots),
+                       n * sizeof(int32_t))
+            sb.slots = <int32_t *>cnp.PyArray_DATA(sb._slots_arr)
+            sb.gens = <uint32_t *>cnp.PyArray_DATA(sb._gens_arr)
+            for i in range(n):
+                sb.gens[i] = self.m.seqs[sb.slots[i]].gen
+            sb.owner = self
+            return sb
+        finally:
+            self._leave()
+
+    def reserve(self, seq_id, n):
+        """Ensure ``n`` more writable slots exist after the committed tokens (lookahead,
+        speculative drafts); copy-on-write a shared last block."""
+        seq_id = norm_id(seq_id)
+        cdef int64_t k = as_int(n, "n", 0, INT64_MAX)
+        self._enter()
+        try:
+            rc = kvb_mgr_reserve(&self.m, self._slot(seq_id), k)
+            if rc:
+                self._err(rc, f"reserve({seq_id!r}, {k})")
+        finally:
+            self._leave()
+
+    def truncate(self, seq_id, num_tokens):
+        """Roll back to ``num_tokens`` committed tokens (rejected drafts); frees the blocks
+        past them, reserved ones included."""
+        seq_id = norm_id(seq_id)
+        cdef int64_t k = as_int(num_tokens, "num_tokens", 0, INT64_MAX)
+        self._enter()
+        try:
+            rc = kvb_mgr_truncate(&self.m, self._slot(seq_id), k)
+            if rc == KVB_EINVAL:
+                raise InvalidArgumentError(
+                    f"truncate({seq_id!r}, {k}): must be in [0, {self.m.err_a}]")
+            if rc:
+                self._err(rc, f"truncate({seq_id!r}, {k})")
+        finally:
+            self._leave()
+
+    def fork(self, parent_id, child_id):
+        """Child shares every committed block of the parent (ref counts raised) and its
+        computed count."""
+        parent_id = norm_id(parent_id)
+        child_id = norm_id(child_id)
+        cdef int32_t slot
+        self._enter()
+        try:
+            pslot = self._slot(parent_id)
+            if child_id in self._slots:
+                raise DuplicateSequenceError(f"sequence {child_id!r} already exists")
+            rc = kvb_mgr_fork(&self.m, pslot, &slot)
+            if rc:
+                self._err(rc, f"fork({parent_id!r}, {child_id!r})")
+            self._register(child_id, slot)
+        finally:
+            self._leave()
+
+    def free(self, seq_id):
+        """Release the sequence; its blocks return to the pool tail first (cached full
+        blocks stay evictable, longest prefixes evicted first)."""
+        seq_id = norm_id(seq_id)
+        self._enter()
+        try:
+            slot = self._slot(seq_id)
+            rc = kvb_mgr_free(&self.m, slot)
+            if rc:
+                self._err(rc, f"free({seq_id!r})")
+            self._unregister(seq_id, slot)
+        finally:
+            self._leave()
+
+    # -- queries --------------------------------------------------------------------------------
+    cdef kvb_seq_t *_seq(self, object seq_id) except NULL:
+        return &self.m.seqs[self._slot(norm_id(seq_id))]
+
+    def block_table(self, seq_id):
+        """Physical block ids in logical order (an int32 copy). For a swapped-out sequence
+        these are host-pool ids (see ``is_swapped``)."""
+        cdef kvb_seq_t *s = self._seq(seq_id)
+        cdef cnp.ndarray out = new_i32(s.nblocks)
+        if s.nblocks:
+            memcpy(cnp.PyArray_DATA(out), s.blocks, s.nblocks * sizeof(int32_t))
+        return out
+
+    def num_tokens(self, seq_id):
+        """Committed tokens."""
+        return self._seq(seq_id).ntokens
+
+    def num_computed(self, seq_id):
+        """Leading tokens whose K/V are written (or promised by the last metadata call)."""
+        return self._seq(seq_id).ncomputed
+
+    def token_ids(self, seq_id):
+        """Committed token ids (an int32 copy)."""
+        cdef kvb_seq_t *s = self._seq(seq_id)
+        cdef cnp.ndarray out = new_i32(s.ntokens)
+        if s.ntokens:
+            memcpy(cnp.PyArray_DATA(out), s.tokens, s.ntokens * sizeof(int32_t))
+        return out
+
+    def block_hashes(self, seq_id):
+        """Hashes of the full blocks, (n, 2) uint64 (empty without prefix caching)."""
+        cdef kvb_seq_t *s = self._seq(seq_id)
+        out = np.empty((s.nhashed, 2), dtype=np.uint64)
+        if s.nhashed:
+            memcpy(cnp.PyArray_DATA(<cnp.ndarray>out), s.hashes, s.nhashed * sizeof(kvb_hash_t))
+        return out
+
+    def is_swapped(self, seq_id):
+        return bool(self._seq(seq_id).swapped)
+
+    @property
+    def num_pending_copies(self):
+        """Copy-on-write copies queued and not yet drained by take_copies()."""
+        return self.m.ncopies
+
+    def take_copies(self):
+        """Drain the pending (src, dst) block copies from copy-on-write: int64 [n, 2].
+
+        Run them (one ``ops.copy_blocks`` call; no block is both a source and a destination)
+        after the swap pairs returned before this call and before the step's forward pass.
+        Sources stay allocated until drained; a copy whose dst block is released first
+        (free, truncate, swap_out) is dropped: nothing will read that block.
+        """
+        self._enter()
+        try:
+            out = np.empty((self.m.ncopies, 2), dtype=np.int64)
+            kvb_mgr_take_copies(&self.m, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out))
+            return out
+        finally:
+            self._leave()
+
+    # -- swap -----------------------------------------------------------------------------------
+    def swap_out(self, seq_id):
+        """Move a sequence's blocks to the host pool: (device block, host block) int64 pairs
+        for ops.swap_blocks. Blocks shared with other sequences stay on the device for them
+        (this sequence gets its own host copy); cached blocks stay evictable on the device.
+        A block still waiting for its copy-on-write copy is read from the copy's source."""
+        seq_id = norm_id(seq_id)
+        if self.host_pool is None:
+            raise InvalidStateError("swap_out: no host pool (num_host_blocks=0)")
+        self._enter()
+        try:
+            slot = self._slot(seq_id)
+            out = np.empty((self.m.seqs[slot].nblocks, 2), dtype=np.int64)
+            rc = kvb_mgr_swap_out(&self.m, slot, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out))
+            if rc == KVB_EOUTOFBLOCKS:
+                raise OutOfBlocksError(f"swap_out({seq_id!r}): need {self.m.err_a} host "
+                                       f"blocks, {self.m.err_b} free")
+            if rc:
+                self._err(rc, f"swap_out({seq_id!r})")
+            return out
+        finally:
+            self._leave()
+
+    def swap_in(self, seq_id):
+        """Bring a swapped-out sequence back: (host block, device block) int64 pairs. Full
+        computed blocks still cached on the device are shared again instead of copied; the
+        sequence's computed full blocks serve prefix hits again."""
+        seq_id = norm_id(seq_id)
+        if self.host_pool is None:
+            raise InvalidStateError("swap_in: no host pool (num_host_blocks=0)")
+        cdef int64_t npairs = 0
+        self._enter()
+        try:
+            slot = self._slot(seq_id)
+            if not self.m.seqs[slot].swapped:
+                raise InvalidStateError(f"swap_in: sequence {seq_id!r} is not swapped out")
+            out = np.empty((self.m.seqs[slot].nblocks, 2), dtype=np.int64)
+            rc = kvb_mgr_swap_in(&self.m, slot, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out),
+                                 &npairs)
+            if rc:
+                self._err(rc, f"swap_in({seq_id!r})")
+            return out[:npairs]
+        finally:
+            self._leave()
+
+    # -- the step -------------------------------------------------------------------------------
+    def schedule(self, seq_ids, query_lens, *, draft_lens=None):
+        """Declare the step that computes, for each sequence, its last ``query_lens[i]``
+        committed tokens (and ``draft_lens[i]`` reserved draft slots), without building
+        metadata: for callers that build kernel arguments themselves. ``metadata`` does the
+        same. Afterwards every committed token counts as computed, and full blocks that
+        became computed enter the prefix cache.
+
+        Raises InvalidStateError when copy-on-write copies are pending (drain take_copies()
+        first), when committed tokens before the query were never computed, or for a
+        swapped-out sequence; InvalidArgumentError for a sequence given twice.
+        """
+        cdef cnp.ndarray q_arr = as_int32(query_lens, "query_lens")
+        cdef cnp.ndarray d_arr = as_int32(draft_lens, "draft_lens") if draft_lens is not None \
+            else None
+        ids = self._id_list(seq_ids)
+        cdef Py_ssize_t B
+        self._enter()
+        try:
+            slots = self._slots_of(ids, &B)
+            self._check_step(slots, q_arr, d_arr, B, "schedule")
+            kvb_mgr_schedule(&self.m, i32_data(slots), i32_data(q_arr),
+                             i32_data(d_arr) if d_arr is not None else NULL, B, 1)
+        finally:
+            self._leave()
+
+    cdef int _check_step(self, cnp.ndarray slots, cnp.ndarray q, object d, Py_ssize_t B,
+                         str what) except -1:
+        if cnp.PyArray_DIM(q, 0) != B:
+            raise InvalidArgumentError(f"{what}: {B} sequences but {cnp.PyArray_DIM(q, 0)} "
+                                       f"query_lens")
+        if d is not None and cnp.PyArray_DIM(<cnp.ndarray>d, 0) != B:
+            raise InvalidArgumentError(f"{what}: {B} sequences but "
+                                       f"{cnp.PyArray_DIM(<cnp.ndarray>d, 0)} draft_lens")
+        rc = kvb_mgr_schedule(&self.m, i32_data(slots), i32_data(q),
+                              i32_data(<cnp.ndarray>d) if d is not None else NULL, B, 0)
+        if rc == KVB_EINVAL:
+            raise InvalidArgumentError(
+                f"{what}: query_lens[{self.m.err_a}] / draft_lens[{self.m.err_a}] = "
+                f"{self.m.err_b} is not in [0, num_tokens] / >= 0")
+        if rc == KVB_EGAP:
+            seq = self._ids[(<int32_t *>cnp.PyArray_DATA(slots))[self.m.err_a]]
+            raise_code(rc, what, self.m.err_a, self.m.err_b, NULL, seq)
+        if rc:
+            self._err(rc, what)
+        return 0
+
+    def metadata(self, seq_ids, query_lens, *, draft_lens=None, out=None):
+        """Attention metadata for one forward step, built natively; it also declares the
+        step (see ``schedule``): the forward right after must write the K/V of the last
+        ``query_lens[i]`` committed tokens of each sequence (and of ``draft_lens[i]`` draft
+        slots after them, reserved beforehand with ``reserve``).
+
+        With ``out`` (an AttentionMetadata from ``AttentionMetadata.allocate``, or one this
+        method returned for it) the arrays are written into its fixed buffers (CUDA-graph
+        friendly) and views of the used part are returned; otherwise fresh arrays are
+        allocated. Raises InvalidStateError while copy-on-write copies are pending.
+        """
+        cdef cnp.ndarray q_arr = as_int32(query_lens, "query_lens")
+        cdef cnp.ndarray d_arr = as_int32(draft_lens, "draft_lens") if draft_lens is not None \
+            else None
+        if out is not None:
+            if not isinstance(out, AttentionMetadata):
+                raise InvalidTypeError(f"metadata: out must be an AttentionMetadata (from "
+                                       f"AttentionMetadata.allocate), got {type(out).__name__}")
+            if out._base is not None:  # a returned view: fill the buffers it came from
+                out = out._base
+        ids = self._id_list(seq_ids)
+        cdef Py_ssize_t B, i
+        cdef int64_t ntok = 0, nidx = 0, nb, maxb = 0, L
+        cdef kvb_seq_t *s
+        cdef int32_t *sl
+        cdef int32_t *q = i32_data(q_arr)
+        if out is None:  # size fresh buffers (allocating runs Python code: outside the call)
+            self._enter()
+            try:
+                slots = self._slots_of(ids, &B)
+                self._check_step(slots, q_arr, d_arr, B, "metadata")
+                sl = i32_data(slots)
+                for i in range(B):
+                    s = &self.m.seqs[sl[i]]
+                    L = s.ntokens + ((<int32_t *>cnp.PyArray_DATA(d_arr))[i]
+                                     if d_arr is not None else 0)
+                    nb = (L + self.m.block_size - 1) // self.m.block_size
+                    nidx += nb
+                    maxb = nb if nb > maxb else maxb
+                    ntok += q[i] + (L - s.ntokens)
+            finally:
+                self._leave()
+            out = AttentionMetadata.allocate(max(B, 1), ntok, max(nidx, 1), max(maxb, 1))
+        self._enter()
+        try:
+            slots = self._slots_of(ids, &B)
+            self._check_step(slots, q_arr, d_arr, B, "metadata")
+            meta = self._fill_meta(out, i32_data(slots), q,
+                                   i32_data(d_arr) if d_arr is not None else NULL, B)
+            kvb_mgr_schedule(&self.m, i32_data(slots), q,
+                             i32_data(d_arr) if d_arr is not None else NULL, B, 1)
+            return meta
+        finally:
+            self._leave()
+
+    cdef object _fill_meta(self, object out, int32_t *slots, int32_t *q, int32_t *d,
+                           Py_ssize_t B):
+        """Validate the buffers of ``out``, run the native builder into them and return an
+        AttentionMetadata of views over the used part."""
+        cdef kvb_meta_t meta
+        memset(&meta, 0, sizeof(meta))
+        sm, bt, sl = out.slot_mapping, out.block_tables, out.seq_lens
+        qo, kvp, kvi, last = out.qo_indptr, out.kv_indptr, out.kv_indices, out.kv_last_page_len
+        meta.slot_mapping = <int64_t *>buf_ptr(sm, cnp.NPY_INT64, 1, 0, "slot_mapping")
+        meta.seq_lens = <int32_t *>buf_ptr(sl, cnp.NPY_INT32, 1, B, "seq_lens")
+        meta.qo_indptr = <int32_t *>buf_ptr(qo, cnp.NPY_INT32, 1, B + 1, "qo_indptr")
+        meta.kv_indptr = <int32_t *>buf_ptr(kvp, cnp.NPY_INT32, 1, B + 1, "kv_indptr")
+        meta.kv_indices = <int32_t *>buf_ptr(kvi, cnp.NPY_INT32, 1, 0, "kv_indices")
+        meta.kv_last_page_len = <int32_t *>buf_ptr(last, cnp.NPY_INT32, 1, B,
+                                                   "kv_last_page_len")
+        meta.cap_tokens = cnp.PyArray_DIM(<cnp.ndarray>sm, 0)
+        meta.cap_indices = cnp.PyArray_DIM(<cnp.ndarray>kvi, 0)
+        if bt is not None:
+            meta.block_tables = <int32_t *>buf_ptr(bt, cnp.NPY_INT32, 2, B, "block_tables")
+            meta.max_blocks = <int32_t>cnp.PyArray_DIM(<cnp.ndarray>bt, 1)
+        rows = out._row_cache
+        if rows is not None:
+            if not (cnp.PyArray_Check(rows) and cnp.PyArray_TYPE(<cnp.ndarray>rows) ==
+                    cnp.NPY_INT64 and cnp.PyArray_ISCARRAY(<cnp.ndarray>rows)):
+                raise InvalidTypeError("metadata: out has a corrupted row cache")
+            meta.row_cache = <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>rows)
+            meta.cap_rows = cnp.PyArray_DIM(<cnp.ndarray>rows, 0) // 4
+            # first use, or another manager's buffers: start afresh
+            meta.valid_rows = out._valid_rows if out._owner is self else 0
+        rc = kvb_mgr_metadata(&self.m, slots, q, d, B, &meta)
+        if rc:
+            self._err(rc, "metadata")
+        if rows is not None:
+            out._owner = self
+            out._valid_rows = meta.valid_rows
+        cdef Py_ssize_t nt = meta.n_tokens, ni = meta.n_indices
+        res = AttentionMetadata(sm[:nt], bt[:B] if bt is not None else None, sl[:B],
+                                qo[:B + 1], kvp[:B + 1], kvi[:ni], last[:B], nt, B)
+        res._base = out
+        return res
+
+    def check(self):
+        """Verify the pool, the host pool, every block table and the pending copies (ref
+        counts equal the references held, hashes match the tokens, no cached block that
+        nobody computed); raises CorruptionError naming the broken invariant."""
+        self._enter()
+        try:
+            rc = kvb_mgr_check(&self.m)
+            if rc:
+                raise_code(rc, "BlockManager.check", self.m.err_a, self.m.err_b,
+                           self.m.err_what)
+        finally:
+            self._leave()

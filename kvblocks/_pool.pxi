@@ -1,0 +1,359 @@
+# BlockPool and the read-only views it exports (included by _core.pyx).
+# ---------------------------------------------------------------------------------------------
+# zero-copy read-only views of C arrays
+# ---------------------------------------------------------------------------------------------
+cdef class _View:
+    """Exports a read-only 1-D buffer over memory owned by ``owner`` (kept alive)."""
+    cdef object owner
+    cdef void *ptr
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+    cdef Py_ssize_t itemsize
+    cdef bytes fmt
+
+    def __getbuffer__(self, Py_buffer *buf, int flags):
+        if flags & PyBUF_WRITABLE:
+            raise BufferError("kvblocks views are read-only")
+        buf.buf = self.ptr
+        buf.obj = self
+        buf.len = self.shape[0] * self.itemsize
+        buf.readonly = 1
+        buf.itemsize = self.itemsize
+        buf.format = self.fmt
+        buf.ndim = 1
+        buf.shape = self.shape
+        buf.strides = self.strides
+        buf.suboffsets = NULL
+        buf.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer *buf):
+        pass
+
+
+cdef object int32_view(object owner, int32_t *ptr, Py_ssize_t n):
+    cdef _View v = _View.__new__(_View)
+    v.owner = owner
+    v.ptr = ptr
+    v.shape[0] = n
+    v.strides[0] = sizeof(int32_t)
+    v.itemsize = sizeof(int32_t)
+    v.fmt = b"i"
+    return np.asarray(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# BlockPool
+# ---------------------------------------------------------------------------------------------
+cdef class BlockPool:
+    """A pool of ``num_blocks`` KV blocks with ref counts, a free list and a prefix cache.
+
+    Block 0 is the reserved null block: it pads block tables and is never handed out.
+
+    >>> from kvblocks import BlockPool
+    >>> pool = BlockPool(8)
+    >>> ids = pool.allocate(3)
+    >>> ids.tolist(), pool.num_free
+    ([1, 2, 3], 4)
+    >>> pool.incref(ids[:1]); pool.ref_count(1)
+    2
+    >>> pool.free(ids); pool.free(ids[:1]); pool.num_free
+    7
+    """
+
+    def __cinit__(self, num_blocks, *, bint enable_prefix_caching=True, hash_key=None,
+                  bint enable_kv_events=False, block_size=None):
+        cdef int32_t nb = <int32_t>as_int(num_blocks, "num_blocks (block 0 is the null block)",
+                                          2, INT32_MAX - 1)
+        self._key = as_key(hash_key)
+        self._block_size = (None if block_size is None else
+                            as_int(block_size, "block_size", 1, INT32_MAX))
+        rc = kvb_pool_init(&self.p, nb, enable_prefix_caching)
+        if rc:
+            raise_code(rc, "BlockPool", 0, num_blocks)
+        self.p.record_events = enable_kv_events
+        self._initialized = True
+
+    def __dealloc__(self):
+        if self._initialized:
+            kvb_pool_destroy(&self.p)
+
+    def __reduce__(self):
+        raise TypeError("BlockPool cannot be pickled")
+
+    def __repr__(self):
+        return (f"BlockPool(num_blocks={self.p.num_blocks}, free={self.p.num_free}, "
+                f"cached={self.p.num_cached}, evictable={self.p.num_evictable})")
+
+    # -- sizes ------------------------------------------------------------------------------
+    @property
+    def num_blocks(self):
+        """Total blocks, including the null block."""
+        return self.p.num_blocks
+
+    @property
+    def num_free(self):
+        """Allocatable now: never-cached free blocks plus evictable cached ones."""
+        return self.p.num_free
+
+    @property
+    def num_evictable(self):
+        """Cached blocks with no reference (free, but still holding a cache entry)."""
+        return self.p.num_evictable
+
+    @property
+    def num_cached(self):
+        """Blocks holding a prefix-cache entry, referenced or evictable."""
+        return self.p.num_cached
+
+    @property
+    def num_used(self):
+        """Blocks with at least one reference."""
+        return self.p.num_blocks - 1 - self.p.num_free
+
+    @property
+    def usage(self):
+        """Fraction of the non-null blocks that are referenced, 0..1."""
+        return (self.p.num_blocks - 1 - self.p.num_free) / <double>(self.p.num_blocks - 1)
+
+    @property
+    def enable_prefix_caching(self):
+        return bool(self.p.caching)
+
+    @property
+    def hash_key(self):
+        """The 16-byte key of the block hashes this pool is used with."""
+        return self._key
+
+    @property
+    def metadata_bytes(self):
+        """Bytes of C metadata held (all per-block arrays and the hash table)."""
+        return kvb_pool_bytes(&self.p)
+
+    @property
+    def record_events(self):
+        """Whether KV events are recorded (off by default; then they cost nothing)."""
+        return bool(self.p.record_events)
+
+    @record_events.setter
+    def record_events(self, bint on):
+        self.p.record_events = on
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate(self, n):
+        """Allocate ``n`` blocks (ref count 1 each), all-or-nothing; an int32 array of ids.
+
+        Raises OutOfBlocksError when fewer than ``n`` blocks are free or evictable.
+        """
+        n = as_int(n, "allocate: n", 0, INT32_MAX)
+        cdef cnp.ndarray out = new_i32(n)
+        cdef int rc = kvb_pool_allocate(&self.p, <int32_t>n, i32_data(out))
+        if rc:
+            raise_code(rc, f"allocate({n})", self.p.err_a, self.p.err_b)
+        return out
+
+    def free(self, ids):
+        """Drop one reference of each block; at 0 a block becomes free (evictable if cached).
+
+        Blocks join the free list in the order given: pass a block table reversed so that
+        the longest prefixes are evicted first.
+        """
+        cdef cnp.ndarray v = as_int32(ids, "ids")
+        cdef int rc = kvb_pool_free(&self.p, i32_data(v), cnp.PyArray_DIM(v, 0))
+        if rc:
+            raise_code(rc, "free", self.p.err_a, self.p.err_b)
+
+    def incref(self, ids):
+        """Add one reference to each block (share it); pins evictable cached blocks."""
+        cdef cnp.ndarray v = as_int32(ids, "ids")
+        cdef int rc = kvb_pool_incref(&self.p, i32_data(v), cnp.PyArray_DIM(v, 0))
+        if rc:
+            raise_code(rc, "incref", self.p.err_a, self.p.err_b)
+
+    def ref_count(self, block_id):
+        block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
+        if block_id < 0 or block_id >= self.p.num_blocks:
+            raise InvalidArgumentError(f"ref_count: block {block_id} out of range "
+                                       f"[0, {self.p.num_blocks})")
+        return self.p.ref_count[block_id]
+
+    def ref_counts(self):
+        """All ref counts as a read-only int32 view (zero-copy, live)."""
+        return int32_view(self, self.p.ref_count, self.p.num_blocks)
+
+    def is_cached(self, block_id):
+        block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
+        if block_id < 0 or block_id >= self.p.num_blocks:
+            raise InvalidArgumentError(f"is_cached: block {block_id} out of range")
+        return bool(self.p.flags[block_id] & KVB_F_CACHED)
+
+    def block_hash(self, block_id):
+        block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
+        """The 128-bit hash a cached block is registered under, or None."""
+        if block_id < 0 or block_id >= self.p.num_blocks:
+            raise InvalidArgumentError(f"block_hash: block {block_id} out of range")
+        if not self.p.flags[block_id] & KVB_F_CACHED:
+            return None
+        return hash_int(self.p.hash[block_id])
+
+    def free_list(self):
+        """Block ids in the free list, next to be allocated first (a debugging aid)."""
+        out = []
+        cdef int32_t b = self.p.free_head
+        while b != KVB_NONE:
+            out.append(b)
+            b = self.p.next[b]
+        return np.asarray(out, dtype=np.int32)
+
+    def check(self):
+        """Verify every invariant in C; raises CorruptionError if one does not hold."""
+        cdef int rc = kvb_pool_check(&self.p)
+        if rc:
+            raise_code(rc, "BlockPool.check", self.p.err_a, self.p.err_b, self.p.err_what)
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def cache(self, ids, hashes, *, parent=None, token_ids=None):
+        """Register referenced full blocks under their hashes (from hash_blocks).
+
+        Call it once the blocks' K/V are written: a cached block serves prefix hits at once.
+        A hash that is already cached keeps its first block; the newcomer stays uncached.
+        Returns how many entries were added. ``parent`` (None for the first block of a
+        sequence) and ``token_ids`` (the blocks' tokens, concatenated) only feed the
+        BlockStored event, whose ``block_size`` is the pool's ``block_size`` when no tokens
+        are given.
+        """
+        cdef cnp.ndarray v = as_int32(ids, "ids")
+        cdef uint64_t[:, ::1] h = as_hashes(hashes)
+        cdef Py_ssize_t n = cnp.PyArray_DIM(v, 0)
+        if h.shape[0] != n:
+            raise InvalidArgumentError(f"cache: {n} ids but {h.shape[0]} hashes")
+        if not self.p.caching:
+            raise InvalidStateError("cache: prefix caching is disabled on this pool")
+        cdef kvb_hash_t par
+        cdef kvb_hash_t *ppar = NULL
+        if parent is not None:
+            par = _parent_hash(parent)
+            ppar = &par
+        cdef cnp.ndarray toks
+        cdef const int32_t *tp = NULL
+        cdef int32_t bs = 0
+        if token_ids is not None:
+            toks = as_int32(token_ids, "token_ids")
+            if n == 0 or cnp.PyArray_DIM(toks, 0) % n or (
+                    self._block_size is not None and
+                    cnp.PyArray_DIM(toks, 0) != n * self._block_size):
+                raise InvalidArgumentError("cache: token_ids must hold whole blocks")
+            bs = cnp.PyArray_DIM(toks, 0) // n
+            tp = i32_data(toks)
+        cdef int64_t stored = 0
+        cdef int rc = kvb_cache_insert(&self.p, i32_data(v),
+                                       <kvb_hash_t *>&h[0, 0] if n else NULL, n, ppar, tp, bs,
+                                       &stored)
+        if rc:
+            raise_code(rc, "cache", self.p.err_a, self.p.err_b)
+        return stored
+
+    def lookup(self, hashes):
+        """Ids of the longest cached prefix of ``hashes`` (int32), NOT pinned."""
+        cdef uint64_t[:, ::1] h = as_hashes(hashes)
+        cdef Py_ssize_t n = h.shape[0]
+        cdef cnp.ndarray out = new_i32(n)
+        cdef int64_t k = kvb_cache_lookup(&self.p, <kvb_hash_t *>&h[0, 0] if n else NULL, n,
+                                          i32_data(out))
+        return out[:k]
+
+    def lookup_and_pin(self, hashes):
+        """Like lookup, and takes one reference to each hit in the same step (no window in
+        which a hit can be evicted). Release them with free()."""
+        cdef uint64_t[:, ::1] h = as_hashes(hashes)
+        cdef Py_ssize_t n = h.shape[0]
+        cdef cnp.ndarray out = new_i32(n)
+        cdef int64_t k = kvb_cache_lookup_pin(&self.p, <kvb_hash_t *>&h[0, 0] if n else NULL,
+                                              n, i32_data(out))
+        return out[:k]
+
+    def reset_prefix_cache(self):
+        """Drop every cache entry. Only when no cached block is referenced (else raises)."""
+        cdef int rc = kvb_cache_reset(&self.p)
+        if rc:
+            raise InvalidStateError(f"reset_prefix_cache: {self.p.err_a} of {self.p.err_b} "
+                                    f"cached blocks are still referenced")
+
+    @property
+    def events_dropped(self):
+        """KV events dropped because more than ``max_pending_events`` were left undrained
+        (or memory ran out). Nonzero means a router listening to this pool is out of date."""
+        return self.p.events.dropped
+
+    @property
+    def max_pending_events(self):
+        """Undrained events kept at most (default 2**20); later ones are dropped and
+        counted in ``events_dropped`` rather than growing memory without bound."""
+        return self.p.events.max_pending
+
+    @max_pending_events.setter
+    def max_pending_events(self, value):
+        self.p.events.max_pending = as_int(value, "max_pending_events", 0, 1 << 40)
+
+    @property
+    def block_size(self):
+        """Tokens per block, when known (set by BlockManager); used for KV events."""
+        return self._block_size
+
+    @property
+    def stats(self):
+        """Counters since creation: a CacheStats (also readable like a dict)."""
+        s = self.p.stats
+        return CacheStats(queries=s.queries, query_blocks=s.query_blocks,
+                          hit_blocks=s.hit_blocks, query_tokens=s.query_tokens,
+                          hit_tokens=s.hit_tokens, evictions=s.evictions,
+                          allocations=s.allocations, frees=s.frees, stored=s.stored)
+
+    def take_events(self):
+        """Drain recorded KV events: BlockStored, BlockRemoved and AllBlocksCleared.
+
+        Consecutive stored blocks that chain on each other come as one BlockStored, the way
+        vLLM publishes them to KV-aware routers.
+        """
+        cdef kvb_events_t *ev = &self.p.events
+        cdef int64_t i, off
+        out = []
+        cur = None
+        for i in range(ev.n):
+            kind = ev.kind[i]
+            if kind == KVB_EV_STORED:
+                h = hash_int(ev.hash[i])
+                par = hash_int(ev.parent[i]) or None  # 0: no parent given (a first block)
+                toks = _event_tokens(ev, i)
+                if isinstance(cur, BlockStored) and cur.block_hashes[len(cur.block_hashes) - 1] == par:
+                    cur.block_hashes.append(h)
+                    cur.token_ids.extend(toks)
+                else:
+                    cur = BlockStored(block_hashes=[h], parent_block_hash=par,
+                                      token_ids=toks,
+                                      block_size=len(toks) if toks else self._block_size)
+                    out.append(cur)
+            elif kind == KVB_EV_REMOVED:
+                h = hash_int(ev.hash[i])
+                if isinstance(cur, BlockRemoved):
+                    cur.block_hashes.append(h)
+                else:
+                    cur = BlockRemoved(block_hashes=[h])
+                    out.append(cur)
+            else:
+                cur = AllBlocksCleared()
+                out.append(cur)
+        kvb_events_clear(ev)
+        return out
+
+
+cdef list _event_tokens(kvb_events_t *ev, int64_t i):
+    """Token ids recorded with event i (empty when none were given)."""
+    cdef int64_t off = ev.tok_off[i], end = ev.ntok, j
+    if off < 0:
+        return []
+    for j in range(i + 1, ev.n):  # the next event that recorded tokens ends this one's
+        if ev.tok_off[j] >= 0:
+            end = ev.tok_off[j]
+            break
+    return [ev.tokens[j] for j in range(off, end)]
+
