@@ -8,6 +8,8 @@ from kvblocks import (BlockManager, BlockPool, DuplicateSequenceError, InvalidAr
                       InvalidStateError, InvalidTypeError, KVBlocksError, OutOfBlocksError,
                       UnknownSequenceError)
 
+from steps import compute
+
 KEY = b"0123456789abcdef"
 
 
@@ -28,8 +30,10 @@ def state(mgr):
 def mgr():
     m = BlockManager(12, 4, num_host_blocks=4, hash_key=KEY)
     m.add("a", list(range(10)))          # 3 blocks, last partial
+    compute(m, "a")                      # its full blocks enter the prefix cache
     m.fork("a", "b")
     m.add(7, list(range(100, 104)))      # one full block
+    compute(m, 7)
     m.free(7)                            # cached, evictable
     m.add(8, [1, 2])
     return m

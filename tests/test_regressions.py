@@ -7,6 +7,8 @@ import kvblocks
 from kvblocks import (BlockManager, BlockPool, BlockStored, InvalidArgumentError,
                       InvalidStateError, UnknownSequenceError)
 
+from steps import compute
+
 
 def test_fork_and_metadata_of_an_empty_sequence():
     """UBSan: memcpy(dst, NULL, 0) in kvb_mgr_fork and kvb_mgr_metadata for a sequence with
@@ -28,6 +30,7 @@ def test_take_events_groups_a_chain():
     it crashed on the second stored block of a chain."""
     mgr = BlockManager(16, 4, enable_kv_events=True)
     mgr.add("a", np.arange(12, dtype=np.int32))
+    compute(mgr, "a")
     (ev,) = mgr.pool.take_events()
     assert isinstance(ev, BlockStored) and len(ev.block_hashes) == 3
     assert ev.token_ids == list(range(12))

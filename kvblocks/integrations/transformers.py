@@ -655,6 +655,11 @@ class PagedKVCache(Cache):
         if self._candidates:
             self._check_candidates(key_states, value_states)
         if layer_idx == self.num_layers - 1:
+            # every layer wrote this step's K/V: only now do full blocks enter the prefix
+            # cache (a forward that fails half-way leaves nothing cached that was not written)
+            mgr = self.manager
+            mgr.schedule(self._rows, [int(mgr.num_tokens(r)) - int(mgr.num_computed(r))
+                                      for r in self._rows])
             self._step = None
             if self._candidates:
                 self._dedupe()
