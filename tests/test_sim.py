@@ -351,3 +351,16 @@ def test_not_utf8_names_the_line(tmp_path):
     with pytest.raises(WorkloadError, match="not UTF-8 text") as ei:
         load_workload(str(p))
     assert ei.value.line == 3001
+
+
+@pytest.mark.parametrize("eol", ["\n", "\r\n", "\r"])
+def test_csv_line_endings(tmp_path, eol):
+    """Lines are decoded one by one in binary; every text-mode line ending still ends a line."""
+    p = tmp_path / "t.csv"
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens", "1.0,12,3", "2.0,14,3", "3.0,abc,3"]
+    p.write_bytes(eol.join(rows).encode() + eol.encode())
+    with pytest.raises(WorkloadError, match="ContextTokens must be an integer") as ei:
+        load_workload(str(p))
+    assert ei.value.line == 4
+    p.write_bytes(eol.join(rows[:3]).encode())
+    assert [r.prompt_len for r in load_workload(str(p))] == [12, 14]

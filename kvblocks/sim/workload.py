@@ -192,14 +192,18 @@ def _open_lines(path: str) -> Iterator[Tuple[int, str]]:
     with f:
         lineno = 0
         try:
-            for lineno, raw in enumerate(f, 1):
-                try:
-                    yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-                except UnicodeDecodeError as e:
-                    raise WorkloadError(
-                        f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                        f"save the trace as UTF-8", path, lineno,
-                    ) from None
+            for chunk in f:
+                # \n, \r\n and a lone \r end lines, as in text mode (and csv's own reading)
+                for raw in chunk.splitlines(keepends=True) if b"\r" in chunk else (chunk,):
+                    lineno += 1
+                    try:
+                        text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                    except UnicodeDecodeError as e:
+                        raise WorkloadError(
+                            f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                            f"save the trace as UTF-8", path, lineno,
+                        ) from None
+                    yield lineno, text
         except OSError as e:
             raise WorkloadError(f"read error: {e.strerror or e}", path, lineno + 1) from None
 
