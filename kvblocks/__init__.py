@@ -5,6 +5,8 @@ with :class:`AttentionMetadata`. Device side: :class:`KVLayout`, :class:`KVCache
 :mod:`kvblocks.ops`. Every error derives from :class:`KVBlocksError`.
 """
 
+__version__ = "0.1.0"  # the one version source: pyproject.toml reads it ([tool.setuptools.dynamic])
+
 from . import ops
 from ._core import BlockManager, BlockPool, SeqBatch, default_hash_key, hash_blocks
 from .errors import (
@@ -23,8 +25,6 @@ from .layout import KVLayout
 from .metadata import AttentionMetadata
 from .stats import CacheStats
 from .storage import KVCache
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AllBlocksCleared", "AttentionMetadata", "BlockManager", "BlockPool", "BlockRemoved",

@@ -57,6 +57,7 @@ _PLANE_SLICE_BYTES = 32 << 10
 # CUDA swaps with more runs than this use the zero-copy kernel when both sides allow it
 _SWAP_KERNEL_MIN_RUNS = 32
 _THREADS = 256
+_INT64_MAX = (1 << 63) - 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,7 +68,12 @@ def _is_cuda_array(a: Any) -> bool:
 
 
 def _to_host_ints(a: Any, what: str, fn: str) -> np.ndarray:
-    """Any integer array-like (numpy, list, CuPy) -> host numpy int64 array."""
+    """Any integer array-like (numpy, list, CuPy) -> host numpy int64 array, checked.
+
+    Floats, bools and objects are refused (InvalidTypeError); so are values no int64 holds
+    (InvalidArgumentError): an unsigned 2**64 - 1 must not wrap to -1, nor a list holding
+    2**63 turn into floats that round. Nothing here mutates anything.
+    """
     if _is_cuda_array(a):
         try:
             a = _cuda.get_cupy().asnumpy(a)
@@ -81,8 +87,22 @@ def _to_host_ints(a: Any, what: str, fn: str) -> np.ndarray:
         raise InvalidTypeError(f"{fn}: {what} must be an integer array: {exc}") from None
     if arr.size == 0:
         return arr.astype(np.int64)
-    if arr.dtype.kind not in "iu":
+    kind = arr.dtype.kind
+    if kind in "fO" and not isinstance(a, np.ndarray):
+        # a Python sequence numpy could not type as integers: huge ints become float64 or
+        # object; name the value int64 cannot hold rather than the dtype numpy picked
+        try:
+            np.asarray(a, dtype=np.int64)
+        except OverflowError:
+            raise InvalidArgumentError(f"{fn}: {what} holds a value outside int64") from None
+        except Exception:
+            pass
+    if kind not in "iu":
         raise InvalidTypeError(f"{fn}: {what} must have an integer dtype, got {arr.dtype}")
+    if kind == "u" and arr.dtype.itemsize >= 8:
+        top = int(arr.max())
+        if top > _INT64_MAX:
+            raise InvalidArgumentError(f"{fn}: {what} value {top} is beyond int64 (it would wrap)")
     return arr.astype(np.int64, copy=False)
 
 
@@ -94,8 +114,9 @@ def _check_cache(cache: Any, fn: str, name: str = "cache") -> KVCache:
 
 def _pairs_array(pairs: PairsLike, fn: str) -> np.ndarray:
     """pairs -> host integer array of shape (n, 2) (n may be 0)."""
-    if isinstance(pairs, np.ndarray) and pairs.dtype.kind in "iu":
-        arr = pairs  # fast path: no conversion
+    if isinstance(pairs, np.ndarray) and (pairs.dtype.kind == "i" or
+                                          (pairs.dtype.kind == "u" and pairs.dtype.itemsize < 8)):
+        arr = pairs  # fast path: no conversion (no value of these dtypes wraps in int64)
     else:
         arr = _to_host_ints(pairs, "pairs", fn)
     if arr.size == 0:
@@ -206,8 +227,11 @@ def merge_runs(src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray
     >>> s.tolist(), d.tolist(), n.tolist()
     ([3, 7, 9], [10, 1, 2], [3, 1, 1])
     """
-    src = np.asarray(src, dtype=np.int64)
-    dst = np.asarray(dst, dtype=np.int64)
+    src = _to_host_ints(src, "src", "merge_runs")
+    dst = _to_host_ints(dst, "dst", "merge_runs")
+    if src.shape != dst.shape or src.ndim != 1:
+        raise InvalidArgumentError(f"merge_runs: src and dst must be 1-D of one length, got "
+                                   f"{src.shape} and {dst.shape}")
     if src.size == 0:
         e = np.empty(0, np.int64)
         return e, e, e
@@ -452,7 +476,8 @@ def write_slots(cache: KVCache, layer: int, k: Any, v: Any, slot_mapping: Any, *
                 check: bool = True, stream: Any = None) -> None:
     """Scatter ``k``, ``v`` (``[num_tokens, num_kv_heads, head_dim]``) of ``layer`` into their slots.
 
-    ``slot_mapping[t] = block * block_size + offset`` (int32/int64, -1 = skip the token). k and v
+    ``slot_mapping[t] = block * block_size + offset`` (any integer dtype whose values fit int64;
+    -1 = skip the token; floats are refused, and so is an unsigned 2**64 - 1, never read as -1). k and v
     live on the cache's device and have its storage dtype (raw ``uint16`` for bf16, ``uint8``
     for fp8). Slots must be in range and distinct. On CUDA, ``check=False`` skips the slot checks
     (which read a device slot mapping back to the host, a sync); use it only with trusted slot
@@ -471,8 +496,14 @@ def write_slots(cache: KVCache, layer: int, k: Any, v: Any, slot_mapping: Any, *
     dev_slots = slot_mapping if cache.is_cuda and _is_cuda_array(slot_mapping) else None
     if dev_slots is not None and not check:
         shape = tuple(slot_mapping.shape)
-        if np.dtype(slot_mapping.dtype).kind not in "iu":
-            raise InvalidTypeError(f"{fn}: slot_mapping must have an integer dtype, got {slot_mapping.dtype}")
+        sdt = np.dtype(slot_mapping.dtype)
+        if sdt.kind not in "iu":
+            raise InvalidTypeError(f"{fn}: slot_mapping must have an integer dtype, got {sdt}")
+        if sdt.kind == "u" and sdt.itemsize >= 8:  # unread values: 2**64 - 1 would wrap to -1 (skip)
+            raise InvalidTypeError(
+                f"{fn}: an unchecked slot_mapping must not be {sdt} (values beyond int64 would wrap "
+                f"to padding); pass int32/int64 or check=True"
+            )
         if len(shape) != 1 or shape[0] != n:
             raise InvalidArgumentError(f"{fn}: slot_mapping must have shape [{n}], got {shape}")
         slots = None

@@ -149,3 +149,217 @@ def test_console_entry_point_is_callable():
 
     assert callable(main)
     assert main(["plan", "--gpu-mem", "80", "--prompt-len", "100", "--output-len", "100", "--samples", "10"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardening (issue 10): every malformed flag value or trace is one error line and status 2.
+# These call main(argv) in-process: a parse-time error never starts a simulation, so each
+# case costs microseconds.
+# ---------------------------------------------------------------------------------------------
+import argparse  # noqa: E402
+
+from kvblocks.__main__ import main  # noqa: E402
+from kvblocks.sim import limits  # noqa: E402
+from kvblocks.sim.cli import build_parser  # noqa: E402
+
+PLAN_ARGS = ("--prompt-len", "100", "--output-len", "100", "--samples", "10")
+
+
+def run_main(capsys, *argv: str):
+    """``kvblocks *argv`` in this process: (status, stdout, stderr)."""
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line(rc: int, err: str, *needles: str) -> str:
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvblocks: error: "), err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def limit_flags():
+    """(subcommand, flag, Limit) for every flag whose type is a Limit's parser."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        for act in p._actions:
+            lim = getattr(act.type, "__self__", None)
+            if isinstance(lim, limits.Limit):
+                yield name, act.option_strings[0], lim, act.default
+
+
+def test_every_numeric_flag_has_a_limit():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        for act in p._actions:
+            if act.type in (int, float):
+                raise AssertionError(f"{name} {act.option_strings}: plain type={act.type.__name__}")
+    flags = {(c, f) for c, f, _, _ in limit_flags()}
+    assert ("simulate", "--gpu-mem") in flags and ("plan", "--seed") in flags and len(flags) == 2 * 9 + 11 + 3
+
+
+@pytest.mark.parametrize("cmd, flag, lim, default", list(limit_flags()), ids=lambda v: getattr(v, "flag", v))
+def test_flag_defaults_are_in_range(cmd, flag, lim, default):
+    if default is not None:
+        assert lim.check(default) == default
+
+
+def bad_values(lim: limits.Limit):
+    vals = ["nan", "inf", "-inf", "1e400", "abc", "", str(lim.hi * 10 + 1)]
+    vals.append(str(lim.lo) if lim.lo_open else str(lim.lo - 1))
+    if lim.hi_open:
+        vals.append(str(lim.hi))
+    if lim.kind is int:
+        vals += ["2.5", "1e3", "0x10", "9" * 5000]
+    return vals
+
+
+@pytest.mark.parametrize(
+    "cmd, flag, value",
+    [(c, f, v) for c, f, lim, _ in limit_flags() for v in bad_values(lim)],
+    ids=lambda v: v if len(str(v)) < 20 else "long",
+)
+def test_bad_flag_value_is_one_line_error(capsys, cmd, flag, value):
+    extra = PLAN_ARGS if cmd == "plan" else ()
+    rc, out, err = run_main(capsys, cmd, f"{flag}={value}", *extra)
+    line = assert_one_line(rc, err, f"argument {flag}: must be ")
+    assert len(line) < 200 and out == ""
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (("simulate", "--reserve", "-inf"), "--flag=VALUE"),  # argparse reads "-inf" as a flag
+    (("plan", "--seed", "-1", *PLAN_ARGS), "argument --seed: must be an integer in [0, "),
+    (("simulate", "--gpumem", "3"), "unrecognized arguments: --gpumem 3 (see 'kvblocks simulate --help')"),
+    (("plan",), "required: --prompt-len, --output-len"),
+    (("simulate", "--format", "xml"), "invalid choice"),
+])
+def test_usage_errors_are_one_line(capsys, argv, needle):
+    rc, _, err = run_main(capsys, *argv)
+    assert_one_line(rc, err, needle)
+
+
+@pytest.mark.parametrize("argv, needles", [
+    # --gpu-mem 1e6 used to build a ~460M-block pool (~20 GB of allocator metadata)
+    (("simulate", "--gpu-mem", "1e6"), ("460,792,341", "16,777,216", "--block-size", "--num-blocks")),
+    (("simulate", "--num-blocks", "20000000"), ("--num-blocks 20,000,000", "16,777,216")),
+    (("simulate", "--preemption", "swap", "--host-mem", "1e5"), ("--host-mem", "16,777,216")),
+    (("plan", "--gpu-mem", "1e6", "--block-size", "1", *PLAN_ARGS), ("int32", "--block-size")),
+    (("simulate", "--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--params", "900"), ("does not fit",)),
+])
+def test_too_many_blocks_is_refused_before_allocating(capsys, argv, needles):
+    rc, _, err = run_main(capsys, *argv)
+    assert_one_line(rc, err, *needles)
+
+
+def test_block_caps_are_what_the_limits_say():
+    assert limits.MAX_SIM_BLOCKS == 1 << 24 and limits.MAX_BLOCK_IDS == 2**31 - 2
+
+
+def test_plan_accepts_a_pool_beyond_the_simulator_cap(capsys):
+    rc, out, err = run_main(capsys, "plan", "--gpu-mem", "1e6", "--json", *PLAN_ARGS)
+    assert rc == 0, err
+    assert json.loads(out)["memory"]["num_blocks"] == 460_792_341
+
+
+def test_boundary_values_are_accepted(capsys):
+    rc, out, err = run_main(
+        capsys, "simulate", "--limit", "40", "--time-scale", "0", "--watermark", "0", "--reserve", "0",
+        "--host-mem", "0", "--max-model-len", "20000000", "--step-overhead-ms", "0", "--prefill-us", "0",
+        "--decode-us", "0", "--kv-read-ns", "0", "--num-blocks", "3000", "--json",
+    )  # fmt: skip
+    assert rc == 0, err
+    assert json.loads(out)["paged"]["completed"] > 0
+    rc, out, err = run_main(capsys, "plan", "--seed", str(2**64 - 1), "--max-len", "20000000",
+                            "--layers", "2", "--latent-dim", "64", "--params", "0", *PLAN_ARGS)  # fmt: skip
+    assert rc == 0, err
+
+
+def test_defaults_still_run_in_process(capsys):
+    rc, out, err = run_main(capsys, "simulate", "--limit", "30", "--no-contiguous")
+    assert rc == 0 and err == "" and "peak KV usage" in out
+    rc, out, err = run_main(capsys, "plan", *PLAN_ARGS)
+    assert rc == 0 and err == "" and "paged, all at full length" in out
+
+
+MOONCAKE_OK = {"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}
+
+
+def write_mooncake(tmp_path, line: str):
+    t = tmp_path / "bad.jsonl"
+    t.write_text(json.dumps(MOONCAKE_OK) + "\n" + line + "\n")
+    return t
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    (f, v, n)
+    for f in ("input_length", "output_length")
+    for v, n in [("Infinity", "must be an integer, got inf"), ("-Infinity", "must be an integer"),
+                 ("NaN", "must be an integer, got nan"), ("1e400", "must be an integer, got inf"),
+                 ("10.0", "must be an integer, got 10.0"), ("10.5", "must be an integer"),
+                 ("-3", "must be >= 1"), ("0", "must be >= 1"), ('"10"', "must be an integer"),
+                 ("true", "must be an integer"), ("10000001", "absurdly large"),
+                 ("9" * 40, "absurdly large"), ("9" * 5000, "malformed JSON")]  # fmt: skip
+] + [
+    ("timestamp", v, n)
+    for v, n in [("Infinity", "non-negative number of ms, got inf"), ("-Infinity", "non-negative"),
+                 ("NaN", "got nan"), ("1e400", "got inf"), ("-1", "non-negative"),
+                 ("1e300", "absurdly large"), ('"0"', "non-negative")]  # fmt: skip
+] + [
+    ("hash_ids", v, "bad hash id")
+    for v in ("[1e400]", "[Infinity]", "[NaN]", "[1.0]", "[-1]", "[68719476736]", "[true]", f"[{'9' * 60}]")
+])
+def test_bad_mooncake_integer_field_is_one_line_error(capsys, tmp_path, field, value, needle):
+    text = json.dumps(MOONCAKE_OK).replace(f'"{field}": ' + json.dumps(MOONCAKE_OK[field]), f'"{field}": {value}')
+    assert text != json.dumps(MOONCAKE_OK)
+    t = write_mooncake(tmp_path, text)
+    rc, _, err = run_main(capsys, "simulate", "--trace", str(t))
+    line = assert_one_line(rc, err, f"{t}:2: ", needle)
+    assert len(line) < 300
+
+
+@pytest.mark.parametrize("stamp", ["nan", "NaN", "inf", "-inf", "Infinity", "1e400", "1e300", "-1e300"])
+def test_bad_csv_timestamp_is_one_line_error(capsys, tmp_path, stamp):
+    t = tmp_path / "bad.csv"
+    t.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n1.0,12,3\n{stamp},12,3\n")
+    rc, _, err = run_main(capsys, "simulate", "--trace", str(t))
+    assert_one_line(rc, err, f"{t}:3: ", "bad TIMESTAMP")
+
+
+def test_csv_nan_timestamp_no_longer_hangs(tmp_path):
+    """The replay compared arrival times with NaN and looped forever: run it as users do, with a
+    timeout, so a regression fails instead of hanging the suite."""
+    t = tmp_path / "nan.csv"
+    t.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1.0,12,3\nnan,12,3\n")
+    assert_one_line_error(run("simulate", "--trace", str(t)), f"{t}:3: ", "bad TIMESTAMP 'nan'")
+
+
+ALL_FORMATS = ("auto", "mooncake", "azure", "kvblocks")
+
+
+@pytest.mark.parametrize("name, data, line, needle, formats", [
+    ("latin1.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n1.0,12,3\n2.0,12,3 caf\xe9\n", 3, "byte 0xe9",
+     ("auto", "azure")),
+    ("latin1.jsonl", (json.dumps(MOONCAKE_OK) + '\n{"timestamp": 1, "note": "caf\xe9"}\n').encode("latin-1"),
+     2, "byte 0xe9 at column 30", ("auto", "mooncake")),
+    ("utf16.jsonl", json.dumps(MOONCAKE_OK).encode("utf-16"), 1, "byte 0xff at column 1", ALL_FORMATS),
+    ("utf16.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n".encode("utf-16"), 1, "byte 0xff", ALL_FORMATS),
+    ("binary.jsonl", bytes(range(128, 256)) + bytes(range(128)), 1, "byte 0x80 at column 1", ALL_FORMATS),
+])
+def test_non_utf8_trace_is_one_line_error(capsys, tmp_path, name, data, line, needle, formats):
+    """Decoding errors were UnicodeDecodeError tracebacks; now they name the file and line."""
+    t = tmp_path / name
+    t.write_bytes(data)
+    for fmt in formats:
+        rc, _, err = run_main(capsys, "simulate", "--trace", str(t), "--format", fmt)
+        assert_one_line(rc, err, f"{t}:{line}: not UTF-8", needle)
+
+
+def test_utf8_byte_order_mark_is_accepted(capsys, tmp_path):
+    t = tmp_path / "bom.csv"
+    t.write_bytes(b"\xef\xbb\xbfTIMESTAMP,ContextTokens,GeneratedTokens\n1.0,12,3\n2.0,14,3\n")
+    rc, out, err = run_main(capsys, "simulate", "--trace", str(t), "--no-contiguous")
+    assert rc == 0 and "2 requests" in out, err

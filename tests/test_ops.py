@@ -473,6 +473,90 @@ def test_write_slots_rejects_and_changes_nothing():
     np.testing.assert_array_equal(cache.storage, before)
 
 
+# regressions: integer inputs that wrapped or truncated on the way to int64
+U64_MAX = 2**64 - 1
+
+
+@pytest.mark.parametrize("slot_mapping, exc, match", [
+    (np.array([0, U64_MAX, 1], np.uint64), InvalidArgumentError, "18446744073709551615 is beyond int64"),
+    (np.array([0, 2**63, 1], np.uint64), InvalidArgumentError, "beyond int64"),
+    ([0, 2**63, 1], InvalidArgumentError, "outside int64"),  # numpy would make these floats
+    ([-1, 2**63, 1], InvalidArgumentError, "outside int64"),
+    ([0, 2**70, 1], InvalidArgumentError, "outside int64"),  # numpy would make these objects
+    ([0.0, 1.0, 2.0], InvalidTypeError, "integer dtype"),
+    (np.array([0, 1.5, 2]), InvalidTypeError, "integer dtype"),
+    (np.array([0, 1, 2], np.float32), InvalidTypeError, "integer dtype"),
+    (np.array([True, False, True]), InvalidTypeError, "integer dtype"),
+    (np.array([0, 16, 1], np.uint64), InvalidArgumentError, "slot 16 out of range"),
+    (np.array([0, 2**31, 1], np.uint32), InvalidArgumentError, "slot 2147483648 out of range"),
+])
+def test_write_slots_uint64_max_is_refused(slot_mapping, exc, match):
+    """2**64 - 1 in a uint64 slot mapping wrapped to -1 and was skipped as padding."""
+    rng = np.random.default_rng(1)
+    cache = make_cache("fp16", num_blocks=4)
+    k, v = random_tokens(rng, cache.layout, 3), random_tokens(rng, cache.layout, 3)
+    before = cache.storage.copy()
+    with pytest.raises(exc, match=match):
+        ops.write_slots(cache, 0, k, v, slot_mapping)
+    np.testing.assert_array_equal(cache.storage, before)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int16])
+def test_write_slots_accepts_unsigned_and_narrow_slot_mappings(dtype):
+    rng = np.random.default_rng(2)
+    cache, want = make_cache("fp32", num_blocks=4), make_cache("fp32", num_blocks=4)
+    k, v = random_tokens(rng, cache.layout, 3), random_tokens(rng, cache.layout, 3)
+    ops.write_slots(want, 1, k, v, np.array([15, 2, 7], np.int64))
+    ops.write_slots(cache, 1, k, v, np.array([15, 2, 7], dtype))
+    np.testing.assert_array_equal(cache.storage, want.storage)
+
+
+@pytest.mark.parametrize("n", [1, 40])  # the Python (few pairs) and the numpy checks
+@pytest.mark.parametrize("big", [U64_MAX, 2**63])
+def test_copy_and_swap_uint64_beyond_int64_are_refused(n, big):
+    """uint64 pairs beyond int64 were cast to negative blocks (refused, naming a wrong block)."""
+    cache = make_cache(num_blocks=100)
+    pairs = np.stack([np.arange(n), np.arange(n) + 50], axis=1).astype(np.uint64)
+    pairs[-1, 0] = big
+    before = cache.storage.copy()
+    with pytest.raises(InvalidArgumentError, match=f"{big} is beyond int64"):
+        ops.copy_blocks(cache, pairs)
+    with pytest.raises(InvalidArgumentError, match=f"{big} is beyond int64"):
+        ops.swap_blocks(cache, make_cache(num_blocks=100), pairs)
+    with pytest.raises(InvalidArgumentError, match="outside int64"):
+        ops.copy_blocks(cache, pairs.tolist())
+    np.testing.assert_array_equal(cache.storage, before)
+    pairs[-1, 0] = 99  # in range: unsigned pairs still work, same as signed ones
+    ops.copy_blocks(cache, pairs)
+    np.testing.assert_array_equal(cache.storage, ref_copy(before, True, pairs[:, 0], pairs[:, 1]))
+
+
+def test_gather_uint64_block_table_beyond_int64_is_refused():
+    """A uint64 block table entry 2**64 - 1 was reported as block -1."""
+    cache = make_cache(num_blocks=4)
+    with pytest.raises(InvalidArgumentError, match="18446744073709551615 is beyond int64"):
+        ops.gather(cache, 0, np.array([1, U64_MAX], np.uint64), 5)
+    with pytest.raises(InvalidArgumentError, match="outside int64"):
+        ops.gather(cache, 0, [1, 2**64], 5)
+    with pytest.raises(InvalidTypeError, match="integer dtype"):
+        ops.gather(cache, 0, np.array([1.0, 2.0]), 5)
+    k, _ = ops.gather(cache, 0, np.array([1, 2], np.uint64), 5)
+    k2, _ = ops.gather(cache, 0, np.array([1, 2]), 5)
+    np.testing.assert_array_equal(k, k2)
+
+
+def test_merge_runs_refuses_wrapping_and_float_input():
+    """merge_runs cast with np.asarray(dtype=int64): uint64 wrapped, floats truncated."""
+    with pytest.raises(InvalidArgumentError, match="beyond int64"):
+        ops.merge_runs(np.array([U64_MAX], np.uint64), np.array([1]))
+    with pytest.raises(InvalidTypeError, match="integer dtype"):
+        ops.merge_runs(np.array([1.5]), np.array([1]))
+    with pytest.raises(InvalidArgumentError, match="1-D of one length"):
+        ops.merge_runs(np.array([1, 2]), np.array([1]))
+    s, d, n = ops.merge_runs(np.array([3, 4], np.uint64), np.array([7, 8], np.uint32))
+    assert (s.tolist(), d.tolist(), n.tolist()) == ([3], [7], [2])
+
+
 def test_gather_rejects():
     cache = make_cache(num_blocks=4)
     before = cache.storage.copy()

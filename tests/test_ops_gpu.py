@@ -203,3 +203,20 @@ def test_device_mismatch_and_errors_change_nothing():
     with pytest.raises(InvalidArgumentError):
         ops.swap_blocks(gpu, KVCache(KVLayout(2, 2, 8, 4, "fp16"), 4), [(0, 0)])
     np.testing.assert_array_equal(cp.asnumpy(gpu.planes), before)
+
+
+def test_write_slots_unchecked_uint64_device_slots_are_refused():
+    """check=False never reads the slots: a uint64 2**64 - 1 would wrap to -1 (padding)."""
+    cpu, gpu = twins("fp16", num_blocks=4)
+    lay = cpu.layout
+    k = cp.zeros((2,) + lay.token_shape, cp.float16)
+    before = cp.asnumpy(gpu.planes)
+    bad = cp.asarray(np.array([2**64 - 1, 1], np.uint64))
+    with pytest.raises(InvalidTypeError, match="uint64"):
+        ops.write_slots(gpu, 0, k, k, bad, check=False)
+    with pytest.raises(InvalidArgumentError, match="beyond int64"):
+        ops.write_slots(gpu, 0, k, k, bad)
+    np.testing.assert_array_equal(cp.asnumpy(gpu.planes), before)
+    ops.write_slots(gpu, 0, k + 1, k + 1, cp.asarray([3, 1], dtype=cp.uint32), check=False)
+    ops.write_slots(cpu, 0, cp.asnumpy(k) + 1, cp.asnumpy(k) + 1, np.array([3, 1]))
+    same(cpu, gpu)

@@ -272,3 +272,100 @@ def test_results_are_deterministic(tmp_path):
 
 def test_kvblocks_blockmanager_is_the_allocator():
     assert kvblocks.BlockManager is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardening (issue 10): the library checks the same limits as the command line
+# ---------------------------------------------------------------------------------------------
+NAN, INF = float("nan"), float("inf")
+LLAMA = get_model("llama-3.1-8b")
+
+
+@pytest.mark.parametrize("call, flag", [
+    (lambda: memory_bill(LLAMA, NAN, 16), "--gpu-mem"),
+    (lambda: memory_bill(LLAMA, INF, 16), "--gpu-mem"),
+    (lambda: memory_bill(LLAMA, 80, 16, reserve_gib=NAN), "--reserve"),  # was int(nan): ValueError
+    (lambda: memory_bill(LLAMA, 80, 16, reserve_gib=-INF), "--reserve"),
+    (lambda: memory_bill(LLAMA, 80, 16, host_mem_gib=NAN), "--host-mem"),  # nan < 0 is False
+    (lambda: memory_bill(LLAMA, 80, 16, host_mem_gib=INF), "--host-mem"),  # was OverflowError
+    (lambda: memory_bill(LLAMA, 80, 16.0), "--block-size"),
+    (lambda: memory_bill(LLAMA, 80, 16, num_blocks=2**31), "--num-blocks"),
+    (lambda: memory_bill(LLAMA, 80, 16, num_blocks=10**30), "--num-blocks"),
+    (lambda: memory_bill(LLAMA, 1e6, 16, max_blocks=1 << 24), "--gpu-mem"),
+    (lambda: memory_bill(LLAMA, 80, 16, num_blocks=20_000_000, max_blocks=1 << 24), "--num-blocks"),
+    (lambda: kvblocks.sim.custom_model(4, 2, 64, params=NAN), "params"),  # was int(nan) in weight_bytes
+    (lambda: kvblocks.sim.custom_model(4, 2, 64, params=INF), "params"),
+    (lambda: kvblocks.sim.custom_model(4, 2, 10**20), "--head-dim"),
+    (lambda: kvblocks.sim.custom_model(4.5, 2, 64), "--layers"),
+    (lambda: TimeModel.for_model(LLAMA, step_overhead_ms=NAN), "--step-overhead-ms"),
+    (lambda: TimeModel.for_model(LLAMA, kv_read_ns=-1), "--kv-read-ns"),
+    (lambda: SchedulerConfig(num_blocks=10, watermark=NAN).validate(), "--watermark"),
+    (lambda: SchedulerConfig(num_blocks=10, token_budget=2.5).validate(), "--token-budget"),
+    (lambda: SchedulerConfig(num_blocks=10, max_num_seqs=0).validate(), "--max-num-seqs"),
+    (lambda: make_plan(memory_bill(LLAMA, 80, 16), parse_dist("10"), parse_dist("10"), seed=-1), "--seed"),
+    (lambda: make_plan(memory_bill(LLAMA, 80, 16), parse_dist("10"), parse_dist("10"), samples=0), "--samples"),
+    (lambda: make_plan(memory_bill(LLAMA, 80, 16), parse_dist("10"), parse_dist("10"), max_len=0), "--max-len"),
+    (lambda: kvblocks.sim.builtin_workload(5).scaled(NAN), "--time-scale"),  # NaN arrivals hang a replay
+    (lambda: kvblocks.sim.builtin_workload(5).scaled(1e300), "--time-scale"),
+])
+def test_library_limits_refuse_nan_inf_and_huge(call, flag):
+    with pytest.raises(SimulationError, match=f"^{flag} "):
+        call()
+
+
+def test_memory_bill_caps_are_defaults():
+    assert memory_bill(LLAMA, 1e6, 16).num_blocks == 460_792_341  # int32 ids: fine for a plan
+    with pytest.raises(SimulationError, match="int32 block ids"):
+        memory_bill(LLAMA, 1e6, 1)
+    assert memory_bill(LLAMA, 80, 16, num_blocks=1 << 24, max_blocks=1 << 24).num_blocks == 1 << 24
+
+
+KV_OK = {"timestamp": 0, "segments": [[1, 10]], "output_length": 5}
+
+
+@pytest.mark.parametrize("patch, msg", [
+    ({"output_id": 2**36}, "bad output_id"),  # was a ValueError from seed_of during the replay
+    ({"output_id": 1.0}, "bad output_id"),
+    ({"segments": [[1, 10**7 + 1]]}, "bad segment"),
+    ({"segments": [[1, 10**40]]}, "bad segment"),
+    ({"segments": [[2**36, 10]]}, "bad segment"),
+    ({"segments": [[1, 10.0]]}, "bad segment"),
+    ({"n": 2.0}, "must be an integer"),
+    ({"n": 65}, "absurdly large"),
+    ({"output_length": 5.0}, "must be an integer, got 5.0"),
+    ({"timestamp": 1e16}, "absurdly large"),
+])
+def test_kvblocks_jsonl_errors_name_file_and_line(tmp_path, patch, msg):
+    p = tmp_path / "w.jsonl"
+    p.write_text(json.dumps(KV_OK) + "\n" + json.dumps({**KV_OK, **patch}) + "\n")
+    with pytest.raises(WorkloadError, match=msg) as ei:
+        load_workload(str(p))
+    assert ei.value.line == 2
+
+
+def test_fractional_ms_timestamps_still_load(tmp_path):
+    p = tmp_path / "w.jsonl"
+    p.write_text(json.dumps({**KV_OK, "timestamp": 37.4}) + "\n")
+    assert load_workload(str(p)).requests[0].arrival == pytest.approx(0.0374)
+
+
+def test_not_utf8_names_the_line(tmp_path):
+    p = tmp_path / "t.jsonl"
+    ok = json.dumps({"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]})
+    p.write_bytes((ok + "\n").encode() * 3000 + b'{"x": "\xff"}\n')  # past the first 8 KiB read chunk
+    with pytest.raises(WorkloadError, match="not UTF-8 text") as ei:
+        load_workload(str(p))
+    assert ei.value.line == 3001
+
+
+@pytest.mark.parametrize("eol", ["\n", "\r\n", "\r"])
+def test_csv_line_endings(tmp_path, eol):
+    """Lines are decoded one by one in binary; every text-mode line ending still ends a line."""
+    p = tmp_path / "t.csv"
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens", "1.0,12,3", "2.0,14,3", "3.0,abc,3"]
+    p.write_bytes(eol.join(rows).encode() + eol.encode())
+    with pytest.raises(WorkloadError, match="ContextTokens must be an integer") as ei:
+        load_workload(str(p))
+    assert ei.value.line == 4
+    p.write_bytes(eol.join(rows[:3]).encode())
+    assert [r.prompt_len for r in load_workload(str(p))] == [12, 14]

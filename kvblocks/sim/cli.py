@@ -1,8 +1,9 @@
 """The ``kvblocks`` command line: ``simulate`` and ``plan``.
 
-Every error the user can cause (missing or malformed file, bad lengths, unknown model,
-memory that does not fit) prints one ``kvblocks: error: ...`` line and exits with status 2;
-no traceback.
+Every error the user can cause (a flag out of range, missing or malformed file, bad lengths,
+unknown model, memory that does not fit) prints one ``kvblocks: error: ...`` line and exits with
+status 2; no traceback. Every numeric flag is parsed by its :class:`~kvblocks.sim.limits.Limit`
+(an argparse ``type=``), so NaN, infinities and out-of-range values stop the parse itself.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 from ..errors import KVBlocksError
+from . import limits as L
 from .errors import SimulationError
 from .models import DEFAULT_MODEL, PRESETS, ModelSpec, custom_model, get_model, memory_bill
 from .plan import DIST_HELP, format_plan, make_plan, parse_dist, plan_json
@@ -30,8 +32,9 @@ workloads:
                        is 512 deterministic tokens, so equal ids share prefix-cache blocks
   Azure CSV            TIMESTAMP, ContextTokens, GeneratedTokens (lengths only: no sharing)
 
-memory:   KV pool = --gpu-mem - weights - reserve (default reserve: 10%% of --gpu-mem), in blocks of
-          --block-size tokens x KV bytes per token; --num-blocks sets the pool directly.
+memory:   KV pool = --gpu-mem - weights - reserve (default reserve: 10% of --gpu-mem), in blocks of
+          --block-size tokens x KV bytes per token; --num-blocks sets the pool directly. At most
+          16,777,216 blocks (2^24, ~600 MiB of allocator metadata): raise --block-size for more memory.
 time:     step = overhead + prefill tokens x prefill cost + decode tokens x decode cost
           + KV tokens read x kv-read cost; defaults model one H100-class GPU (see docs/simulator.md).
 
@@ -55,21 +58,37 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and memory")
     names = ", ".join(m.name.lower() for m in PRESETS.values())
     g.add_argument("--model", metavar="NAME", help=f"preset: {names} (default {DEFAULT_MODEL})")
-    g.add_argument("--layers", type=int, help="custom model: transformer layers")
-    g.add_argument("--kv-heads", type=int, default=0, help="custom model: KV heads")
-    g.add_argument("--head-dim", type=int, default=0, help="custom model: head dimension")
-    g.add_argument("--latent-dim", type=int, default=0, help="custom MLA model: latent elements per token and layer")
-    g.add_argument("--params", type=float, default=0.0, metavar="BILLIONS", help="custom model: parameters (weights)")
+    g.add_argument("--layers", type=L.LAYERS.parse, help="custom model: transformer layers")
+    g.add_argument("--kv-heads", type=L.KV_HEADS.parse, default=0, help="custom model: KV heads")
+    g.add_argument("--head-dim", type=L.HEAD_DIM.parse, default=0, help="custom model: head dimension")
+    g.add_argument("--latent-dim", type=L.LATENT_DIM.parse, default=0,
+                   help="custom MLA model: latent elements per token and layer")  # fmt: skip
+    g.add_argument("--params", type=L.PARAMS.parse, default=0.0, metavar="BILLIONS", help="custom model: parameters (weights)")
     g.add_argument("--dtype", metavar="DTYPE", help="KV cache dtype: bf16 (default), fp16, fp8, fp32")
-    g.add_argument("--gpu-mem", type=float, default=DEFAULT_GPU_MEM, metavar="GiB", help="GPU memory (default 80)")
-    g.add_argument("--reserve", type=float, metavar="GiB", help="activation/context reserve (default 10%% of --gpu-mem)")
-    g.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
-    g.add_argument("--num-blocks", type=int, metavar="N", help="KV blocks, overriding the memory computation")
+    g.add_argument("--gpu-mem", type=L.GPU_MEM.parse, default=DEFAULT_GPU_MEM, metavar="GiB", help="GPU memory (default 80)")
+    g.add_argument("--reserve", type=L.RESERVE.parse, metavar="GiB", help="activation/context reserve (default 10%% of --gpu-mem)")
+    g.add_argument("--block-size", type=L.BLOCK_SIZE.parse, default=16, metavar="N", help="tokens per KV block (default 16)")
+    g.add_argument("--num-blocks", type=L.NUM_BLOCKS.parse, metavar="N", help="KV blocks, overriding the memory computation")
+
+
+class _UsageError(Exception):
+    """A command line argparse refused; main prints it as one line and returns 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage dump, no SystemExit from main)."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.endswith("expected one argument"):  # argparse takes "-inf" or "-1e5" for a flag
+            message += " (write --flag=VALUE for a value starting with '-')"
+        elif not message.startswith("argument "):  # unknown or missing flags
+            message += f" (see '{self.prog} --help')"
+        raise _UsageError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``kvblocks``."""
-    parser = argparse.ArgumentParser(prog="kvblocks", description="kvblocks: paged KV-cache memory manager tools.")
+    """The argument parser of ``kvblocks`` (its subcommands' parsers share its class)."""
+    parser = _Parser(prog="kvblocks", description="kvblocks: paged KV-cache memory manager tools.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     sim = sub.add_parser(
@@ -83,25 +102,25 @@ def build_parser() -> argparse.ArgumentParser:
     g = sim.add_argument_group("workload")
     g.add_argument("--trace", metavar="FILE", help="Mooncake JSONL, kvblocks JSONL or Azure CSV (default: built-in)")
     g.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure", "kvblocks"], help="trace format")
-    g.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
-    g.add_argument("--time-scale", type=float, default=1.0, metavar="F",
+    g.add_argument("--limit", type=L.LIMIT.parse, metavar="N", help="replay only the first N requests")
+    g.add_argument("--time-scale", type=L.TIME_SCALE.parse, default=1.0, metavar="F",
                    help="multiply arrival times by F (2 = half the rate, 0 = all at once)")  # fmt: skip
     _add_model_args(sim)
     g = sim.add_argument_group("engine")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    g.add_argument("--watermark", type=float, default=0.01, help="fraction of blocks admission keeps free (0.01)")
+    g.add_argument("--watermark", type=L.WATERMARK.parse, default=0.01, help="fraction of blocks admission keeps free (0.01)")
     g.add_argument("--preemption", default="recompute", choices=["recompute", "swap"], help="when decode cannot grow")
-    g.add_argument("--host-mem", type=float, metavar="GiB", help=f"swap space (default {DEFAULT_SWAP_GIB:g} with swap)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch (256)")
-    g.add_argument("--token-budget", type=int, default=8192, help="tokens per step, max_num_batched_tokens (8192)")
-    g.add_argument("--max-model-len", type=int, metavar="N",
+    g.add_argument("--host-mem", type=L.HOST_MEM.parse, metavar="GiB", help=f"swap space (default {DEFAULT_SWAP_GIB:g} with swap)")
+    g.add_argument("--max-num-seqs", type=L.MAX_NUM_SEQS.parse, default=256, help="sequences per batch (256)")
+    g.add_argument("--token-budget", type=L.TOKEN_BUDGET.parse, default=8192, help="tokens per step, max_num_batched_tokens (8192)")
+    g.add_argument("--max-model-len", type=L.MAX_MODEL_LEN.parse, metavar="N",
                    help="contiguous baseline reservation per sequence (default: longest request)")  # fmt: skip
     g.add_argument("--no-contiguous", action="store_true", help="skip the contiguous baseline")
     g = sim.add_argument_group("time model (defaults derived from the model, H100-class GPU)")
-    g.add_argument("--step-overhead-ms", type=float, help="fixed cost per step")
-    g.add_argument("--prefill-us", type=float, help="cost per prefill token")
-    g.add_argument("--decode-us", type=float, help="cost per decode token")
-    g.add_argument("--kv-read-ns", type=float, help="cost per cached token read by a decoding token")
+    g.add_argument("--step-overhead-ms", type=L.STEP_OVERHEAD_MS.parse, help="fixed cost per step")
+    g.add_argument("--prefill-us", type=L.PREFILL_US.parse, help="cost per prefill token")
+    g.add_argument("--decode-us", type=L.DECODE_US.parse, help="cost per decode token")
+    g.add_argument("--kv-read-ns", type=L.KV_READ_NS.parse, help="cost per cached token read by a decoding token")
     g = sim.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print the report as JSON")
     g.add_argument("--plot", metavar="FILE", help="write memory use and concurrency over time (PNG/SVG/PDF; needs matplotlib)")
@@ -119,9 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(plan)
     plan.add_argument("--prompt-len", required=True, metavar="DIST", help="prompt length distribution")
     plan.add_argument("--output-len", required=True, metavar="DIST", help="output length distribution")
-    plan.add_argument("--max-len", type=int, metavar="N", help="contiguous reservation (default: longest draw)")
-    plan.add_argument("--samples", type=int, default=100_000, help="lengths drawn (100000)")
-    plan.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    plan.add_argument("--max-len", type=L.MAX_LEN.parse, metavar="N", help="contiguous reservation (default: longest draw)")
+    plan.add_argument("--samples", type=L.SAMPLES.parse, default=100_000, help="lengths drawn (100000)")
+    plan.add_argument("--seed", type=L.SEED.parse, default=0, help="random seed (0)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -143,13 +162,10 @@ def _simulate(args: argparse.Namespace) -> int:
     from .timing import TimeModel
     from .workload import load_workload
 
-    if args.time_scale < 0 or args.time_scale != args.time_scale:
-        raise SimulationError(f"--time-scale must be >= 0, got {args.time_scale}")
-    if args.max_model_len is not None and args.max_model_len < 1:
-        raise SimulationError(f"--max-model-len must be >= 1, got {args.max_model_len}")
     model = _model(args)
     host = args.host_mem if args.host_mem is not None else (DEFAULT_SWAP_GIB if args.preemption == "swap" else 0.0)
-    bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks, host)
+    bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks, host,
+                       max_blocks=L.MAX_SIM_BLOCKS)  # fmt: skip
     tm = TimeModel.for_model(model, args.step_overhead_ms, args.prefill_us, args.decode_us, args.kv_read_ns)
     workload = load_workload(args.trace, args.format, args.limit)
     if args.time_scale != 1.0:
@@ -218,7 +234,14 @@ def _plan(args: argparse.Namespace) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``kvblocks`` console script and of ``python -m kvblocks``."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named with the subcommand's help, which lists its flags
+            prog = f"kvblocks {args.command}" if args.command else "kvblocks"
+            raise _UsageError(f"unrecognized arguments: {' '.join(extra)} (see '{prog} --help')")
+    except _UsageError as e:
+        print(f"kvblocks: error: {e}", file=sys.stderr)
+        return 2
     if args.command is None:
         parser.print_help()
         return 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, Optional
 
+from . import limits
 from .errors import SimulationError
 
 __all__ = ["ModelSpec", "MemoryBill", "PRESETS", "DTYPE_BYTES", "get_model", "custom_model", "memory_bill", "GiB"]
@@ -120,14 +121,13 @@ def custom_model(
 ) -> ModelSpec:
     """A model from explicit shapes (``latent_dim`` > 0 for MLA instead of heads x head_dim)."""
     _check_dtype(dtype)
-    if layers < 1 or layers > 10_000:
-        raise SimulationError(f"--layers must be in [1, 10000], got {layers}")
-    if latent_dim < 0 or kv_heads < 0 or head_dim < 0:
-        raise SimulationError("--kv-heads, --head-dim and --latent-dim must be >= 0")
+    layers = limits.LAYERS.check(layers)
+    kv_heads = limits.KV_HEADS.check(kv_heads)
+    head_dim = limits.HEAD_DIM.check(head_dim)
+    latent_dim = limits.LATENT_DIM.check(latent_dim)
+    params = limits.PARAM_COUNT.check(params)
     if not latent_dim and (kv_heads < 1 or head_dim < 1):
         raise SimulationError("a custom model needs --kv-heads and --head-dim (or --latent-dim for MLA)")
-    if params < 0:
-        raise SimulationError(f"--params must be >= 0, got {params}")
     name = f"custom({layers}L x {kv_heads}H x {head_dim}D)" if not latent_dim else f"custom({layers}L x {latent_dim} MLA)"
     d = dtype.lower()
     return ModelSpec(name, layers, kv_heads, head_dim, params, params, max_context, d, d, latent_dim, "command line")
@@ -185,28 +185,35 @@ def memory_bill(
     reserve_gib: Optional[float] = None,
     num_blocks: Optional[int] = None,
     host_mem_gib: float = 0.0,
+    max_blocks: int = limits.MAX_BLOCK_IDS,
 ) -> MemoryBill:
-    """Split ``gpu_mem_gib`` into weights, reserve and KV blocks (``num_blocks`` overrides)."""
-    if block_size < 1 or block_size > 65536:
-        raise SimulationError(f"--block-size must be in [1, 65536], got {block_size}")
-    if not (gpu_mem_gib > 0) or gpu_mem_gib > 1e6:
-        raise SimulationError(f"--gpu-mem must be a positive number of GiB, got {gpu_mem_gib}")
-    if host_mem_gib < 0:
-        raise SimulationError(f"--host-mem must be >= 0, got {host_mem_gib}")
+    """Split ``gpu_mem_gib`` into weights, reserve and KV blocks (``num_blocks`` overrides).
+
+    A pool (or host swap space) of more than ``max_blocks`` blocks is refused, naming the
+    flags that give fewer: int32 block ids by default, :data:`~kvblocks.sim.limits.MAX_SIM_BLOCKS`
+    for a simulation (which allocates metadata for every block).
+    """
+    block_size = limits.BLOCK_SIZE.check(block_size)
+    gpu_mem_gib = limits.GPU_MEM.check(gpu_mem_gib)
+    host_mem_gib = limits.HOST_MEM.check(host_mem_gib)
     gpu = int(gpu_mem_gib * GiB)
     if reserve_gib is None:
         reserve = int(gpu * DEFAULT_RESERVE_FRACTION)
         note = f"{DEFAULT_RESERVE_FRACTION:.0%} of GPU memory (CUDA context, activations, slack)"
     else:
-        if reserve_gib < 0:
-            raise SimulationError(f"--reserve must be >= 0, got {reserve_gib}")
-        reserve = int(reserve_gib * GiB)
+        reserve = int(limits.RESERVE.check(reserve_gib) * GiB)
         note = "set by --reserve"
     per_block = model.kv_bytes_per_token * block_size
     host_blocks = int(host_mem_gib * GiB) // per_block
+    if host_blocks > max_blocks:
+        raise SimulationError(
+            f"--host-mem {host_mem_gib:g} GiB makes {host_blocks:,} {block_size}-token host blocks, more than "
+            f"{_cap_words(max_blocks)}; lower --host-mem or raise --block-size"
+        )
     if num_blocks is not None:
-        if num_blocks < 1:
-            raise SimulationError(f"--num-blocks must be >= 1, got {num_blocks}")
+        num_blocks = limits.NUM_BLOCKS.check(num_blocks)
+        if num_blocks > max_blocks:
+            raise SimulationError(f"--num-blocks {num_blocks:,} is more than {_cap_words(max_blocks)}")
         return MemoryBill(model, gpu, model.weight_bytes, reserve, note, block_size, model.kv_bytes_per_token,
                           num_blocks, host_blocks)  # fmt: skip
     pool = gpu - model.weight_bytes - reserve
@@ -215,5 +222,18 @@ def memory_bill(
             f"{model.name} does not fit: {gpu_mem_gib:g} GiB GPU memory - {model.weight_bytes / GiB:.2f} GiB weights"
             f" - {reserve / GiB:.2f} GiB reserve leaves no room for one KV block ({per_block / (1 << 20):.2f} MiB)"
         )
+    if pool // per_block > max_blocks:
+        raise SimulationError(
+            f"--gpu-mem {gpu_mem_gib:g} GiB leaves a KV pool of {pool // per_block:,} {block_size}-token blocks, "
+            f"more than {_cap_words(max_blocks)}; raise --block-size, lower --gpu-mem or set --num-blocks"
+        )
     return MemoryBill(model, gpu, model.weight_bytes, reserve, note, block_size, model.kv_bytes_per_token,
                       pool // per_block, host_blocks)  # fmt: skip
+
+
+def _cap_words(max_blocks: int) -> str:
+    if max_blocks == limits.MAX_SIM_BLOCKS:
+        return f"the {max_blocks:,} blocks the simulator builds (about 600 MiB of allocator metadata)"
+    if max_blocks == limits.MAX_BLOCK_IDS:
+        return f"the {max_blocks:,} blocks int32 block ids allow"
+    return f"the limit of {max_blocks:,} blocks"

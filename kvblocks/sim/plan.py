@@ -28,10 +28,11 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from . import limits
 from .errors import SimulationError
 from .models import MemoryBill, ModelSpec
 from .report import fmt_bytes
-from .workload import MAX_TOKENS
+from .limits import MAX_TOKENS
 
 __all__ = ["LengthDist", "parse_dist", "Plan", "make_plan", "format_plan", "DIST_HELP"]
 
@@ -125,8 +126,10 @@ def make_plan(
     seed: int = 0,
 ) -> Plan:
     """Draw lengths and count what fits under paging and under contiguous reservation."""
-    if samples < 1 or samples > 10_000_000:
-        raise SimulationError(f"--samples must be in [1, 10000000], got {samples}")
+    samples = limits.SAMPLES.check(samples)
+    seed = limits.SEED.check(seed)
+    if max_len is not None:
+        max_len = limits.MAX_LEN.check(max_len)
     model: ModelSpec = bill.model
     rng = np.random.default_rng(seed)
     p = prompt.sample(rng, samples, model.max_context)
@@ -137,9 +140,7 @@ def make_plan(
     waste = blocks * bs - total
     live = p + np.floor(rng.random(samples) * o).astype(np.int64) + 1  # mid-life: part of the output written
     live_blocks = -(-live // bs)
-    reserve = int(total.max()) if max_len is None else int(max_len)
-    if reserve < 1:
-        raise SimulationError(f"--max-len must be >= 1, got {max_len}")
+    reserve = int(total.max()) if max_len is None else max_len
     slots = bill.token_slots
     kvb = bill.kv_bytes_per_token
     mean_tokens = float(total.mean())

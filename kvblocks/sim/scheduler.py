@@ -31,6 +31,7 @@ from typing import Callable, Deque, Dict, List, Optional
 
 import numpy as np
 
+from . import limits
 from .errors import SimulationError
 from .metrics import Recorder
 from .timing import TimeModel
@@ -57,12 +58,9 @@ class SchedulerConfig:
     def validate(self) -> None:
         if self.preemption not in ("recompute", "swap"):
             raise SimulationError(f"--preemption must be 'recompute' or 'swap', got {self.preemption!r}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise SimulationError(f"--watermark must be in [0, 1), got {self.watermark}")
-        if self.max_num_seqs < 1:
-            raise SimulationError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.token_budget < 1:
-            raise SimulationError(f"--token-budget must be >= 1, got {self.token_budget}")
+        limits.WATERMARK.check(self.watermark)
+        limits.MAX_NUM_SEQS.check(self.max_num_seqs)
+        limits.TOKEN_BUDGET.check(self.token_budget)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional
 
-from .errors import SimulationError
+from . import limits
 from .models import ModelSpec
 
 __all__ = ["TimeModel", "PEAK_FLOPS", "HBM_BYTES_PER_S"]
@@ -58,10 +58,10 @@ class TimeModel:
         kv_read_ns: Optional[float] = None,
     ) -> "TimeModel":
         """Defaults from the model (see module docstring), each overridable."""
-        for name, v in (("--step-overhead-ms", step_overhead_ms), ("--prefill-us", prefill_us),
-                        ("--decode-us", decode_us), ("--kv-read-ns", kv_read_ns)):  # fmt: skip
-            if v is not None and not (v >= 0 and v < 1e9):
-                raise SimulationError(f"{name} must be a non-negative number, got {v}")
+        for lim, v in ((limits.STEP_OVERHEAD_MS, step_overhead_ms), (limits.PREFILL_US, prefill_us),
+                       (limits.DECODE_US, decode_us), (limits.KV_READ_NS, kv_read_ns)):  # fmt: skip
+            if v is not None:
+                lim.check(v)
         flops_token = 2.0 * model.active_params / (PEAK_FLOPS * COMPUTE_EFFICIENCY)
         overhead = model.weight_bytes / (HBM_BYTES_PER_S * BANDWIDTH_EFFICIENCY) + HOST_OVERHEAD_S
         kv_read = model.kv_bytes_per_token / (HBM_BYTES_PER_S * BANDWIDTH_EFFICIENCY)

@@ -17,16 +17,19 @@ Every loader validates as it reads and raises :class:`WorkloadError` naming file
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as _dt
 import json
+import math
 import os
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .errors import WorkloadError
-from .tokens import NS_OUTPUT, NS_PROMPT, NS_SEGMENT, TokenBook, seed_of, stream
+from .limits import MAX_SAMPLES, MAX_TOKENS, TIME_SCALE, shown
+from .tokens import ID_BITS, NS_OUTPUT, NS_PROMPT, NS_SEGMENT, TokenBook, seed_of, stream
 
 __all__ = [
     "Request",
@@ -41,9 +44,9 @@ __all__ = [
     "detect_format",
 ]
 
-MAX_TOKENS = 10_000_000  # longer prompts or outputs are rejected as absurd
-MAX_SAMPLES = 64  # parallel samples per request
 MOONCAKE_BLOCK = 512  # tokens per Mooncake hash id
+MAX_TIMESTAMP_MS = 1e15  # JSONL arrival times (ms; epoch milliseconds fit)
+MAX_TIMESTAMP_S = 1e12  # CSV arrival times (s; any date-time fits)
 
 
 class Request:
@@ -108,6 +111,7 @@ class Workload:
 
     def scaled(self, factor: float) -> "Workload":
         """The same requests with arrival times multiplied by ``factor`` (0 = all at once)."""
+        factor = TIME_SCALE.check(factor)
         reqs = [
             Request(r.index, r.arrival * factor, r.prompt_len, r.output_len, r.n, r.hash_ids, r.segments, r.output_id)
             for r in self.requests
@@ -157,42 +161,67 @@ def _int_field(obj: dict, key: str, path: str, line: int, lo: int = 0, hi: int =
     if key not in obj:
         raise WorkloadError(f"missing field {key!r}", path, line)
     v = obj[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or int(v) != v:
-        raise WorkloadError(f"field {key!r} must be an integer, got {v!r}", path, line)
-    v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):  # 12.0, 1e400, NaN, Infinity, "12"
+        raise WorkloadError(f"field {key!r} must be an integer, got {shown(v)}", path, line)
     if v < lo:
-        raise WorkloadError(f"field {key!r} is {v}, must be >= {lo}", path, line)
+        raise WorkloadError(f"field {key!r} is {shown(v)}, must be >= {lo}", path, line)
     if v > hi:
-        raise WorkloadError(f"field {key!r} is {v}, absurdly large (limit {hi:,})", path, line)
+        raise WorkloadError(f"field {key!r} is {shown(v)}, absurdly large (limit {hi:,})", path, line)
     return v
 
 
 def _time_field(obj: dict, key: str, path: str, line: int) -> float:
+    """A timestamp in ms: a finite number in [0, MAX_TIMESTAMP_MS] (fractions allowed)."""
     if key not in obj:
         raise WorkloadError(f"missing field {key!r}", path, line)
     v = obj[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
-        raise WorkloadError(f"field {key!r} must be a non-negative number, got {v!r}", path, line)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise WorkloadError(f"field {key!r} must be a non-negative number of ms, got {shown(v)}", path, line)
+    if v > MAX_TIMESTAMP_MS:
+        raise WorkloadError(f"field {key!r} is {shown(v)}, absurdly large (limit {MAX_TIMESTAMP_MS:g} ms)", path, line)
     return float(v)
 
 
-def _json_lines(path: str) -> Iterator[Tuple[int, dict]]:
+def _open_lines(path: str) -> Iterator[Tuple[int, str]]:
+    """(line number, text) of a UTF-8 file, decoded line by line so that a bad byte is named
+    with its line (a leading byte-order mark is dropped); WorkloadError when it cannot be read."""
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except OSError as e:
         raise WorkloadError(f"cannot open: {e.strerror or e}", path) from None
     with f:
-        for lineno, text in enumerate(f, 1):
-            text = text.strip()
-            if not text:
-                continue
-            try:
-                obj = json.loads(text)
-            except ValueError as e:
-                raise WorkloadError(f"malformed JSON ({e.msg} at column {e.colno})", path, lineno) from None
-            if not isinstance(obj, dict):
-                raise WorkloadError("each line must be a JSON object", path, lineno)
-            yield lineno, obj
+        lineno = 0
+        try:
+            for chunk in f:
+                # \n, \r\n and a lone \r end lines, as in text mode (and csv's own reading)
+                for raw in chunk.splitlines(keepends=True) if b"\r" in chunk else (chunk,):
+                    lineno += 1
+                    try:
+                        text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                    except UnicodeDecodeError as e:
+                        raise WorkloadError(
+                            f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                            f"save the trace as UTF-8", path, lineno,
+                        ) from None
+                    yield lineno, text
+        except OSError as e:
+            raise WorkloadError(f"read error: {e.strerror or e}", path, lineno + 1) from None
+
+
+def _json_lines(path: str) -> Iterator[Tuple[int, dict]]:
+    for lineno, text in _open_lines(path):
+        text = text.strip()
+        if not text:
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise WorkloadError(f"malformed JSON ({e.msg} at column {e.colno})", path, lineno) from None
+        except (ValueError, RecursionError) as e:  # an integer of > 4300 digits; deep nesting
+            raise WorkloadError(f"malformed JSON ({str(e).split(':')[0]})", path, lineno) from None
+        if not isinstance(obj, dict):
+            raise WorkloadError("each line must be a JSON object", path, lineno)
+        yield lineno, obj
 
 
 def _finish(name: str, kind: str, reqs: List[Request], path: str) -> Workload:
@@ -220,8 +249,8 @@ def load_mooncake(path: str, limit: Optional[int] = None) -> Workload:
         if not isinstance(ids, list) or not ids:
             raise WorkloadError("field 'hash_ids' must be a non-empty list of integers", path, lineno)
         for h in ids:
-            if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < (1 << 36):
-                raise WorkloadError(f"bad hash id {h!r} (must be an integer in [0, 2^36))", path, lineno)
+            if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < (1 << ID_BITS):
+                raise WorkloadError(f"bad hash id {shown(h)} (must be an integer in [0, 2^{ID_BITS}))", path, lineno)
         if not MOONCAKE_BLOCK * (len(ids) - 1) < n_in <= MOONCAKE_BLOCK * len(ids):
             raise WorkloadError(
                 f"input_length {n_in} does not match {len(ids)} hash ids of {MOONCAKE_BLOCK} tokens", path, lineno
@@ -258,14 +287,11 @@ def load_azure_csv(path: str, limit: Optional[int] = None) -> Workload:
 
     A ``GeneratedTokens`` of 0 is treated as 1 (the prefill still produces one token).
     """
-    try:
-        f = open(path, encoding="utf-8", newline="")
-    except OSError as e:
-        raise WorkloadError(f"cannot open: {e.strerror or e}", path) from None
+    lines = _open_lines(path)
     reqs: List[Request] = []
     t0: Optional[float] = None
-    with f:
-        reader = csv.reader(f)
+    with contextlib.closing(lines):
+        reader = csv.reader(text for _, text in lines)
         try:
             header = next(reader)
         except StopIteration:
@@ -296,13 +322,18 @@ def load_azure_csv(path: str, limit: Optional[int] = None) -> Workload:
             try:
                 t = _parse_timestamp(row[it])
             except (ValueError, OverflowError):
-                raise WorkloadError(f"bad TIMESTAMP {row[it]!r}", path, lineno) from None
+                raise WorkloadError(f"bad TIMESTAMP {shown(row[it])}", path, lineno) from None
+            if not math.isfinite(t) or abs(t) > MAX_TIMESTAMP_S:  # nan never compares: replay would hang
+                raise WorkloadError(
+                    f"bad TIMESTAMP {shown(row[it])} (need a date-time or a finite number of seconds "
+                    f"within +-{MAX_TIMESTAMP_S:g})", path, lineno,
+                )
             vals = []
             for name, i, lo in (("ContextTokens", ic, 1), ("GeneratedTokens", ig, 0)):
                 try:
                     v = int(row[i].strip())
                 except ValueError:
-                    raise WorkloadError(f"{name} must be an integer, got {row[i]!r}", path, lineno) from None
+                    raise WorkloadError(f"{name} must be an integer, got {shown(row[i])}", path, lineno) from None
                 if v < lo:
                     raise WorkloadError(f"{name} is {v}, must be >= {lo}", path, lineno)
                 if v > MAX_TOKENS:
@@ -334,15 +365,20 @@ def load_kvblocks_jsonl(path: str, limit: Optional[int] = None, name: Optional[s
         pieces = []
         for s in segs:
             ok = isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
-            if not ok or not 0 <= s[0] < (1 << 36) or s[1] < 1:
-                raise WorkloadError(f"bad segment {s!r} (need [id >= 0, length >= 1])", path, lineno)
+            if not ok or not 0 <= s[0] < (1 << ID_BITS) or not 1 <= s[1] <= MAX_TOKENS:
+                raise WorkloadError(
+                    f"bad segment {shown(s)} (need [id in [0, 2^{ID_BITS}), length in [1, {MAX_TOKENS:,}]])",
+                    path, lineno,
+                )
             pieces.append((s[0], s[1]))
         total = sum(p[1] for p in pieces)
         if total > MAX_TOKENS:
             raise WorkloadError(f"prompt of {total} tokens is absurdly long", path, lineno)
         out_id = obj.get("output_id")
-        if out_id is not None and (isinstance(out_id, bool) or not isinstance(out_id, int) or out_id < 0):
-            raise WorkloadError(f"bad output_id {out_id!r}", path, lineno)
+        if out_id is not None and (isinstance(out_id, bool) or not isinstance(out_id, int)
+                                   or not 0 <= out_id < (1 << ID_BITS)):
+            raise WorkloadError(f"bad output_id {shown(out_id)} (must be an integer in [0, 2^{ID_BITS}))",
+                                path, lineno)  # fmt: skip
         reqs.append(Request(len(reqs), t, total, n_out, n=n, segments=tuple(pieces), output_id=out_id))
     return _finish(name or os.path.basename(path), "kvblocks", reqs, path)
 
@@ -359,14 +395,12 @@ def detect_format(path: str) -> str:
     low = path.lower()
     if low.endswith(".csv"):
         return "azure"
-    try:
-        with open(path, encoding="utf-8") as f:
-            first = ""
-            for first in f:
-                if first.strip():
-                    break
-    except OSError as e:
-        raise WorkloadError(f"cannot open: {e.strerror or e}", path) from None
+    first = ""
+    lines = _open_lines(path)
+    with contextlib.closing(lines):
+        for _, first in lines:
+            if first.strip():
+                break
     if first.lstrip().startswith("{"):
         return "kvblocks" if '"segments"' in first else "mooncake"
     if "TIMESTAMP" in first:
