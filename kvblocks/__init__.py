@@ -8,7 +8,8 @@ with :class:`AttentionMetadata`. Device side: :class:`KVLayout`, :class:`KVCache
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it ([tool.setuptools.dynamic])
 
 from . import ops
-from ._core import BlockManager, BlockPool, SeqBatch, default_hash_key, hash_blocks
+from ._core import (BlockManager, BlockPool, SeqBatch, default_hash_key, hash_blocks,
+                    hash_from_int, hash_to_int)
 from .errors import (
     CorruptionError,
     DeviceError,
@@ -31,5 +32,5 @@ __all__ = [
     "BlockStored", "CacheStats", "CorruptionError", "DeviceError", "DuplicateSequenceError",
     "InvalidArgumentError", "InvalidStateError", "InvalidTypeError", "KVBlocksError", "KVCache",
     "KVLayout", "OutOfBlocksError", "SeqBatch", "UnknownSequenceError", "default_hash_key",
-    "hash_blocks", "ops", "__version__",
+    "hash_blocks", "hash_from_int", "hash_to_int", "ops", "__version__",
 ]

@@ -109,6 +109,29 @@ cdef kvb_hash_t _parent_hash(object parent) except *:
     return h
 
 
+def hash_to_int(h):
+    """A block hash as one 128-bit int, from a ``[lo, hi]`` uint64 pair (a row of
+    ``hash_blocks``) or an int (checked). Events and ``block_hash`` use ints; hash_blocks rows.
+
+    >>> h = hash_blocks(list(range(4)), 4, key=b"0123456789abcdef")[0]
+    >>> hash_from_int(hash_to_int(h)).tolist() == h.tolist()
+    True
+    """
+    if type(h) is int:
+        if h < 0 or h >> 128:
+            raise InvalidArgumentError("a block hash is a 128-bit unsigned int")
+        return h
+    cdef kvb_hash_t v = _parent_hash(h)
+    return hash_int(v)
+
+
+def hash_from_int(h):
+    """The ``[lo, hi]`` uint64 pair of a 128-bit int hash (the row format of hash_blocks)."""
+    if type(h) is not int or h < 0 or h >> 128:
+        raise InvalidArgumentError("a block hash is a 128-bit unsigned int")
+    return np.array([h & 0xFFFFFFFFFFFFFFFF, h >> 64], dtype=np.uint64)
+
+
 def siphash128(key, data) -> bytes:
     """SipHash-2-4 with 128-bit output of ``data`` under a 16-byte ``key`` (16 bytes out,
     the reference implementation's byte order). Exposed for known-answer tests.

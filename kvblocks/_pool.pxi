@@ -144,11 +144,11 @@ cdef class BlockPool:
 
         Raises OutOfBlocksError when fewer than ``n`` blocks are free or evictable.
         """
-        n = as_int(n, "allocate: n", 0, INT32_MAX)
-        cdef cnp.ndarray out = new_i32(n)
-        cdef int rc = kvb_pool_allocate(&self.p, <int32_t>n, i32_data(out))
+        cdef int64_t k = as_int(n, "allocate: n", 0, INT32_MAX)
+        cdef cnp.ndarray out = new_i32(k)
+        cdef int rc = kvb_pool_allocate(&self.p, <int32_t>k, i32_data(out))
         if rc:
-            raise_code(rc, f"allocate({n})", self.p.err_a, self.p.err_b)
+            raise_code(rc, f"allocate({k})", self.p.err_a, self.p.err_b)
         return out
 
     def free(self, ids):
