@@ -1,6 +1,7 @@
 """Build of the C core and its Cython wrapper (metadata lives in pyproject.toml).
 
-KVBLOCKS_DEBUG=1     -O0 -g, C assertions (KVB_ASSERT) and Cython bounds checks on.
+KVBLOCKS_DEBUG=1     -O0 -g, C assertions (KVB_ASSERT, KVB_MUST) and Cython bounds checks on.
+KVBLOCKS_DEBUG=2     the same, plus the full invariant check after every BlockManager call.
 KVBLOCKS_SANITIZE=1  AddressSanitizer + UndefinedBehaviorSanitizer (run python with
                      LD_PRELOAD=$(gcc -print-file-name=libasan.so)).
 """
@@ -11,7 +12,8 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-DEBUG = os.environ.get("KVBLOCKS_DEBUG", "") not in ("", "0")
+DEBUG_LEVEL = os.environ.get("KVBLOCKS_DEBUG", "") or "0"
+DEBUG = DEBUG_LEVEL != "0"
 SANITIZE = os.environ.get("KVBLOCKS_SANITIZE", "") not in ("", "0")
 
 C_SOURCES = ["csrc/hash.c", "csrc/pool.c", "csrc/cache.c", "csrc/table.c", "csrc/meta.c"]
@@ -23,7 +25,7 @@ if sys.platform != "win32":
     compile_args += ["-Wall", "-Wno-unused-function"]
     if DEBUG or SANITIZE:
         compile_args += ["-O0", "-g", "-UNDEBUG"]
-        macros.append(("KVB_DEBUG", "1"))
+        macros.append(("KVB_DEBUG", "2" if DEBUG_LEVEL == "2" else "1"))
     else:
         compile_args += ["-O3"]
     if SANITIZE:

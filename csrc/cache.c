@@ -5,11 +5,15 @@
  * block holds at most one entry). Linear probing from hash.lo; deletion shifts the following
  * run back (no tombstones), so lookups never slow down as blocks churn.
  *
+ * Ownership: this file owns the table, the CACHED bit and num_cached. It never touches the free
+ * list or its counters (num_free, num_evictable: pool.c), so pool.c calls in here and never
+ * the other way round.
+ *
  * Policy: a hash maps to at most one block. Registering a hash that is already present keeps
  * the first block (the newcomer stays an ordinary uncached block and is reused first once
  * freed), exactly as vLLM does, so lookups stay deterministic. Eviction is lazy: a cached
  * block whose ref count reaches 0 stays in the table and in the free list (see pool.c) until
- * allocation pops it, which drops its entry (kvb_cache_evict).
+ * allocation pops it, which drops its entry (kvb_cache_forget).
  */
 #include <string.h>
 
@@ -48,24 +52,12 @@ static void table_remove(kvb_pool_t *p, int32_t b) {
     p->table[i] = KVB_NONE;
 }
 
-/* Forget block b's entry and record it. */
-static void uncache(kvb_pool_t *p, int32_t b) {
+void kvb_cache_forget(kvb_pool_t *p, int32_t b) {
+    KVB_ASSERT(p->flags[b] & KVB_F_CACHED);
     table_remove(p, b);
     p->flags[b] &= (uint8_t)~KVB_F_CACHED;
     p->num_cached--;
     if (p->record_events) kvb_pool_record(p, KVB_EV_REMOVED, b, &p->hash[b], NULL, NULL, 0);
-}
-
-void kvb_cache_evict(kvb_pool_t *p, int32_t b) {
-    uncache(p, b);
-    p->num_evictable--;
-    p->stats.evictions++;
-}
-
-void kvb_cache_drop(kvb_pool_t *p, int32_t b) {
-    if (!(p->flags[b] & KVB_F_CACHED)) return;
-    if (p->flags[b] & KVB_F_FREE) p->num_evictable--;
-    uncache(p, b);
 }
 
 int kvb_cache_put(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const kvb_hash_t *parent,
@@ -144,36 +136,9 @@ int64_t kvb_cache_lookup(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int
     return k;
 }
 
-void kvb_cache_pin(kvb_pool_t *p, const int32_t *ids, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        int32_t b = ids[i];
-        if (p->ref_count[b]++ == 0) { /* evictable: leaves the free list */
-            kvb_pool_unlink(p, b);
-            p->num_evictable--;
-        }
-    }
-}
-
-int64_t kvb_cache_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out) {
-    int64_t k = kvb_cache_lookup(p, hashes, n, out);
-    kvb_cache_pin(p, out, k);
-    return k;
-}
-
-int kvb_cache_reset(kvb_pool_t *p) {
-    if (p->num_cached != p->num_evictable) {
-        p->err_a = p->num_cached - p->num_evictable;
-        p->err_b = p->num_cached;
-        return KVB_ESTATE;
-    }
-    for (int32_t b = 1; b < p->num_blocks; b++) {
-        if (!(p->flags[b] & KVB_F_CACHED)) continue;
-        p->flags[b] &= (uint8_t)~KVB_F_CACHED;
-        kvb_pool_move_to_head(p, b); /* now never-cached: reused first */
-    }
+void kvb_cache_clear(kvb_pool_t *p) {
+    for (int32_t b = 1; b < p->num_blocks; b++) p->flags[b] &= (uint8_t)~KVB_F_CACHED;
     memset(p->table, 0xff, (size_t)(p->table_mask + 1) * sizeof *p->table);
     p->num_cached = 0;
-    p->num_evictable = 0;
     if (p->record_events) kvb_pool_record(p, KVB_EV_CLEARED, KVB_NONE, NULL, NULL, NULL, 0);
-    return KVB_OK;
 }

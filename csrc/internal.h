@@ -11,10 +11,26 @@ KVB_INLINE void kvb_copy(void *dst, const void *src, size_t n) {
     if (n) memcpy(dst, src, n);
 }
 
+/* Size and slot helpers of the manager (table.c, meta.c). */
+KVB_INLINE int64_t blk_of(const kvb_mgr_t *m, int64_t t) { /* block holding token t */
+    return m->bs_shift >= 0 ? t >> m->bs_shift : t / m->block_size;
+}
+KVB_INLINE int64_t off_in(const kvb_mgr_t *m, int64_t t) { /* token t's offset in it */
+    return m->bs_shift >= 0 ? t & (m->block_size - 1) : t % m->block_size;
+}
+KVB_INLINE int64_t blocks_for(const kvb_mgr_t *m, int64_t t) { /* blocks t tokens take */
+    return blk_of(m, t + m->block_size - 1);
+}
+KVB_INLINE kvb_seq_t *live_seq(const kvb_mgr_t *m, int32_t slot) { /* NULL if not live */
+    if (KVB_UNLIKELY(slot < 0 || slot >= m->scap || !(m->seqs[slot].gen & 1u))) return NULL;
+    return &m->seqs[slot];
+}
+
 /* pool.c */
-void kvb_pool_unlink(kvb_pool_t *p, int32_t b);   /* take a free block out of the list */
 void kvb_pool_release(kvb_pool_t *p, int32_t b);  /* drop one (validated) reference */
-void kvb_pool_move_to_head(kvb_pool_t *p, int32_t b); /* relink a free block at the head */
+void kvb_pool_pin(kvb_pool_t *p, const int32_t *ids, int64_t n); /* +1 ref, unlinks evictable */
+void kvb_pool_uncache(kvb_pool_t *p, int32_t b);  /* drop b's entry; an evictable b moves to
+                                                   * the head as never-cached */
 void kvb_pool_record(kvb_pool_t *p, int kind, int32_t b, const kvb_hash_t *h,
                      const kvb_hash_t *parent, const int32_t *tokens, int32_t ntok);
 int kvb_grow(void **ptr, int64_t *cap, int64_t need, size_t elem);
@@ -22,8 +38,8 @@ int kvb_grow(void **ptr, int64_t *cap, int64_t need, size_t elem);
 /* cache.c */
 int64_t kvb_cache_match(const kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n,
                         int32_t *out);            /* kvb_cache_lookup without stats */
-void kvb_cache_evict(kvb_pool_t *p, int32_t b);   /* drop the entry of a block being reused */
-void kvb_cache_pin(kvb_pool_t *p, const int32_t *ids, int64_t n); /* +1 ref to cached hits */
+void kvb_cache_forget(kvb_pool_t *p, int32_t b);  /* drop a cached block's entry (any state) */
+void kvb_cache_clear(kvb_pool_t *p);              /* drop every entry (free list untouched) */
 int kvb_cache_put(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const kvb_hash_t *parent,
                   const int32_t *tokens, int32_t block_size); /* 1 stored, 0 hash present */
 

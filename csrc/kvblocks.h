@@ -38,8 +38,18 @@ extern "C" {
 #ifdef KVB_DEBUG
 #include <assert.h>
 #define KVB_ASSERT(x) assert(x)
+/* a call whose result was validated beforehand and cannot fail: checked in debug builds */
+#define KVB_MUST(call) do { int kvb_rc_ = (call); assert(kvb_rc_ == 0); (void)kvb_rc_; } while (0)
 #else
 #define KVB_ASSERT(x) ((void)0)
+#define KVB_MUST(call) ((void)(call))
+#endif
+/* KVB_DEBUG=2 (KVBLOCKS_DEBUG=2): the expensive level, the full invariant check after every
+ * call into the manager (see kvb_debug_level and the Cython call guard). */
+#ifndef KVB_DEBUG
+#define KVB_DEBUG_LEVEL 0
+#else
+#define KVB_DEBUG_LEVEL KVB_DEBUG
 #endif
 
 /* ---- error codes ------------------------------------------------------------------------ */
@@ -165,12 +175,10 @@ int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes
                      int64_t *stored);
 /* Longest cached prefix of hashes: returns its length; ids written to out (may be NULL). */
 int64_t kvb_cache_lookup(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out);
-/* Same, and add one reference to each hit in the same step. */
-int64_t kvb_cache_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out);
-/* Drop the entry of one block (used when its content is about to change). */
-void kvb_cache_drop(kvb_pool_t *p, int32_t id);
-/* Drop every entry; only when no cached block is referenced (else KVB_ESTATE). */
-int kvb_cache_reset(kvb_pool_t *p);
+/* Same, and add one reference to each hit in the same step (pool.c). */
+int64_t kvb_pool_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out);
+/* Drop every entry; only when no cached block is referenced (else KVB_ESTATE) (pool.c). */
+int kvb_pool_reset_cache(kvb_pool_t *p);
 
 /* internal helpers shared by pool.c / cache.c / table.c */
 int kvb_events_reserve(kvb_events_t *ev, int64_t n_events, int64_t n_tokens);

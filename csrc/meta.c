@@ -26,18 +26,18 @@ int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
     int64_t ntok = 0, nidx = 0;
     for (int64_t i = 0; i < B; i++) {
         int32_t slot = slots[i];
-        if (slot < 0 || slot >= m->scap || !(m->seqs[slot].gen & 1u)) {
+        const kvb_seq_t *s = live_seq(m, slot);
+        if (!s) {
             m->err_a = i; m->err_b = slot;
             return KVB_EUNKNOWN;
         }
-        const kvb_seq_t *s = &m->seqs[slot];
         if (s->swapped) { m->err_a = i; m->err_b = slot; return KVB_ESWAPPED; }
         if (qlens[i] < 0 || qlens[i] > s->ntokens) {
             m->err_a = i; m->err_b = qlens[i];
             return KVB_EINVAL;
         }
         int64_t d = drafts ? drafts[i] : 0;
-        int64_t nb = (s->ntokens + d + bs - 1) / bs;
+        int64_t nb = blocks_for(m, s->ntokens + d);
         if (d < 0 || nb > s->nblocks) { m->err_a = i; m->err_b = d; return KVB_ESTATE; }
         if (out->block_tables && nb > out->max_blocks) {
             m->err_a = nb; m->err_b = out->max_blocks; m->err_what = "block_tables";
@@ -62,7 +62,7 @@ int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
     out->kv_indptr[0] = 0;
     for (int64_t i = 0; i < B; i++) {
         const kvb_seq_t *s = &m->seqs[slots[i]];
-        int64_t L = s->ntokens + (drafts ? drafts[i] : 0), nb = (L + bs - 1) / bs;
+        int64_t L = s->ntokens + (drafts ? drafts[i] : 0), nb = blocks_for(m, L);
         int64_t start = s->ntokens - qlens[i];
         const int32_t *blocks = s->blocks;
         /* entries [0, same_bt) of the block-table row and [0, same_kv) of the kv_indices
@@ -79,7 +79,7 @@ int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
         /* slot mapping: walk block by block, no division per token */
         int64_t pos = start;
         while (pos < L) {
-            int64_t blk = pos / bs, off = pos - blk * bs;
+            int64_t blk = blk_of(m, pos), off = off_in(m, pos);
             int64_t run = bs - off;
             if (run > L - pos) run = L - pos;
             int64_t base = (int64_t)blocks[blk] * bs + off;

@@ -17,6 +17,8 @@
  *   num_evictable == #{b : CACHED and FREE}
  *   every cached block is found in the table under its hash.
  */
+#include <stddef.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -24,6 +26,7 @@
 
 /* ---- free-list primitives --------------------------------------------------------------- */
 KVB_INLINE void list_push_head(kvb_pool_t *p, int32_t b) {
+    KVB_ASSERT(b > 0 && b < p->num_blocks && !(p->flags[b] & KVB_F_FREE) && p->ref_count[b] == 0);
     p->prev[b] = KVB_NONE;
     p->next[b] = p->free_head;
     if (p->free_head != KVB_NONE) p->prev[p->free_head] = b;
@@ -34,6 +37,7 @@ KVB_INLINE void list_push_head(kvb_pool_t *p, int32_t b) {
 }
 
 KVB_INLINE void list_push_tail(kvb_pool_t *p, int32_t b) {
+    KVB_ASSERT(b > 0 && b < p->num_blocks && !(p->flags[b] & KVB_F_FREE) && p->ref_count[b] == 0);
     p->next[b] = KVB_NONE;
     p->prev[b] = p->free_tail;
     if (p->free_tail != KVB_NONE) p->next[p->free_tail] = b;
@@ -43,7 +47,8 @@ KVB_INLINE void list_push_tail(kvb_pool_t *p, int32_t b) {
     p->num_free++;
 }
 
-void kvb_pool_unlink(kvb_pool_t *p, int32_t b) {
+static void unlink_free(kvb_pool_t *p, int32_t b) {
+    KVB_ASSERT(b > 0 && b < p->num_blocks && (p->flags[b] & KVB_F_FREE));
     int32_t pr = p->prev[b], nx = p->next[b];
     if (pr != KVB_NONE) p->next[pr] = nx; else p->free_head = nx;
     if (nx != KVB_NONE) p->prev[nx] = pr; else p->free_tail = pr;
@@ -52,14 +57,17 @@ void kvb_pool_unlink(kvb_pool_t *p, int32_t b) {
     p->num_free--;
 }
 
-void kvb_pool_move_to_head(kvb_pool_t *p, int32_t b) {
-    kvb_pool_unlink(p, b);
+static void move_to_head(kvb_pool_t *p, int32_t b) {
+    unlink_free(p, b);
     list_push_head(p, b);
 }
 
 /* ---- events ----------------------------------------------------------------------------- */
 int kvb_grow(void **ptr, int64_t *cap, int64_t need, size_t elem) {
     if (need <= *cap) return KVB_OK;
+    /* checked size arithmetic: the doubling and the byte count never overflow */
+    int64_t limit = (int64_t)(PTRDIFF_MAX / (ptrdiff_t)elem) / 2;
+    if (need < 0 || need > limit) return KVB_ENOMEM;
     int64_t nc = *cap ? *cap : 64;
     while (nc < need) nc *= 2;
     void *np_ = realloc(*ptr, (size_t)nc * elem);
@@ -181,7 +189,11 @@ int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out) {
         if (nx != KVB_NONE) p->prev[nx] = KVB_NONE;
         uint8_t f = p->flags[b];
         p->flags[b] = f & (uint8_t)~KVB_F_FREE;
-        if (KVB_UNLIKELY(f & KVB_F_CACHED)) kvb_cache_evict(p, b);
+        if (KVB_UNLIKELY(f & KVB_F_CACHED)) { /* lazy eviction: the entry goes now */
+            kvb_cache_forget(p, b);
+            p->num_evictable--;
+            p->stats.evictions++;
+        }
         p->ref_count[b] = 1;
         out[i] = b;
     }
@@ -243,7 +255,48 @@ int kvb_pool_incref(kvb_pool_t *p, const int32_t *ids, int64_t n) {
             return KVB_EINVAL;
         }
     }
-    kvb_cache_pin(p, ids, n); /* pins evictable cached blocks too */
+    kvb_pool_pin(p, ids, n); /* pins evictable cached blocks too */
+    return KVB_OK;
+}
+
+void kvb_pool_pin(kvb_pool_t *p, const int32_t *ids, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        KVB_ASSERT(b > 0 && b < p->num_blocks);
+        if (p->ref_count[b]++ == 0) { /* evictable: leaves the free list */
+            KVB_ASSERT(p->flags[b] & KVB_F_CACHED);
+            unlink_free(p, b);
+            p->num_evictable--;
+        }
+    }
+}
+
+void kvb_pool_uncache(kvb_pool_t *p, int32_t b) {
+    if (!(p->flags[b] & KVB_F_CACHED)) return;
+    kvb_cache_forget(p, b);
+    if (p->flags[b] & KVB_F_FREE) { /* was evictable: now never-cached, reused first */
+        p->num_evictable--;
+        move_to_head(p, b);
+    }
+}
+
+int64_t kvb_pool_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out) {
+    int64_t k = kvb_cache_lookup(p, hashes, n, out);
+    kvb_pool_pin(p, out, k);
+    return k;
+}
+
+int kvb_pool_reset_cache(kvb_pool_t *p) {
+    KVB_CLEAR_ERR(p);
+    if (p->num_cached != p->num_evictable) {
+        p->err_a = p->num_cached - p->num_evictable;
+        p->err_b = p->num_cached;
+        return KVB_ESTATE;
+    }
+    for (int32_t b = 1; b < p->num_blocks; b++) /* every cached block is free: reused first */
+        if (p->flags[b] & KVB_F_CACHED) move_to_head(p, b);
+    kvb_cache_clear(p);
+    p->num_evictable = 0;
     return KVB_OK;
 }
 

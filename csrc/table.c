@@ -25,21 +25,6 @@
 #include "internal.h"
 
 /* ---- helpers ---------------------------------------------------------------------------- */
-KVB_INLINE int64_t blk_of(const kvb_mgr_t *m, int64_t t) {
-    return m->bs_shift >= 0 ? t >> m->bs_shift : t / m->block_size;
-}
-KVB_INLINE int64_t off_in(const kvb_mgr_t *m, int64_t t) {
-    return m->bs_shift >= 0 ? t & (m->block_size - 1) : t % m->block_size;
-}
-KVB_INLINE int64_t blocks_for(const kvb_mgr_t *m, int64_t t) {
-    return blk_of(m, t + m->block_size - 1);
-}
-
-KVB_INLINE kvb_seq_t *live_seq(const kvb_mgr_t *m, int32_t slot) {
-    if (KVB_UNLIKELY(slot < 0 || slot >= m->scap || !(m->seqs[slot].gen & 1u))) return NULL;
-    return &m->seqs[slot];
-}
-
 /* The one preamble of every single-sequence entry point: the live sequence in slot, refused
  * when swapped out unless allow_swapped. Sets the error detail (index 0, the slot). */
 static int get_seq(kvb_mgr_t *m, int32_t slot, int allow_swapped, kvb_seq_t **out) {
@@ -160,10 +145,7 @@ static void drop_dead_copies(kvb_mgr_t *m) {
     for (int64_t i = 0; i < m->ncopies; i++) {
         int32_t src = (int32_t)m->copies[2 * i], dst = (int32_t)m->copies[2 * i + 1];
         if (p->ref_count[dst] == 0) {
-            if (p->flags[dst] & KVB_F_CACHED) {
-                kvb_cache_drop(p, dst);
-                kvb_pool_move_to_head(p, dst); /* now never-cached: reused first */
-            }
+            kvb_pool_uncache(p, dst);
             p->flags[dst] &= (uint8_t)~KVB_F_COPY_DST;
             p->flags[src] &= (uint8_t)~KVB_F_COPY_SRC; /* set again below if still held */
             kvb_pool_release(p, src);
@@ -196,13 +178,13 @@ static void make_writable(kvb_mgr_t *m, kvb_seq_t *s) {
     int32_t b = s->blocks[w];
     if (users(m, b) > 1) {
         int32_t nb;
-        kvb_pool_allocate(p, 1, &nb); /* cannot fail: counted by need_for */
+        KVB_MUST(kvb_pool_allocate(p, 1, &nb)); /* cannot fail: counted by need_for */
         if (off_in(m, s->ntokens)) queue_copy(m, b, nb);
         s->blocks[w] = nb;
         s->tver++;
         kvb_pool_release(p, b);
     } else if (p->flags[b] & KVB_F_CACHED) {
-        kvb_cache_drop(p, b);
+        kvb_pool_uncache(p, b);
     }
 }
 
@@ -334,8 +316,8 @@ int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *s
 
     /* mutate: pin the hits first so that allocation cannot evict them */
     take_slot(m, slot);
-    kvb_cache_pin(p, s->blocks, hits);
-    kvb_pool_allocate(p, (int32_t)need, s->blocks + hits);
+    kvb_pool_pin(p, s->blocks, hits);
+    KVB_MUST(kvb_pool_allocate(p, (int32_t)need, s->blocks + hits));
     s->nblocks = (int32_t)total;
     kvb_copy(s->tokens, tokens, (size_t)n * sizeof *tokens);
     s->ntokens = n;
@@ -358,7 +340,7 @@ int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *s
 static void grow_table(kvb_mgr_t *m, kvb_seq_t *s, int64_t n) {
     int64_t grow = blocks_for(m, s->ntokens + n) - s->nblocks;
     if (grow > 0) {
-        kvb_pool_allocate(m->pool, (int32_t)grow, s->blocks + s->nblocks);
+        KVB_MUST(kvb_pool_allocate(m->pool, (int32_t)grow, s->blocks + s->nblocks));
         s->nblocks += (int32_t)grow;
     }
 }
@@ -491,7 +473,7 @@ int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *toke
         kvb_seq_t *s = &m->seqs[slots[i]];
         int64_t t = s->ntokens, w = blk_of(m, t);
         if (w >= s->nblocks) {
-            kvb_pool_allocate(p, 1, s->blocks + s->nblocks);
+            KVB_MUST(kvb_pool_allocate(p, 1, s->blocks + s->nblocks));
             s->nblocks++;
         } else {
             int32_t b = s->blocks[w];
@@ -632,7 +614,7 @@ int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out) {
     if (nb > h->num_free) return out_of_blocks(m, nb, h->num_free);
     int32_t *fresh = malloc((size_t)(nb ? nb : 1) * sizeof *fresh);
     if (!fresh) return KVB_ENOMEM;
-    kvb_pool_allocate(h, nb, fresh);
+    KVB_MUST(kvb_pool_allocate(h, nb, fresh));
     for (int32_t i = 0; i < nb; i++) {
         int32_t b = s->blocks[i]; /* a pending copy's destination reads from its source */
         pairs_out[2 * i] = (p->flags[b] & KVB_F_COPY_DST) ? pending_src(m, b) : b;
@@ -676,11 +658,11 @@ int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npa
     if (need > p->num_free) { free(dev); return out_of_blocks(m, need, p->num_free); }
     int64_t k = 0;
     for (int32_t i = 0; i < nb; i++) { /* pin every hit before allocating the rest */
-        if (dev[i]) kvb_cache_pin(p, &dev[i], 1);
+        if (dev[i]) kvb_pool_pin(p, &dev[i], 1);
     }
     for (int32_t i = 0; i < nb; i++) {
         if (!dev[i]) {
-            kvb_pool_allocate(p, 1, &dev[i]);
+            KVB_MUST(kvb_pool_allocate(p, 1, &dev[i]));
             pairs_out[2 * k] = s->blocks[i];
             pairs_out[2 * k + 1] = dev[i];
             k++;

@@ -19,6 +19,7 @@ cdef extern from "kvblocks.h" nogil:
         KVB_EV_STORED
         KVB_EV_REMOVED
         KVB_EV_CLEARED
+        KVB_DEBUG_LEVEL
         KVB_F_CACHED
         KVB_F_FREE
         KVB_NONE
@@ -75,8 +76,8 @@ cdef extern from "kvblocks.h" nogil:
                          const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,
                          int64_t *stored)
     int64_t kvb_cache_lookup(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out)
-    int64_t kvb_cache_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out)
-    int kvb_cache_reset(kvb_pool_t *p)
+    int64_t kvb_pool_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out)
+    int kvb_pool_reset_cache(kvb_pool_t *p)
     void kvb_events_clear(kvb_events_t *ev)
 
     ctypedef struct kvb_seq_t:

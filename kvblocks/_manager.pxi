@@ -4,6 +4,8 @@
 # first (this may run Python code), then the call enters the manager (_enter: atomic with
 # respect to other threads and refusing re-entry from a callback), validates and mutates in C.
 from cpython.pythread cimport PyThread_get_thread_ident
+from libc.stdio cimport fprintf, stderr
+from libc.stdlib cimport abort
 
 
 cdef extern from "<sched.h>" nogil:
@@ -128,6 +130,14 @@ cdef class BlockManager:
         return 0
 
     cdef void _leave(self) noexcept:
+        cdef const char *what
+        if KVB_DEBUG_LEVEL >= 2 and kvb_mgr_check(&self.m):  # expensive debug level
+            what = self.m.err_what
+            if what is NULL:
+                what = "unnamed"
+            fprintf(stderr, "kvblocks: invariant violated after a call: %s (item %lld)\n",
+                    what, <long long>self.m.err_b)
+            abort()
         self._busy = 0
 
     # -- helpers --------------------------------------------------------------------------------

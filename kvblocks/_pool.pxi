@@ -267,13 +267,13 @@ cdef class BlockPool:
         cdef uint64_t[:, ::1] h = as_hashes(hashes)
         cdef Py_ssize_t n = h.shape[0]
         cdef cnp.ndarray out = new_i32(n)
-        cdef int64_t k = kvb_cache_lookup_pin(&self.p, <kvb_hash_t *>&h[0, 0] if n else NULL,
+        cdef int64_t k = kvb_pool_lookup_pin(&self.p, <kvb_hash_t *>&h[0, 0] if n else NULL,
                                               n, i32_data(out))
         return out[:k]
 
     def reset_prefix_cache(self):
         """Drop every cache entry. Only when no cached block is referenced (else raises)."""
-        cdef int rc = kvb_cache_reset(&self.p)
+        cdef int rc = kvb_pool_reset_cache(&self.p)
         if rc:
             raise InvalidStateError(f"reset_prefix_cache: {self.p.err_a} of {self.p.err_b} "
                                     f"cached blocks are still referenced")
