@@ -96,8 +96,10 @@ typedef struct {
     uint64_t queries;          /* prefix-cache lookups (calls) */
     uint64_t query_blocks;     /* blocks asked for in lookups */
     uint64_t hit_blocks;       /* blocks found in lookups */
-    uint64_t query_tokens;     /* tokens asked for (manager level) */
-    uint64_t hit_tokens;       /* tokens served from cache (manager level) */
+    uint64_t query_tokens;     /* tokens asked for (manager level, first admissions) */
+    uint64_t hit_tokens;       /* tokens served from cache (manager level, first admissions) */
+    uint64_t recompute_query_tokens; /* the same for re-admissions of preempted sequences */
+    uint64_t recompute_hit_tokens;   /* (their own blocks coming back is not reuse) */
     uint64_t evictions;        /* cached blocks whose entry was dropped on reuse */
     uint64_t allocations;      /* blocks handed out */
     uint64_t frees;            /* blocks whose ref count reached zero */
@@ -228,8 +230,10 @@ void kvb_mgr_destroy(kvb_mgr_t *m);
 
 /* Blocks needed to add a prompt of n tokens with hits blocks of it cached (counting hits that
  * are evictable now, since pinning them takes them out of the free pool). */
+/* Add a prompt; recompute != 0 marks the re-admission of a preempted sequence (its hits are
+ * counted in the recompute_* stats, not as reuse). */
 int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                size_t salt_len, int32_t *slot_out, int64_t *cached_out);
+                size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out);
 /* computed != 0: the tokens fill draft slots that the last schedule call computed. */
 int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n, int computed);
 int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n);

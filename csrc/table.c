@@ -289,7 +289,7 @@ static void take_slot(kvb_mgr_t *m, int32_t slot) {
 
 /* ---- add -------------------------------------------------------------------------------- */
 int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                size_t salt_len, int32_t *slot_out, int64_t *cached_out) {
+                size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out) {
     kvb_pool_t *p = m->pool;
     KVB_CLEAR_ERR(m);
     if (n < 0) { m->err_b = n; return KVB_EINVAL; }
@@ -327,8 +327,13 @@ int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *s
         p->stats.queries++;
         p->stats.query_blocks += (uint64_t)full;
         p->stats.hit_blocks += (uint64_t)hits;
-        p->stats.query_tokens += (uint64_t)n;
-        p->stats.hit_tokens += (uint64_t)(hits * m->block_size);
+        if (recompute) {
+            p->stats.recompute_query_tokens += (uint64_t)n;
+            p->stats.recompute_hit_tokens += (uint64_t)(hits * m->block_size);
+        } else {
+            p->stats.query_tokens += (uint64_t)n;
+            p->stats.hit_tokens += (uint64_t)(hits * m->block_size);
+        }
     }
     *slot_out = slot;
     *cached_out = hits * m->block_size;

@@ -35,6 +35,7 @@ cdef extern from "kvblocks.h" nogil:
 
     ctypedef struct kvb_stats_t:
         uint64_t queries, query_blocks, hit_blocks, query_tokens, hit_tokens
+        uint64_t recompute_query_tokens, recompute_hit_tokens
         uint64_t evictions, allocations, frees, stored
 
     ctypedef struct kvb_events_t:
@@ -108,7 +109,7 @@ cdef extern from "kvblocks.h" nogil:
                      const uint8_t *key)
     void kvb_mgr_destroy(kvb_mgr_t *m)
     int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                    size_t salt_len, int32_t *slot_out, int64_t *cached_out)
+                    size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out)
     int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n,
                        int computed)
     int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n)

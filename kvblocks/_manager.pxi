@@ -379,14 +379,16 @@ cdef class BlockManager:
         return self.pool.p.num_free
 
     # -- sequence lifecycle -------------------------------------------------------------------------
-    def add(self, seq_id, token_ids, *, salt=None):
+    def add(self, seq_id, token_ids, *, salt=None, bint recompute=False):
         """Allocate a block table for a prompt; reuse cached full blocks.
 
         Returns how many prompt tokens are already in the cache (and computed): a multiple
         of block_size, at most ``len(token_ids) - 1`` so that at least one token is computed.
         The rest is computed by the steps whose ``metadata`` covers it; only then do its full
         blocks enter the prefix cache. ``salt`` (str or bytes: tenant, LoRA adapter, ...)
-        isolates the cache: different salts never share.
+        isolates the cache: different salts never share. ``recompute=True`` marks the
+        re-admission of a sequence preempted by ``free``: its hits (often its own blocks)
+        are counted in ``stats.recompute_hit_tokens``, not as prefix reuse.
         """
         seq_id = norm_id(seq_id)
         cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
@@ -398,8 +400,8 @@ cdef class BlockManager:
         try:
             if seq_id in self._slots:
                 raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
-            rc = kvb_mgr_add(&self.m, i32_data(toks), n, <const uint8_t *>s, len(s), &slot,
-                             &cached)
+            rc = kvb_mgr_add(&self.m, i32_data(toks), n, <const uint8_t *>s, len(s), recompute,
+                             &slot, &cached)
             if rc:
                 self._err(rc, f"add({seq_id!r}, {n} tokens)")
             self._register(seq_id, slot)

@@ -305,7 +305,9 @@ cdef class BlockPool:
         s = self.p.stats
         return CacheStats(queries=s.queries, query_blocks=s.query_blocks,
                           hit_blocks=s.hit_blocks, query_tokens=s.query_tokens,
-                          hit_tokens=s.hit_tokens, evictions=s.evictions,
+                          hit_tokens=s.hit_tokens,
+                          recompute_query_tokens=s.recompute_query_tokens,
+                          recompute_hit_tokens=s.recompute_hit_tokens, evictions=s.evictions,
                           allocations=s.allocations, frees=s.frees, stored=s.stored)
 
     def take_events(self):

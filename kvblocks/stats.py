@@ -12,7 +12,10 @@ class CacheStats:
     """Counters since the pool was created. Readable as attributes or like a dict.
 
     ``hit_rate`` is the token hit rate when sequences were added through a BlockManager
-    (hit_tokens / query_tokens), else the block hit rate of pool-level lookups.
+    (hit_tokens / query_tokens), else the block hit rate of pool-level lookups. Re-admissions
+    of preempted sequences (``add(..., recompute=True)``) are counted apart, in
+    ``recompute_query_tokens`` / ``recompute_hit_tokens``: getting one's own blocks back is
+    not prefix reuse. Block counts (``query_blocks``, ``hit_blocks``) include both.
     """
 
     queries: int = 0
@@ -20,6 +23,8 @@ class CacheStats:
     hit_blocks: int = 0
     query_tokens: int = 0
     hit_tokens: int = 0
+    recompute_query_tokens: int = 0
+    recompute_hit_tokens: int = 0
     evictions: int = 0
     allocations: int = 0
     frees: int = 0

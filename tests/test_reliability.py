@@ -529,3 +529,16 @@ def test_watermark_rounds_up():
     mgr = BlockManager(11, BS, watermark=0.01)
     assert mgr.watermark_blocks == 1
     assert not mgr.can_add(40) and mgr.can_add(36)
+
+
+def test_recompute_readds_are_not_counted_as_reuse():
+    mgr = BlockManager(32, BS, hash_key=KEY)
+    mgr.add("a", list(range(12)))
+    mgr.schedule(["a"], [12])
+    mgr.free("a")                          # preempted by recompute
+    assert mgr.add("a", list(range(13)), recompute=True) == 12
+    st = mgr.pool.stats
+    assert (st.query_tokens, st.hit_tokens) == (12, 0)
+    assert (st.recompute_query_tokens, st.recompute_hit_tokens) == (13, 12)
+    assert mgr.add("b", list(range(13))) == 12   # real reuse
+    assert mgr.pool.stats.hit_tokens == 12 and mgr.pool.stats.hit_rate == 12 / 25

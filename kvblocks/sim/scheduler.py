@@ -326,8 +326,9 @@ def simulate_paged(
             if ok:
                 tokens = seq_tokens(s)
                 t0 = perf()
+                first = s.sample == 0 and s.gen == 0 and not np.isfinite(rec.admit[s.req.index])
                 try:
-                    cached = int(mgr.add(s.uid, tokens))
+                    cached = int(mgr.add(s.uid, tokens, recompute=not first))
                 except OutOfBlocksError:
                     cached = -1
                 alloc += perf() - t0
