@@ -109,6 +109,7 @@ int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes
     for (i = 0; i < n; i++) {
         if (p->flags[ids[i]] & KVB_F_CACHED) continue;
         const kvb_hash_t *par = i ? &hashes[i - 1] : parent;
+        p->flags[ids[i]] |= KVB_F_WRITTEN; /* the caller's word: call cache() once written */
         count += kvb_cache_put(p, ids[i], &hashes[i], par,
                                tokens ? tokens + i * (int64_t)block_size : NULL, block_size);
     }

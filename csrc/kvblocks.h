@@ -127,6 +127,9 @@ typedef struct {               /* struct-of-arrays event log, grown on demand */
 #define KVB_F_MARK 4u          /* scratch bit of one validation pass, clear between calls */
 #define KVB_F_COPY_DST 8u      /* destination of a pending copy-on-write pair (table.c) */
 #define KVB_F_COPY_SRC 16u     /* source of a pending copy-on-write pair: held until drained */
+#define KVB_F_WRITTEN 32u      /* every slot's K/V is written (a full block a step computed, or
+                                * one registered through BlockPool.cache); cleared when the
+                                * block is handed out again or rewritten. Cached => written. */
 
 typedef struct {
     int32_t num_blocks;        /* total, including the null block 0 */

@@ -188,7 +188,7 @@ int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out) {
         p->free_head = nx;
         if (nx != KVB_NONE) p->prev[nx] = KVB_NONE;
         uint8_t f = p->flags[b];
-        p->flags[b] = f & (uint8_t)~KVB_F_FREE;
+        p->flags[b] = f & (uint8_t)~(KVB_F_FREE | KVB_F_WRITTEN);
         if (KVB_UNLIKELY(f & KVB_F_CACHED)) { /* lazy eviction: the entry goes now */
             kvb_cache_forget(p, b);
             p->num_evictable--;
@@ -329,6 +329,7 @@ int kvb_pool_check(kvb_pool_t *p) {
         free_blocks += p->ref_count[b] == 0;
         if (p->flags[b] & KVB_F_CACHED) {
             cached++;
+            if (!(p->flags[b] & KVB_F_WRITTEN)) FAIL("cached block whose K/V were never written", b);
             if (!p->caching) FAIL("block cached while caching is off", b);
             if (kvb_cache_find(p, &p->hash[b]) != b) FAIL("cached block not found under its hash", b);
         }

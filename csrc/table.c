@@ -183,8 +183,9 @@ static void make_writable(kvb_mgr_t *m, kvb_seq_t *s) {
         s->blocks[w] = nb;
         s->tver++;
         kvb_pool_release(p, b);
-    } else if (p->flags[b] & KVB_F_CACHED) {
-        kvb_pool_uncache(p, b);
+    } else if (p->flags[b] & (KVB_F_CACHED | KVB_F_WRITTEN)) {
+        kvb_pool_uncache(p, b); /* its content is about to change */
+        p->flags[b] &= (uint8_t)~KVB_F_WRITTEN;
     }
 }
 
@@ -201,9 +202,10 @@ static void cache_blocks(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t to) {
 
 /* Tokens [old, ncomputed) became computed: cache the blocks that are now fully computed. */
 static void computed_to(kvb_mgr_t *m, kvb_seq_t *s, int64_t ncomputed) {
-    int64_t from = blk_of(m, s->ncomputed);
+    int64_t from = blk_of(m, s->ncomputed), to = blk_of(m, ncomputed);
     s->ncomputed = ncomputed;
-    if (m->pool->caching) cache_blocks(m, s, from, blk_of(m, ncomputed));
+    for (int64_t i = from; i < to; i++) m->pool->flags[s->blocks[i]] |= KVB_F_WRITTEN;
+    if (m->pool->caching) cache_blocks(m, s, from, to);
 }
 
 /* Hash the blocks that became full (from block nhashed to ntokens / bs). They enter the
@@ -678,6 +680,8 @@ int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npa
     free(dev);
     s->tver++;
     s->swapped = 0;
+    for (int64_t i = 0; i < blk_of(m, s->ncomputed); i++) /* written by the swap pairs */
+        p->flags[s->blocks[i]] |= KVB_F_WRITTEN;
     if (p->caching) cache_blocks(m, s, 0, blk_of(m, s->ncomputed)); /* serve hits again */
     *npairs = k;
     return KVB_OK;
@@ -699,9 +703,8 @@ int kvb_mgr_check(kvb_mgr_t *m) {
     int64_t i = 0;
     int32_t *refs = calloc((size_t)p->num_blocks, sizeof *refs);
     int32_t *hrefs = m->host ? calloc((size_t)m->host->num_blocks, sizeof *hrefs) : NULL;
-    uint8_t *computed = calloc((size_t)p->num_blocks, 1);
-    if (!refs || !computed || (m->host && !hrefs)) {
-        free(refs); free(hrefs); free(computed);
+    if (!refs || (m->host && !hrefs)) {
+        free(refs); free(hrefs);
         return KVB_ENOMEM;
     }
     int64_t live = 0, nfree = 0;
@@ -722,8 +725,6 @@ int kvb_mgr_check(kvb_mgr_t *m) {
             if (b <= 0 || b >= sp->num_blocks) MFAIL("table holds an out-of-range block", b);
             r[b]++;
         }
-        if (!s->swapped)
-            for (int64_t j = 0; j < blk_of(m, s->ncomputed); j++) computed[s->blocks[j]] = 1;
         int64_t full = blk_of(m, s->ntokens);
         if (s->nhashed != (p->caching ? full : 0)) MFAIL("hashes known != full blocks", s->nhashed);
         for (int32_t j = 0; j < s->nhashed; j++) {
@@ -767,16 +768,16 @@ int kvb_mgr_check(kvb_mgr_t *m) {
         if ((p->flags[b] & (KVB_F_COPY_SRC | KVB_F_COPY_DST)) && !m->ncopies)
             MFAIL("copy flag without a pending copy", b);
     }
-    /* no prefix hit can read an unwritten slot: a full committed block that is cached under
-     * this sequence's hash but not computed by it must be computed by another holder */
+    /* no prefix hit can read an unwritten slot: a cached block is flagged written (pool
+     * check), and a block is flagged written only once computed; a sequence's computed full
+     * blocks are all flagged (a copy destination once its pending copy runs) */
     for (i = 0; i < m->scap; i++) {
         const kvb_seq_t *s = &m->seqs[i];
-        if (!(s->gen & 1u) || s->swapped || !p->caching) continue;
-        for (int64_t j = blk_of(m, s->ncomputed); j < s->nhashed; j++) {
+        if (!(s->gen & 1u) || s->swapped) continue;
+        for (int64_t j = 0; j < blk_of(m, s->ncomputed); j++) {
             int32_t b = s->blocks[j];
-            if ((p->flags[b] & KVB_F_CACHED) && !(p->flags[b] & KVB_F_COPY_DST) && !computed[b] &&
-                p->hash[b].lo == s->hashes[j].lo && p->hash[b].hi == s->hashes[j].hi)
-                MFAIL("cached block whose K/V no holder has computed", b);
+            if (!(p->flags[b] & (KVB_F_WRITTEN | KVB_F_COPY_DST)))
+                MFAIL("computed full block not flagged written", b);
         }
     }
     i = 0;
@@ -787,7 +788,6 @@ int kvb_mgr_check(kvb_mgr_t *m) {
 done:
     free(refs);
     free(hrefs);
-    free(computed);
     return rc;
 }
 

@@ -716,12 +716,12 @@ cdef class BlockManager:
         cdef kvb_seq_t *s
         cdef int32_t *sl
         cdef int32_t *q = i32_data(q_arr)
-        if out is None:  # size fresh buffers (allocating runs Python code: outside the call)
-            self._enter()
-            try:
-                slots = self._slots_of(ids, &B)
-                self._check_step(slots, q_arr, d_arr, B, "metadata")
-                sl = i32_data(slots)
+        self._enter()
+        try:
+            slots = self._slots_of(ids, &B)
+            self._check_step(slots, q_arr, d_arr, B, "metadata")
+            sl = i32_data(slots)
+            if out is None:  # fresh buffers of the exact size (Python code runs, guarded)
                 for i in range(B):
                     s = &self.m.seqs[sl[i]]
                     L = s.ntokens + ((<int32_t *>cnp.PyArray_DATA(d_arr))[i]
@@ -730,17 +730,11 @@ cdef class BlockManager:
                     nidx += nb
                     maxb = nb if nb > maxb else maxb
                     ntok += q[i] + (L - s.ntokens)
-            finally:
-                self._leave()
-            out = AttentionMetadata.allocate(max(B, 1), ntok, max(nidx, 1), max(maxb, 1))
-        self._enter()
-        try:
-            slots = self._slots_of(ids, &B)
-            self._check_step(slots, q_arr, d_arr, B, "metadata")
-            meta = self._fill_meta(out, i32_data(slots), q,
-                                   i32_data(d_arr) if d_arr is not None else NULL, B)
-            kvb_mgr_schedule(&self.m, i32_data(slots), q,
-                             i32_data(d_arr) if d_arr is not None else NULL, B, 1)
+                out = AttentionMetadata.allocate(max(B, 1), ntok, max(nidx, 1), max(maxb, 1))
+            meta = self._fill_meta(out, sl, q, i32_data(d_arr) if d_arr is not None else NULL,
+                                   B)
+            kvb_mgr_schedule(&self.m, sl, q, i32_data(d_arr) if d_arr is not None else NULL,
+                             B, 1)
             return meta
         finally:
             self._leave()
