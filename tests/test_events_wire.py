@@ -554,3 +554,17 @@ def test_module_examples_run():
     for m in mods:
         result = doctest.testmod(m, optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0, m.__name__
+
+
+def test_router_example_runs(ctx, capsys):
+    """examples/kv_router.py: replicas publish, a router indexes their events and routes."""
+    import runpy
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "kv_router.py"
+    main = runpy.run_path(str(path), run_name="kv_router")["main"]
+    assert main(["--replicas", "2", "--requests", "40", "--num-blocks", "1200"]) == 0
+    out = capsys.readouterr().out
+    rates = {line.split()[0]: float(line.split()[1].rstrip("%"))
+             for line in out.splitlines() if line.startswith(("kv ", "round_robin "))}
+    assert set(rates) == {"kv", "round_robin"} and rates["kv"] >= rates["round_robin"]

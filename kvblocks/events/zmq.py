@@ -226,6 +226,11 @@ class ZmqEventPublisher:
         return self._last_endpoint(self._replay, self._replay_endpoint)
 
     @property
+    def topic(self) -> str:
+        """The topic frame of every message (llm-d expects ``kv@<pod-ip>:<port>@<model>``)."""
+        return self._topic.decode("utf-8")
+
+    @property
     def next_seq(self) -> int:
         """The sequence number the next published batch gets."""
         return self._next_seq
