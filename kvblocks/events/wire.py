@@ -30,7 +30,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import msgspec
 
-from ..errors import InvalidArgumentError, InvalidTypeError
+from ..errors import InvalidArgumentError, InvalidTypeError, KVBlocksError
 from .types import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["FORMATS", "HASH_INTS", "encode_batch", "fold_hash", "to_wire"]
@@ -148,9 +148,8 @@ def to_wire(events: Sequence[Any], fmt: str = "map", hash_int: str = "unsigned")
     M, S = _M64, _S64
     out: List[Any] = []
     append = out.append
-    i = 0
     try:
-        for i, ev in enumerate(events):
+        for ev in events:  # the hot loop: no per-event call but the struct's
             t = type(ev)
             if t is BlockStored:
                 hs = ev.block_hashes
@@ -159,10 +158,10 @@ def to_wire(events: Sequence[Any], fmt: str = "map", hash_int: str = "unsigned")
                 toks = ev.token_ids
                 if type(toks) is not list:
                     toks = [int(x) for x in toks]
-                if type(bs) is not int or bs <= 0 or len(toks) != n * bs:
+                if len(toks) != n * bs or type(bs) is not int or bs <= 0:
                     raise InvalidArgumentError(
-                        f"event {i}: BlockStored of {n} blocks, block_size {bs!r}, needs "
-                        f"{n} * block_size token_ids, got {len(toks)} (give token_ids to "
+                        f"BlockStored of {n} blocks, block_size {bs!r}, needs {n} * "
+                        f"block_size token_ids, got {len(toks)} (give token_ids to "
                         f"pool.cache())")
                 par = ev.parent_block_hash
                 if signed:
@@ -170,24 +169,27 @@ def to_wire(events: Sequence[Any], fmt: str = "map", hash_int: str = "unsigned")
                     if par is not None:
                         par = (par & M) - ((par & S) << 1)
                 else:
-                    w = [h & M for h in hs]
+                    w = [hs[0] & M] if n == 1 else [h & M for h in hs]
                     if par is not None:
                         par &= M
                 append(Stored(w, par, toks, bs, ev.lora_id, ev.medium, ev.lora_name,
                               [None] * n, ev.group_idx, _KIND))
             elif t is BlockRemoved:
                 hs = ev.block_hashes
-                w = [(h & M) - ((h & S) << 1) for h in hs] if signed else [h & M for h in hs]
+                if signed:
+                    w = [(h & M) - ((h & S) << 1) for h in hs]
+                else:
+                    w = [hs[0] & M] if len(hs) == 1 else [h & M for h in hs]
                 append(Removed(w, ev.medium, ev.group_idx))
             elif t is AllBlocksCleared:
                 append(cleared)
             else:
-                raise InvalidTypeError(f"event {i}: not a KV event: {t.__name__}")
+                raise InvalidTypeError(f"not a KV event: {t.__name__}")
+    except KVBlocksError as exc:  # name the event: every event before it was appended
+        raise type(exc)(f"event {len(out)}: {exc}") from None
     except TypeError as exc:
-        if isinstance(exc, InvalidTypeError):
-            raise
-        raise InvalidTypeError(f"event {i}: {exc} (block hashes must be ints, token_ids "
-                               f"a list of ints)") from None
+        raise InvalidTypeError(f"event {len(out)}: {exc} (block hashes must be ints, "
+                               f"token_ids a list of ints)") from None
     return out
 
 
