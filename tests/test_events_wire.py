@@ -568,3 +568,14 @@ def test_router_example_runs(ctx, capsys):
     rates = {line.split()[0]: float(line.split()[1].rstrip("%"))
              for line in out.splitlines() if line.startswith(("kv ", "round_robin "))}
     assert set(rates) == {"kv", "round_robin"} and rates["kv"] >= rates["round_robin"]
+
+
+def test_cluster_doc_example_runs(ctx):
+    import re
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "cluster.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+    assert blocks
+    for code in blocks:
+        exec(compile(code, str(doc), "exec"), {})
