@@ -195,6 +195,7 @@ class ZmqEventPublisher:
         when ``events`` is empty (nothing is sent) or the batch was dropped (queue full).
 
         ``ts`` defaults to ``time.time()``. The list is taken over: do not modify it after.
+        Call it from one thread (the engine's): the sequence numbers are assigned here.
         Encoding happens on the background thread; an event it cannot encode (see
         :func:`kvblocks.events.encode_batch`) is counted in ``errors``. Check a batch
         upfront with ``encode_batch`` when the events come from elsewhere than take_events.
