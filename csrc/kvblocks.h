@@ -112,7 +112,7 @@ typedef struct {               /* struct-of-arrays event log, grown on demand */
     int64_t n, cap;            /* events recorded, capacity */
     uint8_t *kind;             /* [cap] KVB_EV_* */
     kvb_hash_t *hash;          /* [cap] block hash (STORED, REMOVED) */
-    kvb_hash_t *parent;        /* [cap] parent hash (STORED; root for block 0) */
+    kvb_hash_t *parent;        /* [cap] parent hash (STORED); 0: a chain's first block */
     int32_t *block;            /* [cap] block id */
     int64_t *tok_off;          /* [cap] offset of the block's tokens in tokens[], -1 if none */
     int64_t ntok, tok_cap;     /* token ids recorded, capacity */

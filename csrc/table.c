@@ -195,7 +195,7 @@ static void cache_blocks(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t to) {
     for (int64_t i = from; i < to; i++) {
         int32_t b = s->blocks[i];
         if (!(p->flags[b] & KVB_F_CACHED))
-            kvb_cache_put(p, b, &s->hashes[i], i ? &s->hashes[i - 1] : &s->root,
+            kvb_cache_put(p, b, &s->hashes[i], i ? &s->hashes[i - 1] : NULL, /* 1st: nil */
                           s->tokens + i * m->block_size, m->block_size);
     }
 }

@@ -218,8 +218,8 @@ cdef class BlockPool:
         A hash that is already cached keeps its first block; the newcomer stays uncached.
         Returns how many entries were added. ``parent`` (None for the first block of a
         sequence) and ``token_ids`` (the blocks' tokens, concatenated) only feed the
-        BlockStored event, whose ``block_size`` is the pool's ``block_size`` when no tokens
-        are given.
+        BlockStored event; while events are recorded ``token_ids`` is required, since
+        routers drop a BlockStored without its tokens.
         """
         cdef cnp.ndarray v = as_int32(ids, "ids")
         cdef uint64_t[:, ::1] h = as_hashes(hashes)
@@ -236,6 +236,9 @@ cdef class BlockPool:
         cdef cnp.ndarray toks
         cdef const int32_t *tp = NULL
         cdef int32_t bs = 0
+        if token_ids is None and self.p.record_events and n:
+            raise InvalidArgumentError("cache: token_ids are required while KV events are "
+                                       "recorded (a BlockStored carries the blocks' tokens)")
         if token_ids is not None:
             toks = as_int32(token_ids, "token_ids")
             if n == 0 or cnp.PyArray_DIM(toks, 0) % n or (
@@ -314,7 +317,9 @@ cdef class BlockPool:
         """Drain recorded KV events: BlockStored, BlockRemoved and AllBlocksCleared.
 
         Consecutive stored blocks that chain on each other come as one BlockStored, the way
-        vLLM publishes them to KV-aware routers.
+        vLLM publishes them to KV-aware routers; a chain that starts a sequence has
+        ``parent_block_hash=None``. Hashes are 128-bit ints; ``kvblocks.events.encode_batch``
+        and ``ZmqEventPublisher`` put them on the wire as vLLM does.
         """
         cdef kvb_events_t *ev = &self.p.events
         cdef int64_t i, off

@@ -267,7 +267,8 @@ def test_kv_events():
     assert len(ev) == 1 and isinstance(ev[0], BlockStored)
     assert ev[0].block_hashes == h and ev[0].token_ids == list(range(8))
     assert ev[0].block_size == 4 and ev[0].medium == "GPU" and ev[0].lora_id is None
-    assert ev[0].parent_block_hash not in h
+    assert ev[0].parent_block_hash is None              # a sequence's first block: nil
+    assert ev[0].lora_name is None and ev[0].group_idx == 0
     mgr.append("a", [9, 10, 11])                        # block 2 fills: chains on block 1
     compute(mgr, "a")
     ev = mgr.pool.take_events()
@@ -283,6 +284,58 @@ def test_kv_events():
     assert [type(e) for e in ev] == [BlockRemoved, BlockStored]
     assert mgr.pool.take_events() == []
     mgr.check()
+
+
+def test_events_of_a_prefix_hit_chain_on_the_hit():
+    """A sequence that hits the cache stores only its new blocks, chained on the last hit."""
+    mgr = BlockManager(16, 4, hash_key=KEY, enable_kv_events=True)
+    mgr.add("a", list(range(9)))
+    compute(mgr, "a")
+    (first,) = mgr.pool.take_events()
+    assert first.parent_block_hash is None and len(first.block_hashes) == 2
+    assert mgr.add("b", list(range(13))) == 8
+    compute(mgr, "b")
+    (ev,) = mgr.pool.take_events()
+    assert ev.parent_block_hash == first.block_hashes[-1]
+    assert ev.token_ids == list(range(8, 12)) and ev.block_size == 4
+
+
+def test_cache_needs_token_ids_while_recording_events():
+    pool = BlockPool(8, hash_key=KEY, enable_kv_events=True)
+    ids = pool.allocate(2)
+    h = hash_blocks(list(range(8)), 4, key=KEY)
+    with pytest.raises(kvblocks.InvalidArgumentError, match="token_ids"):
+        pool.cache(ids, h)
+    assert pool.num_cached == 0 and pool.take_events() == []     # nothing changed
+    assert pool.cache(ids, h, token_ids=list(range(8))) == 2
+    (ev,) = pool.take_events()
+    assert ev.parent_block_hash is None and ev.block_size == 4
+    pool.record_events = False
+    ids2 = pool.allocate(1)
+    assert pool.cache(ids2, hash_blocks(list(range(4)), 4, key=KEY, salt="x")) == 1
+    pool.check()
+
+
+def test_coalesce_merges_chains_across_drains():
+    from kvblocks.events import coalesce
+
+    mgr = BlockManager(16, 4, hash_key=KEY, enable_kv_events=True)
+    mgr.add("a", list(range(4)))
+    compute(mgr, "a")
+    ev = mgr.pool.take_events()
+    mgr.append("a", [4, 5, 6, 7])
+    compute(mgr, "a")
+    ev += mgr.pool.take_events()
+    assert len(ev) == 2
+    (one,) = coalesce(ev)
+    assert one.block_hashes == ev[0].block_hashes + ev[1].block_hashes
+    assert one.token_ids == list(range(8)) and one.parent_block_hash is None
+    assert len(ev[0].block_hashes) == 1                        # inputs untouched
+    rm = [BlockRemoved([1]), BlockRemoved([2], group_idx=1), BlockRemoved([3], group_idx=1)]
+    assert coalesce(rm) == [BlockRemoved([1]), BlockRemoved([2, 3], group_idx=1)]
+    assert coalesce([AllBlocksCleared(), AllBlocksCleared()]) == [AllBlocksCleared()] * 2
+    with pytest.raises(kvblocks.InvalidTypeError):
+        coalesce([object()])
 
 
 def test_pool_level_engine_flow():

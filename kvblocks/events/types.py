@@ -1,0 +1,97 @@
+"""KV cache event types, with the fields vLLM publishes, and the rule that groups them.
+
+Recording is off by default (``BlockPool(..., enable_kv_events=True)`` or
+``pool.record_events = True``); ``pool.take_events()`` drains them. Hashes are kvblocks'
+128-bit ints; :func:`kvblocks.events.encode_batch` folds them to the 64-bit ints vLLM puts on
+the wire.
+
+Grouping: consecutive stored blocks that chain on each other (each block's parent is the
+previous block's hash) come as one :class:`BlockStored`, and consecutive removals as one
+:class:`BlockRemoved`, the way vLLM publishes them. ``take_events()`` applies the rule to one
+drain; :func:`coalesce` applies it again across drains (several pools' or steps' events
+concatenated into one batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Union
+
+from ..errors import InvalidTypeError
+
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEvent", "coalesce"]
+
+
+@dataclass
+class BlockStored:
+    """Full blocks registered in the prefix cache, a chain: ``block_hashes[0]`` chains on
+    ``parent_block_hash``, which is None for the first block of a sequence.
+
+    ``token_ids`` holds exactly ``len(block_hashes) * block_size`` tokens. ``lora_name`` and
+    ``lora_id`` name the adapter the blocks were computed with (None: the base model);
+    ``group_idx`` is the KV cache group (0 while kvblocks has one group).
+    """
+
+    block_hashes: List[int]
+    parent_block_hash: Optional[int]
+    token_ids: List[int]
+    block_size: int
+    lora_id: Optional[int] = None
+    medium: Optional[str] = "GPU"
+    lora_name: Optional[str] = None
+    group_idx: int = 0
+
+
+@dataclass
+class BlockRemoved:
+    """Cache entries dropped (evicted on reuse, or invalidated)."""
+
+    block_hashes: List[int] = field(default_factory=list)
+    medium: Optional[str] = "GPU"
+    group_idx: int = 0
+
+
+@dataclass
+class AllBlocksCleared:
+    """reset_prefix_cache() dropped every entry."""
+
+
+KVEvent = (BlockStored, BlockRemoved, AllBlocksCleared)
+AnyEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+def coalesce(events: Sequence[AnyEvent]) -> List[AnyEvent]:
+    """Merge neighbours that one event can carry, in order: a BlockStored whose parent is
+    the last hash of the BlockStored before it (same block size, medium, adapter and group),
+    and a BlockRemoved following a BlockRemoved of the same medium and group.
+
+    Returns a new list of new events; the inputs are not modified.
+    """
+    out: List[AnyEvent] = []
+    last = None
+    for ev in events:
+        t = type(ev)
+        if t is BlockStored:
+            if (type(last) is BlockStored and last.block_hashes
+                    and ev.parent_block_hash is not None
+                    and last.block_hashes[-1] == ev.parent_block_hash
+                    and (last.block_size, last.medium, last.lora_id, last.lora_name,
+                         last.group_idx) == (ev.block_size, ev.medium, ev.lora_id,
+                                             ev.lora_name, ev.group_idx)):
+                last.block_hashes.extend(ev.block_hashes)
+                last.token_ids.extend(ev.token_ids)
+                continue
+            last = BlockStored(list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids),
+                               ev.block_size, ev.lora_id, ev.medium, ev.lora_name, ev.group_idx)
+        elif t is BlockRemoved:
+            if (type(last) is BlockRemoved and last.medium == ev.medium
+                    and last.group_idx == ev.group_idx):
+                last.block_hashes.extend(ev.block_hashes)
+                continue
+            last = BlockRemoved(list(ev.block_hashes), ev.medium, ev.group_idx)
+        elif t is AllBlocksCleared:
+            last = AllBlocksCleared()
+        else:
+            raise InvalidTypeError(f"coalesce: not a KV event: {type(ev).__name__}")
+        out.append(last)
+    return out
