@@ -377,10 +377,14 @@ def test_scalar_arguments_are_checked(call, exc):
 # ---------------------------------------------------------------------------------------------
 # 14. smaller findings
 # ---------------------------------------------------------------------------------------------
-def test_pool_cache_without_tokens_event_has_no_parent_and_the_block_size():
+def test_pool_cache_event_has_no_parent_and_needs_the_tokens():
     pool = BlockPool(8, enable_kv_events=True, block_size=16, hash_key=KEY)
     ids = pool.allocate(1)
-    pool.cache(ids, hash_blocks(np.arange(16), 16, key=KEY))
+    h = hash_blocks(np.arange(16), 16, key=KEY)
+    with pytest.raises(InvalidArgumentError, match="token_ids"):
+        pool.cache(ids, h)                 # a BlockStored without tokens: routers drop it
+    assert pool.num_cached == 0 and pool.take_events() == []
+    pool.cache(ids, h, token_ids=np.arange(16))
     (ev,) = pool.take_events()
     assert isinstance(ev, BlockStored)
     assert ev.parent_block_hash is None and ev.block_size == 16
@@ -418,7 +422,7 @@ def test_event_log_is_bounded():
     pool = BlockPool(64, enable_kv_events=True, hash_key=KEY)
     pool.max_pending_events = 3
     ids = pool.allocate(5)
-    pool.cache(ids, hash_blocks(np.arange(20), 4, key=KEY))
+    pool.cache(ids, hash_blocks(np.arange(20), 4, key=KEY), token_ids=np.arange(20))
     assert pool.events_dropped == 2
     assert sum(len(e.block_hashes) for e in pool.take_events()) == 3
 
