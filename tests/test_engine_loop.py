@@ -1,5 +1,6 @@
-"""Runs examples/engine_loop.py: a continuous-batching loop over BlockManager + KVCache + ops
-that checks paged attention against contiguous K/V copies at every step."""
+"""Runs examples/engine_loop.py: a continuous-batching loop over BlockManager + KVCache + ops,
+in the documented step order, that checks every paged read (K/V and attention, draft slots
+included) against contiguous K/V copies at every step."""
 
 import importlib.util
 import sys
@@ -19,6 +20,19 @@ def engine_loop():
     return mod
 
 
+def run(engine_loop, *argv):
+    return engine_loop.main(["--quiet", *map(str, argv)])
+
+
+def roomy_args(argv):
+    """The same workload with a cache where everything fits."""
+    keep = []
+    for opt in ("--block-size", "--seed", "--requests"):
+        if opt in argv:
+            keep += [opt, argv[argv.index(opt) + 1]]
+    return keep + ["--num-blocks", "600"]
+
+
 def test_default_run(engine_loop, capsys):
     s = engine_loop.main(["--requests", "24"])
     out = capsys.readouterr().out
@@ -27,30 +41,90 @@ def test_default_run(engine_loop, capsys):
     assert s["forks"] > 0 and s["cow_copies"] > 0
     assert s["cached_tokens"] > 0 and 0 < s["prefix_hit_rate"] < 1
     assert s["swap_preemptions"] > 0 and s["recompute_preemptions"] > 0
+    assert s["evictions"] > 0
+    assert s["turn_requests"] > 0 and s["turn_cached_tokens"] > 0  # multi-turn reuse
+    assert s["drafts_proposed"] == 0
     assert s["checks"] > 0
 
 
 @pytest.mark.parametrize("argv", [
     ["--preempt", "swap"],
     ["--preempt", "recompute", "--host-blocks", "0"],
-    ["--block-size", "1", "--num-blocks", "50", "--host-blocks", "40"],
+    ["--block-size", "1", "--num-blocks", "70", "--host-blocks", "60"],
     ["--block-size", "8", "--num-blocks", "10", "--max-tokens", "40", "--seed", "3"],
     ["--watermark", "0.0", "--seed", "1"],
 ])
 def test_outputs_do_not_depend_on_memory_pressure(engine_loop, argv):
     """Tight caches preempt, swap and recompute; the generated tokens must be the same as
     with a cache where everything fits (sampling is per sequence, K/V are exact)."""
-    common = ["--quiet", "--requests", "20"]
-    tight = engine_loop.main(common + argv)
-    bs = argv[argv.index("--block-size") + 1] if "--block-size" in argv else "4"
-    seed = argv[argv.index("--seed") + 1] if "--seed" in argv else "0"
-    roomy = engine_loop.main(common + ["--num-blocks", "400", "--block-size", bs,
-                                       "--seed", seed])
+    argv = ["--requests", "20"] + argv
+    tight = run(engine_loop, *argv)
+    roomy = run(engine_loop, *roomy_args(argv))
     assert roomy["swap_preemptions"] == roomy["recompute_preemptions"] == 0
     assert tight["swap_preemptions"] + tight["recompute_preemptions"] > 0
     assert tight["outputs"] == roomy["outputs"]
     if "--host-blocks" in argv and "0" in argv:
         assert tight["swap_preemptions"] == 0
+
+
+def test_speculative_decoding_changes_nothing_but_the_steps(engine_loop, capsys):
+    """Exact-match verification draws each sequence's generator as plain decoding does:
+    the outputs with drafts are the outputs without; drafts are accepted, steps saved."""
+    plain = run(engine_loop)
+    spec = engine_loop.main(["--spec", "3"])
+    assert "drafts accepted" in capsys.readouterr().out
+    assert spec["outputs"] == plain["outputs"]
+    assert spec["drafts_proposed"] > 0 and spec["drafts_accepted"] > 0
+    assert 0 < spec["acceptance_rate"] < 1
+    assert spec["steps"] < plain["steps"]
+    assert spec["query_tokens"] == (spec["prefill_tokens"] + spec["decode_tokens"]
+                                    + spec["drafts_proposed"])
+
+
+# tight configurations, cycled over the seeds: swaps, recomputes, forks, evictions and
+# follow-up turns under a cache far smaller than the batch
+TIGHT = [
+    [],
+    ["--preempt", "swap", "--host-blocks", "12"],
+    ["--preempt", "recompute", "--host-blocks", "0", "--watermark", "0"],
+    ["--block-size", "2", "--num-blocks", "32", "--max-seqs", "12", "--max-tokens", "30"],
+    ["--block-size", "8", "--num-blocks", "10", "--max-tokens", "40"],
+    ["--block-size", "16", "--num-blocks", "6", "--max-tokens", "64", "--watermark", "0"],
+]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_many_seeds(engine_loop, seed):
+    """Under heavy preemption, with and without speculative decoding, every read is exact
+    (the engine checks each one) and the outputs are those of a roomy cache."""
+    argv = ["--seed", seed, "--requests", 30] + TIGHT[seed % len(TIGHT)]
+    argv = [str(a) for a in argv]
+    roomy = run(engine_loop, *roomy_args(argv))
+    assert roomy["turn_cached_tokens"] > 0  # follow-up turns hit their earlier turn
+    for k in (0, 1 + seed % 4):
+        tight = run(engine_loop, *argv, "--spec", k)
+        assert tight["outputs"] == roomy["outputs"], f"--spec {k}"
+        assert tight["swap_preemptions"] + tight["recompute_preemptions"] > 0
+        assert tight["evictions"] > 0 and tight["forks"] > 0
+        if k:
+            assert tight["drafts_accepted"] > 0
+
+
+@pytest.mark.parametrize("skip", ["copies", "swaps"])
+def test_the_oracle_catches_a_skipped_drain(engine_loop, monkeypatch, skip):
+    """The checks have teeth: an engine that drops the copy-on-write copies or the swap
+    pairs reads K/V that are not its own, and the run fails."""
+    def drain(self):
+        if skip != "swaps":
+            for src, dst, pairs in self.to_drain:
+                engine_loop.ops.swap_blocks(src, dst, pairs)
+        self.to_drain.clear()
+        copies = self.mgr.take_copies()
+        if skip != "copies" and len(copies):
+            engine_loop.ops.copy_blocks(self.cache, copies)
+    monkeypatch.setattr(engine_loop.Engine, "drain", drain)
+    with pytest.raises(AssertionError, match="differ"):
+        run(engine_loop, "--spec", 3)
 
 
 def test_rejects_a_cache_too_small(engine_loop):
