@@ -395,13 +395,27 @@ int kvb_mgr_reserve(kvb_mgr_t *m, int32_t slot, int64_t n) {
     return rc ? rc : make_room(m, s, n, 0);
 }
 
+/* Device blocks swap_in takes: one per block, less the computed full blocks whose content is
+ * still cached on the device (re-shared instead of copied; pinning an evictable one takes it
+ * out of the free pool all the same). hits_out[i] is the cached block for block i or 0. */
+static int64_t swap_in_need(const kvb_mgr_t *m, const kvb_seq_t *s, int32_t *hits_out) {
+    const kvb_pool_t *p = m->pool;
+    int64_t need = 0, ncached = p->caching ? blk_of(m, s->ncomputed) : 0;
+    for (int32_t i = 0; i < s->nblocks; i++) {
+        int32_t b = i < ncached ? kvb_cache_find(p, &s->hashes[i]) : KVB_NONE;
+        if (hits_out) hits_out[i] = b == KVB_NONE ? 0 : b;
+        need += b == KVB_NONE || p->ref_count[b] == 0;
+    }
+    return need;
+}
+
 int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n) {
     const kvb_seq_t *s = live_seq(m, slot);
     if (!s) return KVB_EUNKNOWN;
     if (n > max_tokens(m)) return INT64_MAX; /* more than the pool: never fits */
     if (s->swapped) {
         int64_t grow = blocks_for(m, s->ntokens + n) - s->nblocks;
-        return s->nblocks + (grow > 0 ? grow : 0);
+        return swap_in_need(m, s, NULL) + (grow > 0 ? grow : 0);
     }
     return need_for(m, s, n);
 }
@@ -635,20 +649,6 @@ int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out) {
     s->drafted = 0;
     if (KVB_UNLIKELY(m->ncopies)) drop_dead_copies(m);
     return KVB_OK;
-}
-
-/* Device blocks swap_in takes: one per block, less the computed full blocks whose content is
- * still cached on the device (re-shared instead of copied; pinning an evictable one takes it
- * out of the free pool all the same). hits_out[i] is the cached block for block i or 0. */
-static int64_t swap_in_need(const kvb_mgr_t *m, const kvb_seq_t *s, int32_t *hits_out) {
-    const kvb_pool_t *p = m->pool;
-    int64_t need = 0, ncached = p->caching ? blk_of(m, s->ncomputed) : 0;
-    for (int32_t i = 0; i < s->nblocks; i++) {
-        int32_t b = i < ncached ? kvb_cache_find(p, &s->hashes[i]) : KVB_NONE;
-        if (hits_out) hits_out[i] = b == KVB_NONE ? 0 : b;
-        need += b == KVB_NONE || p->ref_count[b] == 0;
-    }
-    return need;
 }
 
 int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs) {

@@ -349,8 +349,8 @@ cdef class BlockManager:
             self._leave()
 
     def can_swap_out(self, seq_id):
-        cdef kvb_seq_t *s
         """Whether ``swap_out(seq_id)`` would succeed now (host blocks available)."""
+        cdef kvb_seq_t *s
         seq_id = norm_id(seq_id)
         self._enter()
         try:
@@ -361,8 +361,9 @@ cdef class BlockManager:
             self._leave()
 
     def can_swap_in(self, seq_id):
+        """Whether ``swap_in(seq_id)`` fits now while keeping the watermark free (blocks it
+        would share again from the prefix cache are counted as such)."""
         cdef kvb_seq_t *s
-        """Whether ``swap_in(seq_id)`` fits now while keeping the watermark free."""
         seq_id = norm_id(seq_id)
         self._enter()
         try:
