@@ -1,8 +1,13 @@
 """Build of the C core and its Cython wrapper (metadata lives in pyproject.toml).
 
 KVBLOCKS_DEBUG=1     -O0 -g, C assertions (KVB_ASSERT) and Cython bounds checks on.
-KVBLOCKS_SANITIZE=1  AddressSanitizer + UndefinedBehaviorSanitizer (run python with
+KVBLOCKS_SANITIZE=1  AddressSanitizer + UndefinedBehaviorSanitizer, -fno-wrapv so that signed
+                     overflow is reported (run python with
                      LD_PRELOAD=$(gcc -print-file-name=libasan.so)).
+KVBLOCKS_SANITIZE=preload  the same instrumentation, but no sanitizer runtime is linked: the
+                     process preloads one, gcc's (LD_PRELOAD="libasan.so libubsan.so") or
+                     atheris's asan_with_fuzzer.so, which keeps the fuzzer's coverage working
+                     (fuzz/README.md).
 """
 import os
 import sys
@@ -13,6 +18,7 @@ from setuptools import Extension, setup
 
 DEBUG = os.environ.get("KVBLOCKS_DEBUG", "") not in ("", "0")
 SANITIZE = os.environ.get("KVBLOCKS_SANITIZE", "") not in ("", "0")
+PRELOAD = os.environ.get("KVBLOCKS_SANITIZE", "") == "preload"
 
 C_SOURCES = ["csrc/hash.c", "csrc/pool.c", "csrc/cache.c", "csrc/table.c", "csrc/meta.c"]
 
@@ -28,8 +34,12 @@ if sys.platform != "win32":
         compile_args += ["-O3"]
     if SANITIZE:
         flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
-        compile_args += flags
-        link_args += flags
+        # Python's CFLAGS carry -fwrapv, which defines signed overflow and so turns UBSan's
+        # check for it off; extra_compile_args come after CFLAGS on the command line, and the
+        # last of -fwrapv / -fno-wrapv wins
+        compile_args += flags + ["-fno-wrapv"]
+        if not PRELOAD:
+            link_args += flags
 
 directives = {
     "language_level": 3,
