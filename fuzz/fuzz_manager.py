@@ -1645,6 +1645,8 @@ def replay(paths: List[str], verbose: bool) -> int:
     for path in files:
         with open(path, "rb") as f:
             data = f.read()
+        # named first: a sanitizer report aborts the process in the middle of an input
+        print(f"replay {path}", file=sys.stderr, flush=True)
         h = Harness(Input(data))
         try:
             h.run()
@@ -1662,16 +1664,20 @@ def random_run(runs: int, seconds: float, seed: int, max_len: int, save: Optiona
     """Deterministic random-bytes fuzzing (no coverage feedback): for CI without atheris."""
     rng = random.Random(seed)
     found: Dict[str, Tuple[int, str, Finding]] = {}
+    if save:
+        os.makedirs(save, exist_ok=True)
     t0 = time.perf_counter()
     n = 0
     while n < runs and time.perf_counter() - t0 < seconds:
         data = bytes(rng.getrandbits(8) for _ in range(rng.randint(8, max_len)))
         n += 1
+        if save:  # kept on disk while it runs: a sanitizer report aborts the process
+            with open(os.path.join(save, "last-input"), "wb") as fh:
+                fh.write(data)
         f = _try(data)
         if f is not None and f.kind not in IGNORE:
             name = f"random-{seed}-{n}"
             if save:
-                os.makedirs(save, exist_ok=True)
                 name = os.path.join(save, "crash-" + hashlib.sha1(data).hexdigest())
                 with open(name, "wb") as fh:
                     fh.write(data)
