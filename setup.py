@@ -2,8 +2,13 @@
 
 KVBLOCKS_DEBUG=1     -O0 -g, C assertions (KVB_ASSERT, KVB_MUST) and Cython bounds checks on.
 KVBLOCKS_DEBUG=2     the same, plus the full invariant check after every BlockManager call.
-KVBLOCKS_SANITIZE=1  AddressSanitizer + UndefinedBehaviorSanitizer (run python with
+KVBLOCKS_SANITIZE=1  AddressSanitizer + UndefinedBehaviorSanitizer, -fno-wrapv so that signed
+                     overflow is reported (run python with
                      LD_PRELOAD=$(gcc -print-file-name=libasan.so)).
+KVBLOCKS_SANITIZE=preload  the same instrumentation, but no sanitizer runtime is linked: the
+                     process preloads one, gcc's (LD_PRELOAD="libasan.so libubsan.so") or
+                     atheris's asan_with_fuzzer.so, which keeps the fuzzer's coverage working
+                     (fuzz/README.md).
 """
 import os
 import sys
@@ -15,6 +20,7 @@ from setuptools import Extension, setup
 DEBUG_LEVEL = os.environ.get("KVBLOCKS_DEBUG", "") or "0"
 DEBUG = DEBUG_LEVEL != "0"
 SANITIZE = os.environ.get("KVBLOCKS_SANITIZE", "") not in ("", "0")
+PRELOAD = os.environ.get("KVBLOCKS_SANITIZE", "") == "preload"
 
 C_SOURCES = ["csrc/hash.c", "csrc/pool.c", "csrc/cache.c", "csrc/table.c", "csrc/meta.c"]
 
@@ -30,8 +36,12 @@ if sys.platform != "win32":
         compile_args += ["-O3"]
     if SANITIZE:
         flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
-        compile_args += flags
-        link_args += flags
+        # Python's CFLAGS carry -fwrapv, which defines signed overflow and so turns UBSan's
+        # check for it off; extra_compile_args come after CFLAGS on the command line, and the
+        # last of -fwrapv / -fno-wrapv wins
+        compile_args += flags + ["-fno-wrapv"]
+        if not PRELOAD:
+            link_args += flags
 
 directives = {
     "language_level": 3,
