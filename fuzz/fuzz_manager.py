@@ -142,14 +142,13 @@ def _mix(h: int, t: int) -> int:
 
 
 def salt_bytes(salt: Any) -> bytes:
-    """The salt as the core folds it into the first block (None, str, int, bytes)."""
+    """The salt as the core folds it into the first block: None is no salt, a str is tagged
+    "s" and UTF-8 encoded, bytes are tagged "b" (so "1" and b"1", "" and None differ)."""
     if salt is None:
         return b""
     if isinstance(salt, str):
-        return salt.encode()
-    if isinstance(salt, int):
-        return str(salt).encode()
-    return bytes(salt)
+        return b"s" + salt.encode()
+    return b"b" + bytes(salt)
 
 
 def root_of(salt: Any) -> int:
@@ -468,7 +467,7 @@ class Harness:
         return out
 
     def salt(self):
-        return self.inp.pick([None, None, None, "t1", b"t1", 1, "1"])
+        return self.inp.pick([None, None, None, "t1", b"t1", "", "1"])
 
     def as_tokens(self, toks: List[int]):
         """The same tokens as a list, an int64 / int32 array, or a range-free tuple."""
