@@ -34,7 +34,7 @@ from kvblocks.errors import (
     OutOfBlocksError,
     UnknownSequenceError,
 )
-from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvblocks.events.types import AllBlocksCleared, BlockRemoved, BlockStored, coalesce
 from kvblocks.metadata import AttentionMetadata
 from kvblocks.stats import CacheStats
 

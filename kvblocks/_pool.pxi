@@ -322,45 +322,23 @@ cdef class BlockPool:
         and ``ZmqEventPublisher`` put them on the wire as vLLM does.
         """
         cdef kvb_events_t *ev = &self.p.events
-        cdef int64_t i, off
-        out = []
-        cur = None
-        for i in range(ev.n):
+        cdef int64_t i, off, end = ev.ntok
+        raw = [None] * ev.n
+        for i in range(ev.n - 1, -1, -1):  # backwards: each event's tokens end where the
+            off = ev.tok_off[i]            # next event's begin
             kind = ev.kind[i]
             if kind == KVB_EV_STORED:
-                h = hash_int(ev.hash[i])
-                par = hash_int(ev.parent[i]) or None  # 0: no parent given (a first block)
-                toks = _event_tokens(ev, i)
-                if isinstance(cur, BlockStored) and cur.block_hashes[len(cur.block_hashes) - 1] == par:
-                    cur.block_hashes.append(h)
-                    cur.token_ids.extend(toks)
-                else:
-                    cur = BlockStored(block_hashes=[h], parent_block_hash=par,
-                                      token_ids=toks,
-                                      block_size=len(toks) if toks else self._block_size)
-                    out.append(cur)
+                toks = [ev.tokens[j] for j in range(off, end)] if off >= 0 else []
+                raw[i] = BlockStored(block_hashes=[hash_int(ev.hash[i])],
+                                     parent_block_hash=hash_int(ev.parent[i]) or None,
+                                     token_ids=toks,
+                                     block_size=len(toks) if toks else self._block_size)
             elif kind == KVB_EV_REMOVED:
-                h = hash_int(ev.hash[i])
-                if isinstance(cur, BlockRemoved):
-                    cur.block_hashes.append(h)
-                else:
-                    cur = BlockRemoved(block_hashes=[h])
-                    out.append(cur)
+                raw[i] = BlockRemoved(block_hashes=[hash_int(ev.hash[i])])
             else:
-                cur = AllBlocksCleared()
-                out.append(cur)
+                raw[i] = AllBlocksCleared()
+            if off >= 0:
+                end = off
         kvb_events_clear(ev)
-        return out
-
-
-cdef list _event_tokens(kvb_events_t *ev, int64_t i):
-    """Token ids recorded with event i (empty when none were given)."""
-    cdef int64_t off = ev.tok_off[i], end = ev.ntok, j
-    if off < 0:
-        return []
-    for j in range(i + 1, ev.n):  # the next event that recorded tokens ends this one's
-        if ev.tok_off[j] >= 0:
-            end = ev.tok_off[j]
-            break
-    return [ev.tokens[j] for j in range(off, end)]
+        return coalesce(raw)
 
