@@ -2,6 +2,9 @@
 #ifndef KVBLOCKS_INTERNAL_H
 #define KVBLOCKS_INTERNAL_H
 
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kvblocks.h"
@@ -26,14 +29,30 @@ KVB_INLINE kvb_seq_t *live_seq(const kvb_mgr_t *m, int32_t slot) { /* NULL if no
     return &m->seqs[slot];
 }
 
+/* Grow *ptr to hold at least `need` elements of `elem` bytes (capacity doubles from 64); *cap is
+ * updated. KVB_ENOMEM on overflow or allocation failure, leaving *ptr and *cap as they were. */
+static inline int kvb_grow(void **ptr, int64_t *cap, int64_t need, size_t elem) {
+    if (need <= *cap) return KVB_OK;
+    /* checked size arithmetic: the doubling and the byte count never overflow */
+    int64_t limit = (int64_t)(PTRDIFF_MAX / (ptrdiff_t)elem) / 2;
+    if (need < 0 || need > limit) return KVB_ENOMEM;
+    int64_t nc = *cap ? *cap : 64;
+    while (nc < need) nc *= 2;
+    void *np_ = realloc(*ptr, (size_t)nc * elem);
+    if (!np_) return KVB_ENOMEM;
+    *ptr = np_;
+    *cap = nc;
+    return KVB_OK;
+}
+
 /* pool.c */
 void kvb_pool_release(kvb_pool_t *p, int32_t b);  /* drop one (validated) reference */
 void kvb_pool_pin(kvb_pool_t *p, const int32_t *ids, int64_t n); /* +1 ref, unlinks evictable */
 void kvb_pool_uncache(kvb_pool_t *p, int32_t b);  /* drop b's entry; an evictable b moves to
                                                    * the head as never-cached */
+/* events.c */
 void kvb_pool_record(kvb_pool_t *p, int kind, int32_t b, const kvb_hash_t *h,
                      const kvb_hash_t *parent, const int32_t *tokens, int32_t ntok);
-int kvb_grow(void **ptr, int64_t *cap, int64_t need, size_t elem);
 
 /* cache.c */
 int64_t kvb_cache_match(const kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n,

@@ -185,7 +185,7 @@ int64_t kvb_pool_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, 
 /* Drop every entry; only when no cached block is referenced (else KVB_ESTATE) (pool.c). */
 int kvb_pool_reset_cache(kvb_pool_t *p);
 
-/* internal helpers shared by pool.c / cache.c / table.c */
+/* the event log (events.c): grow, drain, free */
 int kvb_events_reserve(kvb_events_t *ev, int64_t n_events, int64_t n_tokens);
 void kvb_events_clear(kvb_events_t *ev);
 void kvb_events_destroy(kvb_events_t *ev);

@@ -62,67 +62,6 @@ static void move_to_head(kvb_pool_t *p, int32_t b) {
     list_push_head(p, b);
 }
 
-/* ---- events ----------------------------------------------------------------------------- */
-int kvb_grow(void **ptr, int64_t *cap, int64_t need, size_t elem) {
-    if (need <= *cap) return KVB_OK;
-    /* checked size arithmetic: the doubling and the byte count never overflow */
-    int64_t limit = (int64_t)(PTRDIFF_MAX / (ptrdiff_t)elem) / 2;
-    if (need < 0 || need > limit) return KVB_ENOMEM;
-    int64_t nc = *cap ? *cap : 64;
-    while (nc < need) nc *= 2;
-    void *np_ = realloc(*ptr, (size_t)nc * elem);
-    if (!np_) return KVB_ENOMEM;
-    *ptr = np_;
-    *cap = nc;
-    return KVB_OK;
-}
-
-int kvb_events_reserve(kvb_events_t *ev, int64_t n_events, int64_t n_tokens) {
-    int64_t need = ev->n + n_events;
-    if (need > ev->cap) {
-        int64_t c;
-        c = ev->cap; if (kvb_grow((void **)&ev->kind, &c, need, sizeof *ev->kind)) return KVB_ENOMEM;
-        c = ev->cap; if (kvb_grow((void **)&ev->hash, &c, need, sizeof *ev->hash)) return KVB_ENOMEM;
-        c = ev->cap; if (kvb_grow((void **)&ev->parent, &c, need, sizeof *ev->parent)) return KVB_ENOMEM;
-        c = ev->cap; if (kvb_grow((void **)&ev->block, &c, need, sizeof *ev->block)) return KVB_ENOMEM;
-        c = ev->cap; if (kvb_grow((void **)&ev->tok_off, &c, need, sizeof *ev->tok_off)) return KVB_ENOMEM;
-        ev->cap = c;
-    }
-    return kvb_grow((void **)&ev->tokens, &ev->tok_cap, ev->ntok + n_tokens, sizeof *ev->tokens);
-}
-
-void kvb_events_clear(kvb_events_t *ev) { ev->n = 0; ev->ntok = 0; }
-
-void kvb_events_destroy(kvb_events_t *ev) {
-    free(ev->kind); free(ev->hash); free(ev->parent); free(ev->block); free(ev->tok_off);
-    free(ev->tokens);
-    memset(ev, 0, sizeof *ev);
-}
-
-/* Record one event; when the undrained log is full or memory runs out the event is dropped
- * and counted (recording is best-effort and must never make an allocator call fail after it
- * mutated state, nor grow without bound when nobody drains it). */
-void kvb_pool_record(kvb_pool_t *p, int kind, int32_t b, const kvb_hash_t *h,
-                     const kvb_hash_t *parent, const int32_t *tokens, int32_t ntok) {
-    kvb_events_t *ev = &p->events;
-    if (ev->n >= ev->max_pending || kvb_events_reserve(ev, 1, tokens ? ntok : 0)) {
-        ev->dropped++;
-        return;
-    }
-    int64_t i = ev->n++;
-    ev->kind[i] = (uint8_t)kind;
-    ev->block[i] = b;
-    if (h) ev->hash[i] = *h; else ev->hash[i].lo = ev->hash[i].hi = 0;
-    if (parent) ev->parent[i] = *parent; else ev->parent[i].lo = ev->parent[i].hi = 0;
-    if (tokens) {
-        ev->tok_off[i] = ev->ntok;
-        memcpy(ev->tokens + ev->ntok, tokens, (size_t)ntok * sizeof *tokens);
-        ev->ntok += ntok;
-    } else {
-        ev->tok_off[i] = -1;
-    }
-}
-
 /* ---- lifecycle -------------------------------------------------------------------------- */
 int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching) {
     memset(p, 0, sizeof *p);
