@@ -231,14 +231,15 @@ int kvb_mgr_init(kvb_mgr_t *m, kvb_pool_t *pool, kvb_pool_t *host, int32_t block
                  const uint8_t key[16]);
 void kvb_mgr_destroy(kvb_mgr_t *m);
 
-/* Blocks needed to add a prompt of n tokens with hits blocks of it cached (counting hits that
- * are evictable now, since pinning them takes them out of the free pool). */
-/* Add a prompt; recompute != 0 marks the re-admission of a preempted sequence (its hits are
- * counted in the recompute_* stats, not as reuse). */
+/* Add a prompt of n tokens in a new slot (*slot_out): its longest cached prefix (at most
+ * (n - 1) / block_size blocks) is pinned, the rest allocated; *cached_out gets the cached tokens,
+ * which count as computed. recompute != 0 marks the re-admission of a preempted sequence (its
+ * hits are counted in the recompute_* stats, not as reuse). */
 int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
                 size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out);
 /* computed != 0: the tokens fill draft slots that the last schedule call computed. */
 int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n, int computed);
+/* The decode step: one token for each of n distinct live, resident slots, all-or-nothing. */
 int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n);
 int kvb_mgr_reserve(kvb_mgr_t *m, int32_t slot, int64_t n);
 int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens);

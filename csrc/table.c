@@ -1,5 +1,5 @@
 /* table.c -- block tables per sequence: add, append, batched decode step, reserve, truncate,
- * fork with copy-on-write, free, swap.
+ * fork with copy-on-write, free, swap, and the step that marks committed tokens computed.
  *
  * A sequence lives in a slot of m->seqs (slots are recycled through a free-slot stack and keep
  * their arrays' capacity, so a steady-state engine never calls malloc). Each slot holds:
@@ -9,12 +9,18 @@
  *   hashes[0..nhashed)  chained hashes of the leading full blocks; with prefix caching on,
  *                       nhashed == ntokens / block_size, otherwise 0.
  *
+ *   ncomputed           leading tokens whose K/V are written: hits at add, then advanced to
+ *                       ntokens by each step (kvb_mgr_schedule, called by metadata) or by an
+ *                       append of computed drafts. Full blocks enter the prefix cache only
+ *                       as they become computed, never at commit.
+ *
  * Writing rule: before tokens are written into block w = ntokens / block_size (append, or
- * reserve that hands out its slots), that block must be private. If other references exist
+ * reserve that hands out its slots), that block must be private. If other sequences use it
  * (a fork or a prefix-cache hit shares it), copy-on-write: take a fresh block, queue the
  * (old, new) copy when the old one holds committed tokens, drop one reference of the old one.
- * If it is private but still carries a prefix-cache entry (after truncate), the entry is dropped.
- * Fork shares only the committed blocks, so no later block can be shared.
+ * The last user writes in place. If it is private but still carries a prefix-cache entry
+ * (after truncate), the entry is dropped. Fork shares only the committed blocks, so no later
+ * block can be shared. Pending copies are described at queue_copy below.
  *
  * Every entry point validates and counts the blocks it needs first, grows capacities (not
  * observable), and only then mutates: a failed call changes nothing.
