@@ -709,8 +709,7 @@ cdef class BlockManager:
             if not isinstance(out, AttentionMetadata):
                 raise InvalidTypeError(f"metadata: out must be an AttentionMetadata (from "
                                        f"AttentionMetadata.allocate), got {type(out).__name__}")
-            if out._base is not None:  # a returned view: fill the buffers it came from
-                out = out._base
+            out = out.buffers  # a returned view: fill the buffers it came from
         ids = self._id_list(seq_ids)
         cdef Py_ssize_t B, i
         cdef int64_t ntok = 0, nidx = 0, nb, maxb = 0, L
@@ -760,7 +759,7 @@ cdef class BlockManager:
         if bt is not None:
             meta.block_tables = <int32_t *>buf_ptr(bt, cnp.NPY_INT32, 2, B, "block_tables")
             meta.max_blocks = <int32_t>cnp.PyArray_DIM(<cnp.ndarray>bt, 1)
-        rows = out._row_cache
+        rows, valid = out.row_cache(self)
         if rows is not None:
             if not (cnp.PyArray_Check(rows) and cnp.PyArray_TYPE(<cnp.ndarray>rows) ==
                     cnp.NPY_INT64 and cnp.PyArray_ISCARRAY(<cnp.ndarray>rows)):
@@ -768,18 +767,16 @@ cdef class BlockManager:
             meta.row_cache = <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>rows)
             meta.cap_rows = cnp.PyArray_DIM(<cnp.ndarray>rows, 0) // 4
             # first use, or another manager's buffers: start afresh
-            meta.valid_rows = out._valid_rows if out._owner is self else 0
+            meta.valid_rows = valid
         rc = kvb_mgr_metadata(&self.m, slots, q, d, B, &meta)
         if rc:
             self._err(rc, "metadata")
         if rows is not None:
-            out._owner = self
-            out._valid_rows = meta.valid_rows
+            out.remember_rows(self, meta.valid_rows)
         cdef Py_ssize_t nt = meta.n_tokens, ni = meta.n_indices
         res = AttentionMetadata(sm[:nt], bt[:B] if bt is not None else None, sl[:B],
                                 qo[:B + 1], kvp[:B + 1], kvi[:ni], last[:B], nt, B)
-        res._base = out
-        return res
+        return res.view_of(out)
 
     def check(self):
         """Verify the pool, the host pool, every block table and the pending copies (ref

@@ -82,6 +82,28 @@ class AttentionMetadata:
         meta._row_cache = np.full(4 * max_batch, -1, dtype=np.int64)
         return meta
 
+    @property
+    def buffers(self) -> "AttentionMetadata":
+        """The fixed buffers behind this object: itself for ``allocate``'s result, the
+        buffers it views for one returned by ``BlockManager.metadata(..., out=...)``."""
+        return self if self._base is None else self._base
+
+    def view_of(self, buffers: "AttentionMetadata") -> "AttentionMetadata":
+        """Mark this object as a view of the used part of ``buffers`` (the builder's call)."""
+        self._base = buffers.buffers
+        return self
+
+    def row_cache(self, owner: object):
+        """``(array, valid_rows)`` for an incremental fill by ``owner``: the int64 row cache
+        (4 entries per row) of fixed buffers, or None, and how many leading rows still
+        describe ``owner``'s tables (0 for another owner, or after ``invalidate()``)."""
+        return self._row_cache, (self._valid_rows if self._owner is owner else 0)
+
+    def remember_rows(self, owner: object, valid_rows: int) -> None:
+        """Record that ``owner`` just filled the buffers and ``valid_rows`` rows are cached."""
+        self._owner = owner
+        self._valid_rows = valid_rows
+
     def invalidate(self) -> None:
         """Forget what the buffers held: the next fill rewrites every row. Needed only after
         writing into the buffers yourself (metadata() does it for another manager)."""
