@@ -76,8 +76,8 @@ cdef class BlockManager:
         if nh == 1:
             raise InvalidArgumentError(
                 "num_host_blocks must be 0 (no swapping) or >= 2 (block 0 is the null block)")
-        if PyBool_Check(watermark) or not isinstance(watermark, (int, float, np.floating,
-                                                                np.integer)):
+        if PyBool_Check(watermark) or not isinstance(
+                watermark, (int, float, np.floating, np.integer)):
             raise InvalidTypeError(f"watermark must be a number, got {type(watermark).__name__}")
         wm = float(watermark)
         if not 0.0 <= wm < 1.0:  # also refuses nan
@@ -379,7 +379,7 @@ cdef class BlockManager:
     def num_free_blocks(self):
         return self.pool.p.num_free
 
-    # -- sequence lifecycle -------------------------------------------------------------------------
+    # -- sequence lifecycle -------------------------------------------------------------------
     def add(self, seq_id, token_ids, *, salt=None, bint recompute=False):
         """Allocate a block table for a prompt; reuse cached full blocks.
 

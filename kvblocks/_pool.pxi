@@ -271,7 +271,7 @@ cdef class BlockPool:
         cdef Py_ssize_t n = h.shape[0]
         cdef cnp.ndarray out = new_i32(n)
         cdef int64_t k = kvb_pool_lookup_pin(&self.p, <kvb_hash_t *>&h[0, 0] if n else NULL,
-                                              n, i32_data(out))
+                                             n, i32_data(out))
         return out[:k]
 
     def reset_prefix_cache(self):
@@ -341,4 +341,3 @@ cdef class BlockPool:
                 end = off
         kvb_events_clear(ev)
         return coalesce(raw)
-
