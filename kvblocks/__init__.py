@@ -17,6 +17,7 @@ from .errors import (
     InvalidStateError,
     InvalidTypeError,
     KVBlocksError,
+    NotSupportedError,
     OutOfBlocksError,
     UnknownSequenceError,
 )
@@ -30,6 +31,6 @@ __all__ = [
     "AllBlocksCleared", "AttentionMetadata", "BlockManager", "BlockPool", "BlockRemoved",
     "BlockStored", "CacheStats", "CorruptionError", "DeviceError", "DuplicateSequenceError",
     "InvalidArgumentError", "InvalidStateError", "InvalidTypeError", "KVBlocksError", "KVCache",
-    "KVLayout", "OutOfBlocksError", "SeqBatch", "UnknownSequenceError", "default_hash_key",
+    "KVLayout", "NotSupportedError", "OutOfBlocksError", "SeqBatch", "UnknownSequenceError", "default_hash_key",
     "hash_blocks", "ops", "__version__",
 ]
