@@ -6,7 +6,8 @@ three ways and checks every generated token against transformers' default Dynami
 1. greedy decoding of a left-padded batch of prompts of different lengths;
 2. beam search (num_beams=4, num_return_sequences=2): beams share blocks through fork and
    copy-on-write; prints the KV bytes held by both caches;
-3. prefix caching across generate calls: a second batch sharing a long prefix reuses its blocks.
+3. prefix caching across generate calls (``cache.generate(model, ...)``): a second batch sharing
+   a long prefix reuses its blocks.
 
     pip install kvblocks[transformers]
     python examples/hf_generate.py [--device cpu|cuda] [--block-size 16]
@@ -98,8 +99,12 @@ def main() -> None:
     for call, rows in enumerate(batches, 1):
         ids, mask = left_pad(rows)
         ref = generate(model, ids, mask, DynamicCache(config=model.config), max_new_tokens=16)
-        cached = paged.prepare(ids, mask)
-        out = generate(model, ids, mask, paged, max_new_tokens=16)
+        # prepare + generate in one call (prepare(ids, mask, model=model) then model.generate):
+        # the cache checks that generate is fed the prepared prompts
+        with torch.no_grad():
+            out = paged.generate(model, ids.to(model.device), attention_mask=mask.to(model.device),
+                                 max_new_tokens=16, do_sample=False)
+        cached = paged.cached_tokens
         print(f"3.{call} prefix caching, call {call} ({ids.shape[0]} x {ids.shape[1]} prompt "
               f"tokens): cached tokens per row {cached:3d}, tokens identical: {torch.equal(out, ref)}")
     print(f"   stats: {paged.stats}")

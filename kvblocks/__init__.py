@@ -18,6 +18,7 @@ from .errors import (
     InvalidStateError,
     InvalidTypeError,
     KVBlocksError,
+    NotSupportedError,
     OutOfBlocksError,
     UnknownSequenceError,
 )
@@ -31,6 +32,6 @@ __all__ = [
     "AllBlocksCleared", "AttentionMetadata", "BlockManager", "BlockPool", "BlockRemoved",
     "BlockStored", "CacheStats", "CorruptionError", "DeviceError", "DuplicateSequenceError",
     "InvalidArgumentError", "InvalidStateError", "InvalidTypeError", "KVBlocksError", "KVCache",
-    "KVLayout", "OutOfBlocksError", "SeqBatch", "UnknownSequenceError", "default_hash_key",
-    "hash_blocks", "hash_from_int", "hash_to_int", "ops", "__version__",
+    "KVLayout", "NotSupportedError", "OutOfBlocksError", "SeqBatch", "UnknownSequenceError",
+    "default_hash_key", "hash_blocks", "hash_from_int", "hash_to_int", "ops", "__version__",
 ]

@@ -14,6 +14,7 @@ __all__ = [
     "InvalidStateError",
     "CorruptionError",
     "DeviceError",
+    "NotSupportedError",
 ]
 
 
@@ -54,3 +55,8 @@ class CorruptionError(KVBlocksError, RuntimeError):
 
 class DeviceError(KVBlocksError, RuntimeError):
     """The requested device is unavailable (no CuPy, no CUDA device) or mismatched."""
+
+
+class NotSupportedError(KVBlocksError, NotImplementedError):
+    """A valid request that kvblocks does not serve (yet), refused before anything changes:
+    e.g. a model whose attention layout a cache cannot hold."""

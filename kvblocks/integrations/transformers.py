@@ -12,8 +12,16 @@ a :class:`kvblocks.KVCache`, with block tables kept by a :class:`kvblocks.BlockM
   :meth:`BlockManager.take_copies` and :func:`kvblocks.ops.copy_blocks`). No K/V tensor is copied
   to reorder beams;
 * prefix caching across ``generate`` calls: :meth:`PagedKVCache.prepare` registers the prompts
-  (token ids and attention mask) before ``generate``; full blocks already in the prefix cache are
-  reused and ``generate`` computes only the rest (``cache.cached_tokens``, ``cache.stats``).
+  (token ids and attention mask) and the model before ``generate`` (or :meth:`PagedKVCache.generate`
+  does both); full blocks already in the prefix cache are reused and ``generate`` computes only
+  the rest (``cache.cached_tokens``, ``cache.stats``). A hook on the model checks that the forward
+  passes feed the prepared prompts, since a cache sees K/V, never token ids;
+* tokens are committed by the forward pass that computes them and declared computed after its
+  last layer, so only written K/V ever enter the prefix cache; a step's blocks are counted
+  exactly before anything changes (all or nothing), and after a forward pass that raised the
+  cache refuses every use but ``reset()`` / ``prepare()``;
+* ``copy.deepcopy`` forks the rows into a new cache on the same manager (prompt reuse);
+  :meth:`PagedKVCache.encoder_decoder` serves encoder-decoder models' self-attention.
 
 Left padding is stored like any other token (its positions are masked by the attention mask),
 so generated tokens are the same as with transformers' default ``DynamicCache``.
@@ -44,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -57,15 +66,27 @@ except ImportError as exc:  # pragma: no cover - depends on the installed versio
         "kvblocks.integrations.transformers needs transformers >= 4.56 (the layered Cache API)"
     ) from exc
 
+import transformers
+
 from .. import ops
-from ..errors import InvalidArgumentError, InvalidStateError, InvalidTypeError, OutOfBlocksError
+from ..errors import (
+    DeviceError,
+    InvalidArgumentError,
+    InvalidStateError,
+    InvalidTypeError,
+    NotSupportedError,
+    OutOfBlocksError,
+)
 from ..layout import KVLayout
-from ..storage import KVCache
+from ..storage import KVCache, parse_device
 
 __all__ = ["PagedKVCache", "dynamic_cache_bytes"]
 
 #: token id recorded for generated tokens (int32 max: never a real vocabulary id)
 PLACEHOLDER_TOKEN = 2**31 - 1
+
+# the keyword generate() takes a Cache by: `cache` in transformers >= 5, `past_key_values` before
+_CACHE_KW = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 
 # torch dtype -> (kvblocks dtype name, torch dtype of the raw storage view)
 _TORCH_DTYPES: Dict[torch.dtype, Tuple[str, torch.dtype]] = {
@@ -126,7 +147,7 @@ class _PagedLayer(CacheLayerMixin):
         return self._parent._update(key_states, value_states, self._layer_idx)
 
     def get_seq_length(self) -> int:
-        return self._parent._layer_len[self._layer_idx]
+        return self._parent.get_seq_length(self._layer_idx)
 
     def get_mask_sizes(self, query_length: Any) -> Tuple[int, int]:
         return self.get_seq_length() + _query_length(query_length), 0
@@ -163,12 +184,100 @@ class _PagedLayer(CacheLayerMixin):
         return f"_PagedLayer({self._layer_idx})"
 
 
+class _Shared:
+    """What the caches made from one another by ``copy.deepcopy`` share: one BlockManager (so
+    one prefix cache), one K/V storage and one counter of sequence ids."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.kv: Optional[KVCache] = None            # allocated on the first update (dtype None)
+        self.ids = itertools.count()                 # sequence ids, unique in the manager
+        self.store_dtype: Optional[torch.dtype] = None
+        self.raw_dtype: Optional[torch.dtype] = None  # torch dtype of the raw storage view
+
+
+class _ModelSpec:
+    """What a cache needs from a model config: decoder self-attention layers, K/V heads and
+    head size; a model the cache cannot hold is refused here, before anything is allocated."""
+
+    def __init__(self, config: Any) -> None:
+        if isinstance(config, torch.nn.Module):
+            raise InvalidTypeError(
+                "PagedKVCache takes the model's config (model.config), not the model")
+        if not hasattr(config, "num_hidden_layers") and not hasattr(config, "get_text_config"):
+            raise InvalidTypeError(
+                f"PagedKVCache needs a transformers model config, got {type(config).__name__}")
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
+        self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+        layer_types = getattr(text, "layer_types", None)
+        if layer_types is not None:
+            bad = sorted({t for t in layer_types if t != "full_attention"})
+            if bad:
+                raise NotSupportedError(
+                    f"PagedKVCache supports full-attention layers only; this model has {bad}")
+        elif getattr(text, "sliding_window", None) is not None and getattr(
+                text, "use_sliding_window", True):
+            raise NotSupportedError(
+                "PagedKVCache supports full-attention layers only; this config sets sliding_window"
+                f"={text.sliding_window} (set it to None to use full attention)")
+        if getattr(text, "kv_lora_rank", None) is not None:
+            raise NotSupportedError(
+                "PagedKVCache does not support multi-head latent attention "
+                f"({self.model_type or 'MLA'}: kv_lora_rank is set): it caches a compressed "
+                "latent and a rotary key of different sizes, not K and V of one head size")
+        layers = getattr(text, "num_decoder_layers", None) if self.encoder_decoder else None
+        self.num_layers = int(layers or text.num_hidden_layers)
+        heads = int(text.num_attention_heads)
+        self.num_kv_heads = _kv_heads(text, heads, self.model_type)
+        self.head_dim = int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads)
+
+
+def _kv_heads(text: Any, heads: int, model_type: str) -> int:
+    """K/V heads the attention of this family hands the cache (not always
+    ``num_key_value_heads``)."""
+    if model_type == "falcon":
+        # FalconAttention: the new decoder architecture broadcasts its K/V groups to every
+        # head before caching; multi-query (Falcon-7B) caches one head
+        if getattr(text, "new_decoder_architecture", False):
+            return heads
+        if getattr(text, "multi_query", False):
+            return 1
+        return int(getattr(text, "num_kv_heads", None) or heads)
+    kv = getattr(text, "num_key_value_heads", None)
+    if kv:
+        return int(kv)
+    if getattr(text, "multi_query", False):  # GPT-BigCode and other multi-query layouts
+        return 1
+    return heads
+
+
+def _count(value: Any, name: str) -> int:
+    """An int argument, refused (not coerced) when it is a float, str or bool."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _device(device: Any) -> str:
+    """The canonical storage device (``"cpu"`` or ``"cuda:N"``), checked before any allocation."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    kind, index = parse_device(device)
+    if kind == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device {device!r}: torch sees no CUDA device")
+    return f"cuda:{index}"
+
+
 class PagedKVCache(Cache):
     """A transformers ``Cache`` backed by kvblocks: K/V in paged blocks, rows as block tables.
 
     Args:
-        config: the model's config (``model.config``); its decoder text config gives the number
-            of layers, KV heads and head size. Every layer must be full attention.
+        config: the model's config (``model.config``) of a decoder-only model; its text config
+            gives the number of layers, K/V heads and head size. Every layer must be full attention.
+            Encoder-decoder models: :meth:`encoder_decoder`.
         num_blocks: blocks in the pool (block 0 is kvblocks' reserved null block). One block
             holds ``block_size`` tokens of K and V for every layer.
         block_size: tokens per block.
@@ -179,101 +288,141 @@ class PagedKVCache(Cache):
             transformers' ``DynamicCache``. A different dtype rounds the stored K/V.
         enable_prefix_caching: reuse full blocks of earlier prompts registered with :meth:`prepare`.
 
+    Every refusal (an unsupported model, a bad argument) is a typed kvblocks error raised before
+    any storage is allocated.
+
     Usage::
 
         cache = PagedKVCache(model.config, num_blocks=1024)
         out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=32)
-        cache.prepare(next_ids, next_mask)     # next request batch: frees the rows, finds prefix hits
-        out = model.generate(next_ids, attention_mask=next_mask, cache=cache, max_new_tokens=32)
-        cache.cached_tokens                    # prompt tokens per row that were not recomputed
+        out = cache.generate(model, next_ids, attention_mask=next_mask, max_new_tokens=32)
+        cache.cached_tokens        # prompt tokens per row the last prepared batch did not recompute
 
     Like a ``DynamicCache``, a cache that still holds rows continues them on the next
-    ``generate`` call; call :meth:`prepare` (or :meth:`reset`) to start a new batch.
+    ``generate`` call; call :meth:`prepare` (or :meth:`reset`) to start a new batch. After a
+    forward pass that raised, every use but :meth:`reset` / :meth:`prepare` raises
+    :class:`~kvblocks.InvalidStateError`.
     """
 
     def __init__(self, config: Any, num_blocks: int, block_size: int = 16, *,
-                 device: str = "cpu", dtype: Any = None,
+                 device: Any = "cpu", dtype: Any = None,
                  enable_prefix_caching: bool = True) -> None:
+        spec = _ModelSpec(config)
+        if spec.encoder_decoder:
+            raise NotSupportedError(
+                "PagedKVCache holds a decoder's self-attention; this is an encoder-decoder model, "
+                "whose cross-attention would write into it too. Use "
+                "PagedKVCache.encoder_decoder(config, num_blocks, ...), an EncoderDecoderCache "
+                "of a PagedKVCache (self-attention) and a DynamicCache (cross-attention)")
+        self._setup(spec, num_blocks, block_size, device, dtype, enable_prefix_caching)
+
+    @classmethod
+    def encoder_decoder(cls, config: Any, num_blocks: int, block_size: int = 16, *,
+                        device: Any = "cpu", dtype: Any = None) -> Any:
+        """An ``EncoderDecoderCache`` for encoder-decoder models (BART, T5, ...): the decoder's
+        self-attention K/V in a PagedKVCache (``.self_attention_cache``), the cross-attention
+        K/V (computed once from the encoder output) in a ``DynamicCache``.
+
+        Prefix caching is off and :meth:`prepare` refused: a decoder's K/V depend on the encoder
+        input through cross-attention, so decoder token ids alone cannot key them.
+        """
+        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+        spec = _ModelSpec(config)
+        if not spec.encoder_decoder:
+            raise InvalidArgumentError(
+                "PagedKVCache.encoder_decoder needs an encoder-decoder config; "
+                "use PagedKVCache(config, ...)")
+        self = cls.__new__(cls)
+        self._setup(spec, num_blocks, block_size, device, dtype, False)
+        self._encoder_decoder = True
+        return EncoderDecoderCache(self, DynamicCache())
+
+    def _setup(self, spec: _ModelSpec, num_blocks: Any, block_size: Any, device: Any, dtype: Any,
+               enable_prefix_caching: Any) -> None:
         from .. import BlockManager  # the allocator (C core)
 
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        num_layers = int(text.num_hidden_layers)
-        layer_types = getattr(text, "layer_types", None)
-        if layer_types is not None:
-            bad = sorted({t for t in layer_types if t != "full_attention"})
-            if bad:
-                raise NotImplementedError(
-                    f"PagedKVCache supports full-attention layers only; this model has {bad}"
-                )
-        elif getattr(text, "sliding_window", None) is not None and getattr(
-                text, "use_sliding_window", True):
-            raise NotImplementedError(
-                "PagedKVCache supports full-attention layers only; this config sets sliding_window "
-                f"={text.sliding_window} (set it to None to use full attention)"
-            )
-        heads = int(text.num_attention_heads)
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // heads
-        self.num_layers = num_layers
-        self.num_kv_heads = int(kv_heads)
-        self.head_dim = int(head_dim)
-        self.block_size = int(block_size)
-        self.num_blocks = int(num_blocks)
-        self.device = str(device)
+        num_blocks = _count(num_blocks, "num_blocks")
+        block_size = _count(block_size, "block_size")
+        if not isinstance(enable_prefix_caching, (bool, np.bool_)):
+            raise InvalidTypeError(
+                f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
+        store_dtype = None if dtype is None else _torch_dtype(dtype)
+        self.device = _device(device)
+        self.num_layers = spec.num_layers
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.block_size = block_size
+        self.num_blocks = num_blocks
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self._store_dtype: Optional[torch.dtype] = None if dtype is None else _torch_dtype(dtype)
-
-        self.manager = BlockManager(self.num_blocks, self.block_size,
-                                    enable_prefix_caching=self.enable_prefix_caching)
-        #: the kvblocks storage; allocated on the first update when ``dtype`` is None
-        self.kv: Optional[KVCache] = None
-        if self._store_dtype is not None:
-            self._allocate(self._store_dtype)
-
-        super().__init__(layers=[_PagedLayer(self, i) for i in range(num_layers)])
-        self._ids = itertools.count()
-        self._rows: List[int] = []             # sequence id of each batch row
-        self._write_from: List[int] = []       # positions below this are not written (shared)
-        self._layer_len = [0] * num_layers     # tokens per row, per layer (all layers agree
-                                               # between forward passes)
-        self._pending: Optional[Dict[str, Any]] = None  # prompts registered by prepare()
-        self._candidates: Dict[int, int] = {}  # row -> representative row (first pass only)
-        self._step: Optional[Dict[str, Any]] = None     # the current forward pass
+        self._encoder_decoder = False
+        # the manager checks the ranges; nothing is allocated before every check passed
+        self._shared = _Shared(BlockManager(num_blocks, block_size,
+                                            enable_prefix_caching=self.enable_prefix_caching))
+        if store_dtype is not None:
+            self._allocate(store_dtype)
+        super().__init__(layers=[_PagedLayer(self, i) for i in range(self.num_layers)])
+        self._init_rows()
         #: prompt tokens per row reused from the prefix cache (not recomputed) by the last prepare()
         self.cached_tokens = 0
         self._stats = {"prompts": 0, "prompt_tokens": 0, "cached_tokens": 0,
                        "hit_tokens": 0, "copy_on_write_blocks": 0, "forks": 0}
 
+    def _init_rows(self) -> None:
+        self._rows: List[int] = []             # sequence id of each batch row (a prompt's
+                                               # copies share its id until the prompt is written)
+        self._write_from: List[int] = []       # positions below this are not written (shared)
+        self._layer_len = [0] * self.num_layers  # tokens per row, per layer (all layers agree
+                                                 # between forward passes)
+        self._prompt: Optional[Dict[str, Any]] = None   # prompts registered by prepare(), until
+                                                        # their last token is fed
+        self._candidates: Dict[int, int] = {}  # row -> representative row (first pass only)
+        self._step: Optional[Dict[str, Any]] = None     # the current forward pass
+        self._failed: Optional[str] = None     # why the rows are unusable (a forward raised)
+
     # ------------------------------------------------------------------------------------------
     # storage
     # ------------------------------------------------------------------------------------------
+    @property
+    def manager(self) -> Any:
+        """The :class:`kvblocks.BlockManager` (shared with deep copies of this cache)."""
+        return self._shared.manager
+
+    @property
+    def kv(self) -> Optional[KVCache]:
+        """The :class:`kvblocks.KVCache` storage (``None`` until the first forward pass when
+        ``dtype`` is None)."""
+        return self._shared.kv
+
     def _allocate(self, dtype: torch.dtype) -> None:
         name, raw = _TORCH_DTYPES[dtype]
         layout = KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, name)
-        self.kv = KVCache(layout, self.num_blocks, device=self.device)
-        self._store_dtype = dtype
-        self._raw_dtype = raw
-        self._torch_device = torch.device(self.device)
+        sh = self._shared
+        sh.kv = KVCache(layout, self.num_blocks, device=self.device)
+        sh.store_dtype = dtype
+        sh.raw_dtype = raw
 
     def _to_storage(self, t: torch.Tensor) -> Any:
         """[N, H, D] torch tensor -> array accepted by kvblocks.ops (numpy / CuPy, storage dtype)."""
-        t = t.detach().to(device=self._torch_device, dtype=self._store_dtype)
-        raw = t.view(self._raw_dtype) if self._raw_dtype is not self._store_dtype else t
-        if self.kv.is_cuda:
+        sh = self._shared
+        t = t.detach().to(device=self.device, dtype=sh.store_dtype)
+        raw = t.view(sh.raw_dtype) if sh.raw_dtype is not sh.store_dtype else t
+        if sh.kv.is_cuda:
             from .._cuda import get_cupy
 
             cp = get_cupy()
             a = cp.from_dlpack(raw.contiguous())
-            return a.view(_NUMPY_OF_RAW[self._raw_dtype]) if raw.dtype in _NUMPY_OF_RAW else a
+            return a.view(_NUMPY_OF_RAW[sh.raw_dtype]) if raw.dtype in _NUMPY_OF_RAW else a
         a = raw.numpy()
-        return a.view(_NUMPY_OF_RAW[self._raw_dtype]) if raw.dtype in _NUMPY_OF_RAW else a
+        return a.view(_NUMPY_OF_RAW[sh.raw_dtype]) if raw.dtype in _NUMPY_OF_RAW else a
 
     def _from_storage(self, a: Any) -> torch.Tensor:
-        """numpy / CuPy array in the storage dtype -> torch tensor of ``self._store_dtype``."""
-        if self._raw_dtype is not self._store_dtype:
-            a = a.view(np.int16 if self._raw_dtype is torch.int16 else np.uint8)
-        t = torch.from_dlpack(a) if self.kv.is_cuda else torch.from_numpy(a)
-        return t.view(self._store_dtype) if self._raw_dtype is not self._store_dtype else t
+        """numpy / CuPy array in the storage dtype -> torch tensor of the storage dtype."""
+        sh = self._shared
+        if sh.raw_dtype is not sh.store_dtype:
+            a = a.view(np.int16 if sh.raw_dtype is torch.int16 else np.uint8)
+        t = torch.from_dlpack(a) if sh.kv.is_cuda else torch.from_numpy(a)
+        return t.view(sh.store_dtype) if sh.raw_dtype is not sh.store_dtype else t
 
     # ------------------------------------------------------------------------------------------
     # the Cache API
@@ -288,6 +437,7 @@ class PagedKVCache(Cache):
         return self._update(key_states, value_states, layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        self._check_usable()
         if layer_idx >= self.num_layers:
             return 0
         return self._layer_len[layer_idx]
@@ -319,16 +469,27 @@ class PagedKVCache(Cache):
     def max_batch_size(self) -> int:  # transformers 4.x name
         return self.batch_size
 
+    # transformers' generate() marks a cache the caller passed in by setting this attribute:
+    # the first thing a generate call does to it, so a cache that cannot serve refuses here,
+    # before generate slices its inputs by get_seq_length()
+    @property
+    def _is_user_defined(self) -> bool:
+        return self.__dict__.get("_user_defined", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        if self._step is not None:
+            self._fail_with("a forward pass stopped before its last layer")
+        self._check_usable()
+        self.__dict__["_user_defined"] = value
+
     def reset(self) -> None:
-        """Free every row. Full prompt blocks stay in the prefix cache (evictable)."""
-        for seq in self._rows:
+        """Free every row. Full computed prompt blocks stay in the prefix cache (evictable).
+        Also the way back after a forward pass that raised."""
+        self._drop_hook()
+        for seq in dict.fromkeys(self._rows):
             self.manager.free(seq)
-        self._rows = []
-        self._write_from = []
-        self._layer_len = [0] * self.num_layers
-        self._pending = None
-        self._step = None
-        self._candidates = {}
+        self._init_rows()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` becomes old row ``beam_idx[i]`` (fork / free, no K/V copy)."""
@@ -347,59 +508,131 @@ class PagedKVCache(Cache):
 
         A positive value is the transformers 4.x meaning: keep that many tokens.
         """
+        self._check_usable()
         n = int(tokens_to_remove)
         new_len = self._layer_len[0] + n if n <= 0 else min(n, self._layer_len[0])
+        if new_len == self._layer_len[0]:
+            return
+        self._check_idle("crop")
         if new_len < 0:
             raise InvalidArgumentError(
                 f"crop({n}): the cache holds only {self._layer_len[0]} tokens per row")
-        if new_len == self._layer_len[0]:
-            return
         for seq in self._rows:
             self.manager.truncate(seq, new_len)
         self._write_from = [min(w, new_len) for w in self._write_from]
         self._layer_len = [new_len] * self.num_layers
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "PagedKVCache":
+        """transformers' prompt-reuse recipe (``copy.deepcopy(prompt_cache)``): a new cache on
+        the same manager and storage whose rows fork this cache's rows. No K/V is copied; a row
+        that writes into a shared, partly filled block gets its own copy of that block. Each
+        cache frees only its own rows; the prefix cache is shared."""
+        self._check_usable()
+        self._check_idle("copy.deepcopy")
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name in ("device", "num_layers", "num_kv_heads", "head_dim", "block_size",
+                     "num_blocks", "enable_prefix_caching", "_encoder_decoder", "_shared",
+                     "cached_tokens"):
+            setattr(new, name, getattr(self, name))
+        Cache.__init__(new, layers=[_PagedLayer(new, i) for i in range(self.num_layers)])
+        new._init_rows()
+        new._stats = dict(self._stats)
+        rows = []
+        try:
+            for seq in self._rows:
+                rows.append(self._fork(seq))
+        except BaseException:
+            for seq in rows:
+                self.manager.free(seq)
+            raise
+        new._rows = rows
+        new._write_from = list(self._write_from)
+        new._layer_len = list(self._layer_len)
+        return new
+
+    def __copy__(self) -> "PagedKVCache":
+        """Like :meth:`__deepcopy__`: two caches can never share rows (each frees its own)."""
+        return self.__deepcopy__({})
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise NotSupportedError(
+            "a PagedKVCache cannot be pickled (its K/V live in kvblocks blocks); copy.deepcopy "
+            "forks it on the same manager, and prepare() reuses prompts through the prefix cache")
+
     # ------------------------------------------------------------------------------------------
     # prefix caching
     # ------------------------------------------------------------------------------------------
-    def prepare(self, input_ids: Any, attention_mask: Any = None) -> int:
-        """Start a new batch of prompts: free the current rows, register ``input_ids``.
+    def prepare(self, input_ids: Any, attention_mask: Any = None, *, model: Any = None) -> int:
+        """Start a new batch of prompts: free the rows, look the prompts up in the prefix cache.
 
         Call it right before ``model.generate(input_ids, attention_mask=..., cache=cache)`` with
-        the same (unexpanded) ``input_ids`` and ``attention_mask``. Prompt blocks already in the
-        prefix cache are reused; the returned count of leading tokens per row (the minimum over
-        rows, a multiple of ``block_size``) is what ``generate`` will not recompute; it is also
-        ``cache.cached_tokens``. ``num_return_sequences`` / ``num_beams`` copies of each prompt
-        share its blocks.
+        the same (unexpanded) ``input_ids`` and ``attention_mask`` and the ``model`` that will
+        generate (or call :meth:`generate`, which does both). The cache checks, on every forward
+        pass of ``model`` that feeds prompt tokens, that they are the prepared ones (a hook on
+        ``model``, removed once the prompts are fed): a cache sees K/V, not token ids, so without
+        this check a different prompt of the same shape would silently be given the cached K/V
+        of the prepared one.
+
+        Prompt blocks already in the prefix cache are shared; the returned count of leading
+        tokens per row (the minimum over rows, a multiple of ``block_size``) is what ``generate``
+        will not recompute; it is also ``cache.cached_tokens``. ``num_return_sequences`` /
+        ``num_beams`` copies of each prompt share its blocks. A prompt's own blocks are taken,
+        and enter the prefix cache, as the forward passes compute them (chunked prefill too).
+
+        Raises OutOfBlocksError when the prompts do not fit the pool (nothing is kept).
         """
-        self.reset()
+        if self._encoder_decoder:
+            raise NotSupportedError(
+                "prepare() is for decoder-only models: an encoder-decoder decoder's K/V depend on "
+                "the encoder input, so they cannot be reused by decoder token ids")
+        if model is None or not isinstance(model, torch.nn.Module):
+            raise InvalidArgumentError(
+                "prepare(input_ids, attention_mask, model=model): the model that will generate is "
+                "needed to check that generate is fed these prompts (or call "
+                "cache.generate(model, input_ids, attention_mask=..., ...))")
         ids = _as_2d_int(input_ids, "input_ids")
         mask = None if attention_mask is None else _as_2d_int(attention_mask, "attention_mask")
         if mask is not None and mask.shape != ids.shape:
             raise InvalidArgumentError(
                 f"attention_mask shape {mask.shape} does not match input_ids {ids.shape}")
         P, L = ids.shape
-        if L == 0:
+        if P == 0 or L == 0:
             raise InvalidArgumentError("prepare: empty prompts")
         if ids.min() < 0 or ids.max() >= PLACEHOLDER_TOKEN:
             raise InvalidArgumentError("prepare: token ids must be in [0, 2**31 - 1)")
-        seqs, hits = [], []
+        if mask is not None and ((mask != 0) & (mask != 1)).any():
+            raise InvalidArgumentError("prepare: attention_mask must hold 0 and 1 only")
+        self.reset()
+        mgr = self.manager
+        ids32 = ids.astype(np.int32)
+        seqs: List[int] = []
+        hits: List[int] = []
         try:
+            # add() takes every prompt's blocks at once (all of them fit, or OutOfBlocksError);
+            # only the hits stay committed: the rest is committed by the forward passes that
+            # compute it, so no block ever enters the prefix cache before its K/V are written
             for r in range(P):
-                seq = next(self._ids)
-                n = self.manager.add(seq, ids[r].astype(np.int32),
-                                     salt=_padding_salt(None if mask is None else mask[r]))
+                seq = next(self._shared.ids)
+                salt = _padding_salt(None if mask is None else mask[r])
+                n = int(mgr.add(seq, ids32[r], salt=salt))
                 seqs.append(seq)
-                hits.append(int(n))
+                hits.append(n)
+            for seq, n in zip(seqs, hits):
+                mgr.truncate(seq, n)
         except BaseException:
             for seq in seqs:
-                self.manager.free(seq)
+                mgr.free(seq)
             raise
         common = min(hits)
         self._rows = seqs
-        self._write_from = hits
+        self._write_from = list(hits)
         self._layer_len = [common] * self.num_layers
-        self._pending = {"prompts": P, "length": L}
+        self._prompt = {
+            "ids": ids32, "mask": None if mask is None or mask.all() else mask.astype(np.int8),
+            "owners": seqs, "hits": hits, "k": None, "checked": None, "hook": None,
+        }
+        self._prompt["hook"] = _ForwardCheck.attach(self, model)
         self.cached_tokens = common
         st = self._stats
         st["prompts"] += P
@@ -407,6 +640,16 @@ class PagedKVCache(Cache):
         st["cached_tokens"] += P * common
         st["hit_tokens"] += sum(hits)
         return common
+
+    def generate(self, model: Any, input_ids: Any, attention_mask: Any = None,
+                 **kwargs: Any) -> Any:
+        """``prepare(input_ids, attention_mask, model=model)`` then ``model.generate`` on this cache
+        with the same inputs (and ``kwargs``): prefix caching without passing the prompts twice."""
+        self.prepare(input_ids, attention_mask, model=model)
+        kwargs[_CACHE_KW] = self
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        return model.generate(input_ids, **kwargs)
 
     @property
     def stats(self) -> Dict[str, Any]:
@@ -448,10 +691,44 @@ class PagedKVCache(Cache):
         return self.num_blocks_held() * self.bytes_per_block
 
     # ------------------------------------------------------------------------------------------
+    # failure and state checks
+    # ------------------------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise InvalidStateError(
+                f"PagedKVCache: a forward pass failed ({self._failed}); its rows are not usable. "
+                "Call cache.reset() or cache.prepare(...) before the next generate call")
+
+    def _check_idle(self, what: str) -> None:
+        if self._step is not None or self._prompt is not None:
+            raise InvalidStateError(
+                f"{what} in the middle of a forward pass, or before generate fed the prepared "
+                "prompts")
+
+    def _fail(self, exc: BaseException) -> None:
+        """A forward pass raised: keep the rows as they are (inspectable) but refuse to serve them
+        until reset() / prepare(). A cache left without rows has nothing to protect."""
+        self._drop_hook()
+        if self._failed is None and (self._rows or self._prompt is not None):
+            self._failed = f"{type(exc).__name__}: {exc}"
+        self._step = None
+        self._candidates = {}
+
+    def _fail_with(self, why: str) -> None:
+        self._fail(InvalidStateError(why))
+        self._check_usable()
+
+    def _drop_hook(self) -> None:
+        prompt = self._prompt
+        if prompt is not None and prompt["hook"] is not None:
+            prompt["hook"].remove()
+            prompt["hook"] = None
+
+    # ------------------------------------------------------------------------------------------
     # internals
     # ------------------------------------------------------------------------------------------
     def _fork(self, seq: int) -> int:
-        child = next(self._ids)
+        child = next(self._shared.ids)
         self.manager.fork(seq, child)
         self._stats["forks"] += 1
         return child
@@ -459,6 +736,8 @@ class PagedKVCache(Cache):
     def _select_rows(self, indices: Any) -> None:
         """New row ``i`` = old row ``indices[i]``: the first user of an old row keeps its
         sequence (the row itself when it stays in place), other users fork it, unused rows are freed."""
+        self._check_usable()
+        self._check_idle("reordering rows")
         if isinstance(indices, torch.Tensor):
             idx = indices.detach().to("cpu").numpy()
         else:
@@ -503,8 +782,8 @@ class PagedKVCache(Cache):
         candidates: Dict[int, int] = {}
         try:
             for r in range(B):
-                seq = next(self._ids)
-                self.manager.add(seq, tokens, salt=f"kvblocks-anonymous-{seq}-{id(self)}")
+                seq = next(self._shared.ids)
+                self.manager.add(seq, tokens, salt=f"kvblocks-anonymous-{seq}-{id(self._shared)}")
                 rows.append(seq)
                 if r:
                     rep = candidates.get(r - 1, r - 1)
@@ -532,80 +811,136 @@ class PagedKVCache(Cache):
             self.manager.free(self._rows[r])
             self._rows[r] = self._fork(self._rows[rep])
 
-    def _expand_prepared(self, B: int, q: int) -> None:
-        """First forward after prepare(): expand P prompts to the B = P * k rows generate feeds."""
-        pend = self._pending
-        self._pending = None
-        P = pend["prompts"]
-        expected = pend["length"] - self._layer_len[0]
-        if B % P or q != expected:
+    def _commit(self, appends: List[Tuple[int, np.ndarray]], want: int) -> None:
+        """Append tokens to sequences, all or nothing: ``want`` (the exact count of blocks the
+        appends take, copy-on-write included) is checked first, and if an append still fails
+        the ones before it are rolled back."""
+        mgr = self.manager
+        if want > mgr.num_free_blocks:
+            raise OutOfBlocksError(
+                f"PagedKVCache: this forward pass needs {want} blocks, {mgr.num_free_blocks} free")
+        done: List[Tuple[int, int]] = []
+        try:
+            for seq, toks in appends:
+                before = int(mgr.num_tokens(seq))
+                mgr.append(seq, toks)
+                done.append((seq, before))
+        except BaseException:
+            for seq, before in reversed(done):
+                mgr.truncate(seq, before)
+            raise
+        finally:
+            copies = mgr.take_copies()
+            if len(copies):
+                ops.copy_blocks(self.kv, copies)  # before any layer writes this step
+                self._stats["copy_on_write_blocks"] += len(copies)
+
+    def _begin_prompt_step(self, B: int, q: int) -> int:
+        """Layer 0 of a forward pass that feeds prepared prompt tokens (checked by the hook).
+
+        Each prompt's sequence commits the prompt tokens this pass computes (and placeholders for
+        tokens past the prompt, e.g. speculative candidates); its ``num_return_sequences`` /
+        beam copies are the same sequence until the prompt's last token is fed, then fork it.
+        Returns the first position of the pass.
+        """
+        pr = self._prompt
+        checked, pr["checked"] = pr["checked"], None
+        start = self._layer_len[0]
+        if checked != (B, q, start):
             raise InvalidStateError(
-                f"generate fed {B} rows of {q} new tokens, but prepare() registered {P} prompts of "
-                f"{pend['length']} tokens ({self._layer_len[0]} cached): pass generate the same "
-                "input_ids and attention_mask as prepare()"
-            )
-        k = B // P
-        if k == 1:
-            return
-        rows: List[int] = []
-        write_from: List[int] = []
-        for p in range(P):
-            seq = self._rows[p]
-            rows.append(seq)
-            write_from.append(self._write_from[p])
-            for _ in range(k - 1):
-                rows.append(self._fork(seq))
-                write_from.append(pend["length"])  # the prompt is written by row p
-        self._rows = rows
-        self._write_from = write_from
+                "a forward pass fed prepared prompts without going through the model given to "
+                "prepare(model=...); call generate on that model (or cache.generate(model, ...))")
+        owners = pr["owners"]
+        P, L = pr["ids"].shape
+        if pr["k"] is None:  # first pass: generate repeated each prompt k times
+            k = B // P
+            pr["k"] = k
+            self._rows = [seq for seq in owners for _ in range(k)]
+            self._write_from = [h if j == 0 else L for h in pr["hits"] for j in range(k)]
+        k = pr["k"]
+        end = start + q
+        if end > L and k > 1:
+            raise NotSupportedError(
+                "tokens past the prompt in the prompt's forward pass (speculative candidates) with "
+                f"{k} copies of each prompt (num_return_sequences / num_beams)")
+        mgr = self.manager
+        appends = []
+        want = 0
+        for p, seq in enumerate(owners):
+            nt = int(mgr.num_tokens(seq))
+            if nt < end:
+                toks = pr["ids"][p, nt:min(end, L)]
+                if end > max(nt, L):
+                    toks = np.concatenate([toks, np.full(end - max(nt, L), PLACEHOLDER_TOKEN,
+                                                         dtype=np.int32)])
+                appends.append((seq, toks))
+                # a prompt's last block is never shared while it is being written
+                want += int(mgr.blocks_needed(seq, len(toks)))
+        self._commit(appends, want)
+        if end >= L:  # the prompts are fed: copies become sequences sharing their blocks
+            self._drop_hook()
+            self._prompt = None
+            if k > 1:
+                rows = list(self._rows)
+                try:
+                    for r in range(len(rows)):
+                        if r % k:
+                            rows[r] = self._fork(rows[r])
+                except BaseException:
+                    for r in range(len(rows)):
+                        if r % k and rows[r] != self._rows[r]:
+                            mgr.free(rows[r])
+                    raise
+                self._rows = rows
+        return start
 
     def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Layer 0 of a forward pass: grow every row by the new tokens, copy-on-write, slots."""
+        self._check_usable()
+        if self._step is not None:
+            raise InvalidStateError("the previous forward pass stopped before its last layer")
         B, H, q, D = key_states.shape
+        if tuple(value_states.shape) != tuple(key_states.shape):
+            raise NotSupportedError(
+                f"keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} differ in "
+                "shape: PagedKVCache stores K and V of one head count and head size")
         if (H, D) != (self.num_kv_heads, self.head_dim):
             raise InvalidArgumentError(
                 f"key_states have {H} heads of size {D}; the config says "
                 f"{self.num_kv_heads} x {self.head_dim}")
         if self.kv is None:
             self._allocate(key_states.dtype)
-        if self._pending is not None:
-            self._expand_prepared(B, q)
+        mgr = self.manager
+        if self._prompt is not None:
+            start = self._begin_prompt_step(B, q)
         elif not self._rows:
             if self._layer_len[0] != 0:  # pragma: no cover - defensive
                 raise InvalidStateError("cache has a length but no rows")
-            self._create_rows(key_states)
-            self._layer_len = [0] * self.num_layers
-            # _create_rows committed the q prompt tokens already
+            self._create_rows(key_states)  # commits the q tokens
             start = 0
-            return self._finish_begin(B, q, start, appended=True)
-        if B != len(self._rows):
-            raise InvalidStateError(
-                f"the cache holds {len(self._rows)} rows but the model fed {B}; call "
-                "cache.prepare(input_ids, attention_mask) or cache.reset() before a new generate call")
-        return self._finish_begin(B, q, self._layer_len[0], appended=False)
-
-    def _finish_begin(self, B: int, q: int, start: int, appended: bool) -> None:
-        mgr = self.manager
-        end = start + q
-        if not appended:
-            # tokens already committed (prepare() registered the prompt) need no append
-            need = [end - int(mgr.num_tokens(seq)) for seq in self._rows]
-            if q == 1 and all(n == 1 for n in need):
+        else:
+            if B != len(self._rows):
+                raise InvalidStateError(
+                    f"the cache holds {len(self._rows)} rows but the model fed {B}; call "
+                    "cache.prepare(...) or cache.reset() before a new generate call")
+            start = self._layer_len[0]
+            if q == 1:
                 mgr.append_batch(self._rows, np.full(B, PLACEHOLDER_TOKEN, dtype=np.int32))
+                copies = mgr.take_copies()
+                if len(copies):
+                    ops.copy_blocks(self.kv, copies)
+                    self._stats["copy_on_write_blocks"] += len(copies)
             else:
-                # all-or-nothing: count first (copy-on-write included, conservatively)
-                want = sum(mgr.blocks_needed(seq, n) for seq, n in zip(self._rows, need) if n > 0)
-                if want > mgr.num_free_blocks:
+                toks = np.full(q, PLACEHOLDER_TOKEN, dtype=np.int32)
+                # can_append counts copy-on-write exactly (a block shared by m rows of this
+                # step takes m - 1 copies when nothing else holds it)
+                if not mgr.can_append(self._rows, q):
+                    need = sum(int(mgr.blocks_needed(s, q)) for s in self._rows)
                     raise OutOfBlocksError(
-                        f"PagedKVCache: {B} rows x {q} new tokens need {want} blocks, "
-                        f"{mgr.num_free_blocks} free")
-                for seq, n in zip(self._rows, need):
-                    if n > 0:
-                        mgr.append(seq, np.full(n, PLACEHOLDER_TOKEN, dtype=np.int32))
-            copies = mgr.take_copies()
-            if len(copies):
-                ops.copy_blocks(self.kv, copies)  # before any layer writes this step
-                self._stats["copy_on_write_blocks"] += len(copies)
+                        f"PagedKVCache: {B} rows x {q} new tokens do not fit "
+                        f"({mgr.num_free_blocks} blocks free, up to {need} needed)")
+                self._commit([(s, toks) for s in self._rows], 0)
+        end = start + q
         bs = self.block_size
         tables = [mgr.block_table(seq) for seq in self._rows]
         pos = np.arange(start, end, dtype=np.int64)
@@ -625,11 +960,21 @@ class PagedKVCache(Cache):
 
     def _update(self, key_states: torch.Tensor, value_states: torch.Tensor,
                 layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return self._update_layer(key_states, value_states, layer_idx)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _update_layer(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                      layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
         B, H, q, D = key_states.shape
         if layer_idx == 0 or self._step is None:
+            if layer_idx != 0:
+                raise InvalidStateError(f"a forward pass started at layer {layer_idx}, not 0")
             self._begin_step(key_states, value_states)
         step = self._step
-        if (B, q) != (step["B"], step["q"]):
+        if (B, q) != (step["B"], step["q"]) or tuple(value_states.shape) != tuple(key_states.shape):
             raise InvalidStateError(
                 f"layer {layer_idx} got {B} rows x {q} tokens, layer 0 had {step['B']} x {step['q']}")
         kv = self.kv
@@ -658,8 +1003,8 @@ class PagedKVCache(Cache):
             # every layer wrote this step's K/V: only now do full blocks enter the prefix
             # cache (a forward that fails half-way leaves nothing cached that was not written)
             mgr = self.manager
-            mgr.schedule(self._rows, [int(mgr.num_tokens(r)) - int(mgr.num_computed(r))
-                                      for r in self._rows])
+            seqs = list(dict.fromkeys(self._rows))
+            mgr.schedule(seqs, [int(mgr.num_tokens(s)) - int(mgr.num_computed(s)) for s in seqs])
             self._step = None
             if self._candidates:
                 self._dedupe()
@@ -670,6 +1015,113 @@ class PagedKVCache(Cache):
                 f"head_dim={self.head_dim}, num_blocks={self.num_blocks}, "
                 f"block_size={self.block_size}, device={self.device!r}, rows={len(self._rows)}, "
                 f"tokens={self._layer_len[0]})")
+
+
+class _ForwardCheck:
+    """A forward pre-hook on the model given to :meth:`PagedKVCache.prepare`: checks that each
+    forward pass feeding prompt tokens to the cache feeds the prepared ones, before the model
+    computes anything. It holds the cache weakly and is removed once the prompts are fed."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = weakref.ref(cache)
+        self.detach: Any = None
+
+    @classmethod
+    def attach(cls, cache: PagedKVCache, model: torch.nn.Module) -> "_ForwardCheck":
+        check = cls(cache)
+        handle = model.register_forward_pre_hook(check, with_kwargs=True)
+        check.detach = weakref.finalize(cache, handle.remove)  # also if the cache is dropped
+        return check
+
+    def remove(self) -> None:
+        self.detach()
+
+    def __call__(self, module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        cache = self.cache()
+        if cache is None:
+            return None
+        passed = kwargs.get("cache")
+        if passed is None:
+            passed = kwargs.get("past_key_values")  # transformers 4.x name
+        if passed is not cache:
+            return None
+        if cache._prompt is None or cache._failed is not None:
+            return None  # the cache refuses or serves this pass itself
+        try:
+            self._check(cache, args, kwargs)
+        except BaseException as exc:
+            cache._fail(exc)
+            raise
+        return None
+
+    @staticmethod
+    def _check(cache: PagedKVCache, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        pr = cache._prompt
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(ids, torch.Tensor):
+            raise NotSupportedError(
+                "after prepare(), generate must feed input_ids (inputs_embeds cannot be checked "
+                "against the prepared prompts)")
+        fed = ids.detach().to("cpu").numpy()
+        prompts, pmask = pr["ids"], pr["mask"]
+        P, L = prompts.shape
+        if fed.ndim != 2:
+            raise NotSupportedError(f"after prepare(), input_ids of shape {tuple(fed.shape)}")
+        B, q = fed.shape
+        rows = len(cache._rows) if pr["k"] is not None else None
+        if B % P or (rows is not None and B != rows) or q == 0:
+            raise InvalidStateError(
+                f"generate fed {B} rows, but prepare() registered {P} prompts: pass generate the "
+                "input_ids and attention_mask given to prepare()")
+        k = B // P
+        start = cache._layer_len[0]
+        # where the model puts these tokens: a 2-D attention mask covers every position up to
+        # the end of this pass; without one (no padding), position ids or the cache length say
+        mask = kwargs.get("attention_mask")
+        pos = kwargs.get("position_ids")
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+            s = int(mask.shape[1]) - q
+        elif isinstance(pos, torch.Tensor) and pos.ndim == 2 and pos.shape[1] == q:
+            s = int(pos[0, 0])
+        else:
+            s = start
+        if s != start and not (s == 0 and pr["k"] is None):
+            raise InvalidStateError(
+                f"generate fed positions {s}..{s + q - 1} of the prepared prompts, but the cache "
+                f"holds {start} tokens per row: pass generate the input_ids and attention_mask "
+                "given to prepare()")
+        n = min(s + q, L) - s
+        if n <= 0:
+            raise InvalidStateError("generate fed tokens past the prepared prompts' end")
+        want = np.repeat(prompts[:, s:s + n], k, axis=0)
+        bad = np.nonzero((fed[:, :n] != want).any(axis=1))[0]
+        if bad.size:
+            r = int(bad[0])
+            j = int(np.nonzero(fed[r, :n] != want[r])[0][0])
+            raise InvalidStateError(
+                f"generate was not fed the prompts given to prepare(): row {r} has token "
+                f"{int(fed[r, j])} at position {s + j} where the prepared prompt has "
+                f"{int(want[r, j])}. Call prepare() with the input_ids passed to generate "
+                "(or cache.generate(model, input_ids, ...))")
+        want_mask = None if pmask is None else np.repeat(pmask, k, axis=0)
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+            m = mask.detach().to("cpu").numpy() != 0
+            w = min(m.shape[1], L)
+            exp = np.ones((B, w), dtype=bool) if want_mask is None else want_mask[:, :w] != 0
+            if not np.array_equal(m[:, :w], exp) or not m[:, w:].all():
+                raise InvalidStateError(
+                    "generate was fed an attention_mask other than the one given to prepare(); "
+                    "the prefix cache keys padded rows by their padding")
+        elif want_mask is not None and mask is None:
+            raise InvalidStateError(
+                "prepare() was given a padded attention_mask but generate was fed none")
+        if s == 0 and start > 0:
+            # the whole prompt again (assisted generation's first pass): nothing is skipped,
+            # rows still share the blocks they found (positions below a row's hit are not written)
+            cache._layer_len = [0] * cache.num_layers
+            cache._stats["cached_tokens"] -= P * cache.cached_tokens
+            cache.cached_tokens = 0
+        pr["checked"] = (B, q, s)
 
 
 def _query_length(q: Any) -> int:
