@@ -331,7 +331,11 @@ cdef class BlockManager:
 
     def can_append(self, seq_ids, n=1):
         """Whether every sequence can take ``n`` more tokens at once (one decode step).
-        False when one of them is swapped out."""
+
+        Exact, as ``append_batch`` counts: growth, plus copy-on-write of a shared partly
+        filled last block, where m sequences of the batch writing into one block that nothing
+        else holds make m - 1 copies (the last one writes in place). False when one of them
+        is swapped out."""
         cdef int64_t k = as_int(n, "n", 0, INT64_MAX)
         ids = self._id_list(seq_ids)
         cdef Py_ssize_t count
