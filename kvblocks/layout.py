@@ -27,7 +27,7 @@ dtype('uint16')
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Dict, Any, Tuple
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from .errors import InvalidArgumentError, InvalidTypeError
 __all__ = ["KVLayout", "DTYPES"]
 
 # canonical name -> (storage numpy dtype, bytes per element)
-DTYPES = {
+DTYPES: Dict[str, np.dtype] = {
     "bf16": np.dtype(np.uint16),
     "fp16": np.dtype(np.float16),
     "fp32": np.dtype(np.float32),

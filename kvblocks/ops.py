@@ -520,6 +520,7 @@ def write_slots(cache: KVCache, layer: int, k: Any, v: Any, slot_mapping: Any, *
     if n == 0:
         return
     if not cache.is_cuda:
+        assert slots is not None  # host caches always check (and convert) their slots
         kview, vview = cache.kv(layer)
         valid = slots >= 0
         if not valid.all():

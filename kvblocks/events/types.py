@@ -68,11 +68,10 @@ def coalesce(events: Sequence[AnyEvent]) -> List[AnyEvent]:
     Returns a new list of new events; the inputs are not modified.
     """
     out: List[AnyEvent] = []
-    last = None
     for ev in events:
-        t = type(ev)
-        if t is BlockStored:
-            if (type(last) is BlockStored and last.block_hashes
+        last = out[-1] if out else None
+        if isinstance(ev, BlockStored):
+            if (isinstance(last, BlockStored) and last.block_hashes
                     and ev.parent_block_hash is not None
                     and last.block_hashes[-1] == ev.parent_block_hash
                     and (last.block_size, last.medium, last.lora_id, last.lora_name,
@@ -81,17 +80,17 @@ def coalesce(events: Sequence[AnyEvent]) -> List[AnyEvent]:
                 last.block_hashes.extend(ev.block_hashes)
                 last.token_ids.extend(ev.token_ids)
                 continue
-            last = BlockStored(list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids),
-                               ev.block_size, ev.lora_id, ev.medium, ev.lora_name, ev.group_idx)
-        elif t is BlockRemoved:
-            if (type(last) is BlockRemoved and last.medium == ev.medium
+            out.append(BlockStored(list(ev.block_hashes), ev.parent_block_hash,
+                                   list(ev.token_ids), ev.block_size, ev.lora_id, ev.medium,
+                                   ev.lora_name, ev.group_idx))
+        elif isinstance(ev, BlockRemoved):
+            if (isinstance(last, BlockRemoved) and last.medium == ev.medium
                     and last.group_idx == ev.group_idx):
                 last.block_hashes.extend(ev.block_hashes)
                 continue
-            last = BlockRemoved(list(ev.block_hashes), ev.medium, ev.group_idx)
-        elif t is AllBlocksCleared:
-            last = AllBlocksCleared()
+            out.append(BlockRemoved(list(ev.block_hashes), ev.medium, ev.group_idx))
+        elif isinstance(ev, AllBlocksCleared):
+            out.append(AllBlocksCleared())
         else:
             raise InvalidTypeError(f"coalesce: not a KV event: {type(ev).__name__}")
-        out.append(last)
     return out

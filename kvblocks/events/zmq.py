@@ -139,7 +139,9 @@ class ZmqEventPublisher:
         if replay_layout not in REPLAY_LAYOUTS:
             raise InvalidArgumentError(f"replay_layout must be one of {REPLAY_LAYOUTS}, "
                                        f"got {replay_layout!r}")
-        self._endpoint = offset_endpoint(endpoint, data_parallel_rank)
+        pub_endpoint = offset_endpoint(endpoint, data_parallel_rank)
+        assert pub_endpoint is not None  # endpoint is a str (checked above)
+        self._endpoint: str = pub_endpoint
         self._replay_endpoint = offset_endpoint(replay_endpoint, data_parallel_rank)
         self._rank = data_parallel_rank
         self._topic = topic.encode("utf-8")
@@ -284,6 +286,7 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         pub, replay, queue, buf = self._pub, self._replay, self._queue, self._buffer
+        assert pub is not None  # the constructor succeeded
         # a replay request waits at most this long when no batch wakes the thread
         wait = 0.005 if replay is not None else 0.1
         while True:
