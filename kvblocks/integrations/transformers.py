@@ -402,12 +402,20 @@ class PagedKVCache(Cache):
         sh.store_dtype = dtype
         sh.raw_dtype = raw
 
+    @property
+    def _storage(self) -> KVCache:
+        """The K/V storage, allocated by the first update."""
+        kv = self._shared.kv
+        assert kv is not None, "storage is allocated by the first update"
+        return kv
+
     def _to_storage(self, t: torch.Tensor) -> Any:
         """[N, H, D] torch tensor -> array accepted by kvblocks.ops (numpy / CuPy, storage dtype)."""
         sh = self._shared
+        assert sh.store_dtype is not None and sh.raw_dtype is not None
         t = t.detach().to(device=self.device, dtype=sh.store_dtype)
         raw = t.view(sh.raw_dtype) if sh.raw_dtype is not sh.store_dtype else t
-        if sh.kv.is_cuda:
+        if self._storage.is_cuda:
             from .._cuda import get_cupy
 
             cp = get_cupy()
@@ -419,9 +427,10 @@ class PagedKVCache(Cache):
     def _from_storage(self, a: Any) -> torch.Tensor:
         """numpy / CuPy array in the storage dtype -> torch tensor of the storage dtype."""
         sh = self._shared
+        assert sh.store_dtype is not None and sh.raw_dtype is not None
         if sh.raw_dtype is not sh.store_dtype:
             a = a.view(np.int16 if sh.raw_dtype is torch.int16 else np.uint8)
-        t = torch.from_dlpack(a) if sh.kv.is_cuda else torch.from_numpy(a)
+        t = torch.from_dlpack(a) if self._storage.is_cuda else torch.from_numpy(a)
         return t.view(sh.store_dtype) if sh.raw_dtype is not sh.store_dtype else t
 
     # ------------------------------------------------------------------------------------------
@@ -832,7 +841,7 @@ class PagedKVCache(Cache):
         finally:
             copies = mgr.take_copies()
             if len(copies):
-                ops.copy_blocks(self.kv, copies)  # before any layer writes this step
+                ops.copy_blocks(self._storage, copies)  # before any layer writes this step
                 self._stats["copy_on_write_blocks"] += len(copies)
 
     def _begin_prompt_step(self, B: int, q: int) -> int:
@@ -844,6 +853,7 @@ class PagedKVCache(Cache):
         Returns the first position of the pass.
         """
         pr = self._prompt
+        assert pr is not None
         checked, pr["checked"] = pr["checked"], None
         start = self._layer_len[0]
         if checked != (B, q, start):
@@ -928,7 +938,7 @@ class PagedKVCache(Cache):
                 mgr.append_batch(self._rows, np.full(B, PLACEHOLDER_TOKEN, dtype=np.int32))
                 copies = mgr.take_copies()
                 if len(copies):
-                    ops.copy_blocks(self.kv, copies)
+                    ops.copy_blocks(self._storage, copies)
                     self._stats["copy_on_write_blocks"] += len(copies)
             else:
                 toks = np.full(q, PLACEHOLDER_TOKEN, dtype=np.int32)
@@ -974,10 +984,11 @@ class PagedKVCache(Cache):
                 raise InvalidStateError(f"a forward pass started at layer {layer_idx}, not 0")
             self._begin_step(key_states, value_states)
         step = self._step
+        assert step is not None
         if (B, q) != (step["B"], step["q"]) or tuple(value_states.shape) != tuple(key_states.shape):
             raise InvalidStateError(
                 f"layer {layer_idx} got {B} rows x {q} tokens, layer 0 had {step['B']} x {step['q']}")
-        kv = self.kv
+        kv = self._storage
         k_new = self._to_storage(key_states.transpose(1, 2).reshape(B * q, H, D))
         v_new = self._to_storage(value_states.transpose(1, 2).reshape(B * q, H, D))
         ops.write_slots(kv, layer_idx, k_new, v_new, step["slots"])
@@ -1037,9 +1048,10 @@ class _ForwardCheck:
         self.detach()
 
     def __call__(self, module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        cache = self.cache()
-        if cache is None:
+        alive = self.cache()
+        if alive is None:
             return None
+        cache: "PagedKVCache" = alive
         passed = kwargs.get("cache")
         if passed is None:
             passed = kwargs.get("past_key_values")  # transformers 4.x name
@@ -1057,6 +1069,7 @@ class _ForwardCheck:
     @staticmethod
     def _check(cache: PagedKVCache, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         pr = cache._prompt
+        assert pr is not None
         ids = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(ids, torch.Tensor):
             raise NotSupportedError(
