@@ -550,6 +550,16 @@ int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
             m->err_what = "draft slots must be reserved first (reserve)";
             return KVB_ESTATE;
         }
+        /* draft slots are written without being committed: their blocks must be this
+         * sequence's alone (a truncate into a shared block leaves it shared until reserve
+         * copies it), or the drafts would overwrite another sequence's K/V */
+        for (int64_t j = blk_of(m, s->ntokens); d > 0 && j < blocks_for(m, s->ntokens + d); j++) {
+            int32_t b = s->blocks[j];
+            if (users(m, b) > 1 || (m->pool->flags[b] & KVB_F_CACHED)) {
+                m->err_what = "draft slots are in a shared or cached block (reserve first)";
+                return KVB_ESTATE;
+            }
+        }
     }
     m->err_a = m->err_b = 0;
     return KVB_OK;

@@ -546,3 +546,22 @@ def test_recompute_readds_are_not_counted_as_reuse():
     assert (st.recompute_query_tokens, st.recompute_hit_tokens) == (13, 12)
     assert mgr.add("b", list(range(13))) == 12   # real reuse
     assert mgr.pool.stats.hit_tokens == 12 and mgr.pool.stats.hit_rate == 12 / 25
+
+
+def test_drafts_never_overwrite_another_sequences_kv():
+    """Found by the reference-model machine: after a truncate into a block shared with
+    another sequence, draft slots lay in that shared block."""
+    e = Engine()
+    e.mgr.add("a", list(range(1, 9)))      # 2 full blocks
+    e.step(["a"])
+    e.mgr.fork("a", "b")                   # b shares both
+    e.mgr.truncate("a", 6)                 # a's write block is b's full block 1
+    with pytest.raises(InvalidStateError, match="reserve"):
+        e.mgr.metadata(["a"], [0], draft_lens=[2])
+    e.mgr.reserve("a", 2)                  # copy-on-write: a's own block
+    e.drain()
+    meta = e.mgr.metadata(["a"], [0], draft_lens=[2])
+    k, v = e.kv([70, 71], 6)
+    ops.write_slots(e.dev, 0, k, v, meta.slot_mapping)
+    e.assert_reads_back("b")
+    e.mgr.check()
