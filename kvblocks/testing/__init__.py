@@ -1,0 +1,26 @@
+"""Testing tools for kvblocks and for engines built on it.
+
+* :class:`ReferenceManager` / :class:`ReferencePool`: the executable specification of
+  BlockManager / BlockPool (pure Python, same methods), for side-by-side model tests;
+* :class:`KVReadback`: device and host K/V caches next to a manager, checking that every
+  sequence reads back exactly its own K/V;
+* :mod:`kvblocks.testing.strategies`: hypothesis strategies (workloads, hostile inputs);
+* :class:`EngineMachine`: a hypothesis state machine that runs a manager as an engine does.
+
+The last two need hypothesis; importing this package does not.
+"""
+
+from .readback import KVReadback, ReadbackError
+from .reference import ReferenceManager, ReferenceMetadata, ReferencePool, same_error
+
+__all__ = ["EngineMachine", "KVReadback", "ReadbackError", "ReferenceManager",
+           "ReferenceMetadata", "ReferencePool", "same_error", "strategies"]
+
+
+def __getattr__(name):  # hypothesis only when these are used
+    import importlib
+    if name == "EngineMachine":
+        return importlib.import_module(__name__ + ".machines").EngineMachine
+    if name == "strategies":
+        return importlib.import_module(__name__ + ".strategies")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,204 @@
+"""EngineMachine: a hypothesis state machine that runs a BlockManager as an engine does and
+checks, after every step, that every live sequence reads back exactly its own K/V.
+
+It drives the manager through :class:`~kvblocks.testing.KVReadback` in the documented step
+order (``docs/engine-integration.md``): admission (``add``, with prompts that reuse earlier
+prompts and whole earlier conversations, so prefix hits happen), preemption (``free``,
+``swap_out``, ``truncate``), ``swap_in``, the drain (``take_copies`` -> ``ops.copy_blocks``,
+swap pairs -> ``ops.swap_blocks``), the forward (``metadata`` -> ``write_slots``), commits
+(``append_batch``, prefill chunks with ``append``), ``fork``, speculative decoding
+(``reserve``, drafts in ``metadata``, ``append(..., computed=True)``) and
+``reset_prefix_cache``. Rules come in any order, so preemption lands between a commit and
+the step that computes it, and pools are small, so eviction is frequent.
+
+An engine (or another allocator with the BlockManager interface) subclasses it and overrides
+:meth:`EngineMachine.make_manager`; ``TestEngine = MyMachine.TestCase`` runs it under pytest.
+Needs hypothesis.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize,
+                                 invariant, multiple, precondition, rule)
+
+from .._core import BlockManager
+from ..errors import InvalidStateError, OutOfBlocksError
+from .readback import KVReadback
+
+__all__ = ["EngineMachine", "PREFIXES"]
+
+#: a few shared prefixes (system prompts) so that prompts share blocks and the cache hits
+PREFIXES = [list(range(1, 17)), [1, 2, 3, 4, 9, 9, 9, 9, 5, 5], [7] * 16]
+TOKENS = st.integers(0, 50)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    """Engine-shaped workload over a real manager and numpy K/V caches (see the module)."""
+
+    seqs = Bundle("seqs")
+    layout_kinds = ("NHD", "HND")
+    #: drain order: the documented one runs the copy-on-write copies before the swap pairs
+    swaps_first = False
+
+    def make_manager(self, num_blocks: int, block_size: int, *, num_host_blocks: int,
+                     enable_prefix_caching: bool):
+        """The manager under test (override to test another one)."""
+        return BlockManager(num_blocks, block_size, num_host_blocks=num_host_blocks,
+                            enable_prefix_caching=enable_prefix_caching)
+
+    @initialize(num_blocks=st.integers(4, 24), bs=st.sampled_from([1, 2, 3, 4]),
+                host=st.sampled_from([0, 8, 24]), caching=st.sampled_from([True, True, False]),
+                kind=st.sampled_from(layout_kinds), joint=st.booleans())
+    def setup(self, num_blocks, bs, host, caching, kind, joint):
+        self.mgr = self.make_manager(num_blocks, bs, num_host_blocks=host,
+                                     enable_prefix_caching=caching)
+        self.rb = KVReadback(self.mgr, kind=kind, joint=joint)
+        self.next_id = 0
+        self.conversations = []      # token histories of finished sequences (next turns)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _new_id(self):
+        self.next_id += 1
+        return f"s{self.next_id}" if self.next_id % 2 else self.next_id
+
+    def _running(self):
+        return [s for s, e in self.rb.expected.items() if not e.swapped]
+
+    def _is_running(self, sid) -> bool:
+        return not self.rb.expected[sid].swapped
+
+    # -- admission ---------------------------------------------------------------------------------
+    @rule(target=seqs, source=st.integers(0, 63), cut=st.integers(0, 40),
+          tail=st.lists(TOKENS, max_size=6), salt=st.sampled_from([None, None, "t1"]))
+    def admit(self, source, cut, tail, salt):
+        """A prompt: a prefix of a system prompt, of a live sequence or of a finished
+        conversation (the next turn), plus new tokens."""
+        bases = PREFIXES + self.conversations + [self.rb.tokens(s) for s in self.rb.expected]
+        tokens = bases[source % len(bases)][:cut] + tail
+        sid = self._new_id()
+        try:
+            self.rb.add(sid, tokens, salt=salt)
+        except OutOfBlocksError:
+            return multiple()
+        return sid
+
+    # -- the step ----------------------------------------------------------------------------
+    @rule()
+    def drain(self):
+        """take_copies -> copy_blocks, swap pairs -> swap_blocks."""
+        self.rb.drain(swaps_first=self.swaps_first)
+
+    @rule(data=st.data())
+    def step(self, data):
+        """Drain, then one forward over some running sequences: every committed token not
+        computed yet is this step's query."""
+        running = self._running()
+        batch = data.draw(st.lists(st.sampled_from(running), unique=True, max_size=5)
+                          if running else st.just([]), label="batch")
+        self.rb.drain(swaps_first=self.swaps_first)
+        self.rb.forward(batch)
+
+    @rule(data=st.data())
+    def decode(self, data):
+        """Commit one sampled token for some running sequences (one append_batch)."""
+        running = self._running()
+        if not running:
+            return
+        batch = data.draw(st.lists(st.sampled_from(running), unique=True, min_size=1,
+                                   max_size=5), label="batch")
+        tokens = data.draw(st.lists(TOKENS, min_size=len(batch), max_size=len(batch)),
+                           label="tokens")
+        try:
+            self.rb.append_batch(batch, tokens)
+        except OutOfBlocksError:
+            pass
+
+    @rule(sid=seqs, tokens=st.lists(TOKENS, min_size=1, max_size=6))
+    def prefill_chunk(self, sid, tokens):
+        """The next chunk of a chunked prefill (append)."""
+        if self._is_running(sid):
+            try:
+                self.rb.append(sid, tokens)
+            except OutOfBlocksError:
+                pass
+
+    @rule(sid=seqs, k=st.integers(1, 4), accept=st.integers(0, 4),
+          drafts=st.lists(TOKENS, min_size=4, max_size=4), bonus=st.none() | TOKENS)
+    def speculate(self, sid, k, accept, drafts, bonus):
+        """Speculative decoding: reserve k slots, drain, a step that computes the uncomputed
+        tokens and writes k drafts, commit the accepted drafts as computed, maybe a bonus."""
+        if not self._is_running(sid):
+            return
+        try:
+            self.rb.reserve(sid, k)
+        except OutOfBlocksError:
+            return
+        self.rb.drain(swaps_first=self.swaps_first)
+        self.rb.forward([sid], drafts=[drafts[:k]])
+        try:
+            if min(accept, k):
+                self.rb.append(sid, drafts[:min(accept, k)], computed=True)
+            if bonus is not None:
+                self.rb.append(sid, [bonus])
+        except OutOfBlocksError:
+            pass
+
+    @precondition(lambda self: not self.rb.pending_swaps)
+    @rule(target=seqs, parent=seqs)
+    def fork(self, parent):
+        """Parallel sampling: the child shares the parent's blocks. Engines fork right after
+        the step that computed the prompt, so every swap of that step has run (a fork between
+        swap_in and the swap itself could copy a block before its bytes arrive)."""
+        if not self._is_running(parent):
+            return multiple()
+        child = self._new_id()
+        self.rb.fork(parent, child)
+        return child
+
+    # -- preemption and finishing ----------------------------------------------------------------
+    @rule(sid=seqs, back=st.integers(0, 6))
+    def truncate(self, sid, back):
+        """Roll back rejected tokens (or the tail of a preempted prefill)."""
+        if self._is_running(sid):
+            self.rb.truncate(sid, max(0, len(self.rb.tokens(sid)) - back))
+
+    @precondition(lambda self: self.rb.host is not None)
+    @rule(sid=seqs)
+    def swap_out(self, sid):
+        if self._is_running(sid):
+            try:
+                self.rb.swap_out(sid)
+            except OutOfBlocksError:
+                pass
+
+    @precondition(lambda self: self.rb.host is not None)
+    @rule(sid=seqs)
+    def swap_in(self, sid):
+        if not self._is_running(sid):
+            try:
+                self.rb.swap_in(sid)
+            except OutOfBlocksError:
+                pass
+
+    @rule(sid=consumes(seqs))
+    def free(self, sid):
+        """Finish (or preempt by recompute): the conversation may come back as a prompt."""
+        self.conversations = (self.conversations + [self.rb.tokens(sid)])[-6:]
+        self.rb.free(sid)
+
+    @rule()
+    def reset_prefix_cache(self):
+        try:
+            self.mgr.pool.reset_prefix_cache()
+        except InvalidStateError:
+            pass
+
+    # -- the check ---------------------------------------------------------------------------------
+    @invariant()
+    def every_sequence_reads_back_its_kv(self):
+        if not hasattr(self, "rb"):
+            return
+        self.mgr.check()
+        if self.rb.settled:
+            self.rb.assert_all()
