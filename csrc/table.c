@@ -166,10 +166,17 @@ static void drop_dead_copies(kvb_mgr_t *m) {
 }
 
 /* ---- write rule ------------------------------------------------------------------------- */
+/* Blocks covering ntokens + n tokens, for any n in [0, INT64_MAX] (no overflow: ntokens is
+ * below 2^62 and the quotient of n is taken first). */
+static int64_t blocks_after(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t n) {
+    int64_t q = n / m->block_size, r = n % m->block_size;
+    return q + blocks_for(m, s->ntokens + r);
+}
+
 /* Blocks taking n more written tokens would cost: growth plus copy-on-write of block w. */
 static int64_t need_for(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t n) {
     if (n <= 0) return 0;
-    int64_t grow = blocks_for(m, s->ntokens + n) - s->nblocks;
+    int64_t grow = blocks_after(m, s, n) - s->nblocks;
     if (grow < 0) grow = 0;
     int64_t w = blk_of(m, s->ntokens);
     if (w < s->nblocks && users(m, s->blocks[w]) > 1) grow++;
@@ -418,9 +425,8 @@ static int64_t swap_in_need(const kvb_mgr_t *m, const kvb_seq_t *s, int32_t *hit
 int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n) {
     const kvb_seq_t *s = live_seq(m, slot);
     if (!s) return KVB_EUNKNOWN;
-    if (n > max_tokens(m)) return INT64_MAX; /* more than the pool: never fits */
     if (s->swapped) {
-        int64_t grow = blocks_for(m, s->ntokens + n) - s->nblocks;
+        int64_t grow = blocks_after(m, s, n) - s->nblocks;
         return swap_in_need(m, s, NULL) + (grow > 0 ? grow : 0);
     }
     return need_for(m, s, n);
@@ -437,8 +443,8 @@ KVB_NOINLINE static int exact_batch_need(kvb_mgr_t *m, const int32_t *slots, int
     int64_t need = 0;
     for (int64_t i = 0; i < count; i++) {
         const kvb_seq_t *s = &m->seqs[slots[i]];
-        int64_t grow = blocks_for(m, s->ntokens + n) - s->nblocks;
-        need += grow > 0 ? grow : 0;
+        int64_t grow = blocks_after(m, s, n) - s->nblocks;
+        if (grow > 0) need = grow > INT64_MAX - 1 - need ? INT64_MAX - 1 : need + grow;
         int64_t w = blk_of(m, s->ntokens);
         if (w < s->nblocks) {
             int32_t b = s->blocks[w];
@@ -459,8 +465,8 @@ int kvb_mgr_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_
         kvb_seq_t *s;
         int rc = get_seq(m, slots[i], 0, &s);
         if (rc) { m->err_a = i; return rc; }
-        if (n > max_tokens(m)) { *need_out = INT64_MAX; return KVB_OK; }
-        need += need_for(m, s, n);
+        int64_t one = need_for(m, s, n);
+        need = one > INT64_MAX - need ? INT64_MAX : need + one; /* saturates: never fits */
     }
     if (n > 0 && need > m->pool->num_free) return exact_batch_need(m, slots, count, n, need_out);
     *need_out = need;

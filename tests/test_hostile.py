@@ -234,8 +234,8 @@ def test_threads_on_disjoint_sequences_keep_their_own_tokens():
     """Each public call is atomic with respect to other Python threads: 4 threads, each
     committing to and scheduling its own sequences with list arguments, many times.
     Afterwards every sequence holds exactly its own tokens."""
-    mgr = BlockManager(4096, 4)
     threads, per_thread, steps = 4, 6, 1500
+    mgr = BlockManager(threads * per_thread * (steps // 4 + 1) + 1, 4)   # room for every token
     ids = [[f"t{t}/{i}" if i % 2 else t * 100 + i for i in range(per_thread)]
            for t in range(threads)]
     for mine in ids:

@@ -107,11 +107,8 @@ def test_swap_out_then_copy_on_write_before_the_drain():
     destination is a block the swap-out just released, and the documented drain runs the
     copies before the swap pairs, so the swap-out reads bytes the copy already overwrote.
 
-    Nothing in spec-round2 prevents it. Either the blocks a swap-out pair reads stay
-    referenced until the next take_copies() (then this test passes as written), or the
-    documented drain order becomes swap pairs first, then copies (then drain(swaps_first=
-    True) below; EngineMachine.swaps_first finds nothing in 4,000 random runs against the
-    reference model that way)."""
+    The documented drain order is therefore swap pairs first (in the order the calls
+    returned them), copies last; copies first is the misuse that reads overwritten bytes."""
     mgr, rb = engine(num_blocks=5, host=8)           # 4 usable blocks
     rb.add("p", [1, 2, 3, 4, 5])
     rb.add("q", [9, 9])
@@ -119,7 +116,7 @@ def test_swap_out_then_copy_on_write_before_the_drain():
     rb.fork("q", "r")                               # after the step, as engines fork
     rb.swap_out("p")                                # schedule phase: preempt p ...
     rb.reserve("r", 1)                              # ... and give r a lookahead slot
-    rb.drain()                                      # copies, then swap pairs (documented)
+    rb.drain()                                      # swap pairs, then copies (documented)
     rb.assert_all()
     rb.swap_in("p")
     rb.drain()

@@ -39,7 +39,7 @@ class EngineMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
     layout_kinds = ("NHD", "HND")
     #: drain order: the documented one runs the copy-on-write copies before the swap pairs
-    swaps_first = False
+    swaps_first = True
 
     def make_manager(self, num_blocks: int, block_size: int, *, num_host_blocks: int,
                      enable_prefix_caching: bool):

@@ -215,10 +215,12 @@ class KVReadback:
         sequence must read back."""
         return not self._swaps and not self.mgr.num_pending_copies
 
-    def drain(self, *, swaps_first: bool = False) -> np.ndarray:
-        """``take_copies()`` -> ``ops.copy_blocks`` (one call), and the swap pairs returned
-        since the last drain -> ``ops.swap_blocks``, in the documented order (copies first)
-        unless ``swaps_first``. Returns the copies."""
+    def drain(self, *, swaps_first: bool = True) -> np.ndarray:
+        """The documented drain (docs/engine-integration.md): the swap pairs returned since
+        the last drain -> ``ops.swap_blocks``, in the order the calls returned them, then
+        ``take_copies()`` -> ``ops.copy_blocks`` (one call), last. ``swaps_first=False`` runs
+        the copies first, an order that is only safe when no swap_out of the same schedule
+        phase released a block a copy writes (a test of that misuse). Returns the copies."""
         copies = np.asarray(self.mgr.take_copies())
         swaps, self._swaps = self._swaps, []
 

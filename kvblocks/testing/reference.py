@@ -59,7 +59,8 @@ Choices where the round-2 text is open (each is repeated where it is made):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+import math
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -138,12 +139,20 @@ def seq_ids_of(xs) -> List:
     return [seq_id_of(x) for x in items]
 
 
-def scalar_of(x, name: str) -> int:
+INT64_MAX = (1 << 63) - 1
+
+
+def scalar_of(x, name: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
     """A count or size: int (or subclass, read without running its methods) or numpy integer;
-    bool, float and anything else raise InvalidTypeError. Range checks are the caller's."""
+    bool, float and anything else raise InvalidTypeError. With ``lo``/``hi``, a value outside
+    them is refused at conversion (InvalidArgumentError), before any state is looked at: a
+    count is never negative nor beyond int64. Other range checks are the caller's."""
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
         raise _err(InvalidTypeError, f"{name} must be an int, got {type(x).__name__}")
-    return x if type(x) is int else (int.__index__(x) if isinstance(x, int) else int(x))
+    v = x if type(x) is int else (int.__index__(x) if isinstance(x, int) else int(x))
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise _err(InvalidArgumentError, f"{name} must be in [{lo}, {hi}], got {v}")
+    return v
 
 
 def tokens_of(x, name: str = "token_ids") -> np.ndarray:
@@ -170,20 +179,22 @@ def tokens_of(x, name: str = "token_ids") -> np.ndarray:
     return arr.astype(np.int32)
 
 
-def salt_of(x) -> bytes:
-    """The salt's bytes: None -> b"", str -> UTF-8, int -> its decimal digits, bytes-like."""
+def salt_of(x) -> Union[None, str, bytes]:
+    """The salt, normalized: None (no salt), an exact ``str`` (hashed as UTF-8 under the tag
+    "s") or ``bytes`` (tag "b"). So "7" and b"7" are different salts and "" is not None.
+    Anything else (ints included) is refused."""
     if x is None:
-        return b""
+        return None
     if isinstance(x, str):
+        text = str.__str__(x)
         try:
-            return str.__str__(x).encode()
+            text.encode()
         except UnicodeError as exc:
             raise _err(InvalidArgumentError, f"salt: {exc}", InvalidTypeError) from None
-    if isinstance(x, int) and not isinstance(x, bool):
-        return str(int.__index__(x)).encode()
+        return text
     if isinstance(x, (bytes, bytearray, memoryview)):
         return bytes(x)
-    raise _err(InvalidTypeError, f"salt must be bytes, str or int, got {type(x).__name__}")
+    raise _err(InvalidTypeError, f"salt must be str or bytes, got {type(x).__name__}")
 
 
 def hashes_of(x) -> List[int]:
@@ -286,7 +297,7 @@ class ReferencePool:
     # -- public calls -------------------------------------------------------------------------
     def allocate(self, n) -> np.ndarray:
         """``n`` blocks with one reference each, from the head of the free list."""
-        n = scalar_of(n, "n")
+        n = scalar_of(n, "n", 0, INT64_MAX)
         if n < 0:
             raise _err(InvalidArgumentError, f"allocate: n must be >= 0, got {n}")
         if n > len(self._free):
@@ -446,7 +457,7 @@ class ReferencePool:
 class _Seq:
     tokens: List[int]             # committed tokens
     blocks: List[int]             # device block table, or the host table while swapped out
-    salt: bytes
+    salt: Union[None, str, bytes]
     num_computed: int = 0         # tokens whose K/V are written (a prefix of tokens)
     num_offered: int = 0          # full blocks already offered to the prefix cache
     drafts: int = 0               # draft slots scheduled since the last commit
@@ -496,7 +507,8 @@ class ReferenceManager:
                           if num_host_blocks else None)
         self.block_size = block_size
         self.watermark = watermark
-        self._watermark_blocks = int(watermark * (self.pool.num_blocks - 1))
+        # the documented rule: admission keeps ceil(watermark * usable blocks) free
+        self._watermark_blocks = math.ceil(watermark * (self.pool.num_blocks - 1))
         self.hash_key = _core.default_hash_key() if hash_key is None else hash_key
         self._seqs: Dict[object, _Seq] = {}
         self._copies: List[Tuple[int, int]] = []    # pending copy-on-write (src, dst)
@@ -546,7 +558,7 @@ class ReferenceManager:
         return self._seq(seq_id_of(seq_id)).swapped
 
     def blocks_for_tokens(self, num_tokens) -> int:
-        n = scalar_of(num_tokens, "num_tokens")
+        n = scalar_of(num_tokens, "num_tokens", 0, INT64_MAX)
         if n < 0:
             raise _err(InvalidArgumentError, f"num_tokens must be >= 0, got {n}")
         return _ceil_div(n, self.block_size)
@@ -554,7 +566,7 @@ class ReferenceManager:
     def can_add(self, num_tokens) -> bool:
         """Whether a prompt of ``num_tokens`` fits while keeping the watermark free (prefix
         hits are not counted)."""
-        n = scalar_of(num_tokens, "num_tokens")
+        n = scalar_of(num_tokens, "num_tokens", 0, INT64_MAX)
         if n < 0:
             raise _err(InvalidArgumentError, f"num_tokens must be >= 0, got {n}")
         if n > INT64_MAX:
@@ -565,7 +577,7 @@ class ReferenceManager:
         """Blocks appending ``n`` tokens takes now (growth plus copy-on-write); for a
         swapped-out sequence, what swap_in takes plus the growth."""
         sid = seq_id_of(seq_id)
-        n = scalar_of(n, "n")
+        n = scalar_of(n, "n", 0, INT64_MAX)
         s = self._seq(sid)
         if n < 0:
             raise _err(InvalidArgumentError, f"n must be >= 0, got {n}")
@@ -578,7 +590,7 @@ class ReferenceManager:
         """Whether every sequence can take ``n`` more tokens at once (False if any is
         swapped out). Sharers of one block count as sequential appends would (choice 4)."""
         sids = seq_ids_of(seq_ids)
-        n = scalar_of(n, "n")
+        n = scalar_of(n, "n", 0, INT64_MAX)
         seqs = [self._seq(sid) for sid in sids]
         if n < 0:
             raise _err(InvalidArgumentError, f"n must be >= 0, got {n}")
@@ -673,7 +685,7 @@ class ReferenceManager:
     def reserve(self, seq_id, n) -> None:
         """Ensure ``n`` writable slots after the committed tokens (lookahead, drafts)."""
         sid = seq_id_of(seq_id)
-        n = scalar_of(n, "n")
+        n = scalar_of(n, "n", 0, INT64_MAX)
         s = self._seq(sid)
         rules = _Rules()
         if s.swapped:
@@ -695,7 +707,7 @@ class ReferenceManager:
         """Roll back to ``num_tokens`` committed tokens; blocks past them (reserved ones too)
         are released tail first. Computed tokens past the cut are forgotten."""
         sid = seq_id_of(seq_id)
-        n = scalar_of(num_tokens, "num_tokens")
+        n = scalar_of(num_tokens, "num_tokens", 0, INT64_MAX)
         s = self._seq(sid)
         rules = _Rules()
         if s.swapped:
@@ -848,7 +860,7 @@ class ReferenceManager:
             raise _err(UnknownSequenceError, f"unknown sequence {sid!r}")
         return s
 
-    def _hashes(self, tokens: Sequence[int], salt: bytes) -> List[int]:
+    def _hashes(self, tokens: Sequence[int], salt: Union[None, str, bytes]) -> List[int]:
         """Chained hashes of the full blocks of ``tokens`` (empty without caching)."""
         full = len(tokens) // self.block_size
         if not self.pool.enable_prefix_caching or not full:
