@@ -31,9 +31,11 @@ Choices where the round-2 text is open (each is repeated where it is made):
 
 1. ``schedule`` / ``metadata`` refuse while ANY copy-on-write copy is pending (not only the
    copies of the scheduled sequences), and also for an empty batch.
-2. Blocks become cached only in ``schedule`` / ``metadata`` (and as ``add`` hits): also after
-   ``swap_in`` (its full blocks are offered at the sequence's next schedule, not at swap_in),
-   and after ``append(..., computed=True)`` (at the next schedule).
+2. Blocks become cached when computed: in ``schedule`` / ``metadata``, as ``add`` hits, at
+   ``append(..., computed=True)`` (accepted drafts the last step wrote), and at ``swap_in``
+   (computed full blocks; their content arrives with the swap pairs, which run before the
+   next forward). ``swap_in`` shares again the computed full blocks still cached on the
+   device instead of copying them.
 3. Draft slots must exist (``reserve``) and lie in blocks the sequence may write in place
    (one holder, no cache entry), else ``InvalidStateError``; ``draft_lens[i] < 0`` is an
    ``InvalidArgumentError``. Any commit, ``truncate``, ``swap_out`` ends the draft window;
@@ -45,8 +47,9 @@ Choices where the round-2 text is open (each is repeated where it is made):
    whose destination another sequence still holds stays pending.
 6. ``swap_out``'s pairs are in table order; for a block that is the destination of a pending
    copy the pair reads that copy's source (whether or not the copy is dropped).
-7. ``blocks_needed`` of a swapped-out sequence is ``len(table)`` (what swap_in takes) plus the
-   growth for ``n`` tokens; ``can_append`` is False if any sequence is swapped out.
+7. ``blocks_needed`` of a swapped-out sequence is what swap_in takes (its blocks, less the
+   ones shared again, plus evictable ones it pins) plus the growth for ``n`` tokens;
+   ``can_append`` is False if any sequence is swapped out.
 8. Sizes "beyond what can ever fit" (more than ``(num_blocks - 1) * block_size`` tokens in
    one sequence) make add / append / reserve raise ``OutOfBlocksError`` with ``also_ok`` =
    ``InvalidArgumentError`` (the spec allows either). Queries answer exactly (Python ints):
@@ -581,9 +584,9 @@ class ReferenceManager:
         s = self._seq(sid)
         if n < 0:
             raise _err(InvalidArgumentError, f"n must be >= 0, got {n}")
-        if s.swapped:  # choice 7
-            return len(s.blocks) + max(0, _ceil_div(len(s.tokens) + n, self.block_size)
-                                       - len(s.blocks))
+        if s.swapped:  # choice 7: what swap_in takes, plus the growth
+            return self._swap_in_plan(s)[1] + max(
+                0, _ceil_div(len(s.tokens) + n, self.block_size) - len(s.blocks))
         return self._need([(s, n)])
 
     def can_append(self, seq_ids, n=1) -> bool:
@@ -648,9 +651,12 @@ class ReferenceManager:
         need = self._need([(s, len(toks))])
         if need > self.pool.num_free:
             raise _err(OutOfBlocksError, f"append: need {need}, {self.pool.num_free} free")
+        drafts_left = s.drafts - len(toks)
         freed = self._commit(s, toks)
-        if computed:
+        if computed:  # accepted drafts: computed, cached at once, the rest of the window stays
             s.num_computed = len(s.tokens)
+            s.drafts = drafts_left
+            self._offer(s)
         self._settle(freed)
 
     def append_batch(self, seq_ids, token_ids) -> None:
@@ -783,23 +789,44 @@ class ReferenceManager:
         return np.array(pairs, dtype=np.int64).reshape(-1, 2)
 
     def swap_in(self, seq_id) -> np.ndarray:
-        """Bring a swapped-out sequence back to fresh device blocks: (host, device) pairs.
-        Its full computed blocks are offered to the cache at its next schedule (choice 2)."""
+        """Bring a swapped-out sequence back: its computed full blocks whose content is still
+        cached on the device are shared again (pinned, no pair); the others get fresh device
+        blocks and (host, device) pairs, in table order. Its computed full blocks serve
+        prefix hits again at once (their content arrives with the pairs)."""
         sid = seq_id_of(seq_id)
         if self.host_pool is None:
             raise _err(InvalidStateError, "swap_in: no host pool (num_host_blocks=0)")
         s = self._seq(sid)
         if not s.swapped:
             raise _err(InvalidStateError, f"swap_in: {sid!r} is not swapped out")
-        if len(s.blocks) > self.pool.num_free:
-            raise _err(OutOfBlocksError, f"swap_in: need {len(s.blocks)}, "
-                       f"{self.pool.num_free} free")
-        dev = self.pool._allocate(len(s.blocks))
-        pairs = list(zip(s.blocks, dev))
+        hits, need = self._swap_in_plan(s)
+        if need > self.pool.num_free:
+            raise _err(OutOfBlocksError, f"swap_in: need {need}, {self.pool.num_free} free")
+        for i in sorted(hits):             # pin every hit before allocating the rest
+            self.pool._pin(hits[i])
+        dev, pairs = [], []
+        for i, h in enumerate(s.blocks):
+            if i in hits:
+                dev.append(hits[i])
+            else:
+                dev.append(self.pool._allocate(1)[0])
+                pairs.append((h, dev[-1]))
         for h in reversed(s.blocks):
             self.host_pool._release(h)
         s.blocks, s.swapped = dev, False
+        self._offer(s)
         return np.array(pairs, dtype=np.int64).reshape(-1, 2)
+
+    def _swap_in_plan(self, s: _Seq) -> Tuple[Dict[int, int], int]:
+        """Blocks swap_in shares again ({table index: device block}) and the device blocks it
+        takes from the free pool (fresh ones, plus evictable hits it pins)."""
+        full = s.num_computed // self.block_size
+        hashes = self._hashes(s.tokens[:full * self.block_size], s.salt)
+        hits = {i: self.pool._block_of[h] for i, h in enumerate(hashes)
+                if h in self.pool._block_of}
+        need = (len(s.blocks) - len(hits)
+                + sum(1 for b in hits.values() if self.pool._ref[b] == 0))
+        return hits, need
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self, seq_ids, query_lens, draft_lens=None) -> None:
