@@ -155,10 +155,11 @@ def _model(args: argparse.Namespace) -> ModelSpec:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from .batching import SchedulerConfig
     from .contiguous import simulate_contiguous
     from .progress import ProgressBar
     from .report import format_simulation, simulation_json
-    from .scheduler import SchedulerConfig, simulate_paged
+    from .scheduler import simulate_paged
     from .timing import TimeModel
     from .workload import load_workload
 

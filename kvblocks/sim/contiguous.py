@@ -4,10 +4,18 @@ Before paging, engines (FasterTransformer, Orca) gave each sequence one contiguo
 sized for the longest sequence they accept, reserved at admission. Nothing is shared (no
 prefix cache; each parallel sample gets its own region) and nothing is ever preempted, so the
 replay needs no allocator: a request of ``n`` samples takes ``n`` of the
-``floor(KV slots / max length)`` regions. The scheduler, token budget and time model are the
-paged replay's. Steps in which only decoding happens and nothing can change are
-fast-forwarded in one jump (their duration is summed exactly), which keeps replays of long
-traces short even when the reservation admits only a handful of sequences.
+``floor(KV slots / max length)`` regions.
+
+This is its own, simpler loop, not the paged engine (:mod:`kvblocks.sim.scheduler`). It shares
+with it the engine's knobs (:class:`SchedulerConfig`: token budget, sequence limit), the
+chunked prefill (:meth:`StepBudget.take_chunk`: decodes first, then running prompts, then
+admissions), the :class:`TimeModel` and the progress reports. It differs where reservation
+does: a request's ``n`` samples run as one job, admitted first come first served while regions
+and the sequence limit allow (no watermark, no ``can_add``); a request longer than the
+reservation, or with more samples than there are regions, is rejected when it reaches the
+head of the queue; there is no preemption or swap. Steps in which only decoding happens and nothing can change are fast-forwarded in one
+jump (their duration is summed exactly), which keeps replays of long traces short even when
+the reservation admits only a handful of sequences.
 """
 
 from __future__ import annotations
@@ -19,8 +27,9 @@ from typing import Deque, List, Optional
 
 import numpy as np
 
-from .metrics import Recorder
-from .scheduler import Progress, SchedulerConfig, SimResult
+from .batching import SchedulerConfig, StepBudget
+from .metrics import Recorder, SimResult
+from .progress import Progress, ProgressThrottle
 from .timing import TimeModel
 from .workload import Request, Workload
 
@@ -90,7 +99,7 @@ def simulate_contiguous(
     now = reqs[0].arrival if n_req else 0.0
     finished = 0
     steps = 0
-    last_report = wall0
+    tick = ProgressThrottle(progress) if progress is not None else None
 
     while True:
         while nxt < n_req and reqs[nxt].arrival <= now:
@@ -102,22 +111,14 @@ def simulate_contiguous(
                 break
             now = reqs[nxt].arrival
             continue
-        budget = cfg.token_budget
         decoders = [j for j in running if j.prefill_left == 0]
         n_dec = sum(j.n for j in decoders)
-        budget -= n_dec
-        pf_tokens = 0
-        completed: List[_Job] = []
+        budget = StepBudget(cfg.token_budget - n_dec)
         for j in running:
-            if j.prefill_left and budget > 0:
-                c = min(j.prefill_left, budget)
-                j.prefill_left -= c
-                budget -= c
-                pf_tokens += c
-                if j.prefill_left == 0:
-                    completed.append(j)
+            if j.prefill_left and budget.left > 0:
+                budget.take_chunk(j)
         admitted = False
-        while waiting and budget > 0:
+        while waiting and budget.left > 0:
             j = waiting[0]
             if j.prompt_len + j.output_len - 1 > max_len or j.n > regions:
                 waiting.popleft()
@@ -136,13 +137,9 @@ def simulate_contiguous(
             i = j.req.index
             rec.admit[i] = now
             rec.prompt_tokens[i] = j.prompt_len
-            c = min(j.prefill_left, budget)
-            j.prefill_left -= c
-            budget -= c
-            pf_tokens += c
-            if j.prefill_left == 0:
-                completed.append(j)
+            budget.take_chunk(j)
 
+        pf_tokens = budget.prefill_tokens
         kv_read = sum(j.n * j.ctx for j in decoders)
         live = sum(j.n * j.ctx for j in running)
         k = 1
@@ -168,7 +165,7 @@ def simulate_contiguous(
             j.ctx += k
             if j.gen >= j.output_len:
                 done.append(j)
-        for j in completed:
+        for j in budget.completed:
             j.gen += 1
             rec.first_token[j.req.index] = now
             if j.gen >= j.output_len:
@@ -180,14 +177,11 @@ def simulate_contiguous(
                 n_seqs -= j.n
                 finished += 1
             running = [j for j in running if j.gen < j.output_len]
-        if progress is not None and steps % 256 == 0:
-            w = time.perf_counter()
-            if w - last_report > 0.2:
-                last_report = w
-                progress(finished, now)
+        if tick is not None:
+            tick.step(steps, finished, now)
 
-    if progress is not None:
-        progress(finished, now)
+    if tick is not None:
+        tick.close(finished, now)
     rec.counters.update(
         {
             "preemptions": 0,

@@ -8,11 +8,12 @@ contiguous baseline, everything reserved up to the maximum length and not yet wr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["Recorder", "percentile"]
+__all__ = ["Recorder", "SimResult", "percentile"]
 
 
 def percentile(values: np.ndarray, q: float) -> Optional[float]:
@@ -114,3 +115,12 @@ class Recorder:
             "running": np.asarray(self.running, dtype=np.int64)[::stride],
             "waiting": np.asarray(self.waiting, dtype=np.int64)[::stride],
         }
+
+
+@dataclass
+class SimResult:
+    """What a replay produced: the summary numbers and the recorder with its series."""
+
+    name: str  # "paged" or "contiguous"
+    summary: Dict[str, object]
+    recorder: Recorder

@@ -30,8 +30,8 @@ import numpy as np
 
 from . import limits
 from .errors import SimulationError
+from .fmt import fmt_bytes, json_safe
 from .models import MemoryBill, ModelSpec
-from .report import fmt_bytes
 from .limits import MAX_TOKENS
 
 __all__ = ["LengthDist", "parse_dist", "Plan", "make_plan", "format_plan", "DIST_HELP"]
@@ -220,8 +220,4 @@ def format_plan(plan: Plan) -> str:
 
 def plan_json(plan: Plan) -> str:
     """The machine-readable plan."""
-
-    def clean(v: object) -> object:
-        return None if isinstance(v, float) and not math.isfinite(v) else v
-
-    return json.dumps({k: clean(v) for k, v in plan.as_dict().items()}, indent=2)
+    return json.dumps(json_safe(plan.as_dict()), indent=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .errors import SimulationError
-from .scheduler import SimResult
+from .metrics import SimResult
 
 __all__ = ["plot_results"]
 

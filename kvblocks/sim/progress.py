@@ -1,12 +1,39 @@
-"""A dependency-free progress bar on stderr for long replays."""
+"""Progress of a long replay: the callback type, its throttle, and a dependency-free bar."""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Optional, TextIO
+from typing import Callable, Optional, TextIO
 
-__all__ = ["ProgressBar"]
+__all__ = ["Progress", "ProgressThrottle", "ProgressBar"]
+
+Progress = Callable[[int, float], None]
+"""``progress(requests_done, simulated_seconds)``, called now and then during a replay."""
+
+
+class ProgressThrottle:
+    """Passes a replay's progress on every ``every`` steps, at most every ``interval_s`` of wall
+    time, and once more at the end (:meth:`close`), so a fast replay is not slowed by drawing."""
+
+    __slots__ = ("progress", "every", "interval_s", "last")
+
+    def __init__(self, progress: Progress, every: int = 256, interval_s: float = 0.2) -> None:
+        self.progress = progress
+        self.every = every
+        self.interval_s = interval_s
+        self.last = time.perf_counter()
+
+    def step(self, steps: int, done: int, now: float) -> None:
+        """After a step: ``steps`` so far, ``done`` requests finished, simulated time ``now``."""
+        if steps % self.every == 0:
+            w = time.perf_counter()
+            if w - self.last > self.interval_s:
+                self.last = w
+                self.progress(done, now)
+
+    def close(self, done: int, now: float) -> None:
+        self.progress(done, now)
 
 
 class ProgressBar:

@@ -6,18 +6,11 @@ import json
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
+from .fmt import fmt_bytes, json_safe
+from .metrics import SimResult
 from .models import MemoryBill
-from .scheduler import SimResult
 
-__all__ = ["format_simulation", "simulation_json", "fmt_bytes"]
-
-
-def fmt_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB'."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+__all__ = ["format_simulation", "simulation_json"]
 
 
 def _pct(v: Optional[float]) -> str:
@@ -107,14 +100,6 @@ def format_simulation(
     return "\n".join(out)
 
 
-def _clean(v: Any) -> Any:
-    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
-        return None
-    if isinstance(v, dict):
-        return {k: _clean(x) for k, x in v.items()}
-    return v
-
-
 def simulation_json(
     workload_name: str,
     wstats: Dict[str, float],
@@ -133,6 +118,6 @@ def simulation_json(
         "paged": paged.summary,
         "contiguous": contiguous.summary if contiguous is not None else None,
     }
-    return json.dumps(_clean(doc), indent=2)
+    return json.dumps(json_safe(doc), indent=2)
 
 

@@ -1,75 +1,64 @@
-"""Discrete-event replay of a workload through the real :class:`kvblocks.BlockManager`.
+"""The paged replay: a continuous-batching engine driving the real :class:`kvblocks.BlockManager`.
 
-The scheduler models a continuous-batching engine (vLLM-style), one engine step at a time:
+:class:`PagedEngine` models one engine (vLLM-style) with a fresh ``BlockManager``, its queues
+and its clock. :meth:`PagedEngine.step` runs one engine step, in six phases, one method each:
 
-1. **Decode.** Every sequence past its prefill commits the token it produced last step:
-   one ``mgr.append_batch(seq_ids, tokens)`` call for the whole batch. When the pool cannot
-   grow them (``OutOfBlocksError``, which changes nothing), the most recently admitted
-   running sequence is preempted and the call retried: *recompute* frees it (its full
-   blocks stay in the prefix cache) and queues it first in line, to be re-added later with
-   its prompt plus the tokens it had generated; *swap* moves its blocks to host memory
-   (``mgr.swap_out``) and brings them back (``mgr.swap_in``) before any new admission.
-2. **Prefill.** Running prompts take chunks of what is left of the step's token budget.
-3. **Admit.** Queued sequences, first come first served, while the token budget, the
-   sequence limit and ``mgr.can_add`` (free blocks above the watermark) allow; ``mgr.add``
-   allocates the whole prompt and reports the prefix-cache hit, which needs no compute.
-4. **Time.** The step lasts what :class:`TimeModel` says; the clock advances.
-5. **Finish.** A prefill that completes yields the first token (forking ``n - 1`` siblings
-   for parallel sampling: ``mgr.fork`` shares every block, copy-on-write on the first
+1. **Decode** (``_decode``). Every sequence past its prefill commits the token it produced last
+   step: one ``mgr.append_batch(batch, tokens)`` call for the whole batch. When the pool cannot
+   grow them (``OutOfBlocksError``, which changes nothing), the most recently admitted running
+   sequence is preempted and the call retried: *recompute* frees it (its computed full blocks
+   stay in the prefix cache) and queues it first in line, to be re-added later
+   (``mgr.add(..., recompute=True)``) with its prompt plus the tokens it had generated; *swap*
+   moves its blocks to host memory (``mgr.swap_out``), falling back to recompute when host
+   memory is full, and brings them back (``mgr.swap_in``) before any new admission.
+2. **Prefill** (``_prefill``). Running prompts take chunks of what is left of the step's token
+   budget (:meth:`StepBudget.take_chunk`).
+3. **Admit** (``_admit``). Swapped sequences first, then queued ones first come first served,
+   while the token budget, the sequence limit (pending forks included) and ``mgr.can_add``
+   (free blocks above the watermark) allow; ``mgr.add`` allocates the whole prompt, commits its
+   tokens and reports the prefix-cache hit, which needs no compute. A prompt that cannot fit
+   even in an empty cache is rejected.
+4. **Compute** (``_compute``). ``mgr.schedule`` declares what the step computes: the decodes'
+   newest tokens and the rest of every prompt whose prefill completes in it. Only computed
+   full blocks enter the prefix cache.
+5. **Time** (``_advance``). The step lasts what :class:`TimeModel` says; the recorder samples
+   it and the clock advances.
+6. **Finish** (``_finish``). A prefill that completes yields the first token (forking ``n - 1``
+   siblings for parallel sampling: ``mgr.fork`` shares every block, copy-on-write on the first
    append); a sequence that has produced all its tokens is freed.
 
-A request of prompt length P and output length O holds P + O - 1 tokens at its end (the
-last token is returned, never fed back). Time inside ``BlockManager`` calls is measured.
+:meth:`PagedEngine.run` is the single-engine loop: it hands the workload's arrivals in
+(:meth:`PagedEngine.submit`), jumps the clock over idle gaps and steps until every request is
+done, then :meth:`PagedEngine.result` checks the pool and returns the :class:`SimResult`. A
+cluster simulator can run several engines side by side through ``submit``, ``now``, ``idle``
+and ``step``. :func:`simulate_paged` is ``PagedEngine(workload, cfg, tm).run(progress)``.
+
+A request of prompt length P and output length O holds P + O - 1 tokens at its end (the last
+token is returned, never fed back). Time inside ``BlockManager`` calls is measured
+(``allocator_s``).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, List, Optional, TypeVar
 
 import numpy as np
 
-from . import limits
+from .. import BlockManager, OutOfBlocksError
+from .batching import SchedulerConfig, StepBudget
 from .errors import SimulationError
-from .metrics import Recorder
+from .metrics import Recorder, SimResult
+from .progress import Progress, ProgressThrottle
 from .timing import TimeModel
 from .tokens import seed_keys, stream, tokens_at
 from .workload import Request, Workload
 
-__all__ = ["SchedulerConfig", "SimResult", "simulate_paged"]
+__all__ = ["PagedEngine", "SchedulerConfig", "SimResult", "simulate_paged"]
 
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Knobs of the modelled engine (defaults follow vLLM's)."""
-
-    num_blocks: int  # usable KV blocks (the null block comes on top)
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    watermark: float = 0.01  # fraction of blocks admission keeps free (vLLM v0 default)
-    max_num_seqs: int = 256  # sequences per batch
-    token_budget: int = 8192  # tokens per step (max_num_batched_tokens)
-    preemption: str = "recompute"  # or "swap"
-    host_blocks: int = 0  # swap space in blocks
-    block_bytes: int = 0  # bytes per block (swap time)
-
-    def validate(self) -> None:
-        if self.preemption not in ("recompute", "swap"):
-            raise SimulationError(f"--preemption must be 'recompute' or 'swap', got {self.preemption!r}")
-        limits.WATERMARK.check(self.watermark)
-        limits.MAX_NUM_SEQS.check(self.max_num_seqs)
-        limits.TOKEN_BUDGET.check(self.token_budget)
-
-
-@dataclass
-class SimResult:
-    """What a replay produced: the summary numbers and the recorder with its series."""
-
-    name: str
-    summary: Dict[str, object]
-    recorder: Recorder
+_perf = time.perf_counter
+_T = TypeVar("_T")
 
 
 class _Seq:
@@ -91,14 +80,438 @@ class _Seq:
         self.done = False
 
 
-Progress = Callable[[int, float], None]
+class _Decoding:
+    """The decoding sequences, their state as parallel arrays: one native call a step for all."""
+
+    __slots__ = ("seqs", "uid", "key", "gen", "out", "ctx", "batch")
+
+    def __init__(self) -> None:
+        self.seqs: List[_Seq] = []  # in the order of the arrays
+        self.uid: np.ndarray = np.empty(0, dtype=np.int64)  # sequence ids
+        self.key: np.ndarray = np.empty(0, dtype=np.uint64)  # generated-token stream keys
+        self.gen: np.ndarray = np.empty(0, dtype=np.int64)  # tokens generated so far
+        self.out: np.ndarray = np.empty(0, dtype=np.int64)  # tokens to generate in all
+        self.ctx: np.ndarray = np.empty(0, dtype=np.int64)  # tokens in the KV
+        self.batch: Any = None  # mgr.batch(...) of the set; None when the set changed
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def remove(self, s: _Seq) -> int:
+        """Take ``s`` out, writing its state back to it; returns the index it had."""
+        self.batch = None
+        idx = self.seqs.index(s)
+        s.gen = int(self.gen[idx])
+        s.ctx = int(self.ctx[idx])
+        del self.seqs[idx]
+        self.uid, self.key, self.gen, self.out, self.ctx = (
+            np.delete(a, idx) for a in (self.uid, self.key, self.gen, self.out, self.ctx)
+        )
+        return idx
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Keep only the sequences where ``mask`` is true."""
+        self.seqs = [s for s, k in zip(self.seqs, mask.tolist()) if k]
+        self.batch = None
+        self.uid, self.key, self.gen, self.out, self.ctx = (
+            self.uid[mask], self.key[mask], self.gen[mask], self.out[mask], self.ctx[mask]
+        )
+
+    def extend(self, seqs: List[_Seq]) -> None:
+        """Add sequences whose prefill is done (their ``gen`` and ``ctx`` are current)."""
+        self.batch = None
+        self.seqs.extend(seqs)
+        self.uid = np.concatenate([self.uid, np.array([s.uid for s in seqs], dtype=np.int64)])
+        self.key = np.concatenate([self.key, seed_keys([s.seed for s in seqs])])
+        self.gen = np.concatenate([self.gen, np.array([s.gen for s in seqs], dtype=np.int64)])
+        self.out = np.concatenate([self.out, np.array([s.output_len for s in seqs], dtype=np.int64)])
+        self.ctx = np.concatenate([self.ctx, np.array([s.ctx for s in seqs], dtype=np.int64)])
 
 
-def _stat(stats: object, key: str) -> float:
-    try:
-        return float(stats[key])  # type: ignore[index]
-    except (TypeError, KeyError, IndexError):
-        return float(getattr(stats, key, 0) or 0)
+class PagedEngine:
+    """One continuous-batching engine over a fresh ``BlockManager``, advanced a step at a time.
+
+    State: the manager and its pool, the queues (``waiting``, ``swapped``, ``running`` in
+    admission order, ``prefilling``, the decode set), the clock ``now`` (simulated seconds),
+    the recorder and the counters of the report.
+    """
+
+    def __init__(self, workload: Workload, cfg: SchedulerConfig, tm: TimeModel) -> None:
+        cfg.validate()
+        self.wall0 = _perf()
+        if cfg.preemption == "swap" and cfg.host_blocks <= 0:
+            raise SimulationError("--preemption swap needs host memory for swapped blocks (--host-mem GiB)")
+        self.workload = workload
+        self.cfg = cfg
+        self.tm = tm
+        self.mgr = BlockManager(
+            cfg.num_blocks + 1,
+            cfg.block_size,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            watermark=cfg.watermark,
+            num_host_blocks=cfg.host_blocks if cfg.preemption == "swap" else 0,
+        )
+        self.pool = self.mgr.pool
+        self.usable = self.pool.num_blocks - 1  # blocks a sequence can get (not the null block)
+        reqs = workload.requests
+        self.rec = Recorder(
+            np.array([r.arrival for r in reqs], dtype=np.float64),
+            self.usable * cfg.block_size,
+            np.array([r.output_len * r.n for r in reqs], dtype=np.int64),
+        )
+        self.remaining_samples = np.array([r.n for r in reqs], dtype=np.int64)  # per request
+        self.now = reqs[0].arrival if reqs else 0.0  # simulated seconds
+        self.steps = 0
+        self.finished_reqs = 0  # requests done or rejected
+        # queues
+        self.waiting: Deque[_Seq] = deque()  # arrival order; preempted (recompute) ones first
+        self.swapped: Deque[_Seq] = deque()
+        self.running: List[_Seq] = []  # admission order; the tail is preempted first
+        self.prefilling: List[_Seq] = []  # running sequences still in prefill, admission order
+        self.decoding = _Decoding()  # running sequences past their prefill
+        self.forked_live = 0  # live sequences of requests with n > 1 (copy-on-write possible)
+        self.next_uid = 0
+        # counters of the report
+        self.alloc_s = 0.0  # seconds inside BlockManager calls
+        self.preempt_recompute = 0
+        self.preempt_swap = 0
+        self.cow_copies = 0
+        self.swapped_blocks = 0  # blocks moved either way
+        self.readds = 0  # re-admissions after recompute preemption
+        self.readd_cached = 0  # their tokens served by the prefix cache
+
+    # ----------------------------------------------------------------------------- driving
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to run, queued or swapped out."""
+        return not self.running and not self.waiting and not self.swapped
+
+    def submit(self, req: Request) -> None:
+        """A request arrives (its first sample queues; siblings fork after its prefill)."""
+        self.waiting.append(_Seq(self.next_uid, req, 0))
+        self.next_uid += 1
+
+    def step(self) -> float:
+        """Run one engine step (it must not be idle); returns its duration in seconds."""
+        swapped_before = self.swapped_blocks
+        n_dec = self._decode()
+        budget = StepBudget(self.cfg.token_budget - n_dec)
+        self._prefill(budget)
+        joined = self._admit(budget)
+        self._compute(n_dec, budget.completed)
+        dt = self._advance(n_dec, budget.prefill_tokens, self.swapped_blocks - swapped_before)
+        self._finish(n_dec, budget.completed, joined)
+        return dt
+
+    def run(self, progress: Optional[Progress] = None) -> SimResult:
+        """Replay the whole workload: arrivals in order, idle gaps skipped, until all is done."""
+        reqs = self.workload.requests
+        n_req = len(reqs)
+        nxt = 0
+        tick = ProgressThrottle(progress) if progress is not None else None
+        while True:
+            while nxt < n_req and reqs[nxt].arrival <= self.now:
+                self.submit(reqs[nxt])
+                nxt += 1
+            if self.idle:
+                if nxt >= n_req:
+                    break
+                self.now = reqs[nxt].arrival
+                continue
+            self.step()
+            if tick is not None:
+                tick.step(self.steps, self.finished_reqs, self.now)
+        if tick is not None:
+            tick.close(self.finished_reqs, self.now)
+        return self.result()
+
+    def result(self) -> SimResult:
+        """Check the pool (every block must be free) and return the summary and the recorder."""
+        wall = _perf() - self.wall0
+        t0 = _perf()
+        self.pool.check()
+        check_s = _perf() - t0
+        stats = self.pool.stats
+        leaked = self.usable - self.pool.num_free
+        self.rec.counters.update(
+            {
+                "preemptions": self.preempt_recompute + self.preempt_swap,
+                "preemptions_recompute": self.preempt_recompute,
+                "preemptions_swap": self.preempt_swap,
+                "evictions": stats.evictions,
+                # the pool's own prefix-cache counters; re-admissions after recompute are
+                # counted apart in the token numbers, so token_hit_rate equals prefix_hit_rate
+                "cache_lookups": stats.queries,  # BlockManager.add calls that looked up the cache
+                "lookup_blocks": stats.query_blocks,  # full blocks they looked up (re-admissions too)
+                "block_hits": stats.hit_blocks,  # of which found in the cache
+                "token_hit_rate": stats.hit_tokens / stats.query_tokens if stats.query_tokens else 0.0,
+                "recompute_readds": self.readds,
+                "recompute_cached_tokens": self.readd_cached,
+                "cow_copies": self.cow_copies,
+                "swapped_blocks": self.swapped_blocks,
+                "blocks_in_use_at_end": int(leaked),
+                "cached_blocks_at_end": int(self.pool.num_cached),
+                "wall_s": wall,
+                "allocator_s": self.alloc_s,
+                "allocator_share": self.alloc_s / wall if wall > 0 else 0.0,
+                "check_s": check_s,
+            }
+        )
+        if leaked:
+            raise SimulationError(f"internal error: {leaked} blocks still referenced after the replay")
+        return SimResult("paged", self.rec.summary(), self.rec)
+
+    # ----------------------------------------------------------------------------- the phases
+
+    def _decode(self) -> int:
+        """1. One ``append_batch`` for all decoding sequences, preempting until it fits.
+
+        Returns how many sequences decode in this step."""
+        d = self.decoding
+        if not d.seqs:
+            return 0
+        toks = tokens_at(d.key, d.gen - 1)
+        mgr = self.mgr
+        while True:
+            t0 = _perf()
+            try:
+                if d.batch is None:
+                    d.batch = mgr.batch(d.uid.tolist())
+                mgr.append_batch(d.batch, toks)
+                self.alloc_s += _perf() - t0
+                break
+            except OutOfBlocksError:
+                self.alloc_s += _perf() - t0
+                idx = self._preempt(self.running[-1])
+                if idx >= 0:
+                    toks = np.delete(toks, idx)
+                if not d.seqs:
+                    break
+        n_dec = len(d.seqs)
+        if n_dec:
+            d.ctx += 1
+            if self.forked_live:
+                self.cow_copies += len(self._timed(mgr.take_copies))
+        return n_dec
+
+    def _prefill(self, budget: StepBudget) -> None:
+        """2. Chunks of the budget for running prompts, in admission order."""
+        for s in self.prefilling:
+            if budget.left <= 0:
+                break
+            budget.take_chunk(s)
+
+    def _admit(self, budget: StepBudget) -> List[_Seq]:
+        """3. Swapped sequences back first, then the queue in order, while budget and seats last.
+
+        Returns the swapped-in sequences that decode from the next step on."""
+        cfg = self.cfg
+        joined: List[_Seq] = []
+        seats = len(self.running) + sum(s.forks for s in self.prefilling)  # pending forks included
+        while budget.left > 0 and seats < cfg.max_num_seqs:
+            if self.swapped:
+                s = self.swapped[0]
+                if not self._swap_in(s):
+                    break
+                seats += 1 + s.forks
+                if s.prefill_left > 0:
+                    self.prefilling.append(s)
+                    budget.take_chunk(s)
+                else:
+                    joined.append(s)
+                continue
+            if not self.waiting:
+                break
+            s = self.waiting[0]
+            if self.running and seats + 1 + s.forks > cfg.max_num_seqs:
+                break
+            if not self._add(s):
+                if not self.running and not self.swapped:
+                    self.waiting.popleft()  # cannot fit even in an empty cache
+                    self._reject(s)
+                    continue
+                break
+            self.waiting.popleft()
+            self.running.append(s)
+            seats += 1 + s.forks
+            self.prefilling.append(s)
+            budget.take_chunk(s)
+        return joined
+
+    def _compute(self, n_dec: int, completed: List[_Seq]) -> None:
+        """4. Declare what the step computes, so that its full blocks enter the prefix cache."""
+        mgr = self.mgr
+        t0 = _perf()
+        if n_dec:
+            d = self.decoding
+            mgr.schedule(d.batch if d.batch is not None else d.uid.tolist(), np.ones(n_dec, np.int32))
+        for s in completed:
+            mgr.schedule([s.uid], [mgr.num_tokens(s.uid) - mgr.num_computed(s.uid)])
+        self.alloc_s += _perf() - t0
+
+    def _advance(self, n_dec: int, prefill_tokens: int, swapped_blocks: int) -> float:
+        """5. The step's duration and its sample (KV in use, waste, batch, queue); the clock moves."""
+        bs = self.cfg.block_size
+        ctx = self.decoding.ctx
+        kv_read = int(ctx.sum()) if n_dec else 0
+        dt = self.tm.step(prefill_tokens, n_dec, kv_read, swapped_blocks * self.cfg.block_bytes)
+        waste = int(((-ctx) % bs).sum()) if n_dec else 0
+        for s in self.prefilling:
+            waste += -s.ctx % bs
+        used = (self.usable - self.pool.num_free) * bs
+        self.rec.step(self.now, dt, used, waste, len(self.running), len(self.waiting) + len(self.swapped))
+        self.now += dt
+        self.steps += 1
+        return dt
+
+    def _finish(self, n_dec: int, completed: List[_Seq], joined: List[_Seq]) -> None:
+        """6. Finished decodes freed; completed prefills yield their first token and fork."""
+        now = self.now
+        any_done = False
+        d = self.decoding
+        if n_dec:
+            d.gen += 1
+            fin = np.flatnonzero(d.gen >= d.out)
+            if fin.size:
+                any_done = True
+                for k in fin.tolist():
+                    self._free(d.seqs[k], now)
+                d.keep(d.gen < d.out)
+        if completed:
+            self.prefilling = [s for s in self.prefilling if s.prefill_left > 0]
+            for s in completed:
+                s.gen += 1
+                i = s.req.index
+                if s.sample == 0 and not np.isfinite(self.rec.first_token[i]):
+                    self.rec.first_token[i] = now
+                if s.gen >= s.output_len:
+                    any_done = True
+                    if s.forks:  # n samples of one token each: nothing to fork
+                        self.remaining_samples[i] -= s.forks
+                        s.forks = 0
+                    self._free(s, now)
+                    continue
+                joined.append(s)
+                if s.forks:
+                    joined.extend(self._fork(s))
+        if any_done:
+            self.running = [s for s in self.running if not s.done]
+        if joined:
+            d.extend(joined)
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _timed(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``, its wall time (exception or not) added to ``alloc_s``."""
+        t0 = _perf()
+        try:
+            return fn(*args)
+        finally:
+            self.alloc_s += _perf() - t0
+
+    def _tokens(self, s: _Seq) -> np.ndarray:
+        """What ``s`` holds: its prompt, then the tokens it generated."""
+        base = self.workload.prompt_tokens(s.req)
+        if s.gen == 0:
+            return base
+        return np.concatenate([base, stream(s.seed, 0, s.gen)])
+
+    def _add(self, s: _Seq) -> bool:
+        """Admit queued ``s`` into the manager if ``can_add`` and ``add`` let it; records the hit."""
+        ntok = s.prompt_len + s.gen
+        if not self._timed(self.mgr.can_add, ntok):
+            return False
+        rec = self.rec
+        i = s.req.index
+        first = s.sample == 0 and s.gen == 0 and not np.isfinite(rec.admit[i])
+        tokens = self._tokens(s)
+        t0 = _perf()
+        try:
+            cached = int(self.mgr.add(s.uid, tokens, recompute=not first))
+        except OutOfBlocksError:
+            return False
+        finally:
+            self.alloc_s += _perf() - t0
+        if first:
+            rec.admit[i] = self.now
+            rec.prompt_tokens[i] = ntok
+            rec.cached_tokens[i] = cached
+        else:
+            self.readds += 1
+            self.readd_cached += cached
+        s.ctx = ntok
+        s.prefill_left = ntok - cached
+        return True
+
+    def _swap_in(self, s: _Seq) -> bool:
+        """Bring the head of ``swapped`` back to the device; False when the pool cannot hold it."""
+        try:
+            pairs = self._timed(self.mgr.swap_in, s.uid)
+        except OutOfBlocksError:
+            return False
+        self.swapped.popleft()
+        self.swapped_blocks += len(pairs)
+        self.running.append(s)
+        return True
+
+    def _preempt(self, victim: _Seq) -> int:
+        """Preempt ``victim``, the tail of ``running``; returns its decode index or -1."""
+        self.running.pop()
+        idx = -1
+        if victim.prefill_left > 0:
+            self.prefilling.remove(victim)
+        else:
+            idx = self.decoding.remove(victim)
+        if self.cfg.preemption == "swap":
+            try:
+                pairs = self._timed(self.mgr.swap_out, victim.uid)
+            except OutOfBlocksError:
+                pairs = None  # host memory full: fall back to recompute
+            if pairs is not None:
+                self.swapped_blocks += len(pairs)
+                self.swapped.append(victim)
+                self.preempt_swap += 1
+                return idx
+        self._timed(self.mgr.free, victim.uid)
+        victim.prefill_left = 0
+        self.waiting.appendleft(victim)
+        self.preempt_recompute += 1
+        return idx
+
+    def _fork(self, s: _Seq) -> List[_Seq]:
+        """Fork the ``n - 1`` siblings of ``s`` after its prefill (they share every block)."""
+        self.forked_live += 1 + s.forks
+        children = []
+        for k in range(1, s.forks + 1):
+            child = _Seq(self.next_uid, s.req, k)
+            self.next_uid += 1
+            child.gen, child.ctx = s.gen, s.ctx
+            self._timed(self.mgr.fork, s.uid, child.uid)
+            self.running.append(child)
+            children.append(child)
+        s.forks = 0
+        return children
+
+    def _free(self, s: _Seq, t: float) -> None:
+        """``s`` produced all its tokens at time ``t``: free it; its request may be done."""
+        s.done = True
+        self._timed(self.mgr.free, s.uid)
+        if s.req.n > 1:
+            self.forked_live -= 1
+        i = s.req.index
+        self.remaining_samples[i] -= 1
+        if self.remaining_samples[i] == 0:
+            self.rec.finish[i] = t
+            self.finished_reqs += 1
+
+    def _reject(self, s: _Seq) -> None:
+        """``s`` cannot fit even in an empty cache: its request is rejected."""
+        i = s.req.index
+        self.rec.rejected[i] = True
+        self.remaining_samples[i] -= 1 + s.forks
+        if self.remaining_samples[i] <= 0:
+            self.finished_reqs += 1
 
 
 def simulate_paged(
@@ -108,358 +521,4 @@ def simulate_paged(
     progress: Optional[Progress] = None,
 ) -> SimResult:
     """Replay ``workload`` through a fresh ``BlockManager`` and return the measurements."""
-    from .. import BlockManager, OutOfBlocksError
-
-    cfg.validate()
-    perf = time.perf_counter
-    wall0 = perf()
-    bs = cfg.block_size
-    host = cfg.host_blocks
-    if cfg.preemption == "swap" and host <= 0:
-        raise SimulationError("--preemption swap needs host memory for swapped blocks (--host-mem GiB)")
-    mgr = BlockManager(
-        cfg.num_blocks + 1,
-        bs,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        watermark=cfg.watermark,
-        num_host_blocks=host if cfg.preemption == "swap" else 0,
-    )
-    pool = mgr.pool
-    usable = pool.num_blocks - 1
-    reqs = workload.requests
-    n_req = len(reqs)
-    rec = Recorder(
-        np.array([r.arrival for r in reqs], dtype=np.float64),
-        usable * bs,
-        np.array([r.output_len * r.n for r in reqs], dtype=np.int64),
-    )
-    alloc = 0.0  # seconds inside BlockManager calls
-    preempt_recompute = 0
-    preempt_swap = 0
-    cow_copies = 0
-    swapped_blocks = 0
-    readds = 0
-    readd_cached = 0
-    finished_reqs = 0
-    remaining_samples = np.array([r.n for r in reqs], dtype=np.int64)
-
-    waiting: Deque[_Seq] = deque()
-    swapped: Deque[_Seq] = deque()
-    running: List[_Seq] = []  # admission order; the tail is preempted first
-    prefilling: List[_Seq] = []  # running sequences still in prefill, admission order
-    dec: List[_Seq] = []  # running sequences decoding, parallel to the arrays below
-    d_uid = np.empty(0, dtype=np.int64)
-    d_key = np.empty(0, dtype=np.uint64)
-    d_gen = np.empty(0, dtype=np.int64)
-    d_out = np.empty(0, dtype=np.int64)
-    d_ctx = np.empty(0, dtype=np.int64)
-    d_batch = None  # mgr.batch(...) of the decode set; None when the set changed
-    forked_live = 0
-    next_uid = 0
-    nxt = 0
-    now = reqs[0].arrival if n_req else 0.0
-    last_report = wall0
-    steps = 0
-
-    def seq_tokens(s: _Seq) -> np.ndarray:
-        base = workload.prompt_tokens(s.req)
-        if s.gen == 0:
-            return base
-        return np.concatenate([base, stream(s.seed, 0, s.gen)])
-
-    def finish(s: _Seq, t: float) -> None:
-        nonlocal alloc, finished_reqs, forked_live
-        s.done = True
-        t0 = perf()
-        mgr.free(s.uid)
-        alloc += perf() - t0
-        if s.req.n > 1:
-            forked_live -= 1
-        i = s.req.index
-        remaining_samples[i] -= 1
-        if remaining_samples[i] == 0:
-            rec.finish[i] = t
-            finished_reqs += 1
-
-    def reject(s: _Seq) -> None:
-        nonlocal finished_reqs
-        i = s.req.index
-        if not rec.rejected[i]:
-            rec.rejected[i] = True
-        remaining_samples[i] -= 1 + s.forks
-        if remaining_samples[i] <= 0:
-            finished_reqs += 1
-
-    def drop_decoder(s: _Seq) -> int:
-        """Remove ``s`` from the decode arrays (writing its state back); its index."""
-        nonlocal d_uid, d_key, d_gen, d_out, d_ctx, d_batch
-        d_batch = None
-        idx = dec.index(s)
-        s.gen = int(d_gen[idx])
-        s.ctx = int(d_ctx[idx])
-        del dec[idx]
-        d_uid, d_key, d_gen, d_out, d_ctx = (np.delete(a, idx) for a in (d_uid, d_key, d_gen, d_out, d_ctx))
-        return idx
-
-    def preempt(victim: _Seq) -> int:
-        """Preempt the tail of ``running``; returns its decode index or -1."""
-        nonlocal alloc, preempt_recompute, preempt_swap, swapped_blocks
-        running.pop()
-        idx = -1
-        if victim.prefill_left > 0:
-            prefilling.remove(victim)
-        else:
-            idx = drop_decoder(victim)
-        if cfg.preemption == "swap":
-            t0 = perf()
-            try:
-                pairs = mgr.swap_out(victim.uid)
-            except OutOfBlocksError:
-                pairs = None  # host memory full: fall back to recompute
-            finally:
-                alloc += perf() - t0
-            if pairs is not None:
-                swapped_blocks += len(pairs)
-                swapped.append(victim)
-                preempt_swap += 1
-                return idx
-        t0 = perf()
-        mgr.free(victim.uid)
-        alloc += perf() - t0
-        victim.prefill_left = 0
-        waiting.appendleft(victim)
-        preempt_recompute += 1
-        return idx
-
-    def take_chunk(s: _Seq) -> None:
-        """Give s the next prefill chunk out of this step's token budget."""
-        nonlocal budget, pf_tokens
-        c = s.prefill_left if s.prefill_left < budget else budget
-        s.prefill_left -= c
-        budget -= c
-        pf_tokens += c
-        if s.prefill_left == 0:
-            completed.append(s)
-
-    while True:
-        while nxt < n_req and reqs[nxt].arrival <= now:
-            waiting.append(_Seq(next_uid, reqs[nxt], 0))
-            next_uid += 1
-            nxt += 1
-        if not running and not waiting and not swapped:
-            if nxt >= n_req:
-                break
-            now = reqs[nxt].arrival
-            continue
-        budget = cfg.token_budget
-        swap_blocks_step = swapped_blocks
-
-        # 1. decode: one native call appends one token to every decoding sequence
-        n_dec = len(dec)
-        if n_dec:
-            toks = tokens_at(d_key, d_gen - 1)
-            while True:
-                t0 = perf()
-                try:
-                    if d_batch is None:
-                        d_batch = mgr.batch(d_uid.tolist())
-                    mgr.append_batch(d_batch, toks)
-                    alloc += perf() - t0
-                    break
-                except OutOfBlocksError:
-                    alloc += perf() - t0
-                    idx = preempt(running[-1])
-                    if idx >= 0:
-                        toks = np.delete(toks, idx)
-                    if not dec:
-                        break
-            n_dec = len(dec)
-            if n_dec:
-                d_ctx += 1
-                if forked_live:
-                    t0 = perf()
-                    cow_copies += len(mgr.take_copies())
-                    alloc += perf() - t0
-            budget -= n_dec
-
-        # 2. prefill chunks for running prompts
-        pf_tokens = 0
-        completed: List[_Seq] = []
-        for s in prefilling:
-            if budget <= 0:
-                break
-            take_chunk(s)
-
-        # 3. admit: swapped sequences first, then the queue in order
-        joined: List[_Seq] = []
-        seats = len(running) + sum(s.forks for s in prefilling)  # batch seats, pending forks included
-        while budget > 0 and seats < cfg.max_num_seqs:
-            if swapped:
-                s = swapped[0]
-                t0 = perf()
-                try:
-                    pairs = mgr.swap_in(s.uid)
-                except OutOfBlocksError:
-                    alloc += perf() - t0
-                    break
-                alloc += perf() - t0
-                swapped.popleft()
-                swapped_blocks += len(pairs)
-                running.append(s)
-                seats += 1 + s.forks
-                if s.prefill_left > 0:
-                    prefilling.append(s)
-                    take_chunk(s)
-                else:
-                    joined.append(s)
-                continue
-            if not waiting:
-                break
-            s = waiting[0]
-            if running and seats + 1 + s.forks > cfg.max_num_seqs:
-                break
-            ntok = s.prompt_len + s.gen
-            t0 = perf()
-            ok = mgr.can_add(ntok)
-            alloc += perf() - t0
-            cached = -1
-            if ok:
-                tokens = seq_tokens(s)
-                t0 = perf()
-                first = s.sample == 0 and s.gen == 0 and not np.isfinite(rec.admit[s.req.index])
-                try:
-                    cached = int(mgr.add(s.uid, tokens, recompute=not first))
-                except OutOfBlocksError:
-                    cached = -1
-                alloc += perf() - t0
-            if cached < 0:
-                if not running and not swapped:
-                    waiting.popleft()  # cannot fit even in an empty cache
-                    reject(s)
-                    continue
-                break
-            waiting.popleft()
-            running.append(s)
-            seats += 1 + s.forks
-            i = s.req.index
-            if s.sample == 0 and s.gen == 0 and not np.isfinite(rec.admit[i]):
-                rec.admit[i] = now
-                rec.prompt_tokens[i] = ntok
-                rec.cached_tokens[i] = cached
-            else:
-                readds += 1
-                readd_cached += cached
-            s.ctx = ntok
-            s.prefill_left = ntok - cached
-            prefilling.append(s)
-            take_chunk(s)
-
-        # 4. the step computes the decodes' newest tokens and the prompts whose prefill
-        # completes: declare it, so that their full blocks enter the prefix cache
-        t0 = perf()
-        if n_dec:
-            mgr.schedule(d_batch if d_batch is not None else d_uid.tolist(), np.ones(n_dec, np.int32))
-        for s in completed:
-            mgr.schedule([s.uid], [mgr.num_tokens(s.uid) - mgr.num_computed(s.uid)])
-        alloc += perf() - t0
-
-        # the step's duration and its sample
-        kv_read = int(d_ctx.sum()) if n_dec else 0
-        swap_bytes = (swapped_blocks - swap_blocks_step) * cfg.block_bytes
-        dt = tm.step(pf_tokens, n_dec, kv_read, swap_bytes)
-        waste = int(((-d_ctx) % bs).sum()) if n_dec else 0
-        for s in prefilling:
-            waste += -s.ctx % bs
-        rec.step(now, dt, (usable - pool.num_free) * bs, waste, len(running), len(waiting) + len(swapped))
-        now += dt
-        steps += 1
-
-        # 5. finish decodes, complete prefills, fork samples
-        any_done = False
-        if n_dec:
-            d_gen += 1
-            fin = np.flatnonzero(d_gen >= d_out)
-            if fin.size:
-                any_done = True
-                for k in fin.tolist():
-                    finish(dec[k], now)
-                keep = d_gen < d_out
-                dec = [s for s, k in zip(dec, keep.tolist()) if k]
-                d_batch = None
-                d_uid, d_key, d_gen, d_out, d_ctx = d_uid[keep], d_key[keep], d_gen[keep], d_out[keep], d_ctx[keep]
-        if completed:
-            prefilling = [s for s in prefilling if s.prefill_left > 0]
-            for s in completed:
-                s.gen += 1
-                i = s.req.index
-                if s.sample == 0 and not np.isfinite(rec.first_token[i]):
-                    rec.first_token[i] = now
-                if s.gen >= s.output_len:
-                    any_done = True
-                    if s.forks:  # n samples of one token each: nothing to fork
-                        remaining_samples[i] -= s.forks
-                        s.forks = 0
-                    finish(s, now)
-                    continue
-                joined.append(s)
-                if s.forks:
-                    forked_live += 1 + s.forks
-                    for k in range(1, s.forks + 1):
-                        child = _Seq(next_uid, s.req, k)
-                        next_uid += 1
-                        child.gen, child.ctx = s.gen, s.ctx
-                        t0 = perf()
-                        mgr.fork(s.uid, child.uid)
-                        alloc += perf() - t0
-                        running.append(child)
-                        joined.append(child)
-                    s.forks = 0
-        if any_done:
-            running = [s for s in running if not s.done]
-        if joined:
-            d_batch = None
-            dec.extend(joined)
-            d_uid = np.concatenate([d_uid, np.array([s.uid for s in joined], dtype=np.int64)])
-            d_key = np.concatenate([d_key, seed_keys([s.seed for s in joined])])
-            d_gen = np.concatenate([d_gen, np.array([s.gen for s in joined], dtype=np.int64)])
-            d_out = np.concatenate([d_out, np.array([s.output_len for s in joined], dtype=np.int64)])
-            d_ctx = np.concatenate([d_ctx, np.array([s.ctx for s in joined], dtype=np.int64)])
-
-        if progress is not None and (steps & 255) == 0:
-            w = perf()
-            if w - last_report > 0.2:
-                last_report = w
-                progress(finished_reqs, now)
-
-    if progress is not None:
-        progress(finished_reqs, now)
-    wall = perf() - wall0
-    t0 = perf()
-    pool.check()
-    check_s = perf() - t0
-    stats = pool.stats
-    leaked = usable - pool.num_free
-    rec.counters.update(
-        {
-            "preemptions": preempt_recompute + preempt_swap,
-            "preemptions_recompute": preempt_recompute,
-            "preemptions_swap": preempt_swap,
-            "evictions": int(_stat(stats, "evictions")),
-            "block_queries": int(_stat(stats, "queries")),
-            "block_hits": int(_stat(stats, "hits")),
-            "block_hit_rate": _stat(stats, "hit_rate"),
-            "recompute_readds": readds,
-            "recompute_cached_tokens": readd_cached,
-            "cow_copies": cow_copies,
-            "swapped_blocks": swapped_blocks,
-            "blocks_in_use_at_end": int(leaked),
-            "cached_blocks_at_end": int(pool.num_cached),
-            "wall_s": wall,
-            "allocator_s": alloc,
-            "allocator_share": alloc / wall if wall > 0 else 0.0,
-            "check_s": check_s,
-        }
-    )
-    if leaked:
-        raise SimulationError(f"internal error: {leaked} blocks still referenced after the replay")
-    return SimResult("paged", rec.summary(), rec)
+    return PagedEngine(workload, cfg, tm).run(progress)

@@ -224,6 +224,15 @@ def _json_lines(path: str) -> Iterator[Tuple[int, dict]]:
         yield lineno, obj
 
 
+def _timed_records(path: str, limit: Optional[int]) -> Iterator[Tuple[int, dict, float]]:
+    """(line number, object, arrival in seconds) of each request line of a JSONL trace, up to
+    ``limit`` requests; ``timestamp`` is in milliseconds."""
+    for count, (lineno, obj) in enumerate(_json_lines(path)):
+        if limit is not None and count >= limit:
+            break
+        yield lineno, obj, _time_field(obj, "timestamp", path, lineno) / 1000.0
+
+
 def _finish(name: str, kind: str, reqs: List[Request], path: str) -> Workload:
     if not reqs:
         raise WorkloadError("no requests in file", path)
@@ -239,10 +248,7 @@ def _finish(name: str, kind: str, reqs: List[Request], path: str) -> Workload:
 def load_mooncake(path: str, limit: Optional[int] = None) -> Workload:
     """Read a Mooncake trace (JSONL, timestamps in ms, 512-token hash ids)."""
     reqs: List[Request] = []
-    for lineno, obj in _json_lines(path):
-        if limit is not None and len(reqs) >= limit:
-            break
-        t = _time_field(obj, "timestamp", path, lineno) / 1000.0
+    for lineno, obj, t in _timed_records(path, limit):
         n_in = _int_field(obj, "input_length", path, lineno, lo=1)
         n_out = _int_field(obj, "output_length", path, lineno, lo=1)
         ids = obj.get("hash_ids")
@@ -353,10 +359,7 @@ def load_azure_csv(path: str, limit: Optional[int] = None) -> Workload:
 def load_kvblocks_jsonl(path: str, limit: Optional[int] = None, name: Optional[str] = None) -> Workload:
     """Read a kvblocks workload JSONL (segments, parallel samples; see module docstring)."""
     reqs: List[Request] = []
-    for lineno, obj in _json_lines(path):
-        if limit is not None and len(reqs) >= limit:
-            break
-        t = _time_field(obj, "timestamp", path, lineno) / 1000.0
+    for lineno, obj, t in _timed_records(path, limit):
         n_out = _int_field(obj, "output_length", path, lineno, lo=1)
         n = _int_field(obj, "n", path, lineno, lo=1, hi=MAX_SAMPLES) if "n" in obj else 1
         segs = obj.get("segments")

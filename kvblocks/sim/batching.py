@@ -1,0 +1,61 @@
+"""What both replays share about continuous batching: the engine's knobs and one step's budget.
+
+:class:`SchedulerConfig` holds the modelled engine's settings (vLLM's defaults).
+:class:`StepBudget` is one engine step's token budget (``max_num_batched_tokens``): decoding
+sequences take one token each, then running prompts and newly admitted ones take chunks of
+what is left (chunked prefill), in order, until it runs out. The paged replay
+(:mod:`kvblocks.sim.scheduler`) and the contiguous one (:mod:`kvblocks.sim.contiguous`) both
+chunk prompts with :meth:`StepBudget.take_chunk`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List
+
+from . import limits
+from .errors import SimulationError
+
+__all__ = ["SchedulerConfig", "StepBudget"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Knobs of the modelled engine (defaults follow vLLM's)."""
+
+    num_blocks: int  # usable KV blocks (the null block comes on top)
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01  # fraction of blocks admission keeps free (vLLM v0 default)
+    max_num_seqs: int = 256  # sequences per batch
+    token_budget: int = 8192  # tokens per step (max_num_batched_tokens)
+    preemption: str = "recompute"  # or "swap"
+    host_blocks: int = 0  # swap space in blocks
+    block_bytes: int = 0  # bytes per block (swap time)
+
+    def validate(self) -> None:
+        if self.preemption not in ("recompute", "swap"):
+            raise SimulationError(f"--preemption must be 'recompute' or 'swap', got {self.preemption!r}")
+        limits.WATERMARK.check(self.watermark)
+        limits.MAX_NUM_SEQS.check(self.max_num_seqs)
+        limits.TOKEN_BUDGET.check(self.token_budget)
+
+
+class StepBudget:
+    """The tokens one engine step may still compute, and the prefill work given out so far."""
+
+    __slots__ = ("left", "prefill_tokens", "completed")
+
+    def __init__(self, tokens: int) -> None:
+        self.left = tokens  # tokens still to give out (the decodes' tokens already taken)
+        self.prefill_tokens = 0  # prompt tokens given out as chunks
+        self.completed: List[Any] = []  # prompts whose last chunk is in this step, in order
+
+    def take_chunk(self, s: Any) -> None:
+        """Give ``s`` (anything with a ``prefill_left`` count) its next prefill chunk."""
+        c = s.prefill_left if s.prefill_left < self.left else self.left
+        s.prefill_left -= c
+        self.left -= c
+        self.prefill_tokens += c
+        if s.prefill_left == 0:
+            self.completed.append(s)

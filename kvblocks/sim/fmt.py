@@ -1,0 +1,25 @@
+"""Formatting shared by the simulation report and the capacity plan: byte sizes, JSON values."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["fmt_bytes", "json_safe"]
+
+
+def fmt_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def json_safe(v: Any) -> Any:
+    """``v`` with every NaN or infinite float (in nested dicts too) replaced by None (JSON null)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: json_safe(x) for k, x in v.items()}
+    return v
