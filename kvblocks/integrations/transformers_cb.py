@@ -48,6 +48,7 @@ models whose layers are all full attention. Sliding-window layers are refused
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -74,16 +75,20 @@ def _version_problem(version: str) -> Optional[str]:
             f"Install a supported one: pip install 'kvblocks[transformers-cb]'")
 
 
+def _installed_version() -> str:
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise NotSupportedError("kvblocks.integrations.transformers_cb needs transformers "
+                                f"{SUPPORTED_TRANSFORMERS[0]}.x (not installed)") from exc
+    return transformers.__version__
+
+
 def check_version(version: Optional[str] = None) -> None:
     """Raise :class:`NotSupportedError` unless ``version`` (default: the installed transformers)
     is one this module supports (:data:`SUPPORTED_TRANSFORMERS`)."""
     if version is None:
-        try:
-            import transformers
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise NotSupportedError("kvblocks.integrations.transformers_cb needs transformers "
-                                    f"{SUPPORTED_TRANSFORMERS[0]}.x (not installed)") from exc
-        version = transformers.__version__
+        version = _installed_version()
     problem = _version_problem(version)
     if problem is not None:
         raise NotSupportedError(problem)
@@ -139,9 +144,27 @@ class KVBlocksCB:
 
     @property
     def stats(self) -> CacheStats:
-        """The :class:`CacheStats` of :attr:`manager` (all zero before a cache is built)."""
+        """The :class:`CacheStats` of :attr:`manager` (all zero before a cache is built).
+
+        ``queries`` / ``query_blocks`` / ``hit_blocks`` count prompt lookups only: the one-block
+        lookups made to de-duplicate (:attr:`deduplicated`) are taken out. transformers looks a
+        waiting prompt up again at every step until it is scheduled, so a prompt that missed can
+        count several queries; :attr:`hit_tokens` counts each hit once."""
         m = self.manager
-        return CacheStats() if m is None else m.stats
+        if m is None:
+            return CacheStats()
+        st = m.stats
+        allocators = self.cache_pool.allocators
+        n = sum(a.dedup_lookups[0] for a in allocators)
+        hits = sum(a.dedup_lookups[1] for a in allocators)
+        return dataclasses.replace(st, queries=st.queries - n, query_blocks=st.query_blocks - n,
+                                   hit_blocks=st.hit_blocks - hits)
+
+    @property
+    def hit_tokens(self) -> int:
+        """Prompt tokens of the last cache served from the prefix cache (not computed)."""
+        p = self.cache_pool
+        return 0 if p is None else sum(a.hit_tokens for a in p.allocators)
 
     @property
     def reserved_blocks(self) -> int:
@@ -154,6 +177,13 @@ class KVBlocksCB:
         """Blocks referenced by requests of the last cache (reserved blocks not counted)."""
         p = self.cache_pool
         return 0 if p is None else p.kv.num_used - len(p.reserved)
+
+    @property
+    def deduplicated(self) -> int:
+        """Computed blocks of the last cache replaced by an identical cached block (two requests
+        computed the same prefix in one step), so their K/V are held once."""
+        p = self.cache_pool
+        return 0 if p is None else sum(a.deduplicated for a in p.allocators)
 
     def check(self) -> None:
         """Check every pool built: kvblocks' invariants (``BlockPool.check``) and that each block's
@@ -180,7 +210,8 @@ class KVBlocksCachePool(CachePool):
     cached ones: allocation evicts those lazily, in LRU order, one at a time).
     """
 
-    def __init__(self, num_sectors: int, num_allocators: int, num_reserved_sectors: int = 2) -> None:
+    def __init__(self, num_sectors: int, num_allocators: int,
+                 num_reserved_sectors: int = 2) -> None:
         kb = _ACTIVE
         if kb is None:
             raise InvalidStateError("a kvblocks cache pool was built outside "
@@ -200,8 +231,8 @@ class KVBlocksCachePool(CachePool):
         The prefix cache is kept: cached blocks still hold their K/V."""
         self.free_sectors = []  # every sector belongs to kvblocks from the start
         if self.kv is not None and self.kv.num_used != len(self.reserved):
-            raise InvalidStateError(f"cache pool reset while {self.kv.num_used - len(self.reserved)}"
-                                    " blocks are still referenced")
+            held = self.kv.num_used - len(self.reserved)
+            raise InvalidStateError(f"cache pool reset while {held} blocks are still referenced")
 
     def set_blocks_per_sector(self, index: int, blocks_per_sector: int) -> None:
         """Called once the cache tensor is registered: builds the kvblocks pool over all of it."""
@@ -287,6 +318,9 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
         super().__init__(*args, **kwargs)
         self.ledger = _NoLedger()
         self._chains: Dict[str, np.ndarray] = {}
+        self.deduplicated = 0  # computed blocks replaced by an identical cached block
+        self.dedup_lookups = [0, 0]  # [lookups, hits] made to de-duplicate (not prefix queries)
+        self.hit_tokens = 0  # prompt tokens served from the prefix cache
 
     def _after_cache_tensor_init(self, non_trash_bytes: int, bytes_per_sector: int,
                                  cache_tensor: Any, pool: Any) -> None:
@@ -356,8 +390,10 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
             self.kv.free(hit[kept:][::-1])
         self.block_table[request_id] = hit[:kept].tolist()
         self._chains[request_id] = hashes[:kept].copy()
+        self.hit_tokens += kept * self.tokens_per_page
 
-    def mark_complete_blocks(self, request_id: str, token_ids: List[int], new_new_blocks: int) -> None:
+    def mark_complete_blocks(self, request_id: str, token_ids: List[int],
+                             new_new_blocks: int) -> None:
         """The forward pass that just returned computed ``new_new_blocks`` more full blocks of the
         request: hash them on their parent and register them in the prefix cache.
 
@@ -385,10 +421,13 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
             if kv.is_cached(block):
                 continue
             existing = kv.lookup(new[i: i + 1])  # same thread, nothing between lookup and incref
+            self.dedup_lookups[0] += 1
+            self.dedup_lookups[1] += len(existing)
             if len(existing) and int(existing[0]) != block:
                 kv.incref(existing)
                 table[done + i] = int(existing[0])
                 kv.free(ids[i: i + 1])
+                self.deduplicated += 1
         self._chains[request_id] = new if chain is None else np.concatenate([chain, new])
 
 
