@@ -305,3 +305,12 @@ def test_sliding_window_model_refused():
         with transformers_cb.enabled():
             _run(model, PROMPTS[:1])
     assert cb_cache.CachePool is not transformers_cb.KVBlocksCachePool
+
+
+def test_docs_example_runs():
+    import re
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "transformers-cb.md"
+    (code,) = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+    exec(compile(code, str(doc), "exec"), {})
