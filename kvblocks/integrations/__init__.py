@@ -4,7 +4,9 @@ Each submodule imports its framework lazily (only when the submodule itself is i
 ``import kvblocks`` never needs torch or transformers:
 
 * :mod:`kvblocks.integrations.transformers` - :class:`PagedKVCache`, a Hugging Face
-  ``transformers`` ``Cache`` whose K/V live in kvblocks blocks (needs ``kvblocks[transformers]``).
+  ``transformers`` ``Cache`` whose K/V live in kvblocks blocks (needs ``kvblocks[transformers]``);
+* :mod:`kvblocks.integrations.transformers_cb` - ``enabled()``: kvblocks as the block allocator of
+  transformers' continuous batching (``generate_batch``; needs ``kvblocks[transformers-cb]``).
 """
 
-__all__ = ["transformers"]
+__all__ = ["transformers", "transformers_cb"]
