@@ -112,9 +112,9 @@ if _IMPORT_PROBLEM is None:
         FullAttentionCacheAllocator,
     )
 else:  # pragma: no cover - depends on the installed version
-    _cb_cache = None
+    _cb_cache = None  # type: ignore[assignment]
     FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
-    CachePool = FullAttentionCacheAllocator = object
+    CachePool = FullAttentionCacheAllocator = object  # type: ignore[misc,assignment]
 
 
 class KVBlocksCB:
@@ -154,7 +154,7 @@ class KVBlocksCB:
         if m is None:
             return CacheStats()
         st = m.stats
-        allocators = self.cache_pool.allocators
+        allocators = self.cache_pool.allocators if self.cache_pool is not None else []
         n = sum(a.dedup_lookups[0] for a in allocators)
         hits = sum(a.dedup_lookups[1] for a in allocators)
         return dataclasses.replace(st, queries=st.queries - n, query_blocks=st.query_blocks - n,
@@ -176,7 +176,7 @@ class KVBlocksCB:
     def blocks_in_use(self) -> int:
         """Blocks referenced by requests of the last cache (reserved blocks not counted)."""
         p = self.cache_pool
-        return 0 if p is None else p.kv.num_used - len(p.reserved)
+        return 0 if p is None or p.kv is None else p.kv.num_used - len(p.reserved)
 
     @property
     def deduplicated(self) -> int:
@@ -262,15 +262,20 @@ class KVBlocksCachePool(CachePool):
         pass
 
     # block level
+    @property
+    def _pool(self) -> BlockPool:
+        assert self.kv is not None, "the pool is built with the cache tensor"
+        return self.kv
+
     def get_free_blocks(self, index: int, num_blocks: int) -> List[int]:
-        return self.kv.allocate(num_blocks).tolist()
+        return self._pool.allocate(num_blocks).tolist()
 
     def free_blocks(self, index: int, block_ids: List[int]) -> None:
         if len(block_ids):
-            self.kv.free(np.asarray(block_ids[::-1], dtype=np.int32))
+            self._pool.free(np.asarray(block_ids[::-1], dtype=np.int32))
 
     def count_free_blocks(self, index: int) -> int:
-        return self.kv.num_free
+        return self._pool.num_free
 
     def check(self) -> None:
         """kvblocks' invariants, and reference counts equal to the block tables' references."""
@@ -316,7 +321,7 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.ledger = _NoLedger()
+        self.ledger = _NoLedger()  # type: ignore[assignment]  # transformers' ledger, unused
         self._chains: Dict[str, np.ndarray] = {}
         self.deduplicated = 0  # computed blocks replaced by an identical cached block
         self.dedup_lookups = [0, 0]  # [lookups, hits] made to de-duplicate (not prefix queries)
@@ -332,7 +337,7 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
 
     @property
     def kv(self) -> BlockPool:
-        return self.pool.kv
+        return self.pool.kv  # type: ignore[attr-defined]  # a KVBlocksCachePool (checked at init)
 
     def _caching(self) -> bool:
         return self.use_block_sharing and self.kv.enable_prefix_caching
@@ -411,7 +416,7 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
         end = min(done + new_new_blocks, len(token_ids) // ps, len(table))
         if end <= done:
             return
-        parent = None if done == 0 else chain[done - 1]
+        parent = None if chain is None or done == 0 else chain[done - 1]
         tokens = np.asarray(token_ids[done * ps: end * ps], dtype=np.int32)
         new = hash_blocks(tokens, ps, parent=parent, key=self.kv.hash_key)
         ids = np.asarray(table[done:end], dtype=np.int32)
@@ -470,9 +475,9 @@ def enabled(enable_prefix_caching: bool = True, *, hash_key: Any = None,
         saved = (_cb_cache.ATTN_TYPE_TO_ALLOCATOR, _cb_cache.CachePool)
         table = dict(saved[0])
         table[FULL_ATTENTION] = KVBlocksAllocator
-        table[SLIDING_ATTENTION] = _RecordingRefusal(kb)
+        table[SLIDING_ATTENTION] = _RecordingRefusal(kb)  # type: ignore[assignment]
         _cb_cache.ATTN_TYPE_TO_ALLOCATOR = table
-        _cb_cache.CachePool = KVBlocksCachePool
+        _cb_cache.CachePool = KVBlocksCachePool  # type: ignore[misc]  # the seam
         _ACTIVE = kb
     raised = False
     try:
@@ -482,7 +487,7 @@ def enabled(enable_prefix_caching: bool = True, *, hash_key: Any = None,
         raise
     finally:
         with _LOCK:
-            _cb_cache.ATTN_TYPE_TO_ALLOCATOR, _cb_cache.CachePool = saved
+            _cb_cache.ATTN_TYPE_TO_ALLOCATOR, _cb_cache.CachePool = saved  # type: ignore[misc]
             _ACTIVE = None
         if not raised and kb.build_error is not None:
             raise kb.build_error
