@@ -44,7 +44,7 @@ def alloc_run(tmp_path_factory):
 def test_alloc_text_report(alloc_run):
     p, doc, out = alloc_run
     text = p.stdout
-    for needle in ("kvblocks bench: alloc", "machine ", "software ", "timer overhead", "measured and subtracted",
+    for needle in ("kvblocks bench: alloc", "machine ", "software ", "timer overhead", "subtracted: timer",
                    "warm-up:", "GC off", "baselines python", "vllm:", "memory per block: kvblocks"):
         assert needle in text, needle
     header = next(line for line in text.splitlines() if line.startswith("operation"))
@@ -66,13 +66,14 @@ def test_alloc_json_schema(alloc_run):
         assert key in m, key
     assert m["build"]["kind"] in ("release", "release?", "debug", "sanitizer", "unknown")
     t = doc["timing"]
-    assert t["subtracted"] is True and t["timer_overhead_ns"] > 0 and t["call_overhead_ns"] >= 0
-    assert "warm-up" in t["warmup"] and t["gc"] == "off while timing"
+    assert "warm-up" in t["warmup"] and t["gc"] == "off while timing" and "subtracted" in t["overhead"]
+    for ov in (t["before_run"], doc["suites"]["alloc"]["overhead"]):
+        assert ov["subtracted"] is True and ov["timer_overhead_ns"] > 0 and ov["call_overhead_ns"] >= 0
     assert doc["vllm_timed"] is False or "vllm" in doc["suites"]["alloc"]["ops"][0]["results"]
     body = doc["suites"]["alloc"]
     assert [o["id"] for o in body["ops"]] == ALLOC_OPS
     for o in body["ops"]:
-        assert {"id", "label", "unit", "units", "note", "results", "speedup"} <= set(o)
+        assert set(o) == {"id", "label", "unit", "units", "note", "results", "speedup"}
         assert o["unit"] in ("block", "seq", "call") and o["units"] >= 1
         for r in o["results"].values():
             assert set(r) == STATS
@@ -85,6 +86,20 @@ def test_alloc_json_schema(alloc_run):
                 o["results"]["python"]["p50_ns"] / o["results"]["kvblocks"]["p50_ns"])
     mem = body["bytes_per_block"]
     assert mem["kvblocks"] > 0 and mem["python"] > 0
+
+
+def test_report_warnings(alloc_run):
+    from kvblocks.bench.report import format_report
+
+    _, doc, _ = alloc_run
+    doc = json.loads(json.dumps(doc))
+    doc["machine"]["build"]["kind"] = "debug"
+    doc["suites"]["alloc"]["overhead"]["probe_slowdown"] = 2.0
+    doc["load_average"] = {"start": [3.0, 2.0, 1.0], "end": [3.5, 2.0, 1.0]}
+    text = format_report(doc)
+    assert "debug build of the extension" in text
+    assert "other processes slowed this suite" in text and "2.00x slower" in text
+    assert "load average 3.00 at start" in text and "other processes were busy" in text
 
 
 def test_all_suites_json_to_stdout():

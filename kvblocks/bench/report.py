@@ -12,6 +12,7 @@ from .runner import SCHEMA
 
 __all__ = ["format_report", "load_baseline", "compare"]
 
+SLOWDOWN_WARN = 1.3
 _MACHINE_KEYS = ("cpu_model", "arch", "cores_logical", "python", "numpy")
 
 
@@ -112,12 +113,19 @@ def format_report(doc: dict) -> str:
     out = [f"kvblocks bench: {', '.join(doc['suites'])}" + ("  (--quick)" if doc["settings"]["quick"] else "")]
     out += summary_lines(doc["machine"])
     t = doc["timing"]
-    out.append(f"timing    GC off; timer overhead {t['timer_overhead_ns']:.0f} ns per sample and harness "
-               f"{t['call_overhead_ns']:.0f} ns per call, measured and subtracted")
+    out += textwrap.wrap(f"timing    GC off; {t['overhead']} (values by each suite's title)", 100,
+                         subsequent_indent=" " * 12)
     for note in (t["warmup"], t["percentiles"]):
         out += textwrap.wrap(note, 100, initial_indent=" " * 10, subsequent_indent=" " * 12)
     out.append(f"baselines python = {doc['baselines']['python']}")
     out.append(f"          vllm: {doc['baselines']['vllm']}")
+    load = doc.get("load_average") or {}
+    if load.get("start") and load.get("end"):
+        busy = load["start"][0] >= 0.5
+        line = (f"load      1-minute load average {load['start'][0]:.2f} at start, {load['end'][0]:.2f} at end"
+                + (" (other processes were busy: medians can shift between runs; same-run ratios hold "
+                   "better)" if busy else ""))
+        out += textwrap.wrap(line, 100, subsequent_indent=" " * 10)
     kind = doc["machine"]["build"]["kind"]
     if kind not in ("release", "release?"):
         out.append(f"warning   {kind} build of the extension: timings do not represent a release build")
@@ -133,7 +141,9 @@ def format_report(doc: dict) -> str:
             out.append("warning   one of the two runs used --quick")
     for suite, body in doc["suites"].items():
         out.append("")
-        out.append(f"{suite}  ({body['seconds']:.1f} s)")
+        ov = body["overhead"]
+        out.append(f"{suite}  ({body['seconds']:.1f} s; subtracted: timer {ov['timer_overhead_ns']:.0f} ns per sample, "
+                   f"harness {ov['call_overhead_ns']:.1f} ns per call)")
         impls: List[str] = []
         for o in body["ops"]:
             impls += [k for k in o["results"] if k != "kvblocks" and k not in impls]
@@ -156,6 +166,12 @@ def format_report(doc: dict) -> str:
             rows.append(r)
             if o.get("note"):
                 notes.append(f"  {o['label']}: {o['note']}")
+        if ov.get("probe_slowdown", 1.0) > SLOWDOWN_WARN:
+            out += textwrap.wrap(
+                f"warning: other processes slowed this suite: the harness probe (a fixed no-op loop "
+                f"timed in every round) ran {ov['probe_slowdown']:.2f}x slower than in its quietest "
+                "round; medians will not match a quiet run (same-run ratios hold better)", 100,
+                subsequent_indent="  ")
         out += _table(header, rows)
         mem = body.get("bytes_per_block")
         if mem:

@@ -9,6 +9,7 @@ kvblocks p50) for every baseline it has.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, TextIO
@@ -30,6 +31,8 @@ UNAVAILABLE = {  # accepted names of suites whose features are not in this versi
 }
 WARMUP_NOTE = ("warm-up: each operation ran untimed samples first (>= {ms:g} ms), and each of the "
                "{rounds} interleaved rounds starts with one untimed sample; pool builds are timed cold")
+OVERHEAD_NOTE = ("timer overhead (per sample) and harness overhead (per call) measured before the run "
+                 "and inside every round, subtracted per suite (the median of those measurements)")
 P99_NOTE = ("p50/p99 are over samples; a sample is the mean of `inner` back-to-back calls "
             "(1 for single-call operations: metadata, pool build)")
 BASELINES = {
@@ -84,6 +87,7 @@ def run(suites: Sequence[str] = ("all",), *, quick: bool = False, max_samples: O
     names = resolve_suites(suites)
     settings = Settings(quick=quick, max_samples=max_samples)
     make_vllm, vllm_desc = load() if use_vllm else (None, "vllm not timed (disabled)")
+    load_start = _loadavg()
     cal = calibrate(800 if quick else 3000)
     doc = {
         "schema": SCHEMA,
@@ -91,9 +95,9 @@ def run(suites: Sequence[str] = ("all",), *, quick: bool = False, max_samples: O
         "command": command,
         "settings": {"quick": quick, "max_samples": max_samples, "rounds": settings.rounds},
         "machine": describe_machine(),
-        "timing": {**cal.as_dict(), "gc": "off while timing",
+        "timing": {"before_run": cal.as_dict(), "gc": "off while timing",
                    "warmup": WARMUP_NOTE.format(ms=settings.warmup_ns / 1e6, rounds=settings.rounds),
-                   "percentiles": P99_NOTE},
+                   "overhead": OVERHEAD_NOTE, "percentiles": P99_NOTE},
         "baselines": {**BASELINES, "vllm": vllm_desc},
         "vllm_timed": make_vllm is not None,
         "suites": {},
@@ -104,7 +108,7 @@ def run(suites: Sequence[str] = ("all",), *, quick: bool = False, max_samples: O
         bar = ProgressBar(f"bench {name}", stream) if progress else None
         try:
             ops, facts = _builder(name)(settings, make_vllm)
-            stats = run_ops(ops, settings, cal, progress=bar)
+            stats, used = run_ops(ops, settings, cal, progress=bar)
         except KVBlocksError as e:  # a bug of the suite, not the user's input: keep the traceback
             raise RuntimeError(f"bench suite {name!r} failed: {type(e).__name__}: {e}") from e
         finally:
@@ -119,7 +123,17 @@ def run(suites: Sequence[str] = ("all",), *, quick: bool = False, max_samples: O
             speedup = {k: (v["p50_ns"] / ref if ref > 0 else None) for k, v in res.items() if k != "kvblocks"}
             rows.append({"id": op.id, "label": op.label, "unit": op.unit, "units": op.units,
                          "note": op.note, "results": res, "speedup": speedup})
-        doc["suites"][name] = {"seconds": round(time.perf_counter() - t0, 2), "ops": rows, **facts}
+        doc["suites"][name] = {"seconds": round(time.perf_counter() - t0, 2), "overhead": used.as_dict(),
+                               "ops": rows, **facts}
         result.samples[name] = raw
         del ops
+    doc["load_average"] = {"start": load_start, "end": _loadavg()}
     return result
+
+
+def _loadavg() -> Optional[List[float]]:
+    """1, 5 and 15-minute load averages (None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None

@@ -9,8 +9,9 @@ Method (the same for kvblocks and every baseline, so ratios compare like with li
   short-window means, not of single calls.
 - **Overhead subtracted.** :func:`calibrate` measures an empty sample (two clock reads and the
   loop set-up: ``timer_ns``) and the harness cost of one iteration calling a no-op Python
-  function (``call_ns``); each sample has ``timer_ns / inner + call_ns`` taken off (never
-  below 0). What remains is the cost of the calls the case makes.
+  function (``call_ns``), once before and once inside every round (so under the same load as
+  the cases; the median of these blocks is used). Each sample has ``timer_ns / inner +
+  call_ns`` taken off (never below 0): what remains is the cost of the calls the case makes.
 - **Warm-up.** Before its first round each case runs untimed samples for at least
   ``warmup_ns`` (caches, branch predictors, lazily built buffers); each later round starts
   with one untimed sample. Cases marked ``warmup=False`` (building a pool) are timed cold.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -43,11 +44,11 @@ class Settings:
 
     @property
     def rounds(self) -> int:
-        return 2 if self.quick else 6
+        return 2 if self.quick else 20
 
     @property
     def samples(self) -> int:  # default samples per case
-        n = 150 if self.quick else 1500
+        n = 150 if self.quick else 3000
         return min(n, self.max_samples) if self.max_samples else n
 
     @property
@@ -57,7 +58,7 @@ class Settings:
 
     @property
     def case_budget_ns(self) -> float:  # timed time per case (before min_samples)
-        return 0.08e9 if self.quick else 1.0e9
+        return 0.08e9 if self.quick else 2.0e9
 
     @property
     def target_sample_ns(self) -> float:
@@ -78,10 +79,12 @@ class Calibration:
     timer_ns: float  # one empty sample: two perf_counter_ns reads and the loop set-up
     call_ns: float  # one loop iteration calling a no-op Python function
     resolution_ns: float  # perf_counter resolution the OS reports
+    slowdown: float = 1.0  # median over quietest call_ns of the blocks: > 1 when others were busy
 
     def as_dict(self) -> dict:
         return {"timer_overhead_ns": self.timer_ns, "call_overhead_ns": self.call_ns,
-                "clock_resolution_ns": self.resolution_ns, "subtracted": True}
+                "clock_resolution_ns": self.resolution_ns, "subtracted": True,
+                "probe_slowdown": round(self.slowdown, 3)}
 
 
 def _sample(fn: Callable[[], object], inner: int) -> int:
@@ -95,23 +98,36 @@ def _noop() -> None:
     return None
 
 
-def calibrate(samples: int = 3000) -> Calibration:
-    """Measure ``timer_ns`` and ``call_ns`` (medians, GC off)."""
+def _calibration_block(per: int, inner: int = 200) -> tuple:
+    empty = np.array([_sample(_noop, 0) for _ in range(per)], dtype=np.float64)
+    timer = float(np.median(empty))
+    loops = np.array([_sample(_noop, inner) for _ in range(max(10, per // 10))], dtype=np.float64)
+    return timer, max(0.0, (float(np.median(loops)) - timer) / inner)
+
+
+def calibrate(samples: int = 3000, blocks: int = 5) -> Calibration:
+    """Measure ``timer_ns`` and ``call_ns``: medians over ``blocks`` blocks of samples (GC off)."""
     was = gc.isenabled()
     gc.disable()
     try:
         for _ in range(200):
             _sample(_noop, 0)
-        empty = np.array([_sample(_noop, 0) for _ in range(samples)], dtype=np.float64)
-        timer = float(np.median(empty))
-        inner = 1000
-        loops = np.array([_sample(_noop, inner) for _ in range(max(20, samples // 50))], dtype=np.float64)
-        call = max(0.0, (float(np.median(loops)) - timer) / inner)
+        got = [_calibration_block(max(50, samples // blocks)) for _ in range(blocks)]
     finally:
         if was:
             gc.enable()
+    return _combine(got)
+
+
+def _combine(blocks: List[tuple]) -> Calibration:
+    """The median of the blocks; how much slower that is than the quietest block says how
+    much other processes slowed this one (the no-op loop is a fixed amount of work)."""
     res = time.get_clock_info("perf_counter").resolution * 1e9
-    return Calibration(timer_ns=timer, call_ns=call, resolution_ns=res)
+    calls = [b[1] for b in blocks]
+    call = float(np.median(calls))
+    quiet = min(calls)
+    return Calibration(timer_ns=float(np.median([b[0] for b in blocks])), call_ns=call,
+                       resolution_ns=res, slowdown=call / quiet if quiet > 0 else 1.0)
 
 
 @dataclass(eq=False)
@@ -204,8 +220,9 @@ def _prepare(case: Case, s: Settings, cal: Calibration) -> None:
 
 
 def run_ops(ops: List[Op], s: Settings, cal: Calibration,
-            progress: Optional[Callable[[int, int], None]] = None) -> Dict[int, Stats]:
-    """Time every distinct case of ``ops``; returns ``{id(case): Stats}``."""
+            progress: Optional[Callable[[int, int], None]] = None) -> Tuple[Dict[int, Stats], Calibration]:
+    """Time every distinct case of ``ops``; returns ``{id(case): Stats}`` and the calibration
+    subtracted (``cal``'s blocks and one more per round, combined)."""
     cases: List[Case] = []
     seen = set()
     for op in ops:
@@ -225,7 +242,9 @@ def run_ops(ops: List[Op], s: Settings, cal: Calibration,
             done += 1
             if progress:
                 progress(done, total)
+        blocks = [(cal.timer_ns, cal.call_ns)]
         for r in range(rounds):
+            blocks.append(_calibration_block(300))
             for c in cases:
                 n = c._want // rounds + (1 if r < c._want % rounds else 0)
                 if n:
@@ -241,10 +260,11 @@ def run_ops(ops: List[Op], s: Settings, cal: Calibration,
     finally:
         if was:
             gc.enable()
+    cal = _combine(blocks)
     out = {}
     for c in cases:
         raw = np.concatenate(c._got)
         per_call = np.maximum(raw / c._inner - cal.timer_ns / c._inner - cal.call_ns, 0.0)
         out[id(c)] = Stats(samples=per_call, inner=c._inner)
         c._got = []
-    return out
+    return out, cal
