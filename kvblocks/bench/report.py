@@ -113,7 +113,7 @@ def format_report(doc: dict) -> str:
     out = [f"kvblocks bench: {', '.join(doc['suites'])}" + ("  (--quick)" if doc["settings"]["quick"] else "")]
     out += summary_lines(doc["machine"])
     t = doc["timing"]
-    out += textwrap.wrap(f"timing    GC off; {t['overhead']} (values by each suite's title)", 100,
+    out += textwrap.wrap(f"timing    GC off; {t['overhead']}", 100,
                          subsequent_indent=" " * 12)
     for note in (t["warmup"], t["percentiles"]):
         out += textwrap.wrap(note, 100, initial_indent=" " * 10, subsequent_indent=" " * 12)

@@ -31,8 +31,8 @@ UNAVAILABLE = {  # accepted names of suites whose features are not in this versi
 }
 WARMUP_NOTE = ("warm-up: each operation ran untimed samples first (>= {ms:g} ms), and each of the "
                "{rounds} interleaved rounds starts with one untimed sample; pool builds are timed cold")
-OVERHEAD_NOTE = ("timer overhead (per sample) and harness overhead (per call) measured before the run "
-                 "and inside every round, subtracted per suite (the median of those measurements)")
+OVERHEAD_NOTE = ("timer overhead (per sample) and harness overhead (per call), measured before the run "
+                 "and in every round, are subtracted (their medians; values on each suite's line)")
 P99_NOTE = ("p50/p99 are over samples; a sample is the mean of `inner` back-to-back calls "
             "(1 for single-call operations: metadata, pool build)")
 BASELINES = {
