@@ -160,7 +160,7 @@ import argparse  # noqa: E402
 
 from kvblocks.__main__ import main  # noqa: E402
 from kvblocks.sim import limits  # noqa: E402
-from kvblocks.sim.cli import build_parser  # noqa: E402
+from kvblocks.__main__ import build_parser  # noqa: E402
 
 PLAN_ARGS = ("--prompt-len", "100", "--output-len", "100", "--samples", "10")
 

@@ -1,4 +1,4 @@
-"""The ``kvblocks`` command line: ``simulate`` and ``plan``.
+"""The ``kvblocks simulate`` and ``kvblocks plan`` subcommands (dispatched by kvblocks/__main__.py).
 
 Every error the user can cause (a flag out of range, missing or malformed file, bad lengths,
 unknown model, memory that does not fit) prints one ``kvblocks: error: ...`` line and exits with
@@ -9,17 +9,14 @@ status 2; no traceback. Every numeric flag is parsed by its :class:`~kvblocks.si
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from typing import List, NoReturn, Optional
 
-from ..errors import KVBlocksError
 from . import limits as L
 from .errors import SimulationError
 from .models import DEFAULT_MODEL, PRESETS, ModelSpec, custom_model, get_model, memory_bill
 from .plan import DIST_HELP, format_plan, make_plan, parse_dist, plan_json
 
-__all__ = ["main", "build_parser"]
+__all__ = ["add_commands", "run"]
 
 DEFAULT_GPU_MEM = 80.0
 DEFAULT_SWAP_GIB = 4.0
@@ -71,26 +68,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=L.NUM_BLOCKS.parse, metavar="N", help="KV blocks, overriding the memory computation")
 
 
-class _UsageError(Exception):
-    """A command line argparse refused; main prints it as one line and returns 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (no usage dump, no SystemExit from main)."""
-
-    def error(self, message: str) -> NoReturn:
-        if message.endswith("expected one argument"):  # argparse takes "-inf" or "-1e5" for a flag
-            message += " (write --flag=VALUE for a value starting with '-')"
-        elif not message.startswith("argument "):  # unknown or missing flags
-            message += f" (see '{self.prog} --help')"
-        raise _UsageError(message)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``kvblocks`` (its subcommands' parsers share its class)."""
-    parser = _Parser(prog="kvblocks", description="kvblocks: paged KV-cache memory manager tools.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
+def add_commands(sub: "argparse._SubParsersAction") -> None:
+    """Add ``simulate`` and ``plan`` to the subcommands of the ``kvblocks`` parser."""
     sim = sub.add_parser(
         "simulate",
         help="replay a workload through the real allocator and print the memory bill",
@@ -142,7 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--samples", type=L.SAMPLES.parse, default=100_000, help="lengths drawn (100000)")
     plan.add_argument("--seed", type=L.SEED.parse, default=0, help="random seed (0)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    return parser
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:
@@ -232,31 +210,6 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of the ``kvblocks`` console script and of ``python -m kvblocks``."""
-    parser = build_parser()
-    try:
-        args, extra = parser.parse_known_args(argv)
-        if extra:  # named with the subcommand's help, which lists its flags
-            prog = f"kvblocks {args.command}" if args.command else "kvblocks"
-            raise _UsageError(f"unrecognized arguments: {' '.join(extra)} (see '{prog} --help')")
-    except _UsageError as e:
-        print(f"kvblocks: error: {e}", file=sys.stderr)
-        return 2
-    if args.command is None:
-        parser.print_help()
-        return 2
-    try:
-        return _simulate(args) if args.command == "simulate" else _plan(args)
-    except KVBlocksError as e:
-        print(f"kvblocks: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("kvblocks: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
-        return 0
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed ``simulate`` or ``plan`` command; returns the exit status."""
+    return _simulate(args) if args.command == "simulate" else _plan(args)
