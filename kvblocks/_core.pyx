@@ -41,6 +41,7 @@ from kvblocks.stats import CacheStats
 cnp.import_array()
 
 _DEFAULT_KEY = os.urandom(16)  # per-process secret hash key
+BUILD_DEBUG_LEVEL = KVB_DEBUG_LEVEL  # 0 release, 1 assertions, 2 full check after every call
 cdef Py_ssize_t _IMAP_LIMIT = 1 << 16  # int ids below this also get an array slot map
 
 include "_convert.pxi"

@@ -107,12 +107,21 @@ def detect_build(path: Optional[str] = None) -> Dict[str, object]:
             sanitizers.append(name)
     assertions = b"__assert_fail" in data or b"__assert_rtn" in data or b"_wassert" in data
     info.update(optimization=opt, assertions=assertions, sanitizers=sanitizers)
+    try:  # the build records its own debug level (0 release, 1 assertions, 2 + full checks)
+        from .. import _core
+        info["debug_level"] = int(getattr(_core, "BUILD_DEBUG_LEVEL"))
+    except (ImportError, AttributeError):
+        info["debug_level"] = None
+    if info["debug_level"]:
+        assertions = True
     if sanitizers:
         kind = "sanitizer"
     elif assertions or opt in ("-O0", "-Og"):
         kind = "debug"
     elif opt is not None:
         kind = "release"
+    elif info["debug_level"] == 0:
+        kind = "release"  # recorded by the build itself (the flags were stripped)
     else:
         kind = "release?"  # no assertions, optimisation level not recorded (stripped)
     info["kind"] = kind
