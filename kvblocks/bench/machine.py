@@ -77,6 +77,7 @@ def git_commit() -> Optional[str]:
 
 def detect_build(path: Optional[str] = None) -> Dict[str, object]:
     """Build kind of the extension ``kvblocks._core`` (or the shared object at ``path``)."""
+    own = path is None
     if path is None:
         from .. import _core
 
@@ -107,11 +108,13 @@ def detect_build(path: Optional[str] = None) -> Dict[str, object]:
             sanitizers.append(name)
     assertions = b"__assert_fail" in data or b"__assert_rtn" in data or b"_wassert" in data
     info.update(optimization=opt, assertions=assertions, sanitizers=sanitizers)
-    try:  # the build records its own debug level (0 release, 1 assertions, 2 + full checks)
-        from .. import _core
-        info["debug_level"] = int(getattr(_core, "BUILD_DEBUG_LEVEL"))
-    except (ImportError, AttributeError):
-        info["debug_level"] = None
+    info["debug_level"] = None
+    if own:  # the running build records its debug level (0 release, 1 assertions, 2 + checks)
+        try:
+            from .. import _core
+            info["debug_level"] = int(getattr(_core, "BUILD_DEBUG_LEVEL"))
+        except (ImportError, AttributeError):
+            pass
     if info["debug_level"]:
         assertions = True
     if sanitizers:
