@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import tracemalloc
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -25,16 +25,16 @@ BUILD_BLOCKS = 1_000_000
 MEMORY_BLOCKS = 1 << 16  # Python pools are measured with tracemalloc at this size
 
 
-def _alloc_free(vllm: Optional[Callable[[int], object]]) -> List[Op]:
+def _alloc_free(vllm: Optional[Callable[[int], Any]]) -> List[Op]:
     pool = BlockPool(1 << 16, enable_prefix_caching=True)
     py = PyBlockPool(1 << 16)
     vp = vllm(1 << 16) if vllm else None
     ops = []
     for n in SIZES:
-        cases = [Case("kvblocks", lambda n=n: pool.free(pool.allocate(n))),
-                 Case("python", lambda n=n: py.free(py.allocate(n)))]
+        cases = [Case("kvblocks", lambda n=n: pool.free(pool.allocate(n))),  # type: ignore[misc]  # mypy cannot type a lambda with defaults
+                 Case("python", lambda n=n: py.free(py.allocate(n)))]  # type: ignore[misc]  # mypy cannot type a lambda with defaults
         if vp is not None:
-            cases.append(Case("vllm", lambda n=n: vp.free_blocks(vp.get_new_blocks(n))))
+            cases.append(Case("vllm", lambda n=n: vp.free_blocks(vp.get_new_blocks(n))))  # type: ignore[misc]  # mypy cannot type a lambda with defaults
         ops.append(Op(f"allocate_free/n={n}", f"allocate+free n={n}", "block", n, cases))
     return ops
 
@@ -110,7 +110,8 @@ def _append_batch() -> List[Op]:
     mgr2.schedule(b2, [3 * BS] * NSEQ)
     ones = np.ones(NSEQ, dtype=np.int32)
     rng = np.random.default_rng(0)
-    state = {"rows": list(rng.integers(0, 32000, (fill, NSEQ), dtype=np.int32)), "k": 0}
+    state: Dict[str, Any] = {"rows": list(rng.integers(0, 32000, (fill, NSEQ), dtype=np.int32)),
+                             "k": 0}
     pystate = {"rows": [r.tolist() for r in state["rows"]], "k": 0}
 
     def step():
@@ -198,7 +199,7 @@ def memory(vllm: Optional[Callable[[int], object]]) -> Dict[str, float]:
     return out
 
 
-def build(s: Settings, vllm: Optional[Callable[[int], object]]) -> Tuple[List[Op], dict]:
+def build(s: Settings, vllm: Optional[Callable[[int], Any]]) -> Tuple[List[Op], dict]:
     """The ops of the suite and its untimed facts (bytes per block)."""
     ops = _alloc_free(vllm) + [_fork_cow()] + _append_batch() + [_build(s, vllm)]
     return ops, {"bytes_per_block": memory(vllm)}

@@ -142,7 +142,7 @@ def describe_machine() -> Dict[str, object]:
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        usable = os.cpu_count()
+        usable = os.cpu_count() or 1
     return {
         "cpu_model": _cpu_model(),
         "arch": platform.machine(),

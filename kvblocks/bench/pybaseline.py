@@ -50,6 +50,7 @@ class PyFreeQueue:
         return b
 
     def remove(self, b: PyBlock) -> None:
+        assert b.prev is not None and b.next is not None  # sentinels at both ends
         b.prev.next = b.next
         b.next.prev = b.prev
         b.prev = b.next = None

@@ -12,7 +12,7 @@ import datetime as _dt
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, TextIO
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO
 
 import numpy as np
 
@@ -89,7 +89,7 @@ def run(suites: Sequence[str] = ("all",), *, quick: bool = False, max_samples: O
     make_vllm, vllm_desc = load() if use_vllm else (None, "vllm not timed (disabled)")
     load_start = _loadavg()
     cal = calibrate(800 if quick else 3000)
-    doc = {
+    doc: Dict[str, Any] = {
         "schema": SCHEMA,
         "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": command,

@@ -199,7 +199,7 @@ def _prepare(case: Case, s: Settings, cal: Calibration) -> None:
     spent = 0.0
     per_call = None
     if case.warmup:
-        warm = []
+        warm: List[float] = []
         while spent < s.warmup_ns and len(warm) < 200:
             ns = case.one(inner)
             spent += ns

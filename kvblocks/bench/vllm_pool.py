@@ -9,7 +9,7 @@ columns with the reason, and the rest of the run goes on.
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 __all__ = ["load"]
 
@@ -32,7 +32,7 @@ def load() -> Tuple[Optional[Callable[[int], object]], str]:
         params = inspect.signature(BlockPool).parameters
     except (TypeError, ValueError) as e:
         return None, f"vllm {version}: cannot read BlockPool's signature ({e})"
-    kwargs = {}
+    kwargs: Dict[str, Any] = {}
     first = None
     for name, p in params.items():
         if name == "num_gpu_blocks":
@@ -50,7 +50,7 @@ def load() -> Tuple[Optional[Callable[[int], object]], str]:
         if not hasattr(BlockPool, m):
             return None, f"vllm {version}: BlockPool has no {m}()"
 
-    def make(n: int) -> object:
+    def make(n: int) -> Any:
         if first is None:
             return BlockPool(n, **kwargs)
         return BlockPool(**{first: n}, **kwargs)

@@ -20,7 +20,7 @@ import math
 import random
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Union
 
 __all__ = ["generate", "data_path", "write"]
 
@@ -43,7 +43,7 @@ def generate(seed: int = SEED) -> List[Dict]:
 
     recs: List[Dict] = []
 
-    def add(t: float, segments: List[List[int]], out: int, n: int = 1, output_id: int = None, kind: str = "") -> None:
+    def add(t: float, segments: List[List[int]], out: int, n: int = 1, output_id: Optional[int] = None, kind: str = "") -> None:
         rec = {"timestamp": round(t * 1000.0, 1), "segments": [list(s) for s in segments], "output_length": out}
         if n > 1:
             rec["n"] = n
@@ -94,7 +94,7 @@ def data_path() -> Path:
     return Path(__file__).resolve().parent.parent / "data" / "default_workload.jsonl"
 
 
-def write(path: Path = None) -> Path:
+def write(path: Union[str, Path, None] = None) -> Path:
     """Write the generated workload as JSONL (default: the package data file)."""
     path = Path(path) if path is not None else data_path()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -66,10 +66,28 @@ class Limit:
 
     def check(self, value: object) -> Number:
         """``value`` as an int or float when in range; SimulationError naming the flag otherwise."""
-        want = numbers.Real if self.kind is float else numbers.Integral
-        if isinstance(value, bool) or not isinstance(value, want) or not self._ok(value):
+        v: Number
+        if isinstance(value, bool):
+            v = float("nan")  # refused below
+        elif self.kind is float and isinstance(value, numbers.Real):
+            v = float(value)
+        elif self.kind is int and isinstance(value, numbers.Integral):
+            v = int(value)
+        else:
+            v = float("nan")
+        if math.isnan(v) or not self._ok(v):
             raise SimulationError(f"{self.flag} must be {self.describe()}, got {shown(value)}")
-        return self.kind(value)  # type: ignore[no-any-return]
+        return v
+
+    def check_int(self, value: object) -> int:
+        """``check`` for an integer limit, typed as such."""
+        v = self.check(value)
+        assert isinstance(v, int), f"{self.flag} is not an integer limit"
+        return v
+
+    def check_float(self, value: object) -> float:
+        """``check`` for a real limit, typed as such."""
+        return float(self.check(value))
 
     def parse(self, text: str) -> Number:
         """Command-line text to a value: the ``type=`` of the flag's argparse argument."""

@@ -9,7 +9,7 @@ contiguous baseline, everything reserved up to the maximum length and not yet wr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -122,5 +122,5 @@ class SimResult:
     """What a replay produced: the summary numbers and the recorder with its series."""
 
     name: str  # "paged" or "contiguous"
-    summary: Dict[str, object]
+    summary: Dict[str, Any]  # numbers, strings and nested dicts, as the JSON has them
     recorder: Recorder

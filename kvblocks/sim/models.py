@@ -121,11 +121,11 @@ def custom_model(
 ) -> ModelSpec:
     """A model from explicit shapes (``latent_dim`` > 0 for MLA instead of heads x head_dim)."""
     _check_dtype(dtype)
-    layers = limits.LAYERS.check(layers)
-    kv_heads = limits.KV_HEADS.check(kv_heads)
-    head_dim = limits.HEAD_DIM.check(head_dim)
-    latent_dim = limits.LATENT_DIM.check(latent_dim)
-    params = limits.PARAM_COUNT.check(params)
+    layers = limits.LAYERS.check_int(layers)
+    kv_heads = limits.KV_HEADS.check_int(kv_heads)
+    head_dim = limits.HEAD_DIM.check_int(head_dim)
+    latent_dim = limits.LATENT_DIM.check_int(latent_dim)
+    params = limits.PARAM_COUNT.check_float(params)
     if not latent_dim and (kv_heads < 1 or head_dim < 1):
         raise SimulationError("a custom model needs --kv-heads and --head-dim (or --latent-dim for MLA)")
     name = f"custom({layers}L x {kv_heads}H x {head_dim}D)" if not latent_dim else f"custom({layers}L x {latent_dim} MLA)"
@@ -193,8 +193,8 @@ def memory_bill(
     flags that give fewer: int32 block ids by default, :data:`~kvblocks.sim.limits.MAX_SIM_BLOCKS`
     for a simulation (which allocates metadata for every block).
     """
-    block_size = limits.BLOCK_SIZE.check(block_size)
-    gpu_mem_gib = limits.GPU_MEM.check(gpu_mem_gib)
+    block_size = limits.BLOCK_SIZE.check_int(block_size)
+    gpu_mem_gib = limits.GPU_MEM.check_float(gpu_mem_gib)
     host_mem_gib = limits.HOST_MEM.check(host_mem_gib)
     gpu = int(gpu_mem_gib * GiB)
     if reserve_gib is None:
@@ -211,7 +211,7 @@ def memory_bill(
             f"{_cap_words(max_blocks)}; lower --host-mem or raise --block-size"
         )
     if num_blocks is not None:
-        num_blocks = limits.NUM_BLOCKS.check(num_blocks)
+        num_blocks = limits.NUM_BLOCKS.check_int(num_blocks)
         if num_blocks > max_blocks:
             raise SimulationError(f"--num-blocks {num_blocks:,} is more than {_cap_words(max_blocks)}")
         return MemoryBill(model, gpu, model.weight_bytes, reserve, note, block_size, model.kv_bytes_per_token,

@@ -126,10 +126,10 @@ def make_plan(
     seed: int = 0,
 ) -> Plan:
     """Draw lengths and count what fits under paging and under contiguous reservation."""
-    samples = limits.SAMPLES.check(samples)
-    seed = limits.SEED.check(seed)
+    samples = limits.SAMPLES.check_int(samples)
+    seed = limits.SEED.check_int(seed)
     if max_len is not None:
-        max_len = limits.MAX_LEN.check(max_len)
+        max_len = limits.MAX_LEN.check_int(max_len)
     model: ModelSpec = bill.model
     rng = np.random.default_rng(seed)
     p = prompt.sample(rng, samples, model.max_context)

@@ -23,7 +23,7 @@ import datetime as _dt
 import json
 import math
 import os
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Generator, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -182,7 +182,7 @@ def _time_field(obj: dict, key: str, path: str, line: int) -> float:
     return float(v)
 
 
-def _open_lines(path: str) -> Iterator[Tuple[int, str]]:
+def _open_lines(path: str) -> Generator[Tuple[int, str], None, None]:
     """(line number, text) of a UTF-8 file, decoded line by line so that a bad byte is named
     with its line (a leading byte-order mark is dropped); WorkloadError when it cannot be read."""
     try:

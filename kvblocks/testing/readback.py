@@ -298,6 +298,7 @@ class KVReadback:
             if any(kind == "out" for kind, _ in self._swaps):
                 raise ReadbackError("swap pairs not drained yet: call drain() first")
             cache, table, where = self.host, e.host_table, "host"
+            assert cache is not None and table is not None  # swapped: a host cache exists
         else:
             cache, table, where = self.cache, np.asarray(mgr.block_table(seq_id)), "device"
         if len(table) < -(-n // bs):

@@ -107,7 +107,8 @@ class _Rules:
     def check(self) -> None:
         if self.broken:
             first = self.broken[0]
-            first.also_ok = tuple(first.also_ok) + tuple(type(e) for e in self.broken[1:])
+            setattr(first, "also_ok", tuple(getattr(first, "also_ok", ()))
+                    + tuple(type(e) for e in self.broken[1:]))
             raise first
 
 
@@ -754,6 +755,7 @@ class ReferenceManager:
         s = self._seq(sid)
         del self._seqs[sid]
         pool = self.host_pool if s.swapped else self.pool
+        assert pool is not None  # a swapped-out sequence implies a host pool
         freed = [b for b in reversed(s.blocks) if pool._release(b)]
         self._settle(freed if not s.swapped else [])
 

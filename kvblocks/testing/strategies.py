@@ -24,7 +24,7 @@ Needs hypothesis.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Sequence, Optional
 
 import numpy as np
 from hypothesis import strategies as st
@@ -89,7 +89,7 @@ class Hostile:
         #: legitimately runs its own code (``__array__``, a generator's body)
         self.label, self.build, self.huge, self.runs_code = label, build, huge, runs_code
 
-    def make(self, target=None, log: List[str] = None):
+    def make(self, target=None, log: Optional[List[str]] = None):
         return self.build(target, [] if log is None else log)
 
     def __repr__(self) -> str:
@@ -302,7 +302,7 @@ def token_arrays(live_ids: Sequence = ("a", 1), *, max_size: int = 5,
         _plain(np.array([], dtype=np.float64), "empty float64"),
         _plain(np.zeros((0, 3), dtype=np.int32), "empty 2-D")])
     array_like = st.tuples(small, hooks).map(lambda a: Hostile(
-        f"ArrayLike({a[0]}, {a[1]!r})", lambda t, log, a=a: ArrayLike(a[0], a[1], t, log),
+        f"ArrayLike({a[0]}, {a[1]!r})", lambda t, log, a=a: ArrayLike(a[0], a[1], t, log),  # type: ignore[misc]  # mypy cannot type a lambda with defaults
         runs_code=True))
     return st.one_of(good, odd, array_like)
 
@@ -325,7 +325,7 @@ def scalars(live_ids: Sequence = ("a", 1), small=st.integers(-2, 12), hooks=None
                          _plain(3 + 0j)]),
         hooked.map(lambda a: _hooked(_HookInt, *a)),
         hooked.map(lambda a: Hostile(f"IndexOnly({a[0]}, {a[1]!r})",
-                                     lambda t, log, a=a: IndexOnly(a[0], a[1], t, log))))
+                                     lambda t, log, a=a: IndexOnly(a[0], a[1], t, log))))  # type: ignore[misc]  # mypy cannot type a lambda with defaults
 
 
 def hash_arrays(good: np.ndarray):
