@@ -10,6 +10,7 @@ KVBLOCKS_SANITIZE=preload  the same instrumentation, but no sanitizer runtime is
                      atheris's asan_with_fuzzer.so, which keeps the fuzzer's coverage working
                      (fuzz/README.md).
 """
+
 import os
 import sys
 
@@ -22,8 +23,14 @@ DEBUG = DEBUG_LEVEL != "0"
 SANITIZE = os.environ.get("KVBLOCKS_SANITIZE", "") not in ("", "0")
 PRELOAD = os.environ.get("KVBLOCKS_SANITIZE", "") == "preload"
 
-C_SOURCES = ["csrc/hash.c", "csrc/events.c", "csrc/pool.c", "csrc/cache.c", "csrc/table.c",
-             "csrc/meta.c"]
+C_SOURCES = [
+    "csrc/hash.c",
+    "csrc/events.c",
+    "csrc/pool.c",
+    "csrc/cache.c",
+    "csrc/table.c",
+    "csrc/meta.c",
+]
 
 compile_args = ["-std=c11"] if sys.platform != "win32" else []
 link_args = []

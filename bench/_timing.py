@@ -41,24 +41,39 @@ def measure(fn, *, inner: int, repeats: int, setup=None, teardown=None) -> dict:
         if gc_was:
             gc.enable()
     a = np.asarray(samples)
-    return {"p50_ns": float(np.percentile(a, 50)), "p99_ns": float(np.percentile(a, 99)),
-            "min_ns": float(a.min()), "samples": len(a), "inner": inner}
+    return {
+        "p50_ns": float(np.percentile(a, 50)),
+        "p99_ns": float(np.percentile(a, 99)),
+        "min_ns": float(a.min()),
+        "samples": len(a),
+        "inner": inner,
+    }
 
 
 def commit() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL,
-                                       cwd=Path(__file__).parent).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"],
+            text=True,
+            stderr=subprocess.DEVNULL,
+            cwd=Path(__file__).parent,
+        ).strip()
     except Exception:
         return "unknown"
 
 
 def save(name: str, rows: list, extra: dict | None = None) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    doc = {"bench": name, "commit": commit(), "machine": platform.machine(),
-           "python": platform.python_version(), "cpus": os.cpu_count(),
-           "timer_overhead_ns": timer_overhead_ns(), "rows": rows, **(extra or {})}
+    doc = {
+        "bench": name,
+        "commit": commit(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "timer_overhead_ns": timer_overhead_ns(),
+        "rows": rows,
+        **(extra or {}),
+    }
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(doc, indent=1))
     return path

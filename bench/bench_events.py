@@ -66,40 +66,73 @@ def bench_encode(rows, repeats, n=1000, bs=16):
     rng = random.Random(0)
     enc = msgspec.msgpack.Encoder()
     for nb in (1, 8):
-        events = [BlockStored([rng.getrandbits(128) for _ in range(nb)], rng.getrandbits(128),
-                              [rng.randrange(128000) for _ in range(nb * bs)], bs)
-                  for _ in range(n)]
+        events = [
+            BlockStored(
+                [rng.getrandbits(128) for _ in range(nb)],
+                rng.getrandbits(128),
+                [rng.randrange(128000) for _ in range(nb * bs)],
+                bs,
+            )
+            for _ in range(n)
+        ]
         assert len(encode_batch(events, ts=1.0)) > n
         r = measure(lambda: encode_batch(events, ts=1.0), inner=1, repeats=repeats)
         # vLLM keeps 32-byte digests and the request's token list; per event it folds each
         # hash (maybe_convert_block_hash), slices the tokens and builds its struct
-        digests = [([h.to_bytes(32, "big") for h in e.block_hashes],
-                    e.parent_block_hash.to_bytes(32, "big"), e.token_ids) for e in events]
+        digests = [
+            (
+                [h.to_bytes(32, "big") for h in e.block_hashes],
+                e.parent_block_hash.to_bytes(32, "big"),
+                e.token_ids,
+            )
+            for e in events
+        ]
         m = (1 << 64) - 1
 
         def vllm():
-            evs = [VBlockStored([int.from_bytes(h, "big") & m for h in hs],
-                                int.from_bytes(p, "big") & m, t[:], bs, None, "GPU", None,
-                                [None] * nb, 0, "full_attention") for hs, p, t in digests]
+            evs = [
+                VBlockStored(
+                    [int.from_bytes(h, "big") & m for h in hs],
+                    int.from_bytes(p, "big") & m,
+                    t[:],
+                    bs,
+                    None,
+                    "GPU",
+                    None,
+                    [None] * nb,
+                    0,
+                    "full_attention",
+                )
+                for hs, p, t in digests
+            ]
             return enc.encode(VBatch(1.0, evs, 0))
 
-        folded = [([h & m for h in e.block_hashes], e.parent_block_hash & m, e.token_ids)
-                  for e in events]
+        folded = [
+            ([h & m for h in e.block_hashes], e.parent_block_hash & m, e.token_ids) for e in events
+        ]
 
         def vllm_struct_only():  # a lower bound: struct and encode, no fold, no slice
-            evs = [VBlockStored(hs, p, t, bs, None, "GPU", None, [None] * nb, 0,
-                                "full_attention") for hs, p, t in folded]
+            evs = [
+                VBlockStored(hs, p, t, bs, None, "GPU", None, [None] * nb, 0, "full_attention")
+                for hs, p, t in folded
+            ]
             return enc.encode(VBatch(1.0, evs, 0))
 
         assert vllm() == vllm_struct_only() == encode_batch(events, ts=1.0)
         v = measure(vllm, inner=1, repeats=repeats)
         v0 = measure(vllm_struct_only, inner=1, repeats=repeats)
-        rows.append({"op": f"encode BlockStored, {nb} x {bs}-token block(s)",
-                     "p50_ns": r["p50_ns"] / n, "p99_ns": r["p99_ns"] / n,
-                     "M_events_per_s": 1e3 / (r["p50_ns"] / n),
-                     "vllm_p50_ns": v["p50_ns"] / n, "ratio_vs_vllm": r["p50_ns"] / v["p50_ns"],
-                     "struct_only_p50_ns": v0["p50_ns"] / n,
-                     "ratio_vs_struct_only": r["p50_ns"] / v0["p50_ns"]})
+        rows.append(
+            {
+                "op": f"encode BlockStored, {nb} x {bs}-token block(s)",
+                "p50_ns": r["p50_ns"] / n,
+                "p99_ns": r["p99_ns"] / n,
+                "M_events_per_s": 1e3 / (r["p50_ns"] / n),
+                "vllm_p50_ns": v["p50_ns"] / n,
+                "ratio_vs_vllm": r["p50_ns"] / v["p50_ns"],
+                "struct_only_p50_ns": v0["p50_ns"] / n,
+                "ratio_vs_struct_only": r["p50_ns"] / v0["p50_ns"],
+            }
+        )
 
 
 def bench_publish(rows, calls):
@@ -115,8 +148,13 @@ def bench_publish(rows, calls):
                 time.sleep(0.0002)
         pub.flush()
         assert pub.sent == calls and pub.dropped == 0
-    rows.append({"op": "publish() one batch, engine thread", "p50_ns": float(np.median(lat)),
-                 "p99_ns": float(np.percentile(lat, 99))})
+    rows.append(
+        {
+            "op": "publish() one batch, engine thread",
+            "p50_ns": float(np.median(lat)),
+            "p99_ns": float(np.percentile(lat, 99)),
+        }
+    )
 
 
 def main(argv=None) -> int:
@@ -126,8 +164,21 @@ def main(argv=None) -> int:
     rows: list = []
     bench_encode(rows, 50 if args.quick else 300)
     bench_publish(rows, 2000 if args.quick else 20000)
-    print(table(rows, ["op", "p50_ns", "p99_ns", "M_events_per_s", "vllm_p50_ns",
-                       "ratio_vs_vllm", "struct_only_p50_ns", "ratio_vs_struct_only"]))
+    print(
+        table(
+            rows,
+            [
+                "op",
+                "p50_ns",
+                "p99_ns",
+                "M_events_per_s",
+                "vllm_p50_ns",
+                "ratio_vs_vllm",
+                "struct_only_p50_ns",
+                "ratio_vs_struct_only",
+            ],
+        )
+    )
     print(f"wrote {save('bench_events', rows)}")
     return 0
 

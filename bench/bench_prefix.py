@@ -42,9 +42,16 @@ def hit_rate_curve(quick):
                 mgr.free(i)
             dt = time.perf_counter() - t0
             s = mgr.pool.stats
-            out.append({"trace": name, "blocks": blocks, "capacity_tokens": blocks * 16,
-                        "hit_rate_pct": round(100 * s.hit_rate, 2), "evictions": s.evictions,
-                        "replay_s": round(dt, 3)})
+            out.append(
+                {
+                    "trace": name,
+                    "blocks": blocks,
+                    "capacity_tokens": blocks * 16,
+                    "hit_rate_pct": round(100 * s.hit_rate, 2),
+                    "evictions": s.evictions,
+                    "replay_s": round(dt, 3),
+                }
+            )
     return out
 
 

@@ -39,7 +39,9 @@ TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 def commit() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True
+        ).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -61,7 +63,9 @@ def main() -> int:
     model = get_model(args.model)
     bill = memory_bill(model, args.gpu_mem, args.block_size)
     tm = TimeModel.for_model(model)
-    cfg = SchedulerConfig(num_blocks=bill.num_blocks, block_size=args.block_size, block_bytes=bill.block_bytes)
+    cfg = SchedulerConfig(
+        num_blocks=bill.num_blocks, block_size=args.block_size, block_bytes=bill.block_bytes
+    )
     gc.disable()
     try:
         t0 = time.perf_counter()
@@ -81,13 +85,18 @@ def main() -> int:
         ("engine steps", f"{ps['steps']:,}"),
         ("trace load (s)", f"{load_s:.2f}"),
         ("paged replay wall (s)", f"{paged_s:.2f}"),
-        ("  inside BlockManager (s)", f"{ps['allocator_s']:.2f} ({100 * ps['allocator_share']:.1f}%)"),
+        (
+            "  inside BlockManager (s)",
+            f"{ps['allocator_s']:.2f} ({100 * ps['allocator_share']:.1f}%)",
+        ),
         ("  ns per decoded token", f"{1e9 * paged_s / max(1, decoded):.0f}"),
         ("contiguous replay wall (s)", f"{contig_s:.2f}"),
         ("prefix hit rate", f"{100 * ps['prefix_hit_rate']:.1f}%"),
         ("preemptions / evictions", f"{ps['preemptions']:,} / {ps['evictions']:,}"),
     ]
-    print(f"bench_sim: {Path(args.trace).name}, {model.name}, {args.gpu_mem:g} GiB, block size {args.block_size}")
+    print(
+        f"bench_sim: {Path(args.trace).name}, {model.name}, {args.gpu_mem:g} GiB, block size {args.block_size}"
+    )
     for k, v in rows:
         print(f"  {k:<28}{v:>24}")
     print(f"  target: paged replay < 60 s -> {'OK' if paged_s < 60 else 'MISSED'}")
@@ -97,7 +106,11 @@ def main() -> int:
     doc = {
         "bench": "bench_sim",
         "commit": commit(),
-        "machine": {"python": platform.python_version(), "platform": platform.platform(), "processor": platform.processor()},
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+        },
         "trace": Path(args.trace).name,
         "model": model.name,
         "gpu_mem_gib": args.gpu_mem,

@@ -33,8 +33,10 @@ logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
 def workload(num_prompts: int, page: int):
     g = torch.Generator().manual_seed(1)
     systems = [torch.randint(3, 120, (3 * page,), generator=g).tolist() for _ in range(4)]
-    return [systems[i % 4] + torch.randint(3, 120, (page // 2 + i % 5,), generator=g).tolist()
-            for i in range(num_prompts)]
+    return [
+        systems[i % 4] + torch.randint(3, 120, (page // 2 + i % 5,), generator=g).tolist()
+        for i in range(num_prompts)
+    ]
 
 
 class Probe:
@@ -70,8 +72,10 @@ class Probe:
         (alloc,) = cache.cache_allocators.values()
         self.bytes_per_block = alloc.bytes_per_block
         referenced = len({b for t in alloc.block_table.values() for b in t})
-        free = cache.pool.count_free_blocks(alloc.index) + \
-            cache.pool.num_free_sectors * alloc.blocks_per_sector
+        free = (
+            cache.pool.count_free_blocks(alloc.index)
+            + cache.pool.num_free_sectors * alloc.blocks_per_sector
+        )
         held = cache.num_blocks - free
         self.peak_referenced = max(self.peak_referenced, referenced)
         self.peak_held = max(self.peak_held, held)
@@ -83,13 +87,15 @@ def run(model, prompts, gen, cbc_kwargs, use_kvblocks: bool):
         t0 = time.perf_counter()
         if use_kvblocks:
             with transformers_cb.enabled() as kb:
-                out = model.generate_batch(prompts, generation_config=gen,
-                                           continuous_batching_config=cbc, warmup=False)
+                out = model.generate_batch(
+                    prompts, generation_config=gen, continuous_batching_config=cbc, warmup=False
+                )
             kb.check()
             assert kb.blocks_in_use == 0
         else:
-            out = model.generate_batch(prompts, generation_config=gen,
-                                       continuous_batching_config=cbc, warmup=False)
+            out = model.generate_batch(
+                prompts, generation_config=gen, continuous_batching_config=cbc, warmup=False
+            )
         wall = time.perf_counter() - t0
     tokens = {k: list(v.generated_tokens) for k, v in out.items()}
     extra = {"evictions": kb.stats.evictions} if use_kvblocks else {}
@@ -106,12 +112,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+        )
+    ).eval()
     model.config._attn_implementation = "sdpa"
-    gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1,
-                           pad_token_id=0)
+    gen = GenerationConfig(
+        max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
     prompts = workload(args.prompts, args.page)
     n_gen = args.prompts * args.new_tokens
     rows = []
@@ -126,16 +141,34 @@ def main() -> None:
             res[name] = (statistics.median(walls), tokens, probe, extra)
         assert res["transformers"][1] == res["kvblocks"][1], "outputs differ"
         for name, (wall, _, probe, extra) in res.items():
-            rows.append(dict(cache=f"{label} ({num_blocks} blocks)", allocator=name,
-                             wall_s=round(wall, 3), tokens_per_s=round(n_gen / wall, 1),
-                             hit_tokens=probe.hit_tokens, peak_referenced=probe.peak_referenced,
-                             peak_held=probe.peak_held,
-                             peak_held_kib=probe.peak_held * probe.bytes_per_block // 1024,
-                             **extra))
-    hdr = ("cache", "allocator", "wall_s", "tokens_per_s", "hit_tokens", "peak_referenced",
-           "peak_held", "peak_held_kib", "evictions")
-    print(f"{args.prompts} prompts x {args.new_tokens} new tokens, page {args.page}, "
-          f"median of {args.repeat}; outputs identical")
+            rows.append(
+                dict(
+                    cache=f"{label} ({num_blocks} blocks)",
+                    allocator=name,
+                    wall_s=round(wall, 3),
+                    tokens_per_s=round(n_gen / wall, 1),
+                    hit_tokens=probe.hit_tokens,
+                    peak_referenced=probe.peak_referenced,
+                    peak_held=probe.peak_held,
+                    peak_held_kib=probe.peak_held * probe.bytes_per_block // 1024,
+                    **extra,
+                )
+            )
+    hdr = (
+        "cache",
+        "allocator",
+        "wall_s",
+        "tokens_per_s",
+        "hit_tokens",
+        "peak_referenced",
+        "peak_held",
+        "peak_held_kib",
+        "evictions",
+    )
+    print(
+        f"{args.prompts} prompts x {args.new_tokens} new tokens, page {args.page}, "
+        f"median of {args.repeat}; outputs identical"
+    )
     print(" | ".join(hdr))
     for r in rows:
         print(" | ".join(str(r.get(h, "")) for h in hdr))

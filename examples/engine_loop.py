@@ -73,8 +73,9 @@ class ToyModel:
     """q/k/v = table[token] + table[position] + table[prefix hash];
     logits = out @ W + bigram[last token]."""
 
-    def __init__(self, layout: KVLayout, vocab: int, max_len: int, seed: int,
-                 bigram: float) -> None:
+    def __init__(
+        self, layout: KVLayout, vocab: int, max_len: int, seed: int, bigram: float
+    ) -> None:
         rng = np.random.default_rng(seed)
         L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
         f32 = np.float32
@@ -90,14 +91,16 @@ class ToyModel:
     def extend_ctx(ctx: List[int], tokens: List[int]) -> None:
         """Rolling hash of the token prefix, one entry per token."""
         h = ctx[-1] if ctx else 17
-        for t in tokens[len(ctx):]:
+        for t in tokens[len(ctx) :]:
             h = (h * 131 + t + 1) % CTX_BUCKETS
             ctx.append(h)
 
     def qkv(self, layer: int, tokens, positions, ctx):
         """q, k, v [n, H, D] of tokens at positions with prefix hashes ctx (elementwise only)."""
-        return tuple(self.tok[i, layer, tokens] + self.pos[i, layer, positions]
-                     + self.ctx[i, layer, ctx] for i in range(3))
+        return tuple(
+            self.tok[i, layer, tokens] + self.pos[i, layer, positions] + self.ctx[i, layer, ctx]
+            for i in range(3)
+        )
 
     def kv(self, tokens, positions, ctx) -> np.ndarray:
         """K/V of tokens for every layer: [2, layers, n, H, D] (what the oracle stores)."""
@@ -114,10 +117,10 @@ class ToyModel:
         draft give bitwise the same output."""
         out = np.empty(q.shape, np.float32)
         for i, p in enumerate(q_pos):
-            s = np.einsum("hd,khd->hk", q[i], k[:p + 1]) * self.scale
+            s = np.einsum("hd,khd->hk", q[i], k[: p + 1]) * self.scale
             s = np.exp(s - s.max(axis=-1, keepdims=True))
             s /= s.sum(axis=-1, keepdims=True)
-            out[i] = np.einsum("hk,khd->hd", s, v[:p + 1])
+            out[i] = np.einsum("hk,khd->hd", s, v[: p + 1])
         return out
 
     def logits(self, out_row, last_token: int):
@@ -145,30 +148,33 @@ class Request:
 class Seq:
     sid: str
     req: Request
-    order: float                 # priority: lower runs first, higher is preempted first
-    tokens: List[int]            # prompt + generated; a suffix may not be committed yet
-    ctx: List[int]               # rolling prefix hash per token
+    order: float  # priority: lower runs first, higher is preempted first
+    tokens: List[int]  # prompt + generated; a suffix may not be committed yet
+    ctx: List[int]  # rolling prefix hash per token
     rng: np.random.Generator
-    pending_forks: int = 0       # n - 1 until the prompt is done, then the children exist
+    pending_forks: int = 0  # n - 1 until the prompt is done, then the children exist
     generated: int = 0
     state: str = WAITING
-    admitted: bool = False       # added once already (a later add is a recompute re-add)
+    admitted: bool = False  # added once already (a later add is a recompute re-add)
     ref: Optional[np.ndarray] = None  # contiguous K/V copy [2, layers, n, H, D] (the oracle)
 
 
 @dataclass
 class Entry:
     """One sequence of the step: the last ``q`` committed tokens and ``drafts`` after them."""
+
     seq: Seq
     q: int
     drafts: List[int]
 
 
-def make_requests(num: int, seed: int, vocab: int, block_size: int, max_prompt: int,
-                  max_new: int, turns: float) -> List[Request]:
+def make_requests(
+    num: int, seed: int, vocab: int, block_size: int, max_prompt: int, max_new: int, turns: float
+) -> List[Request]:
     rng = np.random.default_rng(seed + 1)
-    systems = [rng.integers(0, vocab, size=int(rng.integers(2, 5)) * block_size).tolist()
-               for _ in range(3)]
+    systems = [
+        rng.integers(0, vocab, size=int(rng.integers(2, 5)) * block_size).tolist() for _ in range(3)
+    ]
     reqs: List[Request] = []
     plen: List[int] = []  # prompt lengths (a follow-up's is known before its prompt)
     for i in range(num):
@@ -203,25 +209,33 @@ class Engine:
         bs = args.block_size
         self.layout = KVLayout(args.layers, args.kv_heads, args.head_dim, bs, "fp32")
         self.max_len = args.max_prompt + args.max_new + 1
-        self.mgr = BlockManager(args.num_blocks, bs, watermark=args.watermark,
-                                num_host_blocks=args.host_blocks)
+        self.mgr = BlockManager(
+            args.num_blocks, bs, watermark=args.watermark, num_host_blocks=args.host_blocks
+        )
         self.cache = KVCache(self.layout, args.num_blocks, "cpu", pin_memory=False)
-        self.host = (KVCache(self.layout, args.host_blocks, "cpu", pin_memory=False)
-                     if args.host_blocks else None)
+        self.host = (
+            KVCache(self.layout, args.host_blocks, "cpu", pin_memory=False)
+            if args.host_blocks
+            else None
+        )
         self.model = ToyModel(self.layout, args.vocab, self.max_len, args.seed, args.bigram)
         # fixed metadata buffers, allocated once and reused by every step (CUDA-graph style)
         self.max_blocks = -(-self.max_len // bs)
         self.buf = AttentionMetadata.allocate(
-            max_batch=args.max_seqs, max_tokens=args.max_tokens,
-            max_indices=args.max_seqs * self.max_blocks, max_blocks_per_seq=self.max_blocks)
-        self.requests = make_requests(args.requests, args.seed, args.vocab, bs,
-                                      args.max_prompt, args.max_new, args.turns)
+            max_batch=args.max_seqs,
+            max_tokens=args.max_tokens,
+            max_indices=args.max_seqs * self.max_blocks,
+            max_blocks_per_seq=self.max_blocks,
+        )
+        self.requests = make_requests(
+            args.requests, args.seed, args.vocab, bs, args.max_prompt, args.max_new, args.turns
+        )
         self.pending_requests = list(self.requests)
         self.left: Dict[int, int] = {r.rid: r.n for r in self.requests}  # live samples
         self.done_step: Dict[int, int] = {}  # request -> step its last sample finished
-        self.running: List[Seq] = []   # sorted by order
-        self.waiting: List[Seq] = []   # sorted by order (recompute-preempted keep their rank)
-        self.swapped: List[Seq] = []   # sorted by order
+        self.running: List[Seq] = []  # sorted by order
+        self.waiting: List[Seq] = []  # sorted by order (recompute-preempted keep their rank)
+        self.swapped: List[Seq] = []  # sorted by order
         self.outputs: Dict[str, List[int]] = {}
         # this step's schedule: the batch, its token budget, the blocks its commit will take,
         # and the pair lists to drain, in the order the calls returned them
@@ -231,12 +245,29 @@ class Engine:
         self.to_drain: List[Tuple[KVCache, KVCache, np.ndarray]] = []
         self.successor: Dict[int, int] = {}  # the drafter's table: token -> next generated
         self.step_no = 0
-        self.stats = dict(steps=0, query_tokens=0, decode_tokens=0, prefill_tokens=0,
-                          prompt_tokens_added=0, cached_tokens=0, turn_requests=0,
-                          turn_prompt_tokens=0, turn_cached_tokens=0, readd_tokens=0,
-                          readd_cached_tokens=0, swap_preemptions=0, recompute_preemptions=0,
-                          blocks_swapped_out=0, blocks_swapped_in=0, cow_copies=0, forks=0,
-                          drafts_proposed=0, drafts_accepted=0, peak_usage=0.0, checks=0)
+        self.stats = dict(
+            steps=0,
+            query_tokens=0,
+            decode_tokens=0,
+            prefill_tokens=0,
+            prompt_tokens_added=0,
+            cached_tokens=0,
+            turn_requests=0,
+            turn_prompt_tokens=0,
+            turn_cached_tokens=0,
+            readd_tokens=0,
+            readd_cached_tokens=0,
+            swap_preemptions=0,
+            recompute_preemptions=0,
+            blocks_swapped_out=0,
+            blocks_swapped_in=0,
+            cow_copies=0,
+            forks=0,
+            drafts_proposed=0,
+            drafts_accepted=0,
+            peak_usage=0.0,
+            checks=0,
+        )
 
     # -- helpers --------------------------------------------------------------------------
     @staticmethod
@@ -280,13 +311,19 @@ class Engine:
                 if r.parent not in self.done_step:
                     continue
                 ready = max(ready, self.done_step[r.parent] + 1)
-                r.prompt = (self.requests[r.parent].prompt + self.outputs[f"{r.parent}.0"]
-                            + r.tail)
+                r.prompt = self.requests[r.parent].prompt + self.outputs[f"{r.parent}.0"] + r.tail
             if ready > self.step_no:
                 continue
             self.pending_requests.remove(r)
-            s = Seq(f"{r.rid}.0", r, float(r.rid), list(r.prompt), [],
-                    np.random.default_rng([self.args.seed, r.rid, 0]), pending_forks=r.n - 1)
+            s = Seq(
+                f"{r.rid}.0",
+                r,
+                float(r.rid),
+                list(r.prompt),
+                [],
+                np.random.default_rng([self.args.seed, r.rid, 0]),
+                pending_forks=r.n - 1,
+            )
             self.model.extend_ctx(s.ctx, s.tokens)
             self._insert(self.waiting, s)
 
@@ -299,8 +336,11 @@ class Engine:
         self.running.remove(s)
         mode = self.args.preempt
         if mode == "auto":  # swap what is costly to recompute, while the host has room
-            mode = "swap" if s.generated > 0 and len(s.tokens) > 2 * self.args.block_size \
+            mode = (
+                "swap"
+                if s.generated > 0 and len(s.tokens) > 2 * self.args.block_size
                 else "recompute"
+            )
         if mode == "swap" and mgr.can_swap_out(s.sid):
             pairs = mgr.swap_out(s.sid)
             self.to_drain.append((self.cache, self.host, pairs))
@@ -346,7 +386,7 @@ class Engine:
             if victim is s:
                 return
         if chunk:
-            mgr.append(s.sid, s.tokens[committed:committed + chunk])
+            mgr.append(s.sid, s.tokens[committed : committed + chunk])
         if drafts:
             mgr.reserve(s.sid, len(drafts))
             self.stats["drafts_proposed"] += len(drafts)
@@ -459,13 +499,15 @@ class Engine:
             # what the context must read back: the copy, then the model's K/V of the drafts
             ref = s.ref[:, :, :L]
             if d:
-                ref = np.concatenate([ref, model.kv(np.array(e.drafts), np.arange(L, L + d),
-                                                    np.array(dctx[L:]))], axis=2)
+                ref = np.concatenate(
+                    [ref, model.kv(np.array(e.drafts), np.arange(L, L + d), np.array(dctx[L:]))],
+                    axis=2,
+                )
             refs.append(ref)
             lens.append(L + d)
-            toks.extend(s.tokens[L - e.q:L] + e.drafts)
+            toks.extend(s.tokens[L - e.q : L] + e.drafts)
             pos.extend(range(L - e.q, L + d))
-            ctx.extend(dctx[L - e.q:L + d])
+            ctx.extend(dctx[L - e.q : L + d])
         toks, pos, ctx = np.array(toks), np.array(pos), np.array(ctx)
         assert np.array_equal(meta.seq_lens, lens)
         rows = {}
@@ -476,7 +518,7 @@ class Engine:
             for i, e in enumerate(batch):
                 s, L = e.seq, lens[i]
                 a, b = meta.qo_indptr[i], meta.qo_indptr[i + 1]
-                pages = meta.kv_indices[meta.kv_indptr[i]:meta.kv_indptr[i + 1]]
+                pages = meta.kv_indices[meta.kv_indptr[i] : meta.kv_indptr[i + 1]]
                 assert len(pages) == -(-L // bs)
                 assert meta.kv_last_page_len[i] == L - (len(pages) - 1) * bs
                 # paged read, FlashInfer-style: pages from kv_indices, the last one partial
@@ -485,25 +527,32 @@ class Engine:
                 # and FlashAttention-style: the padded block_tables row, through ops.gather
                 kg, vg = ops.gather(self.cache, layer, meta.block_tables[i], L)
                 kr, vr = refs[i][0, layer], refs[i][1, layer]
-                if not (np.array_equal(kp, kr) and np.array_equal(vp, vr)
-                        and np.array_equal(kg, kr) and np.array_equal(vg, vr)):
-                    raise AssertionError(f"step {self.step_no}: paged K/V of {s.sid} layer "
-                                         f"{layer} differ from its contiguous copy")
+                if not (
+                    np.array_equal(kp, kr)
+                    and np.array_equal(vp, vr)
+                    and np.array_equal(kg, kr)
+                    and np.array_equal(vg, vr)
+                ):
+                    raise AssertionError(
+                        f"step {self.step_no}: paged K/V of {s.sid} layer "
+                        f"{layer} differ from its contiguous copy"
+                    )
                 out_paged = model.attention(q_all[a:b], kp, vp, pos[a:b])
                 out_ref = model.attention(q_all[a:b], kr, vr, pos[a:b])
                 if not np.array_equal(out_paged, out_ref):
                     raise AssertionError(f"step {self.step_no}: attention of {s.sid} differs")
                 self.stats["checks"] += 1
                 if layer == lay.num_layers - 1:
-                    rows[s.sid] = out_paged[e.q - 1:]
+                    rows[s.sid] = out_paged[e.q - 1 :]
         return rows
 
     def _extend_reference(self, s: Seq, upto: int) -> None:
         have = 0 if s.ref is None else s.ref.shape[2]
         if have >= upto:
             return
-        new = self.model.kv(np.array(s.tokens[have:upto]), np.arange(have, upto),
-                            np.array(s.ctx[have:upto]))
+        new = self.model.kv(
+            np.array(s.tokens[have:upto]), np.arange(have, upto), np.array(s.ctx[have:upto])
+        )
         s.ref = new if s.ref is None else np.concatenate([s.ref, new], axis=2)
 
     # -- 5. commit ------------------------------------------------------------------------
@@ -533,7 +582,7 @@ class Engine:
         self.mgr.free(s.sid)
         self.running.remove(s)
         s.state = DONE
-        self.outputs[s.sid] = s.tokens[len(s.req.prompt):]
+        self.outputs[s.sid] = s.tokens[len(s.req.prompt) :]
         self.left[s.req.rid] -= 1
         if not self.left[s.req.rid]:
             self.done_step[s.req.rid] = self.step_no
@@ -553,9 +602,18 @@ class Engine:
             st["decode_tokens" if e.q == 1 and s.generated > 0 else "prefill_tokens"] += e.q
             family = [s]
             for j in range(1, s.pending_forks + 1):  # n > 1: the children share the prompt
-                child = Seq(f"{s.req.rid}.{j}", s.req, s.order + j / 100.0, list(s.tokens),
-                            list(s.ctx), np.random.default_rng([self.args.seed, s.req.rid, j]),
-                            generated=s.generated, state=RUNNING, admitted=True, ref=s.ref)
+                child = Seq(
+                    f"{s.req.rid}.{j}",
+                    s.req,
+                    s.order + j / 100.0,
+                    list(s.tokens),
+                    list(s.ctx),
+                    np.random.default_rng([self.args.seed, s.req.rid, j]),
+                    generated=s.generated,
+                    state=RUNNING,
+                    admitted=True,
+                    ref=s.ref,
+                )
                 mgr.fork(s.sid, child.sid)
                 self._insert(self.running, child)
                 family.append(child)
@@ -568,7 +626,7 @@ class Engine:
                     finished.append(member)
                     continue
                 if accepted:  # their K/V were written by this step: no recompute
-                    mgr.append(member.sid, member.tokens[L:L + accepted], computed=True)
+                    mgr.append(member.sid, member.tokens[L : L + accepted], computed=True)
                 to_append.append(member)
         # one native call commits the sampled tokens; the schedule kept room for it
         mgr.append_batch([s.sid for s in to_append], [s.tokens[-1] for s in to_append])
@@ -580,8 +638,8 @@ class Engine:
         """One engine step; False when every request is done."""
         mgr = self.mgr
         self.step_no += 1
-        batch = self.schedule()       # 1. schedule
-        self.drain()                  # 2. drain
+        batch = self.schedule()  # 1. schedule
+        self.drain()  # 2. drain
         if not batch:
             if not (self.running or self.swapped or self.waiting or self.pending_requests):
                 return False
@@ -589,10 +647,10 @@ class Engine:
                 raise RuntimeError("a request does not fit the cache even when it is empty")
             return True
         self.stats["steps"] += 1
-        rows = self.forward(batch)    # 3. metadata, 4. forward
+        rows = self.forward(batch)  # 3. metadata, 4. forward
         self.stats["query_tokens"] += sum(e.q + len(e.drafts) for e in batch)
         self.stats["peak_usage"] = max(self.stats["peak_usage"], mgr.pool.usage)
-        self.commit(batch, rows)      # 5. commit
+        self.commit(batch, rows)  # 5. commit
         if self.args.check:
             mgr.check()
         return True
@@ -612,10 +670,12 @@ class Engine:
         st["requests"] = len(self.requests)
         st["sequences"] = len(self.outputs)
         st["generated_tokens"] = sum(len(v) for v in self.outputs.values())
-        st["prefix_hit_rate"] = (st["cached_tokens"] / st["prompt_tokens_added"]
-                                 if st["prompt_tokens_added"] else 0.0)
-        st["acceptance_rate"] = (st["drafts_accepted"] / st["drafts_proposed"]
-                                 if st["drafts_proposed"] else 0.0)
+        st["prefix_hit_rate"] = (
+            st["cached_tokens"] / st["prompt_tokens_added"] if st["prompt_tokens_added"] else 0.0
+        )
+        st["acceptance_rate"] = (
+            st["drafts_accepted"] / st["drafts_proposed"] if st["drafts_proposed"] else 0.0
+        )
         st["evictions"] = mgr.pool.stats.evictions
         st["elapsed_s"] = elapsed
         st["outputs"] = self.outputs
@@ -636,21 +696,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=24, help="query tokens per step")
     ap.add_argument("--max-prompt", type=int, default=40)
     ap.add_argument("--max-new", type=int, default=14)
-    ap.add_argument("--turns", type=float, default=0.3,
-                    help="share of requests that are the next turn of an earlier one")
-    ap.add_argument("--spec", type=int, default=0, metavar="K",
-                    help="speculative decoding: up to K prompt-lookup drafts per sequence")
+    ap.add_argument(
+        "--turns",
+        type=float,
+        default=0.3,
+        help="share of requests that are the next turn of an earlier one",
+    )
+    ap.add_argument(
+        "--spec",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: up to K prompt-lookup drafts per sequence",
+    )
     ap.add_argument("--watermark", type=float, default=0.04)
     ap.add_argument("--preempt", choices=["auto", "swap", "recompute"], default="auto")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=48)
-    ap.add_argument("--bigram", type=float, default=6.0,
-                    help="weight of the bigram term of the logits (repetition)")
+    ap.add_argument(
+        "--bigram",
+        type=float,
+        default=6.0,
+        help="weight of the bigram term of the logits (repetition)",
+    )
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--no-check", dest="check", action="store_false",
-                    help="skip BlockManager.check() after every step")
+    ap.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="skip BlockManager.check() after every step",
+    )
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     need = -(-(args.max_prompt + args.max_new + 1) // args.block_size)
@@ -672,24 +749,36 @@ def main(argv=None) -> dict:
     summary = Engine(args).run()
     if not args.quiet:
         s = summary
-        print(f"requests {s['requests']} ({s['turn_requests']} follow-up turns), sequences "
-              f"{s['sequences']} (forks {s['forks']}), steps {s['steps']}, "
-              f"{s['elapsed_s']:.2f} s")
-        print(f"tokens: computed {s['query_tokens']} (prefill {s['prefill_tokens']}, decode "
-              f"{s['decode_tokens']}, drafts {s['drafts_proposed']}), generated "
-              f"{s['generated_tokens']}")
-        print(f"prefix cache: {s['cached_tokens']} of {s['prompt_tokens_added']} prompt tokens "
-              f"hit ({100 * s['prefix_hit_rate']:.1f}%); follow-up turns {s['turn_cached_tokens']}"
-              f" of {s['turn_prompt_tokens']}, recompute re-adds {s['readd_cached_tokens']} of "
-              f"{s['readd_tokens']}; {s['evictions']} evictions")
+        print(
+            f"requests {s['requests']} ({s['turn_requests']} follow-up turns), sequences "
+            f"{s['sequences']} (forks {s['forks']}), steps {s['steps']}, "
+            f"{s['elapsed_s']:.2f} s"
+        )
+        print(
+            f"tokens: computed {s['query_tokens']} (prefill {s['prefill_tokens']}, decode "
+            f"{s['decode_tokens']}, drafts {s['drafts_proposed']}), generated "
+            f"{s['generated_tokens']}"
+        )
+        print(
+            f"prefix cache: {s['cached_tokens']} of {s['prompt_tokens_added']} prompt tokens "
+            f"hit ({100 * s['prefix_hit_rate']:.1f}%); follow-up turns {s['turn_cached_tokens']}"
+            f" of {s['turn_prompt_tokens']}, recompute re-adds {s['readd_cached_tokens']} of "
+            f"{s['readd_tokens']}; {s['evictions']} evictions"
+        )
         if args.spec:
-            print(f"speculative decoding: {s['drafts_accepted']} of {s['drafts_proposed']} drafts "
-                  f"accepted ({100 * s['acceptance_rate']:.1f}%)")
-        print(f"preemptions: {s['swap_preemptions']} swap ({s['blocks_swapped_out']} blocks out, "
-              f"{s['blocks_swapped_in']} in), {s['recompute_preemptions']} recompute; "
-              f"copy-on-write copies {s['cow_copies']}")
-        print(f"peak usage {100 * s['peak_usage']:.1f}% of {args.num_blocks - 1} blocks; "
-              f"{s['checks']} paged-vs-contiguous attention checks passed")
+            print(
+                f"speculative decoding: {s['drafts_accepted']} of {s['drafts_proposed']} drafts "
+                f"accepted ({100 * s['acceptance_rate']:.1f}%)"
+            )
+        print(
+            f"preemptions: {s['swap_preemptions']} swap ({s['blocks_swapped_out']} blocks out, "
+            f"{s['blocks_swapped_in']} in), {s['recompute_preemptions']} recompute; "
+            f"copy-on-write copies {s['cow_copies']}"
+        )
+        print(
+            f"peak usage {100 * s['peak_usage']:.1f}% of {args.num_blocks - 1} blocks; "
+            f"{s['checks']} paged-vs-contiguous attention checks passed"
+        )
     return summary
 
 

@@ -24,7 +24,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from kvblocks.integrations.transformers import PagedKVCache, dynamic_cache_bytes
 
 PAD = 0
-CACHE_KW = "cache" if int(__import__("transformers").__version__.split(".")[0]) >= 5 else "past_key_values"
+CACHE_KW = (
+    "cache" if int(__import__("transformers").__version__.split(".")[0]) >= 5 else "past_key_values"
+)
 
 
 def left_pad(rows):
@@ -32,15 +34,20 @@ def left_pad(rows):
     ids = torch.full((len(rows), width), PAD, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.as_tensor(r)
-        mask[i, width - len(r):] = 1
+        ids[i, width - len(r) :] = torch.as_tensor(r)
+        mask[i, width - len(r) :] = 1
     return ids, mask
 
 
 def generate(model, ids, mask, cache, **kw):
     with torch.no_grad():
-        return model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
-                              do_sample=False, **{CACHE_KW: cache}, **kw)
+        return model.generate(
+            ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            do_sample=False,
+            **{CACHE_KW: cache},
+            **kw,
+        )
 
 
 def kib(n):
@@ -55,18 +62,29 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, pad_token_id=PAD, bos_token_id=1,
-                         eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = LlamaForCausalLM(config).eval().to(args.device)
     model.generation_config.eos_token_id = None  # fixed-length outputs
     model.generation_config.pad_token_id = PAD
     g = np.random.default_rng(0)
-    paged = PagedKVCache(model.config, args.num_blocks, block_size=args.block_size,
-                         device=args.device)
-    print(f"transformers {__import__('transformers').__version__}, torch {torch.__version__}, "
-          f"device {args.device}, block_size {args.block_size}")
+    paged = PagedKVCache(
+        model.config, args.num_blocks, block_size=args.block_size, device=args.device
+    )
+    print(
+        f"transformers {__import__('transformers').__version__}, torch {torch.__version__}, "
+        f"device {args.device}, block_size {args.block_size}"
+    )
 
     # 1. greedy, left-padded batch of prompts of different lengths
     ids, mask = left_pad([g.integers(3, 512, n) for n in (12, 40, 27, 5)])
@@ -84,9 +102,11 @@ def main() -> None:
     held, base = paged.kv_bytes_held(), dynamic_cache_bytes(dyn)
     st = paged.stats
     print(f"2. beam search (2 prompts x 4 beams): tokens identical: {torch.equal(out, ref)}")
-    print(f"   KV bytes held   DynamicCache {kib(base)}   PagedKVCache {kib(held)}"
-          f"   ({held / base:.0%}; {st['blocks_held']} blocks shared by {st['rows']} beams,"
-          f" {st['forks']} forks, {st['copy_on_write_blocks']} copy-on-write block copies)")
+    print(
+        f"   KV bytes held   DynamicCache {kib(base)}   PagedKVCache {kib(held)}"
+        f"   ({held / base:.0%}; {st['blocks_held']} blocks shared by {st['rows']} beams,"
+        f" {st['forks']} forks, {st['copy_on_write_blocks']} copy-on-write block copies)"
+    )
 
     # 3. prefix caching across generate calls: register the prompts with prepare(), then generate
     system = g.integers(3, 512, 200)  # a long shared "system prompt"
@@ -102,11 +122,18 @@ def main() -> None:
         # prepare + generate in one call (prepare(ids, mask, model=model) then model.generate):
         # the cache checks that generate is fed the prepared prompts
         with torch.no_grad():
-            out = paged.generate(model, ids.to(model.device), attention_mask=mask.to(model.device),
-                                 max_new_tokens=16, do_sample=False)
+            out = paged.generate(
+                model,
+                ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                max_new_tokens=16,
+                do_sample=False,
+            )
         cached = paged.cached_tokens
-        print(f"3.{call} prefix caching, call {call} ({ids.shape[0]} x {ids.shape[1]} prompt "
-              f"tokens): cached tokens per row {cached:3d}, tokens identical: {torch.equal(out, ref)}")
+        print(
+            f"3.{call} prefix caching, call {call} ({ids.shape[0]} x {ids.shape[1]} prompt "
+            f"tokens): cached tokens per row {cached:3d}, tokens identical: {torch.equal(out, ref)}"
+        )
     print(f"   stats: {paged.stats}")
 
 

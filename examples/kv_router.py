@@ -55,8 +55,12 @@ class Replica:
         self.index = index
         self.mgr = BlockManager(num_blocks, block_size, enable_kv_events=True)
         # llm-d reads pod and model from the topic: kv@<pod-ip>:<port>@<model>
-        self.pub = ZmqEventPublisher("tcp://127.0.0.1:0", bind=True, context=ctx,
-                                     topic=f"kv@127.0.0.{index + 1}:8000@{MODEL}")
+        self.pub = ZmqEventPublisher(
+            "tcp://127.0.0.1:0",
+            bind=True,
+            context=ctx,
+            topic=f"kv@127.0.0.{index + 1}:8000@{MODEL}",
+        )
         self.topic = self.pub.topic.encode()
         self.served = 0
         self.hit_tokens = 0
@@ -89,8 +93,8 @@ class Router:
         for r in replicas:
             self.sub.connect(r.pub.endpoint)
         self.key_of: List[Dict[int, bytes]] = [dict() for _ in replicas]  # engine hash -> key
-        self.holders: Dict[bytes, Set[int]] = defaultdict(set)           # key -> replicas
-        self.seen: List[int] = [-1] * len(replicas)                       # last seq per replica
+        self.holders: Dict[bytes, Set[int]] = defaultdict(set)  # key -> replicas
+        self.seen: List[int] = [-1] * len(replicas)  # last seq per replica
         self.events = self.skipped = 0
         self.decode = msgspec.msgpack.Decoder().decode
 
@@ -117,7 +121,7 @@ class Router:
                 step = 4 * ev["block_size"]
                 toks = np.asarray(ev["token_ids"], dtype="<u4").tobytes()
                 for i, h in enumerate(ev["block_hashes"]):
-                    pkey = self.key(pkey, toks[i * step:(i + 1) * step])
+                    pkey = self.key(pkey, toks[i * step : (i + 1) * step])
                     keys[h] = pkey
                     self.holders[pkey].add(r)
             elif kind == "BlockRemoved":
@@ -155,7 +159,7 @@ class Router:
         step = 4 * self.block_size
         toks = np.asarray(prompt, dtype="<u4").tobytes()
         for i in range(len(prompt) // self.block_size):
-            pkey = self.key(pkey, toks[i * step:(i + 1) * step])
+            pkey = self.key(pkey, toks[i * step : (i + 1) * step])
             alive &= self.holders.get(pkey, set())
             if not alive:
                 break
@@ -197,9 +201,14 @@ def run(policy: str, args, workload) -> Dict[str, float]:
         elapsed = time.perf_counter() - t0
         hit = sum(x.hit_tokens for x in replicas)
         total = sum(x.prompt_tokens for x in replicas)
-        return {"hit_rate": hit / total, "events": router.events, "skipped": router.skipped,
-                "batches": sum(x.pub.sent for x in replicas), "seconds": elapsed,
-                "served": [x.served for x in replicas]}
+        return {
+            "hit_rate": hit / total,
+            "events": router.events,
+            "skipped": router.skipped,
+            "batches": sum(x.pub.sent for x in replicas),
+            "seconds": elapsed,
+            "served": [x.served for x in replicas],
+        }
     finally:
         router.sub.close()
         for x in replicas:
@@ -215,14 +224,18 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args(argv)
     workload = builtin_workload(limit=args.requests)
-    print(f"{len(workload)} requests of the built-in workload, {args.replicas} replicas of "
-          f"{args.num_blocks} blocks x {args.block_size} tokens")
+    print(
+        f"{len(workload)} requests of the built-in workload, {args.replicas} replicas of "
+        f"{args.num_blocks} blocks x {args.block_size} tokens"
+    )
     print(f"{'routing':<12} {'hit rate':>8} {'events':>8} {'batches':>8} {'seconds':>8}  served")
     results = {}
     for policy in ("kv", "round_robin"):
         res = results[policy] = run(policy, args, workload)
-        print(f"{policy:<12} {res['hit_rate']:>8.1%} {res['events']:>8} {res['batches']:>8} "
-              f"{res['seconds']:>8.2f}  {res['served']}")
+        print(
+            f"{policy:<12} {res['hit_rate']:>8.1%} {res['events']:>8} {res['batches']:>8} "
+            f"{res['seconds']:>8.2f}  {res['served']}"
+        )
     gain = results["kv"]["hit_rate"] - results["round_robin"]["hit_rate"]
     print(f"KV-aware routing: {gain:+.1%} prefix-cache hit rate over round-robin")
     return 0

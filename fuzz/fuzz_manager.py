@@ -64,18 +64,29 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if glob.glob(os.path.join(_ROOT, "kvblocks", "_core*.so")):
     sys.path.insert(0, _ROOT)
 
-import kvblocks  # noqa: E402  (not instrumented: its Python modules are hot and well tested)
-from kvblocks import ops  # noqa: E402
-from kvblocks import (AttentionMetadata, BlockManager, BlockPool, DuplicateSequenceError,  # noqa: E402
-                      InvalidArgumentError, InvalidStateError, InvalidTypeError, KVBlocksError,
-                      KVCache, KVLayout, OutOfBlocksError, UnknownSequenceError)
+import kvblocks  # (not instrumented: its Python modules are hot and well tested)
+from kvblocks import (
+    AttentionMetadata,
+    BlockManager,
+    BlockPool,
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    InvalidStateError,
+    InvalidTypeError,
+    KVBlocksError,
+    KVCache,
+    KVLayout,
+    OutOfBlocksError,
+    UnknownSequenceError,
+    ops,
+)
 
 # spec-round2 features, detected so that the harness runs on the old and the new core alike
 ROUND2 = hasattr(BlockManager, "num_computed")
 HAS_SCHEDULE = hasattr(BlockManager, "schedule")
 
-MAX_OPS = 80          # calls decoded from one input at most
-MAX_TOKENS = 40       # a sequence never grows past this (keeps runs short)
+MAX_OPS = 80  # calls decoded from one input at most
+MAX_TOKENS = 40  # a sequence never grows past this (keeps runs short)
 IDS: List[Any] = [0, 1, 2, 3, 4, 5, 6, 7, "a", "b", "c", "d"]
 KEY = b"kvblocks-fuzz-k!"
 M64 = (1 << 64) - 1
@@ -87,8 +98,9 @@ M64 = (1 << 64) - 1
 class Finding(AssertionError):
     """A broken rule. ``kind`` names the rule; the message holds the details and the trace."""
 
-    def __init__(self, kind: str, summary: str, op: str = "", sub: str = "",
-                 trace: str = "") -> None:
+    def __init__(
+        self, kind: str, summary: str, op: str = "", sub: str = "", trace: str = ""
+    ) -> None:
         super().__init__(f"[{kind}] {summary}\n(during {op})\n{trace}")
         self.kind = kind
         self.summary = summary
@@ -171,8 +183,9 @@ class KVModel:
 
     def __init__(self, layers: int, heads: int, dim: int) -> None:
         rng = np.random.default_rng(20240611)
-        self.mult = (rng.integers(1, 1 << 62, size=(layers, 2, 1, heads, dim), dtype=np.uint64)
-                     * np.uint64(2) + np.uint64(1))
+        self.mult = rng.integers(
+            1, 1 << 62, size=(layers, 2, 1, heads, dim), dtype=np.uint64
+        ) * np.uint64(2) + np.uint64(1)
 
     def values(self, hs: List[int]) -> np.ndarray:
         h = np.array(hs, dtype=np.uint64).reshape(1, 1, -1, 1, 1)
@@ -267,10 +280,10 @@ class Seq:
         self.salt = salt
         self.tokens = list(tokens)
         self.hs = prefix_hashes(root_of(salt), self.tokens)
-        self.computed = hits   # tokens whose K/V are written (add's cache hits are)
-        self.hits = hits       # leading tokens served by add from the prefix cache
+        self.computed = hits  # tokens whose K/V are written (add's cache hits are)
+        self.hits = hits  # leading tokens served by add from the prefix cache
         self.swapped = False
-        self.checked = None    # what the last read-back saw (skip it while nothing changed)
+        self.checked = None  # what the last read-back saw (skip it while nothing changed)
 
     def copy(self) -> "Seq":
         s = Seq.__new__(Seq)
@@ -336,8 +349,15 @@ class Harness:
             f"joint={joint})",
             f"cache = KVCache(layout, {nblocks}, pin_memory=False)",
         ]
-        self.mgr = BlockManager(nblocks, bs, enable_prefix_caching=caching, watermark=watermark,
-                                num_host_blocks=host, hash_key=KEY, enable_kv_events=events)
+        self.mgr = BlockManager(
+            nblocks,
+            bs,
+            enable_prefix_caching=caching,
+            watermark=watermark,
+            num_host_blocks=host,
+            hash_key=KEY,
+            enable_kv_events=events,
+        )
         self.caching = caching
         self.events = events
         self.layout = KVLayout(layers, heads, dim, bs, "bf16", kind=kind, joint=joint)
@@ -348,8 +368,8 @@ class Harness:
             self.trace.append(f"host = KVCache(layout, {host}, pin_memory=False)")
         self.kv = KVModel(layers, heads, dim)
         self.seqs: Dict[Any, Seq] = {}
-        self.bytes_gen = 0            # bumped by every write into cache or host
-        self.unsettled: set = set()   # ids whose bytes wait for pending copies or swap pairs
+        self.bytes_gen = 0  # bumped by every write into cache or host
+        self.unsettled: set = set()  # ids whose bytes wait for pending copies or swap pairs
         # old core only: blocks are cached at commit, so an add's hits hold their K/V only
         # once the next forward ran (round 2 caches computed blocks only: no waiting)
         self.await_forward: set = set()
@@ -357,9 +377,9 @@ class Harness:
         self.recent: List[Tuple[Any, List[int]]] = []  # (salt, tokens) of freed sequences
         self.meta_buf: Optional[AttentionMetadata] = None
         if inp.bool():
-            self.meta_buf = AttentionMetadata.allocate(len(IDS), len(IDS) * MAX_TOKENS,
-                                                       len(IDS) * (MAX_TOKENS + 1),
-                                                       MAX_TOKENS + 1)
+            self.meta_buf = AttentionMetadata.allocate(
+                len(IDS), len(IDS) * MAX_TOKENS, len(IDS) * (MAX_TOKENS + 1), MAX_TOKENS + 1
+            )
             self.trace.append("buf = kvblocks.AttentionMetadata.allocate(...)")
         # the block-level engine
         pblocks = inp.int(2, 20)
@@ -367,12 +387,24 @@ class Harness:
         self.pcache = KVCache(self.layout, pblocks, pin_memory=False)
         self.pseqs: Dict[int, PoolSeq] = {}
         self.pnext = 0
-        self.trace.append(f"pool = BlockPool({pblocks}, hash_key={KEY!r}); "
-                          f"pcache = KVCache(layout, {pblocks}, pin_memory=False)")
+        self.trace.append(
+            f"pool = BlockPool({pblocks}, hash_key={KEY!r}); "
+            f"pcache = KVCache(layout, {pblocks}, pin_memory=False)"
+        )
 
     # -- calling the library -------------------------------------------------------------------
-    def call(self, text: str, fn: Callable, *args, expect: tuple = (), must_fail: bool = False,
-             atomic: bool = True, kind: str = "", sub: str = "", **kw):
+    def call(
+        self,
+        text: str,
+        fn: Callable,
+        *args,
+        expect: tuple = (),
+        must_fail: bool = False,
+        atomic: bool = True,
+        kind: str = "",
+        sub: str = "",
+        **kw,
+    ):
         """Run one library call. Returns its result, or an Err for a KVBlocksError.
 
         ``expect``: the KVBlocksError types this call may raise (any other one is a finding);
@@ -391,23 +423,32 @@ class Harness:
             if TRAPS:
                 raise self.finding("id-normalization", f"{text}: ran {TRAPS[0]}")
             if not isinstance(e, expect):
-                raise self.finding(kind or "spurious-error", f"{text} raised {type(e).__name__}: {e}",
-                                   f"{text.split('(')[0]} {type(e).__name__}{sub}")
+                raise self.finding(
+                    kind or "spurious-error",
+                    f"{text} raised {type(e).__name__}: {e}",
+                    f"{text.split('(')[0]} {type(e).__name__}{sub}",
+                )
             if snap is not None and self.snapshot() != snap:
-                raise self.finding("not-atomic", f"{text} raised {type(e).__name__} and "
-                                   "changed the state")
+                raise self.finding(
+                    "not-atomic", f"{text} raised {type(e).__name__} and changed the state"
+                )
             return Err(e)
         except Finding:
             raise
         except Exception as e:  # noqa: BLE001 - anything but KVBlocksError is a finding
-            raise self.finding(kind or "unexpected-exception",
-                               f"{text} raised {type(e).__name__}: {e}",
-                               f"{text.split('(')[0]} {type(e).__name__}{sub}") from e
+            raise self.finding(
+                kind or "unexpected-exception",
+                f"{text} raised {type(e).__name__}: {e}",
+                f"{text.split('(')[0]} {type(e).__name__}{sub}",
+            ) from e
         if TRAPS:
             raise self.finding("id-normalization", f"{text}: ran {TRAPS[0]}")
         if must_fail:
-            raise self.finding(kind or "accepted-misuse", f"{text} succeeded; expected one of "
-                               f"{[t.__name__ for t in expect]}", text.split("(")[0] + sub)
+            raise self.finding(
+                kind or "accepted-misuse",
+                f"{text} succeeded; expected one of {[t.__name__ for t in expect]}",
+                text.split("(")[0] + sub,
+            )
         if r is not None and not isinstance(r, (np.ndarray, AttentionMetadata)):
             self.trace.append(f"#   -> {r!r}")
         return r
@@ -422,16 +463,31 @@ class Harness:
         m = self.mgr
         seqs = []
         for sid in m.seq_ids():
-            seqs.append((type(sid).__name__, sid, m.token_ids(sid).tobytes(),
-                         m.block_table(sid).tobytes(), m.is_swapped(sid),
-                         m.num_computed(sid) if ROUND2 else 0))
+            seqs.append(
+                (
+                    type(sid).__name__,
+                    sid,
+                    m.token_ids(sid).tobytes(),
+                    m.block_table(sid).tobytes(),
+                    m.is_swapped(sid),
+                    m.num_computed(sid) if ROUND2 else 0,
+                )
+            )
         seqs.sort(key=lambda t: (t[0], str(t[1])))
         hp = m.host_pool
-        return (seqs, m.pool.ref_counts().tobytes(), m.pool.num_free, m.pool.num_cached,
-                m.pool.free_list().tobytes(), m.num_pending_copies,
-                hp.ref_counts().tobytes() if hp is not None else b"",
-                self.pool.ref_counts().tobytes(), self.pool.num_free, self.pool.num_cached,
-                self.pool.free_list().tobytes())
+        return (
+            seqs,
+            m.pool.ref_counts().tobytes(),
+            m.pool.num_free,
+            m.pool.num_cached,
+            m.pool.free_list().tobytes(),
+            m.num_pending_copies,
+            hp.ref_counts().tobytes() if hp is not None else b"",
+            self.pool.ref_counts().tobytes(),
+            self.pool.num_free,
+            self.pool.num_cached,
+            self.pool.free_list().tobytes(),
+        )
 
     # -- choosing things -----------------------------------------------------------------------
     def live(self, swapped: Optional[bool] = None) -> List[Any]:
@@ -460,10 +516,10 @@ class Harness:
         src = [q.tokens for q in self.seqs.values()] + [t for _, t in self.recent]
         if src and inp.bool():
             base = inp.pick(src)
-            out = list(base[:inp.int(0, len(base))])[:n]
+            out = list(base[: inp.int(0, len(base))])[:n]
         while len(out) < n:
             c = inp.byte()
-            out.append(c % 4 if c < 224 else inp.pick([0, 7, 2**31 - 1, -2**31, -1, 255]))
+            out.append(c % 4 if c < 224 else inp.pick([0, 7, 2**31 - 1, -(2**31), -1, 255]))
         return out
 
     def salt(self):
@@ -495,28 +551,37 @@ class Harness:
         ids = m.seq_ids()
         for sid in ids:
             if type(sid) not in (int, str):
-                raise self.finding("id-normalization",
-                                   f"seq_ids() holds a {type(sid).__name__}: {sid!r}")
+                raise self.finding(
+                    "id-normalization", f"seq_ids() holds a {type(sid).__name__}: {sid!r}"
+                )
         if sorted(map(repr, ids)) != sorted(map(repr, self.seqs)):
-            raise self.finding("model-mismatch", f"seq_ids() {sorted(map(repr, ids))} but the "
-                               f"model has {sorted(map(repr, self.seqs))}")
+            raise self.finding(
+                "model-mismatch",
+                f"seq_ids() {sorted(map(repr, ids))} but the "
+                f"model has {sorted(map(repr, self.seqs))}",
+            )
         bs = self.bs
         if self.settled():
             self.unsettled.clear()
         for sid, q in self.seqs.items():
             toks = m.token_ids(sid)
             if toks.tolist() != q.tokens:
-                raise self.finding("model-mismatch",
-                                   f"token_ids({sid!r}) = {toks.tolist()}, expected {q.tokens}")
+                raise self.finding(
+                    "model-mismatch", f"token_ids({sid!r}) = {toks.tolist()}, expected {q.tokens}"
+                )
             if m.is_swapped(sid) != q.swapped:
                 raise self.finding("model-mismatch", f"is_swapped({sid!r}) = {m.is_swapped(sid)}")
             table = m.block_table(sid)
             if len(table) < -(-len(q.tokens) // bs):
-                raise self.finding("model-mismatch", f"block_table({sid!r}) = {table.tolist()} "
-                                   f"is short for {len(q.tokens)} tokens")
+                raise self.finding(
+                    "model-mismatch",
+                    f"block_table({sid!r}) = {table.tolist()} is short for {len(q.tokens)} tokens",
+                )
             if ROUND2 and m.num_computed(sid) != q.computed:
-                raise self.finding("model-mismatch", f"num_computed({sid!r}) = "
-                                   f"{m.num_computed(sid)}, expected {q.computed}")
+                raise self.finding(
+                    "model-mismatch",
+                    f"num_computed({sid!r}) = {m.num_computed(sid)}, expected {q.computed}",
+                )
             if sid not in self.unsettled and sid not in self.await_forward:
                 # the bytes a sequence reads change only with its table, its computed count
                 # or a write into a cache (bytes_gen): else the last read-back still holds
@@ -548,7 +613,8 @@ class Harness:
                         f"sequence {sid!r} ({where}, table {table.tolist()}, {n} computed of "
                         f"{len(q.tokens)} tokens {q.tokens}, {q.hits} from add's cache hits): "
                         f"{name} of layer {layer} differs "
-                        f"first at position {bad} (block {int(table[bad // self.bs])})")
+                        f"first at position {bad} (block {int(table[bad // self.bs])})",
+                    )
 
     def check_block_bytes(self, cache: KVCache, blocks, hs: List[int], what: str) -> None:
         """Block i of ``blocks`` must hold the K/V of positions [i*bs, (i+1)*bs) of ``hs``."""
@@ -561,11 +627,17 @@ class Harness:
         for layer in range(self.layers):
             k, v = ops.gather(cache, layer, table, n)
             if not (np.array_equal(k, want[layer, 0]) and np.array_equal(v, want[layer, 1])):
-                bad = int(np.flatnonzero(((k != want[layer, 0]) | (v != want[layer, 1]))
-                                         .reshape(n, -1).any(axis=1))[0])
-                raise self.finding("cache-bytes", f"{what}: cached block "
-                                   f"{int(table[bad // bs])} (hit {bad // bs}) does not hold "
-                                   f"its prefix's K/V (position {bad}, layer {layer})")
+                bad = int(
+                    np.flatnonzero(
+                        ((k != want[layer, 0]) | (v != want[layer, 1])).reshape(n, -1).any(axis=1)
+                    )[0]
+                )
+                raise self.finding(
+                    "cache-bytes",
+                    f"{what}: cached block "
+                    f"{int(table[bad // bs])} (hit {bad // bs}) does not hold "
+                    f"its prefix's K/V (position {bad}, layer {layer})",
+                )
 
     def probe_check(self) -> None:
         """Round 2: a block is cached only once computed, so every prefix-cache hit of a live
@@ -582,11 +654,16 @@ class Harness:
             full = upto // self.bs
             if full == 0:
                 continue
-            h = kvblocks.hash_blocks(np.array(toks[:full * self.bs], dtype=np.int64), self.bs,
-                                     salt=salt, key=KEY)
+            h = kvblocks.hash_blocks(
+                np.array(toks[: full * self.bs], dtype=np.int64), self.bs, salt=salt, key=KEY
+            )
             hit = self.mgr.pool.lookup(h)
-            self.check_block_bytes(self.cache, hit.tolist(), hs,
-                                   f"mgr.pool.lookup of {toks[:full * self.bs]} salt {salt!r}")
+            self.check_block_bytes(
+                self.cache,
+                hit.tolist(),
+                hs,
+                f"mgr.pool.lookup of {toks[: full * self.bs]} salt {salt!r}",
+            )
 
     # -- drain: copies and swap pairs ----------------------------------------------------------
     def run_copies(self) -> None:
@@ -596,16 +673,20 @@ class Harness:
             try:
                 ops.copy_blocks(self.cache, pairs)
             except KVBlocksError as e:
-                raise self.finding("copy-pairs-refused", f"ops.copy_blocks(cache, "
-                                   f"{pairs.tolist()}) refused take_copies()'s pairs: {e}")
+                raise self.finding(
+                    "copy-pairs-refused",
+                    f"ops.copy_blocks(cache, {pairs.tolist()}) refused take_copies()'s pairs: {e}",
+                )
             self.trace.append("ops.copy_blocks(cache, pairs)")
             self.bytes_gen += 1
 
     def run_swaps(self) -> None:
         for direction, sid, pairs in self.swap_queue:
             src, dst = (self.cache, self.host) if direction == "out" else (self.host, self.cache)
-            text = (f"ops.swap_blocks({'cache, host' if direction == 'out' else 'host, cache'}, "
-                    f"{pairs.tolist()})  # swap_{direction}({sid!r})")
+            text = (
+                f"ops.swap_blocks({'cache, host' if direction == 'out' else 'host, cache'}, "
+                f"{pairs.tolist()})  # swap_{direction}({sid!r})"
+            )
             try:
                 ops.swap_blocks(src, dst, pairs)
             except KVBlocksError as e:
@@ -677,9 +758,15 @@ class Harness:
             expect_hits = min(len(m.pool.lookup(h[:full])), cap) * self.bs
         can = m.can_add(len(toks))
         arg = self.as_tokens(toks)
-        r = self.call(f"mgr.add({fmt(idobj)}, {fmt(arg)}, salt={salt!r})", m.add, idobj, arg,
-                      salt=salt, expect=(DuplicateSequenceError, OutOfBlocksError) if exists
-                      else (OutOfBlocksError,), must_fail=exists)
+        r = self.call(
+            f"mgr.add({fmt(idobj)}, {fmt(arg)}, salt={salt!r})",
+            m.add,
+            idobj,
+            arg,
+            salt=salt,
+            expect=(DuplicateSequenceError, OutOfBlocksError) if exists else (OutOfBlocksError,),
+            must_fail=exists,
+        )
         if isinstance(r, Err):
             if isinstance(r.exc, OutOfBlocksError) and can:
                 raise self.finding("count", f"can_add({len(toks)}) said yes, add refused")
@@ -689,8 +776,10 @@ class Harness:
         if r % self.bs or r > max(0, len(toks) - 1) or r < 0:
             raise self.finding("add-hits", f"add returned {r} cached tokens for {len(toks)}")
         if expect_hits is not None and r != expect_hits:
-            raise self.finding("add-hits", f"add returned {r} cached tokens, lookup() just "
-                               f"before found {expect_hits}")
+            raise self.finding(
+                "add-hits",
+                f"add returned {r} cached tokens, lookup() just before found {expect_hits}",
+            )
         self.new_seq_bytes(sid, r)
 
     def new_seq_bytes(self, sid, cached: int) -> None:
@@ -700,7 +789,7 @@ class Harness:
             self.await_forward.add(sid)
 
     def op_append(self, sid=None, idobj=None) -> None:
-        m, inp = self.mgr, self.inp
+        m, _inp = self.mgr, self.inp
         if sid is None:
             sid = self.pick_any_id()
             idobj = sid
@@ -714,15 +803,32 @@ class Harness:
             need = m.blocks_needed(sid, len(toks))
             free = m.pool.num_free
         if q is None:
-            r = self.call(f"mgr.append({fmt(idobj)}, {fmt(arg)})", m.append, idobj, arg,
-                          expect=(UnknownSequenceError,), must_fail=True)
+            r = self.call(
+                f"mgr.append({fmt(idobj)}, {fmt(arg)})",
+                m.append,
+                idobj,
+                arg,
+                expect=(UnknownSequenceError,),
+                must_fail=True,
+            )
             return
         if q.swapped:
-            self.call(f"mgr.append({fmt(idobj)}, {fmt(arg)})", m.append, idobj, arg,
-                      expect=(InvalidStateError,), must_fail=True)
+            self.call(
+                f"mgr.append({fmt(idobj)}, {fmt(arg)})",
+                m.append,
+                idobj,
+                arg,
+                expect=(InvalidStateError,),
+                must_fail=True,
+            )
             return
-        r = self.call(f"mgr.append({fmt(idobj)}, {fmt(arg)})", m.append, idobj, arg,
-                      expect=(OutOfBlocksError,))
+        r = self.call(
+            f"mgr.append({fmt(idobj)}, {fmt(arg)})",
+            m.append,
+            idobj,
+            arg,
+            expect=(OutOfBlocksError,),
+        )
         self.check_counts(f"append({sid!r}, {len(toks)} tokens)", r, need, free)
         if not isinstance(r, Err):
             q.extend(toks)
@@ -734,8 +840,10 @@ class Harness:
             return
         if isinstance(r, Err):
             if isinstance(r.exc, OutOfBlocksError) and need <= free:
-                raise self.finding("count", f"{what}: OutOfBlocksError but blocks_needed = "
-                                   f"{need} <= num_free = {free}")
+                raise self.finding(
+                    "count",
+                    f"{what}: OutOfBlocksError but blocks_needed = {need} <= num_free = {free}",
+                )
             return
         took = free - self.mgr.pool.num_free
         if took > need:
@@ -750,15 +858,21 @@ class Harness:
         if n is None:
             n = inp.int(0, 2 * self.bs + 1)
         if q is None or q.swapped:
-            self.call(f"mgr.reserve({fmt(idobj)}, {fmt(n)})", m.reserve, idobj, n,
-                      expect=(UnknownSequenceError if q is None else InvalidStateError,),
-                      must_fail=True)
+            self.call(
+                f"mgr.reserve({fmt(idobj)}, {fmt(n)})",
+                m.reserve,
+                idobj,
+                n,
+                expect=(UnknownSequenceError if q is None else InvalidStateError,),
+                must_fail=True,
+            )
             return
         if len(q.tokens) + int(n) > MAX_TOKENS:
             return
         need, free = m.blocks_needed(sid, int(n)), m.pool.num_free
-        r = self.call(f"mgr.reserve({fmt(idobj)}, {fmt(n)})", m.reserve, idobj, n,
-                      expect=(OutOfBlocksError,))
+        r = self.call(
+            f"mgr.reserve({fmt(idobj)}, {fmt(n)})", m.reserve, idobj, n, expect=(OutOfBlocksError,)
+        )
         self.check_counts(f"reserve({sid!r}, {n})", r, need, free)
         if not isinstance(r, Err):
             self.mark_unsettled(sid)
@@ -770,15 +884,26 @@ class Harness:
             idobj = sid
         q = self.seqs.get(sid)
         if q is None:
-            self.call(f"mgr.truncate({fmt(idobj)}, 0)", m.truncate, idobj, 0,
-                      expect=(UnknownSequenceError,), must_fail=True)
+            self.call(
+                f"mgr.truncate({fmt(idobj)}, 0)",
+                m.truncate,
+                idobj,
+                0,
+                expect=(UnknownSequenceError,),
+                must_fail=True,
+            )
             return
         if n is None:
             n = inp.int(0, len(q.tokens) + 1)
         bad = q.swapped or int(n) > len(q.tokens)
-        self.call(f"mgr.truncate({fmt(idobj)}, {fmt(n)})", m.truncate, idobj, n,
-                  expect=(InvalidStateError, InvalidArgumentError) if bad else (),
-                  must_fail=bad)
+        self.call(
+            f"mgr.truncate({fmt(idobj)}, {fmt(n)})",
+            m.truncate,
+            idobj,
+            n,
+            expect=(InvalidStateError, InvalidArgumentError) if bad else (),
+            must_fail=bad,
+        )
         if not bad:
             q.cut(int(n))
 
@@ -794,13 +919,19 @@ class Harness:
             cobj = child
         p = self.seqs.get(parent)
         # every error that applies is a valid answer: the spec orders none of them
-        exp = tuple(e for e, applies in ((UnknownSequenceError, p is None),
-                                         (DuplicateSequenceError, child in self.seqs),
-                                         (InvalidStateError, p is not None and p.swapped))
-                    if applies)
+        exp = tuple(
+            e
+            for e, applies in (
+                (UnknownSequenceError, p is None),
+                (DuplicateSequenceError, child in self.seqs),
+                (InvalidStateError, p is not None and p.swapped),
+            )
+            if applies
+        )
         bad = bool(exp)
-        self.call(f"mgr.fork({fmt(pobj)}, {fmt(cobj)})", m.fork, pobj, cobj, expect=exp,
-                  must_fail=bad)
+        self.call(
+            f"mgr.fork({fmt(pobj)}, {fmt(cobj)})", m.fork, pobj, cobj, expect=exp, must_fail=bad
+        )
         if not bad:
             self.seqs[child] = p.copy()
             if parent in self.unsettled:
@@ -814,8 +945,13 @@ class Harness:
             sid = self.pick_any_id()
             idobj = sid
         q = self.seqs.get(sid)
-        self.call(f"mgr.free({fmt(idobj)})", m.free, idobj,
-                  expect=(UnknownSequenceError,) if q is None else (), must_fail=q is None)
+        self.call(
+            f"mgr.free({fmt(idobj)})",
+            m.free,
+            idobj,
+            expect=(UnknownSequenceError,) if q is None else (),
+            must_fail=q is None,
+        )
         if q is not None:
             del self.seqs[sid]
             self.unsettled.discard(sid)
@@ -840,8 +976,9 @@ class Harness:
             exp, bad = (OutOfBlocksError,), False
         if not bad and self.inp.int(0, 3) == 0:
             self.flush_swaps()
-        r = self.call(f"pairs = mgr.swap_out({fmt(idobj)})", m.swap_out, idobj, expect=exp,
-                      must_fail=bad)
+        r = self.call(
+            f"pairs = mgr.swap_out({fmt(idobj)})", m.swap_out, idobj, expect=exp, must_fail=bad
+        )
         if bad or isinstance(r, Err):
             return
         q.swapped = True
@@ -862,14 +999,18 @@ class Harness:
         self.flush_swaps()  # swap_in reads what a queued swap_out writes
         need = m.blocks_needed(sid, 0) if not bad else None
         free = m.pool.num_free
-        r = self.call(f"pairs = mgr.swap_in({fmt(idobj)})", m.swap_in, idobj, expect=exp,
-                      must_fail=bad)
+        r = self.call(
+            f"pairs = mgr.swap_in({fmt(idobj)})", m.swap_in, idobj, expect=exp, must_fail=bad
+        )
         if bad:
             return
         if isinstance(r, Err):
             if need <= free:
-                raise self.finding("count", f"swap_in({sid!r}): OutOfBlocksError but "
-                                   f"blocks_needed({sid!r}, 0) = {need} <= num_free = {free}")
+                raise self.finding(
+                    "count",
+                    f"swap_in({sid!r}): OutOfBlocksError but "
+                    f"blocks_needed({sid!r}, 0) = {need} <= num_free = {free}",
+                )
             return
         q.swapped = False
         self.after_swap("in", sid, r)
@@ -882,12 +1023,17 @@ class Harness:
         # swap_out moves every block; swap_in shares computed full blocks still cached on the
         # device again instead of copying them, so its pairs cover the rest, in table order
         # (the byte-level read-back checks the shared ones)
-        ok = (dst == table.tolist() if direction == "out" else
-              len(set(dst)) == len(dst) and
-              [b for b in table.tolist() if b in set(dst)] == dst)
+        ok = (
+            dst == table.tolist()
+            if direction == "out"
+            else len(set(dst)) == len(dst) and [b for b in table.tolist() if b in set(dst)] == dst
+        )
         if not ok:
-            raise self.finding("model-mismatch", f"swap_{direction}({sid!r}) pairs "
-                               f"{pairs.tolist()} do not end in block_table {table.tolist()}")
+            raise self.finding(
+                "model-mismatch",
+                f"swap_{direction}({sid!r}) pairs "
+                f"{pairs.tolist()} do not end in block_table {table.tolist()}",
+            )
         self.swap_queue.append((direction, sid, pairs))
         # the documented idiom moves the bytes at once; a deferred pair waits for the drain
         if self.inp.int(0, 2):
@@ -907,8 +1053,12 @@ class Harness:
         pool = self.mgr.pool
         refs = pool.ref_counts()
         busy = any(pool.is_cached(b) and refs[b] > 0 for b in range(1, pool.num_blocks))
-        self.call("mgr.pool.reset_prefix_cache()", pool.reset_prefix_cache,
-                  expect=(InvalidStateError,) if busy else (), must_fail=busy)
+        self.call(
+            "mgr.pool.reset_prefix_cache()",
+            pool.reset_prefix_cache,
+            expect=(InvalidStateError,) if busy else (),
+            must_fail=busy,
+        )
         if not busy and pool.num_cached:
             raise self.finding("model-mismatch", "reset_prefix_cache left cached blocks")
 
@@ -921,8 +1071,11 @@ class Harness:
         need, free = self.min_batch_need(ids), m.pool.num_free
         ok = self.call(f"mgr.can_append({fmt(ids)})", m.can_append, list(ids), atomic=False)
         if not ok and need <= free:
-            raise self.finding("count", f"can_append({ids!r}) is False, but one token each "
-                               f"takes at most {need} blocks and {free} are free")
+            raise self.finding(
+                "count",
+                f"can_append({ids!r}) is False, but one token each "
+                f"takes at most {need} blocks and {free} are free",
+            )
 
     # ------------------------------------------------------------------------------------------
     # the step: drain -> metadata -> forward (write_slots) -> commit (append_batch)
@@ -951,7 +1104,7 @@ class Harness:
         self.await_forward.clear()
         # commit: one sampled token for some of the batch (the decode step)
         commit = [s for s in batch if inp.int(0, 3) and len(self.seqs[s].tokens) < MAX_TOKENS]
-        if inp.int(0, 5) == 0 and commit:   # parallel sampling: fork after the step
+        if inp.int(0, 5) == 0 and commit:  # parallel sampling: fork after the step
             self.op_fork(commit[0], commit[0])
         self.commit(commit)
 
@@ -961,20 +1114,40 @@ class Harness:
         if not batch:
             return
         if m.num_pending_copies:
-            self.call(f"mgr.metadata({fmt(batch)}, {qlens})  # copies pending", m.metadata,
-                      batch, qlens, expect=(InvalidStateError,), must_fail=True)
+            self.call(
+                f"mgr.metadata({fmt(batch)}, {qlens})  # copies pending",
+                m.metadata,
+                batch,
+                qlens,
+                expect=(InvalidStateError,),
+                must_fail=True,
+            )
             return
-        gaps = [i for i, sid in enumerate(batch) if len(self.seqs[sid].tokens) - qlens[i]
-                == self.seqs[sid].computed and qlens[i] > 0]
+        gaps = [
+            i
+            for i, sid in enumerate(batch)
+            if len(self.seqs[sid].tokens) - qlens[i] == self.seqs[sid].computed and qlens[i] > 0
+        ]
         if gaps:
             q = list(qlens)
             q[gaps[0]] -= 1
-            self.call(f"mgr.metadata({fmt(batch)}, {q})  # a gap", m.metadata, batch, q,
-                      expect=(InvalidStateError,), must_fail=True)
+            self.call(
+                f"mgr.metadata({fmt(batch)}, {q})  # a gap",
+                m.metadata,
+                batch,
+                q,
+                expect=(InvalidStateError,),
+                must_fail=True,
+            )
         else:
-            self.call(f"mgr.metadata({fmt(batch + batch[:1])}, ...)  # repeated", m.metadata,
-                      batch + batch[:1], qlens + qlens[:1],
-                      expect=(InvalidArgumentError,), must_fail=True)
+            self.call(
+                f"mgr.metadata({fmt(batch + batch[:1])}, ...)  # repeated",
+                m.metadata,
+                batch + batch[:1],
+                qlens + qlens[:1],
+                expect=(InvalidArgumentError,),
+                must_fail=True,
+            )
 
     def schedule(self, batch: List[Any], qlens: List[int]) -> Optional[np.ndarray]:
         """metadata (or schedule) for the batch; returns the slot mapping, checked."""
@@ -985,18 +1158,23 @@ class Harness:
         ids_arg: Any = list(batch)
         form = inp.int(0, 3)
         if form == 1 and batch:
-            ids_arg = self.call(f"sb = mgr.batch({fmt(batch)})", m.batch, list(batch),
-                                atomic=False)
+            ids_arg = self.call(f"sb = mgr.batch({fmt(batch)})", m.batch, list(batch), atomic=False)
         elif form == 2:
-            ids_arg = iter(batch)   # spec: any iterable, consumed once
+            ids_arg = iter(batch)  # spec: any iterable, consumed once
         out = self.meta_buf if inp.bool() else None
         text = f"meta = mgr.metadata({fmt(batch)}, {qlens}{', out=buf' if out else ''})"
-        meta = self.call(text, m.metadata, ids_arg, np.array(qlens, dtype=np.int64), out=out,
-                         expect=(InvalidArgumentError,) if out is not None else ())
-        if isinstance(meta, Err):   # fixed buffers too small: fine, nothing was written
+        meta = self.call(
+            text,
+            m.metadata,
+            ids_arg,
+            np.array(qlens, dtype=np.int64),
+            out=out,
+            expect=(InvalidArgumentError,) if out is not None else (),
+        )
+        if isinstance(meta, Err):  # fixed buffers too small: fine, nothing was written
             return None
         self.check_meta(batch, qlens, meta)
-        if out is not None and (out.slot_mapping[meta.num_tokens:] != -1).any():
+        if out is not None and (out.slot_mapping[meta.num_tokens :] != -1).any():
             raise self.finding("metadata", "the fixed slot_mapping's tail is not -1")
         return np.asarray(meta.slot_mapping)
 
@@ -1013,8 +1191,9 @@ class Harness:
         want_slots = self.expected_slots(batch, qlens)
         got = np.asarray(meta.slot_mapping)
         if not np.array_equal(got, want_slots):
-            raise self.finding("metadata", f"slot_mapping {got.tolist()}, block tables give "
-                               f"{want_slots.tolist()}")
+            raise self.finding(
+                "metadata", f"slot_mapping {got.tolist()}, block tables give {want_slots.tolist()}"
+            )
         qo, kvp, kvi = [0], [0], []
         for i, sid in enumerate(batch):
             n = len(self.seqs[sid].tokens)
@@ -1031,10 +1210,14 @@ class Harness:
             last = n - (nb - 1) * bs if nb else 0
             if int(meta.kv_last_page_len[i]) != last:
                 raise self.finding("metadata", f"kv_last_page_len[{i}] wrong")
-        if (np.asarray(meta.qo_indptr).tolist() != qo or np.asarray(meta.kv_indptr).tolist()
-                != kvp or np.asarray(meta.kv_indices).tolist() != kvi):
-            raise self.finding("metadata", "qo_indptr / kv_indptr / kv_indices disagree with "
-                               "the block tables")
+        if (
+            np.asarray(meta.qo_indptr).tolist() != qo
+            or np.asarray(meta.kv_indptr).tolist() != kvp
+            or np.asarray(meta.kv_indices).tolist() != kvi
+        ):
+            raise self.finding(
+                "metadata", "qo_indptr / kv_indptr / kv_indices disagree with the block tables"
+            )
 
     def forward(self, batch: List[Any], qlens: List[int], slots: np.ndarray) -> None:
         """Write the K/V of every query token at its slot, every layer."""
@@ -1044,23 +1227,26 @@ class Harness:
         for sid, ql in zip(batch, qlens):
             q = self.seqs[sid]
             n = len(q.tokens)
-            parts.append(self.kv.values(q.hs[n - ql:n]) if ql else None)
+            parts.append(self.kv.values(q.hs[n - ql : n]) if ql else None)
         parts = [p for p in parts if p is not None]
         if parts:
-            vals = np.concatenate(parts, axis=2)     # [L, 2, tokens, H, D]
+            vals = np.concatenate(parts, axis=2)  # [L, 2, tokens, H, D]
             uniq, first = np.unique(slots, return_index=True)
             if len(uniq) != len(slots):  # fork siblings computing one shared position
                 for s in uniq:
                     idx = np.flatnonzero(slots == s)
                     if not all(np.array_equal(vals[:, :, idx[0]], vals[:, :, j]) for j in idx):
-                        raise self.finding("metadata", f"slot {int(s)} gets two different "
-                                           "tokens in one step")
+                        raise self.finding(
+                            "metadata", f"slot {int(s)} gets two different tokens in one step"
+                        )
                 slots, vals = slots[first], vals[:, :, first]
             self.bytes_gen += 1
             for layer in range(self.layers):
                 ops.write_slots(self.cache, layer, vals[layer, 0], vals[layer, 1], slots)
-            self.trace.append("for l in range(layout.num_layers): "
-                              "ops.write_slots(cache, l, k[l], v[l], meta.slot_mapping)")
+            self.trace.append(
+                "for l in range(layout.num_layers): "
+                "ops.write_slots(cache, l, k[l], v[l], meta.slot_mapping)"
+            )
         for sid in batch:
             self.seqs[sid].computed = len(self.seqs[sid].tokens)
 
@@ -1075,19 +1261,29 @@ class Harness:
         if ids and inp.int(0, 3) == 0:
             ids_arg = self.call(f"sb = mgr.batch({fmt(ids)})", m.batch, list(ids), atomic=False)
         arg = self.as_tokens(toks)
-        r = self.call(f"mgr.append_batch({fmt(ids)}, {fmt(arg)})", m.append_batch, ids_arg, arg,
-                      expect=(OutOfBlocksError,))
+        r = self.call(
+            f"mgr.append_batch({fmt(ids)}, {fmt(arg)})",
+            m.append_batch,
+            ids_arg,
+            arg,
+            expect=(OutOfBlocksError,),
+        )
         if isinstance(r, Err):
             if need <= free:
-                raise self.finding("count", f"append_batch({ids!r}) raised OutOfBlocksError, "
-                                   f"but it takes at most {need} blocks and {free} are free")
+                raise self.finding(
+                    "count",
+                    f"append_batch({ids!r}) raised OutOfBlocksError, "
+                    f"but it takes at most {need} blocks and {free} are free",
+                )
             if can:
-                raise self.finding("count", f"can_append({ids!r}) said yes, append_batch "
-                                   "refused")
+                raise self.finding("count", f"can_append({ids!r}) said yes, append_batch refused")
             return
         if not can and need <= free:
-            raise self.finding("count", f"can_append({ids!r}) said no; append_batch took "
-                               f"{free - m.pool.num_free} blocks of {free} free")
+            raise self.finding(
+                "count",
+                f"can_append({ids!r}) said no; append_batch took "
+                f"{free - m.pool.num_free} blocks of {free} free",
+            )
         for sid, t in zip(ids, toks):
             self.seqs[sid].extend([t])
             self.mark_unsettled(sid)
@@ -1101,13 +1297,21 @@ class Harness:
             ids.insert(inp.int(0, len(ids)), inp.pick(ids))
         elif kind == 1:
             ids.insert(inp.int(0, len(ids)), inp.pick(IDS))
-        bad = (len(set(map(repr, ids))) != len(ids) or any(s not in self.seqs for s in ids)
-               or any(self.seqs[s].swapped for s in ids if s in self.seqs))
+        bad = (
+            len(set(map(repr, ids))) != len(ids)
+            or any(s not in self.seqs for s in ids)
+            or any(self.seqs[s].swapped for s in ids if s in self.seqs)
+        )
         if not bad:
             return self.commit(ids)
-        self.call(f"mgr.append_batch({fmt(ids)}, {[1] * len(ids)})", m.append_batch, ids,
-                  [1] * len(ids), expect=(InvalidArgumentError, InvalidStateError,
-                                          UnknownSequenceError), must_fail=True)
+        self.call(
+            f"mgr.append_batch({fmt(ids)}, {[1] * len(ids)})",
+            m.append_batch,
+            ids,
+            [1] * len(ids),
+            expect=(InvalidArgumentError, InvalidStateError, UnknownSequenceError),
+            must_fail=True,
+        )
 
     # ------------------------------------------------------------------------------------------
     # hostile calls
@@ -1116,11 +1320,26 @@ class Harness:
         """(an object standing for ``sid``, whether the spec normalizes it to ``sid``)."""
         inp = self.inp
         if isinstance(sid, str):
-            return inp.pick([(TrapStr(sid), True), (np.str_(sid), True),
-                             (sid.encode(), False), ((sid,), False), ([sid], False)])
-        forms = [(np.int64(sid), True), (np.int32(sid), True), (np.uint8(sid), True),
-                 (TrapInt(sid), True), (float(sid), False), (None, False),
-                 (str(sid).encode(), False), ([sid], False), (complex(sid), False)]
+            return inp.pick(
+                [
+                    (TrapStr(sid), True),
+                    (np.str_(sid), True),
+                    (sid.encode(), False),
+                    ((sid,), False),
+                    ([sid], False),
+                ]
+            )
+        forms = [
+            (np.int64(sid), True),
+            (np.int32(sid), True),
+            (np.uint8(sid), True),
+            (TrapInt(sid), True),
+            (float(sid), False),
+            (None, False),
+            (str(sid).encode(), False),
+            ([sid], False),
+            (complex(sid), False),
+        ]
         if sid in (0, 1):
             forms.append((bool(sid), False))
         return inp.pick(forms)
@@ -1128,7 +1347,7 @@ class Harness:
     def op_hostile_id(self) -> None:
         inp, m = self.inp, self.mgr
         target = inp.int(0, 9)
-        if target in (0, 1):   # a new id for add / fork
+        if target in (0, 1):  # a new id for add / fork
             sid = self.new_id()
             parent = self.pick_live()
             if sid is None or (target == 1 and parent is None):
@@ -1138,15 +1357,22 @@ class Harness:
             if sid is None:
                 return
         obj, normal = self.disguise(sid)
-        if normal:   # the very same call as with the exact id
+        if normal:  # the very same call as with the exact id
             if target == 0:
                 self.op_add(sid, obj)
             elif target == 1:
                 self.op_fork(parent, parent, sid, obj)
             else:
-                [self.op_append, self.op_free, self.op_truncate, self.op_reserve,
-                 self.op_swap_out, self.op_swap_in, self.id_query,
-                 self.batch_with][target - 2](sid, obj)
+                [
+                    self.op_append,
+                    self.op_free,
+                    self.op_truncate,
+                    self.op_reserve,
+                    self.op_swap_out,
+                    self.op_swap_in,
+                    self.id_query,
+                    self.batch_with,
+                ][target - 2](sid, obj)
             return
         calls = [
             ("mgr.add({0}, [1, 2])", lambda: m.add(obj, [1, 2])),
@@ -1161,15 +1387,22 @@ class Harness:
             ("mgr.append_batch([{0}], [1])", lambda: m.append_batch([obj], [1])),
         ]
         text, fn = calls[target]
-        self.call(text.format(fmt(obj), parent if target == 1 else None) + f"  # {sid!r} is live",
-                  fn, expect=(InvalidTypeError,), must_fail=True, kind="alias-id")
+        self.call(
+            text.format(fmt(obj), parent if target == 1 else None) + f"  # {sid!r} is live",
+            fn,
+            expect=(InvalidTypeError,),
+            must_fail=True,
+            kind="alias-id",
+        )
 
     def id_query(self, sid, obj) -> None:
         m, q = self.mgr, self.seqs[sid]
         n = self.call(f"mgr.num_tokens({fmt(obj)})", m.num_tokens, obj, atomic=False)
         if n != len(q.tokens):
-            raise self.finding("id-normalization", f"num_tokens({fmt(obj)}) = {n}, "
-                               f"num_tokens({sid!r}) = {len(q.tokens)}")
+            raise self.finding(
+                "id-normalization",
+                f"num_tokens({fmt(obj)}) = {n}, num_tokens({sid!r}) = {len(q.tokens)}",
+            )
         t = self.call(f"mgr.block_table({fmt(obj)})", m.block_table, obj, atomic=False)
         if t.tolist() != m.block_table(sid).tolist():
             raise self.finding("id-normalization", f"block_table({fmt(obj)}) differs")
@@ -1179,18 +1412,28 @@ class Harness:
         q = self.seqs[sid]
         if q.swapped or len(q.tokens) >= MAX_TOKENS:
             return
-        others = [s for s in self.live(False) if s != sid and self.inp.bool()
-                  and len(self.seqs[s].tokens) < MAX_TOKENS]
+        others = [
+            s
+            for s in self.live(False)
+            if s != sid and self.inp.bool() and len(self.seqs[s].tokens) < MAX_TOKENS
+        ]
         ids = others + [sid]
         objs = others + [obj]
         m = self.mgr
         need, free = self.min_batch_need(ids), m.pool.num_free
-        r = self.call(f"mgr.append_batch({fmt(objs)}, {[2] * len(ids)})", m.append_batch, objs,
-                      [2] * len(ids), expect=(OutOfBlocksError,))
+        r = self.call(
+            f"mgr.append_batch({fmt(objs)}, {[2] * len(ids)})",
+            m.append_batch,
+            objs,
+            [2] * len(ids),
+            expect=(OutOfBlocksError,),
+        )
         if isinstance(r, Err):
             if need <= free:
-                raise self.finding("count", f"append_batch({ids!r}): OutOfBlocksError, "
-                                   f"needs at most {need}, {free} free")
+                raise self.finding(
+                    "count",
+                    f"append_batch({ids!r}): OutOfBlocksError, needs at most {need}, {free} free",
+                )
             return
         for s in ids:
             self.seqs[s].extend([2])
@@ -1199,85 +1442,160 @@ class Harness:
     def op_bad_scalar(self) -> None:
         m, inp = self.mgr, self.inp
         sid = self.pick_live(False)
-        val = inp.pick([True, False, 1.0, 2.5, None, "3", -1, 2**31, 2**63 - 1, 2**63,
-                        -2**63, 2**64, np.int64(2), np.uint64(2**63), np.int8(-3),
-                        np.float64(1.0), np.bool_(True), TrapInt(1)])
+        val = inp.pick(
+            [
+                True,
+                False,
+                1.0,
+                2.5,
+                None,
+                "3",
+                -1,
+                2**31,
+                2**63 - 1,
+                2**63,
+                -(2**63),
+                2**64,
+                np.int64(2),
+                np.uint64(2**63),
+                np.int8(-3),
+                np.float64(1.0),
+                np.bool_(True),
+                TrapInt(1),
+            ]
+        )
         is_int = isinstance(val, (int, np.integer)) and not isinstance(val, (bool, np.bool_))
         kind = "bad-scalar"
         if isinstance(val, (bool, np.bool_)):
             sub = " (bool)"
         elif is_int:
-            sub = " (int)" if -2**31 <= int(val) < 2**31 else " (huge int)"
+            sub = " (int)" if -(2**31) <= int(val) < 2**31 else " (huge int)"
         else:
             sub = f" ({type(val).__name__})"
         self.scalar_sub = sub
         target = inp.int(0, 7)
-        if target == 0:   # truncate
+        if target == 0:  # truncate
             if sid is None:
                 return
             q = self.seqs[sid]
             if is_int and 0 <= int(val) <= len(q.tokens):
                 return self.op_truncate(sid, sid, val)
             exp = InvalidArgumentError if is_int else InvalidTypeError
-            self.call(f"mgr.truncate({sid!r}, {fmt(val)})", m.truncate, sid, val, expect=(exp,),
-                      must_fail=True, kind=kind, sub=sub)
-        elif target == 1:   # reserve
+            self.call(
+                f"mgr.truncate({sid!r}, {fmt(val)})",
+                m.truncate,
+                sid,
+                val,
+                expect=(exp,),
+                must_fail=True,
+                kind=kind,
+                sub=sub,
+            )
+        elif target == 1:  # reserve
             if sid is None:
                 return
             q = self.seqs[sid]
             if is_int and 0 <= int(val) and len(q.tokens) + int(val) <= MAX_TOKENS:
                 return self.op_reserve(sid, sid, val)
             exp = (InvalidArgumentError, OutOfBlocksError) if is_int else (InvalidTypeError,)
-            self.call(f"mgr.reserve({sid!r}, {fmt(val)})", m.reserve, sid, val, expect=exp,
-                      must_fail=True, kind=kind, sub=sub)
-        elif target == 2:   # blocks_needed: an int >= 0, or refused
+            self.call(
+                f"mgr.reserve({sid!r}, {fmt(val)})",
+                m.reserve,
+                sid,
+                val,
+                expect=exp,
+                must_fail=True,
+                kind=kind,
+                sub=sub,
+            )
+        elif target == 2:  # blocks_needed: an int >= 0, or refused
             if sid is None:
                 return
-            self.scalar_query(f"mgr.blocks_needed({sid!r}, {fmt(val)})",
-                              lambda: m.blocks_needed(sid, val), val, is_int, lambda r: r >= 0)
+            self.scalar_query(
+                f"mgr.blocks_needed({sid!r}, {fmt(val)})",
+                lambda: m.blocks_needed(sid, val),
+                val,
+                is_int,
+                lambda r: r >= 0,
+            )
         elif target == 3:
-            self.scalar_query(f"mgr.can_add({fmt(val)})", lambda: m.can_add(val), val, is_int,
-                              lambda r: r in (True, False) and not (r and int(val) > m.pool.num_blocks * self.bs))
+            self.scalar_query(
+                f"mgr.can_add({fmt(val)})",
+                lambda: m.can_add(val),
+                val,
+                is_int,
+                lambda r: r in (True, False) and not (r and int(val) > m.pool.num_blocks * self.bs),
+            )
         elif target == 4:
             ids = self.live(False)
-            self.scalar_query(f"mgr.can_append({fmt(ids)}, {fmt(val)})",
-                              lambda: m.can_append(ids, val), val, is_int,
-                              lambda r: r in (True, False) and not (r and ids and int(val) > m.pool.num_blocks * self.bs))
+            self.scalar_query(
+                f"mgr.can_append({fmt(ids)}, {fmt(val)})",
+                lambda: m.can_append(ids, val),
+                val,
+                is_int,
+                lambda r: (
+                    r in (True, False)
+                    and not (r and ids and int(val) > m.pool.num_blocks * self.bs)
+                ),
+            )
         elif target == 5:
-            self.scalar_query(f"mgr.blocks_for_tokens({fmt(val)})",
-                              lambda: m.blocks_for_tokens(val), val, is_int,
-                              lambda r: r == -(-int(val) // self.bs))
-        elif target == 6:   # the block-level pool
+            self.scalar_query(
+                f"mgr.blocks_for_tokens({fmt(val)})",
+                lambda: m.blocks_for_tokens(val),
+                val,
+                is_int,
+                lambda r: r == -(-int(val) // self.bs),
+            )
+        elif target == 6:  # the block-level pool
             if is_int and 0 <= int(val) <= self.pool.num_free:
                 return
             exp = (InvalidArgumentError, OutOfBlocksError) if is_int else (InvalidTypeError,)
-            self.call(f"pool.allocate({fmt(val)})", self.pool.allocate, val, expect=exp,
-                      must_fail=True, kind=kind, sub=sub)
-        else:   # bad token arrays
+            self.call(
+                f"pool.allocate({fmt(val)})",
+                self.pool.allocate,
+                val,
+                expect=exp,
+                must_fail=True,
+                kind=kind,
+                sub=sub,
+            )
+        else:  # bad token arrays
             self.bad_tokens(sid)
 
     def scalar_query(self, text: str, fn, val, is_int: bool, good) -> None:
-        r = self.call(text, fn, expect=(InvalidArgumentError, OutOfBlocksError) if is_int
-                      else (InvalidTypeError,), must_fail=not is_int, kind="bad-scalar",
-                      sub=self.scalar_sub)
+        r = self.call(
+            text,
+            fn,
+            expect=(InvalidArgumentError, OutOfBlocksError) if is_int else (InvalidTypeError,),
+            must_fail=not is_int,
+            kind="bad-scalar",
+            sub=self.scalar_sub,
+        )
         if not isinstance(r, Err) and not good(r):
-            raise self.finding("bad-scalar", f"{text} = {r!r}",
-                               text.split("(")[0] + " result" + self.scalar_sub)
+            raise self.finding(
+                "bad-scalar", f"{text} = {r!r}", text.split("(")[0] + " result" + self.scalar_sub
+            )
         if isinstance(r, Err) and is_int and 0 <= int(val) < 2**31:
-            raise self.finding("bad-scalar", f"{text} refused a small int",
-                               text.split("(")[0] + " refused")
+            raise self.finding(
+                "bad-scalar", f"{text} refused a small int", text.split("(")[0] + " refused"
+            )
 
     def bad_tokens(self, sid) -> None:
         m, inp = self.mgr, self.inp
-        val, exp = inp.pick([
-            ([1.5], InvalidTypeError), ([True, False], InvalidTypeError),
-            (np.array([2**31], dtype=np.int64), InvalidArgumentError),
-            (np.array([-2**31 - 1], dtype=np.int64), InvalidArgumentError),
-            ([[1, 2]], InvalidArgumentError), ("abc", InvalidTypeError),
-            (None, InvalidTypeError), (np.array([1.0]), InvalidTypeError),
-            ([1, "a"], InvalidTypeError), (np.array([2**63], dtype=np.uint64),
-                                           InvalidArgumentError),
-        ])
+        val, exp = inp.pick(
+            [
+                ([1.5], InvalidTypeError),
+                ([True, False], InvalidTypeError),
+                (np.array([2**31], dtype=np.int64), InvalidArgumentError),
+                (np.array([-(2**31) - 1], dtype=np.int64), InvalidArgumentError),
+                ([[1, 2]], InvalidArgumentError),
+                ("abc", InvalidTypeError),
+                (None, InvalidTypeError),
+                (np.array([1.0]), InvalidTypeError),
+                ([1, "a"], InvalidTypeError),
+                (np.array([2**63], dtype=np.uint64), InvalidArgumentError),
+            ]
+        )
         exps = (InvalidTypeError, InvalidArgumentError)
         kind, sub = "bad-tokens", ""
         which = inp.int(0, 2)
@@ -1285,14 +1603,38 @@ class Harness:
             new = self.new_id()
             if new is None:
                 return
-            self.call(f"mgr.add({new!r}, {fmt(val)})", m.add, new, val, expect=exps,
-                      must_fail=True, kind=kind, sub=sub)
+            self.call(
+                f"mgr.add({new!r}, {fmt(val)})",
+                m.add,
+                new,
+                val,
+                expect=exps,
+                must_fail=True,
+                kind=kind,
+                sub=sub,
+            )
         elif which == 1 and sid is not None:
-            self.call(f"mgr.append({sid!r}, {fmt(val)})", m.append, sid, val, expect=exps,
-                      must_fail=True, kind=kind, sub=sub)
+            self.call(
+                f"mgr.append({sid!r}, {fmt(val)})",
+                m.append,
+                sid,
+                val,
+                expect=exps,
+                must_fail=True,
+                kind=kind,
+                sub=sub,
+            )
         elif sid is not None:
-            self.call(f"mgr.append_batch([{sid!r}], {fmt(val)})", m.append_batch, [sid], val,
-                      expect=exps + (InvalidArgumentError,), must_fail=True, kind=kind, sub=sub)
+            self.call(
+                f"mgr.append_batch([{sid!r}], {fmt(val)})",
+                m.append_batch,
+                [sid],
+                val,
+                expect=exps + (InvalidArgumentError,),
+                must_fail=True,
+                kind=kind,
+                sub=sub,
+            )
 
     def op_reentrant(self) -> None:
         """A token array whose conversion calls the manager: spec-round2 converts every
@@ -1300,7 +1642,7 @@ class Harness:
         m, inp = self.mgr, self.inp
         victim = self.pick_live()
         newid = self.new_id()
-        kind = inp.int(0, 3)   # 0 free, 1 add, 2 free + add (the slot is reused), 3 query
+        kind = inp.int(0, 3)  # 0 free, 1 add, 2 free + add (the slot is reused), 3 query
         did = {"free": False, "add": False}
 
         def action():
@@ -1327,11 +1669,14 @@ class Harness:
             except KVBlocksError as e:
                 self.trace.append(f"#   (inside __array__) -> {type(e).__name__}: {e}")
 
-        text = {0: f"mgr.free({victim!r})", 1: f"mgr.add({newid!r}, [3])",
-                2: f"mgr.free({victim!r}); mgr.add({newid!r}, [3])",
-                3: "mgr.can_append(reversed live ids)"}[kind]
+        text = {
+            0: f"mgr.free({victim!r})",
+            1: f"mgr.add({newid!r}, [3])",
+            2: f"mgr.free({victim!r}); mgr.add({newid!r}, [3])",
+            3: "mgr.can_append(reversed live ids)",
+        }[kind]
         where = inp.int(0, 2)
-        if where == 0:   # append to some sequence
+        if where == 0:  # append to some sequence
             sid = self.pick_live(False)
             if sid is None or len(self.seqs[sid].tokens) >= MAX_TOKENS:
                 return
@@ -1346,9 +1691,10 @@ class Harness:
                 self.seqs[sid].extend(toks)
                 self.mark_unsettled(sid)
             else:
-                self.expect_err(r, (UnknownSequenceError,), f"append({sid!r}) of a sequence "
-                                "the callback freed")
-        elif where == 1:   # append_batch over the running sequences, a distinct token each
+                self.expect_err(
+                    r, (UnknownSequenceError,), f"append({sid!r}) of a sequence the callback freed"
+                )
+        elif where == 1:  # append_batch over the running sequences, a distinct token each
             ids = [s for s in self.live(False) if len(self.seqs[s].tokens) < MAX_TOKENS]
             if not ids:
                 return
@@ -1364,9 +1710,12 @@ class Harness:
                     self.seqs[s].extend([t])
                     self.mark_unsettled(s)
             else:
-                self.expect_err(r, (UnknownSequenceError,), f"append_batch({ids!r}) with a "
-                                "sequence the callback freed")
-        else:   # add under the id the callback may take
+                self.expect_err(
+                    r,
+                    (UnknownSequenceError,),
+                    f"append_batch({ids!r}) with a sequence the callback freed",
+                )
+        else:  # add under the id the callback may take
             sid = newid
             if sid is None:
                 return
@@ -1375,8 +1724,11 @@ class Harness:
             self.trace.append(f"mgr.add({sid!r}, {arg!r})")
             r = self.raw(lambda: m.add(sid, arg))
             if did["add"]:
-                self.expect_err(r, (DuplicateSequenceError, OutOfBlocksError),
-                                f"add({sid!r}) of an id the callback added")
+                self.expect_err(
+                    r,
+                    (DuplicateSequenceError, OutOfBlocksError),
+                    f"add({sid!r}) of an id the callback added",
+                )
             elif not isinstance(r, Err) or not isinstance(r.exc, OutOfBlocksError):
                 self.expect_ok(r, f"add({sid!r}) after the callback")
                 q = Seq(toks, None, r)
@@ -1412,8 +1764,9 @@ class Harness:
                 refs[b] += 1
         got = self.pool.ref_counts()
         if not np.array_equal(got, refs):
-            raise self.finding("pool-refs", f"pool.ref_counts() {got.tolist()}, the tables "
-                               f"hold {refs.tolist()}")
+            raise self.finding(
+                "pool-refs", f"pool.ref_counts() {got.tolist()}, the tables hold {refs.tolist()}"
+            )
 
     def pool_hashes(self, salt, toks) -> np.ndarray:
         return kvblocks.hash_blocks(np.array(toks, dtype=np.int64), self.bs, salt=salt, key=KEY)
@@ -1424,23 +1777,30 @@ class Harness:
         src = [p.tokens for p in self.pseqs.values()]
         if src and inp.bool():
             base = inp.pick(src)
-            toks = base[:inp.int(0, len(base))] + toks[:inp.int(1, 4)]
+            toks = base[: inp.int(0, len(base))] + toks[: inp.int(1, 4)]
         salt = inp.pick([None, "t1"])
         h = self.pool_hashes(salt, toks)
         cap = (len(toks) - 1) // bs
-        hit = self.call(f"hit = pool.lookup_and_pin({fmt(h[:cap])})", pool.lookup_and_pin,
-                        h[:cap], atomic=False)
+        hit = self.call(
+            f"hit = pool.lookup_and_pin({fmt(h[:cap])})", pool.lookup_and_pin, h[:cap], atomic=False
+        )
         hs = prefix_hashes(root_of(salt), toks)
         self.check_block_bytes(self.pcache, hit.tolist(), hs, "pool.lookup_and_pin")
         need = -(-len(toks) // bs) - len(hit)
-        new = self.call(f"new = pool.allocate({need})", pool.allocate, need,
-                        expect=(OutOfBlocksError,), atomic=False)
+        new = self.call(
+            f"new = pool.allocate({need})",
+            pool.allocate,
+            need,
+            expect=(OutOfBlocksError,),
+            atomic=False,
+        )
         pid = self.pnext
         self.pnext += 1
         if isinstance(new, Err):
             if need <= pool.num_free:
-                raise self.finding("count", f"pool.allocate({need}) refused with "
-                                   f"{pool.num_free} free")
+                raise self.finding(
+                    "count", f"pool.allocate({need}) refused with {pool.num_free} free"
+                )
             self.call("pool.free(hit[::-1])", pool.free, hit[::-1], atomic=False)
             return
         table = hit.tolist() + new.tolist()
@@ -1451,8 +1811,12 @@ class Harness:
             self.pool_write(ps, start, len(toks))
         full = len(toks) // bs
         if full > len(hit):
-            self.call(f"pool.cache({table[len(hit):full]}, h[{len(hit)}:{full}])", pool.cache,
-                      np.array(table[len(hit):full], dtype=np.int32), h[len(hit):full])
+            self.call(
+                f"pool.cache({table[len(hit) : full]}, h[{len(hit)}:{full}])",
+                pool.cache,
+                np.array(table[len(hit) : full], dtype=np.int32),
+                h[len(hit) : full],
+            )
 
     def pool_write(self, ps: PoolSeq, a: int, b: int) -> None:
         bs = self.bs
@@ -1472,8 +1836,9 @@ class Harness:
             return
         n = len(ps.tokens)
         if n % bs == 0:
-            new = self.call("pool.allocate(1)", pool.allocate, 1, expect=(OutOfBlocksError,),
-                            atomic=False)
+            new = self.call(
+                "pool.allocate(1)", pool.allocate, 1, expect=(OutOfBlocksError,), atomic=False
+            )
             if isinstance(new, Err):
                 return
             ps.table.append(int(new[0]))
@@ -1483,15 +1848,16 @@ class Harness:
         self.pool_write(ps, n, n + 1)
         if (n + 1) % bs == 0:
             i = n // bs
-            block = ps.tokens[i * bs:(i + 1) * bs]
+            block = ps.tokens[i * bs : (i + 1) * bs]
             if i == 0:
                 h = self.pool_hashes(ps.salt, block)
             else:
                 h = kvblocks.hash_blocks(block, bs, parent=ps.hashes[i - 1], key=KEY)
             full = self.pool_hashes(ps.salt, ps.tokens)
             if not np.array_equal(h[0], full[i]):
-                raise self.finding("hash-chain", "hash_blocks(parent=h[i-1]) != hash_blocks of "
-                                   "the whole prefix")
+                raise self.finding(
+                    "hash-chain", "hash_blocks(parent=h[i-1]) != hash_blocks of the whole prefix"
+                )
             ps.hashes = full
             self.call(f"pool.cache([{ps.table[i]}], {fmt(h)})", pool.cache, [ps.table[i]], h)
 
@@ -1510,8 +1876,9 @@ class Harness:
         salt, toks = inp.pick(src)
         h = self.pool_hashes(salt, toks)
         hit = self.call(f"pool.lookup({fmt(h)})", pool.lookup, h, atomic=False)
-        self.check_block_bytes(self.pcache, hit.tolist(), prefix_hashes(root_of(salt), toks),
-                               "pool.lookup")
+        self.check_block_bytes(
+            self.pcache, hit.tolist(), prefix_hashes(root_of(salt), toks), "pool.lookup"
+        )
 
     def op_pool_bad(self) -> None:
         """Block-level misuse: each must raise and change nothing."""
@@ -1521,15 +1888,16 @@ class Harness:
         free_uncached = [b for b in range(1, nb) if refs[b] == 0 and not pool.is_cached(b)]
         free_any = [b for b in range(1, nb) if refs[b] == 0]
         used = [b for b in range(1, nb) if refs[b] > 0]
-        cases = [("pool.free([0])", pool.free, [0]),
-                 (f"pool.free([{nb}])", pool.free, [nb]),
-                 ("pool.free([-1])", pool.free, [-1]),
-                 ("pool.incref([0])", pool.incref, [0]),
-                 ("pool.lookup(np.zeros((1, 2), np.int64))", pool.lookup,
-                  np.zeros((1, 2), np.int64)),
-                 ("pool.ref_count(True)", pool.ref_count, True),
-                 ("pool.ref_count(1.0)", pool.ref_count, 1.0),
-                 ("pool.free([True])", pool.free, [True])]
+        cases = [
+            ("pool.free([0])", pool.free, [0]),
+            (f"pool.free([{nb}])", pool.free, [nb]),
+            ("pool.free([-1])", pool.free, [-1]),
+            ("pool.incref([0])", pool.incref, [0]),
+            ("pool.lookup(np.zeros((1, 2), np.int64))", pool.lookup, np.zeros((1, 2), np.int64)),
+            ("pool.ref_count(True)", pool.ref_count, True),
+            ("pool.ref_count(1.0)", pool.ref_count, 1.0),
+            ("pool.free([True])", pool.free, [True]),
+        ]
         if free_any:
             b = inp.pick(free_any)
             cases.append((f"pool.free([{b}])  # a free block", pool.free, [b]))
@@ -1538,39 +1906,80 @@ class Harness:
             cases.append((f"pool.incref([{b}])  # a free, uncached block", pool.incref, [b]))
         if used:
             b = inp.pick(used)
-            cases.append((f"pool.free([{b}] * {int(refs[b]) + 1})  # one too many", pool.free,
-                          [b] * (int(refs[b]) + 1)))
+            cases.append(
+                (
+                    f"pool.free([{b}] * {int(refs[b]) + 1})  # one too many",
+                    pool.free,
+                    [b] * (int(refs[b]) + 1),
+                )
+            )
         text, fn, arg = inp.pick(cases)
-        self.call(text, fn, arg, expect=(InvalidArgumentError, InvalidStateError,
-                                         InvalidTypeError, OutOfBlocksError),
-                  must_fail=True, kind="pool-misuse")
-        if used and inp.bool():   # cache() with a wrong number of hashes, or a free block
+        self.call(
+            text,
+            fn,
+            arg,
+            expect=(InvalidArgumentError, InvalidStateError, InvalidTypeError, OutOfBlocksError),
+            must_fail=True,
+            kind="pool-misuse",
+        )
+        if used and inp.bool():  # cache() with a wrong number of hashes, or a free block
             b = inp.pick(used)
-            self.call(f"pool.cache([{b}, {b}], <1 hash>)", pool.cache, [b, b],
-                      np.zeros((1, 2), np.uint64), expect=(InvalidArgumentError,),
-                      must_fail=True, kind="pool-misuse")
+            self.call(
+                f"pool.cache([{b}, {b}], <1 hash>)",
+                pool.cache,
+                [b, b],
+                np.zeros((1, 2), np.uint64),
+                expect=(InvalidArgumentError,),
+                must_fail=True,
+                kind="pool-misuse",
+            )
         if free_uncached and inp.bool():
             b = inp.pick(free_uncached)
-            self.call(f"pool.cache([{b}], <hash>)  # a free block", pool.cache, [b],
-                      np.array([[b, 7]], np.uint64), expect=(InvalidArgumentError,
-                                                             InvalidStateError),
-                      must_fail=True, kind="pool-misuse")
+            self.call(
+                f"pool.cache([{b}], <hash>)  # a free block",
+                pool.cache,
+                [b],
+                np.array([[b, 7]], np.uint64),
+                expect=(InvalidArgumentError, InvalidStateError),
+                must_fail=True,
+                kind="pool-misuse",
+            )
 
     def op_pool_reset(self) -> None:
         pool = self.pool
         refs = pool.ref_counts()
         busy = any(pool.is_cached(b) and refs[b] > 0 for b in range(1, pool.num_blocks))
-        self.call("pool.reset_prefix_cache()", pool.reset_prefix_cache,
-                  expect=(InvalidStateError,) if busy else (), must_fail=busy)
+        self.call(
+            "pool.reset_prefix_cache()",
+            pool.reset_prefix_cache,
+            expect=(InvalidStateError,) if busy else (),
+            must_fail=busy,
+        )
 
     # ------------------------------------------------------------------------------------------
     OPS = [  # (weight, method name)
-        (5, "op_add"), (3, "op_append"), (8, "op_step"), (3, "op_fork"), (3, "op_free"),
-        (2, "op_swap_out"), (2, "op_swap_in"), (2, "op_reserve"), (2, "op_truncate"),
-        (1, "op_drain"), (1, "op_reset_cache"), (1, "op_queries"), (1, "op_commit_bad"),
-        (2, "op_hostile_id"), (2, "op_bad_scalar"), (1, "op_reentrant"),
-        (2, "op_pool_admit"), (2, "op_pool_decode"), (1, "op_pool_free"),
-        (1, "op_pool_probe"), (1, "op_pool_bad"), (1, "op_pool_reset"),
+        (5, "op_add"),
+        (3, "op_append"),
+        (8, "op_step"),
+        (3, "op_fork"),
+        (3, "op_free"),
+        (2, "op_swap_out"),
+        (2, "op_swap_in"),
+        (2, "op_reserve"),
+        (2, "op_truncate"),
+        (1, "op_drain"),
+        (1, "op_reset_cache"),
+        (1, "op_queries"),
+        (1, "op_commit_bad"),
+        (2, "op_hostile_id"),
+        (2, "op_bad_scalar"),
+        (1, "op_reentrant"),
+        (2, "op_pool_admit"),
+        (2, "op_pool_decode"),
+        (1, "op_pool_free"),
+        (1, "op_pool_probe"),
+        (1, "op_pool_bad"),
+        (1, "op_pool_reset"),
     ]
     TABLE = [name for w, name in OPS for _ in range(w)]
 
@@ -1612,10 +2021,30 @@ def test_one_input(data: bytes) -> None:  # atheris entry
 
 
 # hot checking code whose branches say nothing new about the core (and cost time)
-_NOT_INSTRUMENTED = {"snapshot", "verify", "readback", "check_block_bytes", "probe_check",
-                     "render", "finding", "pool_verify", "expected_slots", "check_meta",
-                     "live", "pick_live", "pick_any_id", "new_id", "tokens", "as_tokens",
-                     "salt", "pool_write", "settled", "mark_unsettled", "run", "__init__"}
+_NOT_INSTRUMENTED = {
+    "snapshot",
+    "verify",
+    "readback",
+    "check_block_bytes",
+    "probe_check",
+    "render",
+    "finding",
+    "pool_verify",
+    "expected_slots",
+    "check_meta",
+    "live",
+    "pick_live",
+    "pick_any_id",
+    "new_id",
+    "tokens",
+    "as_tokens",
+    "salt",
+    "pool_write",
+    "settled",
+    "mark_unsettled",
+    "run",
+    "__init__",
+}
 
 
 def _instrument_harness() -> None:
@@ -1712,12 +2141,12 @@ def minimize(path: str, out: Optional[str]) -> int:
     if f is None:
         print("no finding: nothing to minimize")
         return 1
-    key = f.key   # the same rule broken in the same harness op
+    key = f.key  # the same rule broken in the same harness op
     chunk = max(1, len(data) // 2)
     while chunk >= 1:
         i, changed = 0, False
         while i < len(data):
-            cand = data[:i] + data[i + chunk:]
+            cand = data[:i] + data[i + chunk :]
             g = _try(cand)
             if g is not None and g.key == key:
                 data, changed = cand, True
@@ -1728,7 +2157,7 @@ def minimize(path: str, out: Optional[str]) -> int:
     for i in range(len(data)):  # smaller byte values decode to simpler calls
         for v in (0, 1, 2):
             if data[i] > v:
-                cand = data[:i] + bytes([v]) + data[i + 1:]
+                cand = data[:i] + bytes([v]) + data[i + 1 :]
                 g = _try(cand)
                 if g is not None and g.key == key:
                     data = cand
@@ -1744,8 +2173,10 @@ def minimize(path: str, out: Optional[str]) -> int:
 def main(argv: List[str]) -> int:
     if not any(a in argv for a in ("--replay", "--random", "--minimize", "--show")):
         if atheris is None:
-            print("atheris is not installed: use --replay FILES or --random N "
-                  "(see fuzz/README.md)", file=sys.stderr)
+            print(
+                "atheris is not installed: use --replay FILES or --random N (see fuzz/README.md)",
+                file=sys.stderr,
+            )
             return 2
         _instrument_harness()
         atheris.Setup(argv, test_one_input)

@@ -8,8 +8,15 @@ with :class:`AttentionMetadata`. Device side: :class:`KVLayout`, :class:`KVCache
 __version__ = "0.1.0"  # the one version source: pyproject.toml reads it ([tool.setuptools.dynamic])
 
 from . import ops
-from ._core import (BlockManager, BlockPool, SeqBatch, default_hash_key, hash_blocks,
-                    hash_from_int, hash_to_int)
+from ._core import (
+    BlockManager,
+    BlockPool,
+    SeqBatch,
+    default_hash_key,
+    hash_blocks,
+    hash_from_int,
+    hash_to_int,
+)
 from .errors import (
     CorruptionError,
     DeviceError,
@@ -29,9 +36,30 @@ from .stats import CacheStats
 from .storage import KVCache
 
 __all__ = [
-    "AllBlocksCleared", "AttentionMetadata", "BlockManager", "BlockPool", "BlockRemoved",
-    "BlockStored", "CacheStats", "CorruptionError", "DeviceError", "DuplicateSequenceError",
-    "InvalidArgumentError", "InvalidStateError", "InvalidTypeError", "KVBlocksError", "KVCache",
-    "KVLayout", "NotSupportedError", "OutOfBlocksError", "SeqBatch", "UnknownSequenceError",
-    "default_hash_key", "hash_blocks", "hash_from_int", "hash_to_int", "ops", "__version__",
+    "AllBlocksCleared",
+    "AttentionMetadata",
+    "BlockManager",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheStats",
+    "CorruptionError",
+    "DeviceError",
+    "DuplicateSequenceError",
+    "InvalidArgumentError",
+    "InvalidStateError",
+    "InvalidTypeError",
+    "KVBlocksError",
+    "KVCache",
+    "KVLayout",
+    "NotSupportedError",
+    "OutOfBlocksError",
+    "SeqBatch",
+    "UnknownSequenceError",
+    "default_hash_key",
+    "hash_blocks",
+    "hash_from_int",
+    "hash_to_int",
+    "ops",
+    "__version__",
 ]

@@ -14,6 +14,8 @@ IntArray = Union[npt.NDArray[np.integer], Sequence[int]]
 Salt = Union[bytes, str, None]
 HashKey = Union[bytes, str, None]
 
+BUILD_DEBUG_LEVEL: int  # 0 release, 1 assertions, 2 full invariant check after every call
+
 def default_hash_key() -> bytes: ...
 def hash_blocks(token_ids: IntArray, block_size: int, *,
                 parent: Union[int, npt.NDArray[np.uint64], None] = ..., salt: Salt = ...,

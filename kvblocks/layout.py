@@ -27,7 +27,7 @@ dtype('uint16')
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Any, Tuple
+from typing import Any, Dict, Tuple
 
 import numpy as np
 
@@ -45,11 +45,21 @@ DTYPES: Dict[str, np.dtype] = {
 }
 
 _ALIASES = {
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32",
-    "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3",
-    "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "fp8": "fp8_e4m3",
+    "fp8_e4m3": "fp8_e4m3",
+    "float8_e4m3fn": "fp8_e4m3",
+    "e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+    "float8_e5m2": "fp8_e5m2",
+    "e5m2": "fp8_e5m2",
 }
 
 KINDS = ("NHD", "HND")
@@ -72,9 +82,7 @@ def canonical_dtype(dtype: Any) -> str:
         key = key[6:]
     name = _ALIASES.get(key)
     if name is None:
-        raise InvalidTypeError(
-            f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPES)}"
-        )
+        raise InvalidTypeError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     return name
 
 

@@ -28,8 +28,15 @@ from .errors import InvalidArgumentError
 
 __all__ = ["AttentionMetadata"]
 
-_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "qo_indptr", "kv_indptr", "kv_indices",
-           "kv_last_page_len")
+_FIELDS = (
+    "slot_mapping",
+    "block_tables",
+    "seq_lens",
+    "qo_indptr",
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+)
 
 
 class AttentionMetadata:
@@ -41,11 +48,20 @@ class AttentionMetadata:
     ``invalidate()`` after you do.
     """
 
-    __slots__ = _FIELDS + ("num_tokens", "num_seqs", "_row_cache", "_valid_rows", "_owner",
-                           "_base")
+    __slots__ = _FIELDS + ("num_tokens", "num_seqs", "_row_cache", "_valid_rows", "_owner", "_base")
 
-    def __init__(self, slot_mapping, block_tables, seq_lens, qo_indptr, kv_indptr, kv_indices,
-                 kv_last_page_len, num_tokens=0, num_seqs=0):
+    def __init__(
+        self,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        kv_last_page_len,
+        num_tokens=0,
+        num_seqs=0,
+    ):
         self.slot_mapping = slot_mapping
         self.block_tables = block_tables
         self.seq_lens = seq_lens
@@ -61,13 +77,17 @@ class AttentionMetadata:
         self._base = None  # views returned by metadata(): the buffers they came from
 
     @classmethod
-    def allocate(cls, max_batch: int, max_tokens: int, max_indices: int,
-                 max_blocks_per_seq: int) -> "AttentionMetadata":
+    def allocate(
+        cls, max_batch: int, max_tokens: int, max_indices: int, max_blocks_per_seq: int
+    ) -> "AttentionMetadata":
         """Fixed buffers for batches of up to ``max_batch`` sequences, ``max_tokens`` query
         tokens, ``max_indices`` pages in all and ``max_blocks_per_seq`` pages per sequence."""
-        for name, v in (("max_batch", max_batch), ("max_tokens", max_tokens),
-                        ("max_indices", max_indices),
-                        ("max_blocks_per_seq", max_blocks_per_seq)):
+        for name, v in (
+            ("max_batch", max_batch),
+            ("max_tokens", max_tokens),
+            ("max_indices", max_indices),
+            ("max_blocks_per_seq", max_blocks_per_seq),
+        ):
             if int(v) < 0 or (name != "max_tokens" and int(v) < 1):
                 raise InvalidArgumentError(f"{name} must be positive, got {v}")
         meta = cls(
@@ -113,5 +133,7 @@ class AttentionMetadata:
         return {name: getattr(self, name) for name in _FIELDS}
 
     def __repr__(self) -> str:
-        return (f"AttentionMetadata(num_seqs={self.num_seqs}, num_tokens={self.num_tokens}, "
-                f"kv_indices={len(self.kv_indices)})")
+        return (
+            f"AttentionMetadata(num_seqs={self.num_seqs}, num_tokens={self.num_tokens}, "
+            f"kv_indices={len(self.kv_indices)})"
+        )

@@ -114,8 +114,9 @@ def _check_cache(cache: Any, fn: str, name: str = "cache") -> KVCache:
 
 def _pairs_array(pairs: PairsLike, fn: str) -> np.ndarray:
     """pairs -> host integer array of shape (n, 2) (n may be 0)."""
-    if isinstance(pairs, np.ndarray) and (pairs.dtype.kind == "i" or
-                                          (pairs.dtype.kind == "u" and pairs.dtype.itemsize < 8)):
+    if isinstance(pairs, np.ndarray) and (
+        pairs.dtype.kind == "i" or (pairs.dtype.kind == "u" and pairs.dtype.itemsize < 8)
+    ):
         arr = pairs  # fast path: no conversion (no value of these dtypes wraps in int64)
     else:
         arr = _to_host_ints(pairs, "pairs", fn)
@@ -157,8 +158,9 @@ def _runs_small(lst: list) -> list:
     return runs
 
 
-def _validated_pairs(pairs: PairsLike, n_src: int, n_dst: int, same: bool, fn: str
-                     ) -> Tuple[np.ndarray, np.ndarray, Optional[list]]:
+def _validated_pairs(
+    pairs: PairsLike, n_src: int, n_dst: int, same: bool, fn: str
+) -> Tuple[np.ndarray, np.ndarray, Optional[list]]:
     """Validate everything about ``pairs``: (src, dst, pairs as a list when there are few)."""
     arr = _pairs_array(pairs, fn)
     n = arr.shape[0]
@@ -186,7 +188,9 @@ def _validated_pairs(pairs: PairsLike, n_src: int, n_dst: int, same: bool, fn: s
     return src, dst, None
 
 
-def _few_runs(src: np.ndarray, dst: np.ndarray, lst: Optional[list], max_runs: int) -> Optional[list]:
+def _few_runs(
+    src: np.ndarray, dst: np.ndarray, lst: Optional[list], max_runs: int
+) -> Optional[list]:
     """Runs [(src_start, dst_start, length)] of the pairs in the given order, or None if more
     than ``max_runs`` (then a fancy-index copy is cheaper). No sort: cheap on every call."""
     if lst is not None:
@@ -230,8 +234,9 @@ def merge_runs(src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray
     src = _to_host_ints(src, "src", "merge_runs")
     dst = _to_host_ints(dst, "dst", "merge_runs")
     if src.shape != dst.shape or src.ndim != 1:
-        raise InvalidArgumentError(f"merge_runs: src and dst must be 1-D of one length, got "
-                                   f"{src.shape} and {dst.shape}")
+        raise InvalidArgumentError(
+            f"merge_runs: src and dst must be 1-D of one length, got {src.shape} and {dst.shape}"
+        )
     if src.size == 0:
         e = np.empty(0, np.int64)
         return e, e, e
@@ -247,8 +252,13 @@ def merge_runs(src: np.ndarray, dst: np.ndarray) -> Tuple[np.ndarray, np.ndarray
 # ---------------------------------------------------------------------------------------------
 # CPU (numpy) movers
 # ---------------------------------------------------------------------------------------------
-def _np_move_blocks(src_planes: np.ndarray, dst_planes: np.ndarray, src: np.ndarray,
-                    dst: np.ndarray, lst: Optional[list]) -> None:
+def _np_move_blocks(
+    src_planes: np.ndarray,
+    dst_planes: np.ndarray,
+    src: np.ndarray,
+    dst: np.ndarray,
+    lst: Optional[list],
+) -> None:
     """dst_planes[:, dst] = src_planes[:, src] for [P, N, B] byte planes, cache-friendly."""
     n = len(src)
     num_planes, _, width = src_planes.shape
@@ -260,9 +270,9 @@ def _np_move_blocks(src_planes: np.ndarray, dst_planes: np.ndarray, src: np.ndar
         for a, b, r in runs:
             if per_plane and r * width >= _PLANE_SLICE_BYTES:
                 for p in range(num_planes):
-                    dst_planes[p, b:b + r] = src_planes[p, a:a + r]
+                    dst_planes[p, b : b + r] = src_planes[p, a : a + r]
             else:
-                dst_planes[:, b:b + r] = src_planes[:, a:a + r]
+                dst_planes[:, b : b + r] = src_planes[:, a : a + r]
         return
     if num_planes * n * width <= _CPU_WHOLE_BYTES:
         dst_planes[:, dst] = src_planes[:, src]
@@ -274,7 +284,7 @@ def _np_move_blocks(src_planes: np.ndarray, dst_planes: np.ndarray, src: np.ndar
             dp[dst] = sp[src]
         else:
             for i in range(0, n, per):
-                dp[dst[i:i + per]] = sp[src[i:i + per]]
+                dp[dst[i : i + per]] = sp[src[i : i + per]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,8 +298,18 @@ def _cuda_stream(cp: Any, stream: Any) -> Any:
     return stream
 
 
-def _launch_copy(cp: Any, op: str, src_ptr: int, dst_ptr: int, src_pitch: int, dst_pitch: int,
-                 width: int, num_planes: int, pairs_dev: Any, n: int) -> None:
+def _launch_copy(
+    cp: Any,
+    op: str,
+    src_ptr: int,
+    dst_ptr: int,
+    src_pitch: int,
+    dst_pitch: int,
+    width: int,
+    num_planes: int,
+    pairs_dev: Any,
+    n: int,
+) -> None:
     """One launch of kvb_{op}_{W}: grid (pairs, planes, chunks), W = widest aligned word."""
     w = _cuda.vector_width(src_ptr, dst_ptr, src_pitch, dst_pitch, width)
     kernel = _cuda.get_kernel(f"kvb_{op}_{w}")
@@ -299,9 +319,16 @@ def _launch_copy(cp: Any, op: str, src_ptr: int, dst_ptr: int, src_pitch: int, d
     if ctas < 1024:  # few pairs: split each block so the whole GPU takes part
         chunks = int(min(max(1, -(-1024 // ctas)), max(1, words // (_THREADS * 4)), 65535))
     kernel(
-        (n, num_planes, chunks), (_THREADS,),
-        (np.uint64(src_ptr), np.uint64(dst_ptr), pairs_dev,
-         np.int64(src_pitch), np.int64(dst_pitch), np.int64(width)),
+        (n, num_planes, chunks),
+        (_THREADS,),
+        (
+            np.uint64(src_ptr),
+            np.uint64(dst_ptr),
+            pairs_dev,
+            np.int64(src_pitch),
+            np.int64(dst_pitch),
+            np.int64(width),
+        ),
     )
 
 
@@ -337,12 +364,28 @@ def copy_blocks(cache: KVCache, pairs: PairsLike, *, stream: Any = None) -> None
     pitch = cache.num_blocks * lay.plane_block_bytes
     with cp.cuda.Device(cache.device_index), _cuda_stream(cp, stream):
         pairs_dev = _pairs_dev(cp, src, dst)
-        _launch_copy(cp, "copy_blocks", cache.data_ptr, cache.data_ptr, pitch, pitch, lay.plane_block_bytes,
-                     lay.num_planes, pairs_dev, int(src.size))
+        _launch_copy(
+            cp,
+            "copy_blocks",
+            cache.data_ptr,
+            cache.data_ptr,
+            pitch,
+            pitch,
+            lay.plane_block_bytes,
+            lay.num_planes,
+            pairs_dev,
+            int(src.size),
+        )
 
 
-def swap_blocks(src_cache: KVCache, dst_cache: KVCache, pairs: PairsLike, *,
-                stream: Any = None, method: str = "auto") -> None:
+def swap_blocks(
+    src_cache: KVCache,
+    dst_cache: KVCache,
+    pairs: PairsLike,
+    *,
+    stream: Any = None,
+    method: str = "auto",
+) -> None:
     """Copy block ``src`` of ``src_cache`` to block ``dst`` of ``dst_cache`` for every pair, all layers.
 
     Both caches must have the same layout (block counts may differ). Typical use: swap out
@@ -362,11 +405,20 @@ def swap_blocks(src_cache: KVCache, dst_cache: KVCache, pairs: PairsLike, *,
             f"{fn}: layouts differ: {src_cache.layout} vs {dst_cache.layout}"
         )
     if method not in ("auto", "memcpy", "kernel"):
-        raise InvalidArgumentError(f"{fn}: method must be 'auto', 'memcpy' or 'kernel', got {method!r}")
-    src, dst, lst = _validated_pairs(pairs, src_cache.num_blocks, dst_cache.num_blocks,
-                                     src_cache is dst_cache, fn)
-    kernel_ok = _device_accessible(src_cache) and _device_accessible(dst_cache) and not (
-        src_cache.is_cuda and dst_cache.is_cuda and src_cache.device_index != dst_cache.device_index
+        raise InvalidArgumentError(
+            f"{fn}: method must be 'auto', 'memcpy' or 'kernel', got {method!r}"
+        )
+    src, dst, lst = _validated_pairs(
+        pairs, src_cache.num_blocks, dst_cache.num_blocks, src_cache is dst_cache, fn
+    )
+    kernel_ok = (
+        _device_accessible(src_cache)
+        and _device_accessible(dst_cache)
+        and not (
+            src_cache.is_cuda
+            and dst_cache.is_cuda
+            and src_cache.device_index != dst_cache.device_index
+        )
     )  # no peer access assumed between two devices: memcpy handles that
     if method == "kernel" and not kernel_ok:
         raise DeviceError(
@@ -392,8 +444,18 @@ def swap_blocks(src_cache: KVCache, dst_cache: KVCache, pairs: PairsLike, *,
     with cp.cuda.Device(dev), st:
         if use_kernel:
             pairs_dev = _pairs_dev(cp, src, dst)
-            _launch_copy(cp, "swap_blocks", src_cache.data_ptr, dst_cache.data_ptr, s_pitch, d_pitch, width,
-                         lay.num_planes, pairs_dev, int(src.size))
+            _launch_copy(
+                cp,
+                "swap_blocks",
+                src_cache.data_ptr,
+                dst_cache.data_ptr,
+                s_pitch,
+                d_pitch,
+                width,
+                lay.num_planes,
+                pairs_dev,
+                int(src.size),
+            )
             return
         rt = cp.cuda.runtime
         kind = getattr(rt, "memcpyDefault", 4)
@@ -403,12 +465,25 @@ def swap_blocks(src_cache: KVCache, dst_cache: KVCache, pairs: PairsLike, *,
         one_2d = max(s_pitch, d_pitch) <= max_pitch
         for a, b, r in runs:
             if one_2d:
-                rt.memcpy2DAsync(dpp + b * width, d_pitch, sp + a * width, s_pitch,
-                                 r * width, planes, kind, st.ptr)
+                rt.memcpy2DAsync(
+                    dpp + b * width,
+                    d_pitch,
+                    sp + a * width,
+                    s_pitch,
+                    r * width,
+                    planes,
+                    kind,
+                    st.ptr,
+                )
             else:  # pitch beyond cudaMemcpy2D's limit: one 1-D copy per plane
                 for p in range(planes):
-                    rt.memcpyAsync(dpp + p * d_pitch + b * width, sp + p * s_pitch + a * width,
-                                   r * width, kind, st.ptr)
+                    rt.memcpyAsync(
+                        dpp + p * d_pitch + b * width,
+                        sp + p * s_pitch + a * width,
+                        r * width,
+                        kind,
+                        st.ptr,
+                    )
 
 
 _MAX_PITCH: dict = {}
@@ -472,8 +547,16 @@ def _layer_geometry(cache: KVCache, layer: int) -> Tuple[int, int, int, int, int
     return k_ptr, v_ptr, row, width, token_stride, head_stride
 
 
-def write_slots(cache: KVCache, layer: int, k: Any, v: Any, slot_mapping: Any, *,
-                check: bool = True, stream: Any = None) -> None:
+def write_slots(
+    cache: KVCache,
+    layer: int,
+    k: Any,
+    v: Any,
+    slot_mapping: Any,
+    *,
+    check: bool = True,
+    stream: Any = None,
+) -> None:
     """Scatter ``k``, ``v`` (``[num_tokens, num_kv_heads, head_dim]``) of ``layer`` into their slots.
 
     ``slot_mapping[t] = block * block_size + offset`` (any integer dtype whose values fit int64;
@@ -489,7 +572,9 @@ def write_slots(cache: KVCache, layer: int, k: Any, v: Any, slot_mapping: Any, *
     k = _token_array(cache, k, "k", fn)
     v = _token_array(cache, v, "v", fn)
     if k.shape != v.shape:
-        raise InvalidArgumentError(f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+        raise InvalidArgumentError(
+            f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape"
+        )
     n = int(k.shape[0])
     lay = cache.layout
     num_slots = cache.num_blocks * lay.block_size
@@ -499,7 +584,9 @@ def write_slots(cache: KVCache, layer: int, k: Any, v: Any, slot_mapping: Any, *
         sdt = np.dtype(slot_mapping.dtype)
         if sdt.kind not in "iu":
             raise InvalidTypeError(f"{fn}: slot_mapping must have an integer dtype, got {sdt}")
-        if sdt.kind == "u" and sdt.itemsize >= 8:  # unread values: 2**64 - 1 would wrap to -1 (skip)
+        if (
+            sdt.kind == "u" and sdt.itemsize >= 8
+        ):  # unread values: 2**64 - 1 would wrap to -1 (skip)
             raise InvalidTypeError(
                 f"{fn}: an unchecked slot_mapping must not be {sdt} (values beyond int64 would wrap "
                 f"to padding); pass int32/int64 or check=True"
@@ -510,7 +597,9 @@ def write_slots(cache: KVCache, layer: int, k: Any, v: Any, slot_mapping: Any, *
     else:
         slots = _to_host_ints(slot_mapping, "slot_mapping", fn)
         if slots.ndim != 1 or slots.shape[0] != n:
-            raise InvalidArgumentError(f"{fn}: slot_mapping must have shape [{n}], got {slots.shape}")
+            raise InvalidArgumentError(
+                f"{fn}: slot_mapping must have shape [{n}], got {slots.shape}"
+            )
         if (check or not cache.is_cuda) and n:  # always checked on the CPU (cheap there)
             lo, hi = int(slots.min()), int(slots.max())
             if lo < -1 or hi >= num_slots:
@@ -541,8 +630,9 @@ def write_slots(cache: KVCache, layer: int, k: Any, v: Any, slot_mapping: Any, *
         _launch_tokens(cp, "write_slots", cache, layer, k.data.ptr, v.data.ptr, dslots, n)
 
 
-def _launch_tokens(cp: Any, op: str, cache: KVCache, layer: int, k_ptr: int, v_ptr: int,
-                   index_dev: Any, n: int) -> None:
+def _launch_tokens(
+    cp: Any, op: str, cache: KVCache, layer: int, k_ptr: int, v_ptr: int, index_dev: Any, n: int
+) -> None:
     ck, cv, row, block_stride, token_stride, head_stride = _layer_geometry(cache, layer)
     w = _cuda.vector_width(ck, cv, k_ptr, v_ptr, row, block_stride, token_stride, head_stride)
     words = cache.layout.num_kv_heads * row // w
@@ -554,14 +644,24 @@ def _launch_tokens(cp: Any, op: str, cache: KVCache, layer: int, k_ptr: int, v_p
         ptrs = (np.uint64(ck), np.uint64(cv), np.uint64(k_ptr), np.uint64(v_ptr))
     lay = cache.layout
     kernel(
-        (n,), (threads,),
-        ptrs + (index_dev, np.int64(lay.block_size), np.int64(lay.num_kv_heads), np.int64(row),
-                np.int64(block_stride), np.int64(token_stride), np.int64(head_stride)),
+        (n,),
+        (threads,),
+        ptrs
+        + (
+            index_dev,
+            np.int64(lay.block_size),
+            np.int64(lay.num_kv_heads),
+            np.int64(row),
+            np.int64(block_stride),
+            np.int64(token_stride),
+            np.int64(head_stride),
+        ),
     )
 
 
-def gather(cache: KVCache, layer: int, block_table: Any, num_tokens: int, *,
-           stream: Any = None) -> Tuple[Any, Any]:
+def gather(
+    cache: KVCache, layer: int, block_table: Any, num_tokens: int, *, stream: Any = None
+) -> Tuple[Any, Any]:
     """One sequence's K and V of ``layer``: new contiguous arrays ``[num_tokens, H, D]`` each.
 
     Token ``t`` is read from block ``block_table[t // block_size]`` at offset ``t % block_size``;
@@ -594,7 +694,9 @@ def gather(cache: KVCache, layer: int, block_table: Any, num_tokens: int, *,
             g = view[bt]  # [nb, *block_shape], a fresh array
             if lay.kind == "HND":
                 g = g.transpose(0, 2, 1, 3)
-            out.append(np.ascontiguousarray(g.reshape((nb * lay.block_size,) + lay.token_shape)[:n]))
+            out.append(
+                np.ascontiguousarray(g.reshape((nb * lay.block_size,) + lay.token_shape)[:n])
+            )
         return out[0], out[1]
     cp = _cuda.get_cupy()
     with cp.cuda.Device(cache.device_index), _cuda_stream(cp, stream):

@@ -69,7 +69,9 @@ class KVCache:
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidTypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        if isinstance(num_blocks, (bool, np.bool_)) or not isinstance(num_blocks, (int, np.integer)):
+        if isinstance(num_blocks, (bool, np.bool_)) or not isinstance(
+            num_blocks, (int, np.integer)
+        ):
             raise InvalidTypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
         if num_blocks <= 0:
             raise InvalidArgumentError(f"num_blocks must be > 0, got {num_blocks}")
@@ -140,9 +142,7 @@ class KVCache:
         if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
             raise InvalidTypeError(f"layer must be an int, got {type(layer).__name__}")
         if not 0 <= layer < self.layout.num_layers:
-            raise InvalidArgumentError(
-                f"layer {layer} out of range [0, {self.layout.num_layers})"
-            )
+            raise InvalidArgumentError(f"layer {layer} out of range [0, {self.layout.num_layers})")
         return int(layer)
 
     def layer(self, layer: int) -> Any:
@@ -151,13 +151,13 @@ class KVCache:
 
     def key(self, layer: int) -> Any:
         """K of one layer, ``[num_blocks, *block_shape]`` (a strided view when joint)."""
-        l = self._check_layer(layer)
-        return self.storage[l, :, 0] if self.layout.joint else self.storage[l, 0]
+        li = self._check_layer(layer)
+        return self.storage[li, :, 0] if self.layout.joint else self.storage[li, 0]
 
     def value(self, layer: int) -> Any:
         """V of one layer, ``[num_blocks, *block_shape]`` (a strided view when joint)."""
-        l = self._check_layer(layer)
-        return self.storage[l, :, 1] if self.layout.joint else self.storage[l, 1]
+        li = self._check_layer(layer)
+        return self.storage[li, :, 1] if self.layout.joint else self.storage[li, 1]
 
     def kv(self, layer: int) -> Tuple[Any, Any]:
         """``(key(layer), value(layer))``."""

@@ -4,9 +4,14 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile("dev", max_examples=60, deadline=None)
 settings.register_profile(
-    "ci", max_examples=150, deadline=None, derandomize=True, print_blob=True,
+    "ci",
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-settings.register_profile("deep", max_examples=3000, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "deep", max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))

@@ -23,8 +23,17 @@ from kvblocks.bench.report import load_baseline
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ("--quick", "--samples", "3")
-ALLOC_OPS = ["allocate_free/n=1", "allocate_free/n=16", "allocate_free/n=128", "allocate_free/n=1024",
-             "fork_cow", "append_batch/list", "append_batch/seqbatch", "decode_step/fills", "build/1M"]
+ALLOC_OPS = [
+    "allocate_free/n=1",
+    "allocate_free/n=16",
+    "allocate_free/n=128",
+    "allocate_free/n=1024",
+    "fork_cow",
+    "append_batch/list",
+    "append_batch/seqbatch",
+    "decode_step/fills",
+    "build/1M",
+]
 STATS = {"p50_ns", "p99_ns", "mean_ns", "min_ns", "max_ns", "ns_per_unit", "samples", "inner"}
 
 
@@ -44,14 +53,36 @@ def alloc_run(tmp_path_factory):
 def test_alloc_text_report(alloc_run):
     p, doc, out = alloc_run
     text = p.stdout
-    for needle in ("kvblocks bench: alloc", "machine ", "software ", "timer overhead", "subtracted: timer",
-                   "warm-up:", "GC off", "baselines python", "vllm:", "memory per block: kvblocks"):
+    for needle in (
+        "kvblocks bench: alloc",
+        "machine ",
+        "software ",
+        "timer overhead",
+        "subtracted: timer",
+        "warm-up:",
+        "GC off",
+        "baselines python",
+        "vllm:",
+        "memory per block: kvblocks",
+    ):
         assert needle in text, needle
     header = next(line for line in text.splitlines() if line.startswith("operation"))
-    assert header.split() == ["operation", "per", "p50", "p99", "ns/unit", "python", "p50", "x", "python"]
+    assert header.split() == [
+        "operation",
+        "per",
+        "p50",
+        "p99",
+        "ns/unit",
+        "python",
+        "p50",
+        "x",
+        "python",
+    ]
     for op in doc["suites"]["alloc"]["ops"]:
         row = next(line for line in text.splitlines() if line.startswith(op["label"]))
-        assert row.rstrip().endswith("x")  # a same-run ratio for every op: all have a Python counterpart
+        assert row.rstrip().endswith(
+            "x"
+        )  # a same-run ratio for every op: all have a Python counterpart
     assert f"wrote {out}" in text
     assert "bench alloc [" in p.stderr and "100%" in p.stderr  # --progress forces the bar
 
@@ -62,13 +93,27 @@ def test_alloc_json_schema(alloc_run):
     assert doc["command"] == "kvblocks bench alloc --quick --samples 3"
     assert doc["settings"] == {"quick": True, "max_samples": 3, "rounds": 2}
     m = doc["machine"]
-    for key in ("cpu_model", "arch", "cores_logical", "cores_usable", "os", "python", "numpy", "kvblocks", "build"):
+    for key in (
+        "cpu_model",
+        "arch",
+        "cores_logical",
+        "cores_usable",
+        "os",
+        "python",
+        "numpy",
+        "kvblocks",
+        "build",
+    ):
         assert key in m, key
     assert m["build"]["kind"] in ("release", "release?", "debug", "sanitizer", "unknown")
     t = doc["timing"]
-    assert "warm-up" in t["warmup"] and t["gc"] == "off while timing" and "subtracted" in t["overhead"]
+    assert (
+        "warm-up" in t["warmup"] and t["gc"] == "off while timing" and "subtracted" in t["overhead"]
+    )
     for ov in (t["before_run"], doc["suites"]["alloc"]["overhead"]):
-        assert ov["subtracted"] is True and ov["timer_overhead_ns"] > 0 and ov["call_overhead_ns"] >= 0
+        assert (
+            ov["subtracted"] is True and ov["timer_overhead_ns"] > 0 and ov["call_overhead_ns"] >= 0
+        )
     assert doc["vllm_timed"] is False or "vllm" in doc["suites"]["alloc"]["ops"][0]["results"]
     body = doc["suites"]["alloc"]
     assert [o["id"] for o in body["ops"]] == ALLOC_OPS
@@ -83,7 +128,8 @@ def test_alloc_json_schema(alloc_run):
         assert set(o["speedup"]) == set(o["results"]) - {"kvblocks"} and "python" in o["speedup"]
         if o["results"]["kvblocks"]["p50_ns"] > 0:
             assert o["speedup"]["python"] == pytest.approx(
-                o["results"]["python"]["p50_ns"] / o["results"]["kvblocks"]["p50_ns"])
+                o["results"]["python"]["p50_ns"] / o["results"]["kvblocks"]["p50_ns"]
+            )
     mem = body["bytes_per_block"]
     assert mem["kvblocks"] > 0 and mem["python"] > 0
 
@@ -111,8 +157,13 @@ def test_all_suites_json_to_stdout():
     ids = [o["id"] for body in doc["suites"].values() for o in body["ops"]]
     assert len(ids) == len(set(ids))
     prefix = {o["id"]: o for o in doc["suites"]["prefix"]["ops"]}
-    assert set(prefix) == {"hash_blocks/32k", "lookup/2048", "lookup_and_pin/2048",
-                           "allocate_evicting/128", "allocate_uncached/128"}
+    assert set(prefix) == {
+        "hash_blocks/32k",
+        "lookup/2048",
+        "lookup_and_pin/2048",
+        "allocate_evicting/128",
+        "allocate_uncached/128",
+    }
     assert all("python" in o["speedup"] for o in prefix.values())
     meta = doc["suites"]["metadata"]["ops"]
     assert {o["id"].split("/")[1] for o in meta} == {"decode", "prefill"}
@@ -125,7 +176,9 @@ def test_compare_ratios(alloc_run, tmp_path):
     _, old, old_path = alloc_run
     # an op the earlier file lacks, and one whose p50 we know
     old = json.loads(old_path.read_text())
-    old["suites"]["alloc"]["ops"] = [o for o in old["suites"]["alloc"]["ops"] if o["id"] != "fork_cow"]
+    old["suites"]["alloc"]["ops"] = [
+        o for o in old["suites"]["alloc"]["ops"] if o["id"] != "fork_cow"
+    ]
     prev = tmp_path / "prev.json"
     prev.write_text(json.dumps(old))
     new_path = tmp_path / "new.json"
@@ -136,7 +189,11 @@ def test_compare_ratios(alloc_run, tmp_path):
     assert row.split()[-2:] == ["new", "new"]
     doc = json.loads(new_path.read_text())
     cmp = doc["compare"]
-    assert cmp["file"] == str(prev) and cmp["not_in_file"] == ["fork_cow"] and cmp["machine_differs"] == []
+    assert (
+        cmp["file"] == str(prev)
+        and cmp["not_in_file"] == ["fork_cow"]
+        and cmp["machine_differs"] == []
+    )
     before = {o["id"]: o for o in old["suites"]["alloc"]["ops"]}
     for o in doc["suites"]["alloc"]["ops"]:
         if o["id"] == "fork_cow":
@@ -144,7 +201,9 @@ def test_compare_ratios(alloc_run, tmp_path):
             continue
         was = before[o["id"]]["results"]["kvblocks"]
         if was["p50_ns"] > 0:
-            assert cmp["ops"][o["id"]]["p50"] == pytest.approx(o["results"]["kvblocks"]["p50_ns"] / was["p50_ns"])
+            assert cmp["ops"][o["id"]]["p50"] == pytest.approx(
+                o["results"]["kvblocks"]["p50_ns"] / was["p50_ns"]
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,38 +228,68 @@ def one_line_error(capsys, argv, *needles):
     return lines[0]
 
 
-@pytest.mark.parametrize("argv, needles", [
-    (("bench", "allocs"), ("unknown suite 'allocs'", "alloc, prefix, metadata, all")),
-    (("bench", "alloc", "nope"), ("unknown suite 'nope'",)),
-    (("bench", "groups"), ("suite 'groups' is not available in this version",)),
-    (("bench", "tier", "alloc"), ("suite 'tier' is not available in this version",)),
-    (("bench", "--samples", "0"), ("argument --samples: must be an integer in [1, 100,000]",)),
-    (("bench", "--samples", "2.5"), ("argument --samples",)),
-    (("bench", "--samples=-3"), ("argument --samples",)),
-    (("bench", "--frobnicate"), ("unrecognized arguments: --frobnicate", "kvblocks bench --help")),
-    (("bench", "--json", "/nonexistent-dir/x.json"), ("--json", "no such folder")),
-])
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (("bench", "allocs"), ("unknown suite 'allocs'", "alloc, prefix, metadata, all")),
+        (("bench", "alloc", "nope"), ("unknown suite 'nope'",)),
+        (("bench", "groups"), ("suite 'groups' is not available in this version",)),
+        (("bench", "tier", "alloc"), ("suite 'tier' is not available in this version",)),
+        (("bench", "--samples", "0"), ("argument --samples: must be an integer in [1, 100,000]",)),
+        (("bench", "--samples", "2.5"), ("argument --samples",)),
+        (("bench", "--samples=-3"), ("argument --samples",)),
+        (
+            ("bench", "--frobnicate"),
+            ("unrecognized arguments: --frobnicate", "kvblocks bench --help"),
+        ),
+        (("bench", "--json", "/nonexistent-dir/x.json"), ("--json", "no such folder")),
+    ],
+)
 def test_usage_errors(capsys, no_work, argv, needles):
     one_line_error(capsys, argv, *needles)
 
 
 def _doc(suites=("alloc",)):
-    return {"schema": "kvblocks-bench/1", "suites": {s: {"ops": [
-        {"id": "allocate_free/n=1", "results": {"kvblocks": {"p50_ns": 100.0, "p99_ns": 150.0}}}]}
-        for s in suites}}
+    return {
+        "schema": "kvblocks-bench/1",
+        "suites": {
+            s: {
+                "ops": [
+                    {
+                        "id": "allocate_free/n=1",
+                        "results": {"kvblocks": {"p50_ns": 100.0, "p99_ns": 150.0}},
+                    }
+                ]
+            }
+            for s in suites
+        },
+    }
 
 
-@pytest.mark.parametrize("content, needles", [
-    (None, ("cannot read",)),
-    (b"{not json", ("not JSON",)),
-    (b"\xff\xfe\x00garbage", ("not a text file",)),
-    (b"[1, 2, 3]", ("not a kvblocks bench result",)),
-    (json.dumps({"bench": "bench_alloc", "rows": []}).encode(), ("not a kvblocks bench result", "no schema field")),
-    (json.dumps({**_doc(), "schema": "kvblocks-bench/0"}).encode(), ("schema 'kvblocks-bench/0'",)),
-    (json.dumps(_doc(("prefix",))).encode(), ("has suites prefix, none of alloc",)),
-    (json.dumps({"schema": "kvblocks-bench/1", "suites": {"alloc": {"ops": [{"id": 3}]}}}).encode(),
-     ("suite 'alloc' is malformed",)),
-])
+@pytest.mark.parametrize(
+    "content, needles",
+    [
+        (None, ("cannot read",)),
+        (b"{not json", ("not JSON",)),
+        (b"\xff\xfe\x00garbage", ("not a text file",)),
+        (b"[1, 2, 3]", ("not a kvblocks bench result",)),
+        (
+            json.dumps({"bench": "bench_alloc", "rows": []}).encode(),
+            ("not a kvblocks bench result", "no schema field"),
+        ),
+        (
+            json.dumps({**_doc(), "schema": "kvblocks-bench/0"}).encode(),
+            ("schema 'kvblocks-bench/0'",),
+        ),
+        (json.dumps(_doc(("prefix",))).encode(), ("has suites prefix, none of alloc",)),
+        (
+            json.dumps(
+                {"schema": "kvblocks-bench/1", "suites": {"alloc": {"ops": [{"id": 3}]}}}
+            ).encode(),
+            ("suite 'alloc' is malformed",),
+        ),
+    ],
+)
 def test_bad_compare_file(capsys, no_work, tmp_path, content, needles):
     path = tmp_path / "old.json"
     if content is not None:
@@ -217,8 +306,12 @@ def test_compare_file_is_accepted_when_one_suite_matches(tmp_path):
 
 def test_plot_without_matplotlib(capsys, no_work, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    one_line_error(capsys, ["bench", "alloc", "--plot", str(tmp_path / "p.png")],
-                   "--plot needs matplotlib", "kvblocks[plot]")
+    one_line_error(
+        capsys,
+        ["bench", "alloc", "--plot", str(tmp_path / "p.png")],
+        "--plot needs matplotlib",
+        "kvblocks[plot]",
+    )
 
 
 def test_plot_checks_format_and_folder(capsys, no_work, tmp_path):
@@ -238,7 +331,7 @@ def test_plot_writes_a_figure(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # vLLM's BlockPool (a stand-in module: vllm itself is never needed)
 # ---------------------------------------------------------------------------------------------
-FAKE_BLOCK_POOL = '''
+FAKE_BLOCK_POOL = """
 from kvblocks.bench.pybaseline import PyBlockPool
 
 class BlockPool:
@@ -250,7 +343,7 @@ class BlockPool:
 
     def free_blocks(self, blocks):
         self._p.free(blocks)
-'''
+"""
 
 
 def fake_vllm(root: Path, source: str = FAKE_BLOCK_POOL) -> Path:
@@ -279,8 +372,11 @@ def test_vllm_block_pool_is_timed_when_importable(tmp_path):
 
 
 def test_vllm_unusable_is_skipped(monkeypatch, tmp_path):
-    fake_vllm(tmp_path, "class BlockPool:\n    def __init__(self, num_gpu_blocks, enable_caching, kv_cache_spec):\n"
-                        "        pass\n    def get_new_blocks(self, n): pass\n    def free_blocks(self, b): pass\n")
+    fake_vllm(
+        tmp_path,
+        "class BlockPool:\n    def __init__(self, num_gpu_blocks, enable_caching, kv_cache_spec):\n"
+        "        pass\n    def get_new_blocks(self, n): pass\n    def free_blocks(self, b): pass\n",
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
         monkeypatch.delitem(sys.modules, m)
@@ -294,13 +390,20 @@ def test_vllm_unusable_is_skipped(monkeypatch, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # machine and build description
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("blob, kind, opt", [
-    (b"\0GNU C11 12.2.0 -mtune=generic -g -O3 -O3 -std=c11 -fPIC\0", "release", "-O3"),
-    (b"\0GNU C11 12.2.0 -g -O3 -O0 -std=c11 -fPIC\0__assert_fail\0", "debug", "-O0"),
-    (b"\0GNU C11 12.2.0 -g -O0 -std=c11 -fsanitize=address,undefined\0__asan_init\0", "sanitizer", "-O0"),
-    (b"\0stripped\0", "release?", None),
-    (b"\0stripped\0__assert_fail\0", "debug", None),
-])
+@pytest.mark.parametrize(
+    "blob, kind, opt",
+    [
+        (b"\0GNU C11 12.2.0 -mtune=generic -g -O3 -O3 -std=c11 -fPIC\0", "release", "-O3"),
+        (b"\0GNU C11 12.2.0 -g -O3 -O0 -std=c11 -fPIC\0__assert_fail\0", "debug", "-O0"),
+        (
+            b"\0GNU C11 12.2.0 -g -O0 -std=c11 -fsanitize=address,undefined\0__asan_init\0",
+            "sanitizer",
+            "-O0",
+        ),
+        (b"\0stripped\0", "release?", None),
+        (b"\0stripped\0__assert_fail\0", "debug", None),
+    ],
+)
 def test_build_kind_from_the_extension(tmp_path, blob, kind, opt):
     so = tmp_path / "_core.so"
     so.write_bytes(b"\x7fELF" + blob)
@@ -323,7 +426,9 @@ def test_bench_script_is_a_thin_caller(tmp_path):
     p = run_python([str(ROOT / "bench" / "bench_metadata.py"), *TINY, "--json", str(out), "-q"])
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
-    assert list(doc["suites"]) == ["metadata"] and doc["command"].startswith("kvblocks bench metadata")
+    assert list(doc["suites"]) == ["metadata"] and doc["command"].startswith(
+        "kvblocks bench metadata"
+    )
 
 
 def test_python_api():

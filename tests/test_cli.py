@@ -9,10 +9,13 @@ import pytest
 from subproc import run_python
 
 
-
 def run(*args: str, stdin_tty: bool = False, pre: str = "") -> subprocess.CompletedProcess:
     if pre:
-        cmd = ["-c", pre + "; import sys; from kvblocks.__main__ import main; sys.exit(main(sys.argv[1:]))", *args]
+        cmd = [
+            "-c",
+            pre + "; import sys; from kvblocks.__main__ import main; sys.exit(main(sys.argv[1:]))",
+            *args,
+        ]
     else:
         cmd = ["-m", "kvblocks", *args]
     return run_python(cmd, timeout=120)
@@ -39,7 +42,17 @@ def test_simulate_default_prints_summary():
 
 
 def test_simulate_json_and_progress(tmp_path):
-    p = run("simulate", "--json", "--progress", "--limit", "120", "--model", "qwen2.5-7b", "--gpu-mem", "24")
+    p = run(
+        "simulate",
+        "--json",
+        "--progress",
+        "--limit",
+        "120",
+        "--model",
+        "qwen2.5-7b",
+        "--gpu-mem",
+        "24",
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert doc["memory"]["model"] == "Qwen2.5-7B" and doc["workload"]["requests"] == 120
@@ -52,7 +65,15 @@ def test_simulate_json_and_progress(tmp_path):
 
 def test_simulate_mooncake_trace_and_custom_model(tmp_path):
     t = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": 10 * i, "input_length": 700 + i, "output_length": 20, "hash_ids": [0, 100 + i % 3]} for i in range(30)]
+    rows = [
+        {
+            "timestamp": 10 * i,
+            "input_length": 700 + i,
+            "output_length": 20,
+            "hash_ids": [0, 100 + i % 3],
+        }
+        for i in range(30)
+    ]
     t.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     p = run("simulate", "--trace", str(t), "--layers", "16", "--kv-heads", "4", "--head-dim", "64",
             "--num-blocks", "400", "--json", "--no-contiguous")  # fmt: skip
@@ -64,14 +85,27 @@ def test_simulate_mooncake_trace_and_custom_model(tmp_path):
 
 def test_simulate_azure_csv(tmp_path):
     t = tmp_path / "azure.csv"
-    t.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(f"2023-11-16 18:15:{i:02d}.5,{300 + i},{10 + i}\n" for i in range(20)))
+    t.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        + "".join(f"2023-11-16 18:15:{i:02d}.5,{300 + i},{10 + i}\n" for i in range(20))
+    )
     p = run("simulate", "--trace", str(t), "--model", "mistral-7b", "--gpu-mem", "24")
     assert p.returncode == 0, p.stderr
     assert "20 requests" in p.stdout
 
 
 def test_simulate_swap_preemption():
-    p = run("simulate", "--preemption", "swap", "--limit", "100", "--gpu-mem", "20", "--json", "--no-contiguous")
+    p = run(
+        "simulate",
+        "--preemption",
+        "swap",
+        "--limit",
+        "100",
+        "--gpu-mem",
+        "20",
+        "--json",
+        "--no-contiguous",
+    )
     if p.returncode != 0:
         assert_one_line_error(p, "swap")
     else:
@@ -79,9 +113,25 @@ def test_simulate_swap_preemption():
 
 
 def test_plan():
-    p = run("plan", "--model", "llama-3.1-8b", "--gpu-mem", "80", "--prompt-len", "uniform:128:4096", "--output-len", "512")
+    p = run(
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--gpu-mem",
+        "80",
+        "--prompt-len",
+        "uniform:128:4096",
+        "--output-len",
+        "512",
+    )
     assert p.returncode == 0, p.stderr
-    for s in ("weights", "KV per token", "block rounding", "contiguous max-length", "paged, all at full length"):
+    for s in (
+        "weights",
+        "KV per token",
+        "block rounding",
+        "contiguous max-length",
+        "paged, all at full length",
+    ):
         assert s in p.stdout
     p = run("plan", "--model", "deepseek-v2-lite", "--gpu-mem", "48", "--prompt-len", "lognormal:2000:3000",
             "--output-len", "normal:300:100", "--json")  # fmt: skip
@@ -104,7 +154,9 @@ def test_error_missing_file(tmp_path):
 
 def test_error_malformed_line(tmp_path):
     t = tmp_path / "bad.jsonl"
-    t.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n{"timestamp": 1, oops}\n')
+    t.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n{"timestamp": 1, oops}\n'
+    )
     assert_one_line_error(run("simulate", "--trace", str(t)), f"{t}:2:", "malformed JSON")
 
 
@@ -124,14 +176,52 @@ def test_error_csv_line(tmp_path):
 
 def test_error_unknown_model_and_bad_dist_and_no_fit():
     assert_one_line_error(run("simulate", "--model", "gpt-17"), "unknown model 'gpt-17'")
-    assert_one_line_error(run("plan", "--model", "nope", "--gpu-mem", "80", "--prompt-len", "1", "--output-len", "1"), "unknown model")
-    assert_one_line_error(run("plan", "--model", "llama-3.1-8b", "--gpu-mem", "80", "--prompt-len", "-5", "--output-len", "1"), "--prompt-len")
-    assert_one_line_error(run("plan", "--model", "llama-3.1-8b", "--gpu-mem", "80", "--prompt-len", "1", "--output-len", "uniform:9"), "--output-len")
-    assert_one_line_error(run("simulate", "--model", "llama-3.1-70b", "--gpu-mem", "80"), "does not fit")
+    assert_one_line_error(
+        run("plan", "--model", "nope", "--gpu-mem", "80", "--prompt-len", "1", "--output-len", "1"),
+        "unknown model",
+    )
+    assert_one_line_error(
+        run(
+            "plan",
+            "--model",
+            "llama-3.1-8b",
+            "--gpu-mem",
+            "80",
+            "--prompt-len",
+            "-5",
+            "--output-len",
+            "1",
+        ),
+        "--prompt-len",
+    )
+    assert_one_line_error(
+        run(
+            "plan",
+            "--model",
+            "llama-3.1-8b",
+            "--gpu-mem",
+            "80",
+            "--prompt-len",
+            "1",
+            "--output-len",
+            "uniform:9",
+        ),
+        "--output-len",
+    )
+    assert_one_line_error(
+        run("simulate", "--model", "llama-3.1-70b", "--gpu-mem", "80"), "does not fit"
+    )
 
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path):
-    p = run("simulate", "--limit", "20", "--plot", str(tmp_path / "m.png"), pre="import sys; sys.modules['matplotlib'] = None")
+    p = run(
+        "simulate",
+        "--limit",
+        "20",
+        "--plot",
+        str(tmp_path / "m.png"),
+        pre="import sys; sys.modules['matplotlib'] = None",
+    )
     assert_one_line_error(p, "matplotlib", "kvblocks[plot]")
 
 
@@ -148,7 +238,22 @@ def test_console_entry_point_is_callable():
     from kvblocks.__main__ import main
 
     assert callable(main)
-    assert main(["plan", "--gpu-mem", "80", "--prompt-len", "100", "--output-len", "100", "--samples", "10"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--gpu-mem",
+                "80",
+                "--prompt-len",
+                "100",
+                "--output-len",
+                "100",
+                "--samples",
+                "10",
+            ]
+        )
+        == 0
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,11 +261,13 @@ def test_console_entry_point_is_callable():
 # These call main(argv) in-process: a parse-time error never starts a simulation, so each
 # case costs microseconds.
 # ---------------------------------------------------------------------------------------------
-import argparse  # noqa: E402
+import argparse
 
-from kvblocks.__main__ import main  # noqa: E402
-from kvblocks.sim import limits  # noqa: E402
-from kvblocks.__main__ import build_parser  # noqa: E402
+from kvblocks.__main__ import (
+    build_parser,
+    main,
+)
+from kvblocks.sim import limits
 
 PLAN_ARGS = ("--prompt-len", "100", "--output-len", "100", "--samples", "10")
 
@@ -199,10 +306,16 @@ def test_every_numeric_flag_has_a_limit():
             if act.type in (int, float):
                 raise AssertionError(f"{name} {act.option_strings}: plain type={act.type.__name__}")
     flags = {(c, f) for c, f, _, _ in limit_flags()}
-    assert ("simulate", "--gpu-mem") in flags and ("plan", "--seed") in flags and len(flags) == 2 * 9 + 11 + 3
+    assert (
+        ("simulate", "--gpu-mem") in flags
+        and ("plan", "--seed") in flags
+        and len(flags) == 2 * 9 + 11 + 3
+    )
 
 
-@pytest.mark.parametrize("cmd, flag, lim, default", list(limit_flags()), ids=lambda v: getattr(v, "flag", v))
+@pytest.mark.parametrize(
+    "cmd, flag, lim, default", list(limit_flags()), ids=lambda v: getattr(v, "flag", v)
+)
 def test_flag_defaults_are_in_range(cmd, flag, lim, default):
     if default is not None:
         assert lim.check(default) == default
@@ -230,26 +343,41 @@ def test_bad_flag_value_is_one_line_error(capsys, cmd, flag, value):
     assert len(line) < 200 and out == ""
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (("simulate", "--reserve", "-inf"), "--flag=VALUE"),  # argparse reads "-inf" as a flag
-    (("plan", "--seed", "-1", *PLAN_ARGS), "argument --seed: must be an integer in [0, "),
-    (("simulate", "--gpumem", "3"), "unrecognized arguments: --gpumem 3 (see 'kvblocks simulate --help')"),
-    (("plan",), "required: --prompt-len, --output-len"),
-    (("simulate", "--format", "xml"), "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (("simulate", "--reserve", "-inf"), "--flag=VALUE"),  # argparse reads "-inf" as a flag
+        (("plan", "--seed", "-1", *PLAN_ARGS), "argument --seed: must be an integer in [0, "),
+        (
+            ("simulate", "--gpumem", "3"),
+            "unrecognized arguments: --gpumem 3 (see 'kvblocks simulate --help')",
+        ),
+        (("plan",), "required: --prompt-len, --output-len"),
+        (("simulate", "--format", "xml"), "invalid choice"),
+    ],
+)
 def test_usage_errors_are_one_line(capsys, argv, needle):
     rc, _, err = run_main(capsys, *argv)
     assert_one_line(rc, err, needle)
 
 
-@pytest.mark.parametrize("argv, needles", [
-    # --gpu-mem 1e6 used to build a ~460M-block pool (~20 GB of allocator metadata)
-    (("simulate", "--gpu-mem", "1e6"), ("460,792,341", "16,777,216", "--block-size", "--num-blocks")),
-    (("simulate", "--num-blocks", "20000000"), ("--num-blocks 20,000,000", "16,777,216")),
-    (("simulate", "--preemption", "swap", "--host-mem", "1e5"), ("--host-mem", "16,777,216")),
-    (("plan", "--gpu-mem", "1e6", "--block-size", "1", *PLAN_ARGS), ("int32", "--block-size")),
-    (("simulate", "--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--params", "900"), ("does not fit",)),
-])
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        # --gpu-mem 1e6 used to build a ~460M-block pool (~20 GB of allocator metadata)
+        (
+            ("simulate", "--gpu-mem", "1e6"),
+            ("460,792,341", "16,777,216", "--block-size", "--num-blocks"),
+        ),
+        (("simulate", "--num-blocks", "20000000"), ("--num-blocks 20,000,000", "16,777,216")),
+        (("simulate", "--preemption", "swap", "--host-mem", "1e5"), ("--host-mem", "16,777,216")),
+        (("plan", "--gpu-mem", "1e6", "--block-size", "1", *PLAN_ARGS), ("int32", "--block-size")),
+        (
+            ("simulate", "--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--params", "900"),
+            ("does not fit",),
+        ),
+    ],
+)
 def test_too_many_blocks_is_refused_before_allocating(capsys, argv, needles):
     rc, _, err = run_main(capsys, *argv)
     assert_one_line(rc, err, *needles)
@@ -294,26 +422,57 @@ def write_mooncake(tmp_path, line: str):
     return t
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    (f, v, n)
-    for f in ("input_length", "output_length")
-    for v, n in [("Infinity", "must be an integer, got inf"), ("-Infinity", "must be an integer"),
-                 ("NaN", "must be an integer, got nan"), ("1e400", "must be an integer, got inf"),
-                 ("10.0", "must be an integer, got 10.0"), ("10.5", "must be an integer"),
-                 ("-3", "must be >= 1"), ("0", "must be >= 1"), ('"10"', "must be an integer"),
-                 ("true", "must be an integer"), ("10000001", "absurdly large"),
-                 ("9" * 40, "absurdly large"), ("9" * 5000, "malformed JSON")]  # fmt: skip
-] + [
-    ("timestamp", v, n)
-    for v, n in [("Infinity", "non-negative number of ms, got inf"), ("-Infinity", "non-negative"),
-                 ("NaN", "got nan"), ("1e400", "got inf"), ("-1", "non-negative"),
-                 ("1e300", "absurdly large"), ('"0"', "non-negative")]  # fmt: skip
-] + [
-    ("hash_ids", v, "bad hash id")
-    for v in ("[1e400]", "[Infinity]", "[NaN]", "[1.0]", "[-1]", "[68719476736]", "[true]", f"[{'9' * 60}]")
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        (f, v, n)
+        for f in ("input_length", "output_length")
+        for v, n in [
+            ("Infinity", "must be an integer, got inf"),
+            ("-Infinity", "must be an integer"),
+            ("NaN", "must be an integer, got nan"),
+            ("1e400", "must be an integer, got inf"),
+            ("10.0", "must be an integer, got 10.0"),
+            ("10.5", "must be an integer"),
+            ("-3", "must be >= 1"),
+            ("0", "must be >= 1"),
+            ('"10"', "must be an integer"),
+            ("true", "must be an integer"),
+            ("10000001", "absurdly large"),
+            ("9" * 40, "absurdly large"),
+            ("9" * 5000, "malformed JSON"),
+        ]  # fmt: skip
+    ]
+    + [
+        ("timestamp", v, n)
+        for v, n in [
+            ("Infinity", "non-negative number of ms, got inf"),
+            ("-Infinity", "non-negative"),
+            ("NaN", "got nan"),
+            ("1e400", "got inf"),
+            ("-1", "non-negative"),
+            ("1e300", "absurdly large"),
+            ('"0"', "non-negative"),
+        ]  # fmt: skip
+    ]
+    + [
+        ("hash_ids", v, "bad hash id")
+        for v in (
+            "[1e400]",
+            "[Infinity]",
+            "[NaN]",
+            "[1.0]",
+            "[-1]",
+            "[68719476736]",
+            "[true]",
+            f"[{'9' * 60}]",
+        )
+    ],
+)
 def test_bad_mooncake_integer_field_is_one_line_error(capsys, tmp_path, field, value, needle):
-    text = json.dumps(MOONCAKE_OK).replace(f'"{field}": ' + json.dumps(MOONCAKE_OK[field]), f'"{field}": {value}')
+    text = json.dumps(MOONCAKE_OK).replace(
+        f'"{field}": ' + json.dumps(MOONCAKE_OK[field]), f'"{field}": {value}'
+    )
     assert text != json.dumps(MOONCAKE_OK)
     t = write_mooncake(tmp_path, text)
     rc, _, err = run_main(capsys, "simulate", "--trace", str(t))
@@ -321,7 +480,9 @@ def test_bad_mooncake_integer_field_is_one_line_error(capsys, tmp_path, field, v
     assert len(line) < 300
 
 
-@pytest.mark.parametrize("stamp", ["nan", "NaN", "inf", "-inf", "Infinity", "1e400", "1e300", "-1e300"])
+@pytest.mark.parametrize(
+    "stamp", ["nan", "NaN", "inf", "-inf", "Infinity", "1e400", "1e300", "-1e300"]
+)
 def test_bad_csv_timestamp_is_one_line_error(capsys, tmp_path, stamp):
     t = tmp_path / "bad.csv"
     t.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n1.0,12,3\n{stamp},12,3\n")
@@ -340,15 +501,46 @@ def test_csv_nan_timestamp_no_longer_hangs(tmp_path):
 ALL_FORMATS = ("auto", "mooncake", "azure", "kvblocks")
 
 
-@pytest.mark.parametrize("name, data, line, needle, formats", [
-    ("latin1.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n1.0,12,3\n2.0,12,3 caf\xe9\n", 3, "byte 0xe9",
-     ("auto", "azure")),
-    ("latin1.jsonl", (json.dumps(MOONCAKE_OK) + '\n{"timestamp": 1, "note": "caf\xe9"}\n').encode("latin-1"),
-     2, "byte 0xe9 at column 30", ("auto", "mooncake")),
-    ("utf16.jsonl", json.dumps(MOONCAKE_OK).encode("utf-16"), 1, "byte 0xff at column 1", ALL_FORMATS),
-    ("utf16.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n".encode("utf-16"), 1, "byte 0xff", ALL_FORMATS),
-    ("binary.jsonl", bytes(range(128, 256)) + bytes(range(128)), 1, "byte 0x80 at column 1", ALL_FORMATS),
-])
+@pytest.mark.parametrize(
+    "name, data, line, needle, formats",
+    [
+        (
+            "latin1.csv",
+            b"TIMESTAMP,ContextTokens,GeneratedTokens\n1.0,12,3\n2.0,12,3 caf\xe9\n",
+            3,
+            "byte 0xe9",
+            ("auto", "azure"),
+        ),
+        (
+            "latin1.jsonl",
+            (json.dumps(MOONCAKE_OK) + '\n{"timestamp": 1, "note": "caf\xe9"}\n').encode("latin-1"),
+            2,
+            "byte 0xe9 at column 30",
+            ("auto", "mooncake"),
+        ),
+        (
+            "utf16.jsonl",
+            json.dumps(MOONCAKE_OK).encode("utf-16"),
+            1,
+            "byte 0xff at column 1",
+            ALL_FORMATS,
+        ),
+        (
+            "utf16.csv",
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n".encode("utf-16"),
+            1,
+            "byte 0xff",
+            ALL_FORMATS,
+        ),
+        (
+            "binary.jsonl",
+            bytes(range(128, 256)) + bytes(range(128)),
+            1,
+            "byte 0x80 at column 1",
+            ALL_FORMATS,
+        ),
+    ],
+)
 def test_non_utf8_trace_is_one_line_error(capsys, tmp_path, name, data, line, needle, formats):
     """Decoding errors were UnicodeDecodeError tracebacks; now they name the file and line."""
     t = tmp_path / name

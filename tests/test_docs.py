@@ -18,10 +18,19 @@ import kvblocks.testing.reference
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-@pytest.mark.parametrize("module", [kvblocks._core, kvblocks.metadata, kvblocks.ops,
-                                    kvblocks.layout, kvblocks.storage,
-                                    kvblocks.testing.readback, kvblocks.testing.reference],
-                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module",
+    [
+        kvblocks._core,
+        kvblocks.metadata,
+        kvblocks.ops,
+        kvblocks.layout,
+        kvblocks.storage,
+        kvblocks.testing.readback,
+        kvblocks.testing.reference,
+    ],
+    ids=lambda m: m.__name__,
+)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

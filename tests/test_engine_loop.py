@@ -47,13 +47,16 @@ def test_default_run(engine_loop, capsys):
     assert s["checks"] > 0
 
 
-@pytest.mark.parametrize("argv", [
-    ["--preempt", "swap"],
-    ["--preempt", "recompute", "--host-blocks", "0"],
-    ["--block-size", "1", "--num-blocks", "70", "--host-blocks", "60"],
-    ["--block-size", "8", "--num-blocks", "10", "--max-tokens", "40", "--seed", "3"],
-    ["--watermark", "0.0", "--seed", "1"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--preempt", "swap"],
+        ["--preempt", "recompute", "--host-blocks", "0"],
+        ["--block-size", "1", "--num-blocks", "70", "--host-blocks", "60"],
+        ["--block-size", "8", "--num-blocks", "10", "--max-tokens", "40", "--seed", "3"],
+        ["--watermark", "0.0", "--seed", "1"],
+    ],
+)
 def test_outputs_do_not_depend_on_memory_pressure(engine_loop, argv):
     """Tight caches preempt, swap and recompute; the generated tokens must be the same as
     with a cache where everything fits (sampling is per sequence, K/V are exact)."""
@@ -77,8 +80,9 @@ def test_speculative_decoding_changes_nothing_but_the_steps(engine_loop, capsys)
     assert spec["drafts_proposed"] > 0 and spec["drafts_accepted"] > 0
     assert 0 < spec["acceptance_rate"] < 1
     assert spec["steps"] < plain["steps"]
-    assert spec["query_tokens"] == (spec["prefill_tokens"] + spec["decode_tokens"]
-                                    + spec["drafts_proposed"])
+    assert spec["query_tokens"] == (
+        spec["prefill_tokens"] + spec["decode_tokens"] + spec["drafts_proposed"]
+    )
 
 
 # tight configurations, cycled over the seeds: swaps, recomputes, forks, evictions and
@@ -114,6 +118,7 @@ def test_many_seeds(engine_loop, seed):
 def test_the_oracle_catches_a_skipped_drain(engine_loop, monkeypatch, skip):
     """The checks have teeth: an engine that drops the copy-on-write copies or the swap
     pairs reads K/V that are not its own, and the run fails."""
+
     def drain(self):
         if skip != "swaps":
             for src, dst, pairs in self.to_drain:
@@ -122,6 +127,7 @@ def test_the_oracle_catches_a_skipped_drain(engine_loop, monkeypatch, skip):
         copies = self.mgr.take_copies()
         if skip != "copies" and len(copies):
             engine_loop.ops.copy_blocks(self.cache, copies)
+
     monkeypatch.setattr(engine_loop.Engine, "drain", drain)
     with pytest.raises(AssertionError, match="differ"):
         run(engine_loop, "--spec", 3)

@@ -2,26 +2,45 @@
 
 import numpy as np
 import pytest
+from steps import compute
 
 import kvblocks
-from kvblocks import (BlockManager, BlockPool, DuplicateSequenceError, InvalidArgumentError,
-                      InvalidStateError, InvalidTypeError, KVBlocksError, OutOfBlocksError,
-                      UnknownSequenceError)
-
-from steps import compute
+from kvblocks import (
+    BlockManager,
+    BlockPool,
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    InvalidStateError,
+    InvalidTypeError,
+    KVBlocksError,
+    OutOfBlocksError,
+    UnknownSequenceError,
+)
 
 KEY = b"0123456789abcdef"
 
 
 def pool_state(pool):
-    return (pool.ref_counts().tolist(), pool.free_list().tolist(), pool.num_cached,
-            pool.num_evictable, [pool.block_hash(b) for b in range(pool.num_blocks)],
-            pool.stats)
+    return (
+        pool.ref_counts().tolist(),
+        pool.free_list().tolist(),
+        pool.num_cached,
+        pool.num_evictable,
+        [pool.block_hash(b) for b in range(pool.num_blocks)],
+        pool.stats,
+    )
 
 
 def state(mgr):
-    tables = {s: (mgr.block_table(s).tolist(), mgr.token_ids(s).tolist(),
-                  mgr.block_hashes(s).tolist(), mgr.is_swapped(s)) for s in mgr.seq_ids()}
+    tables = {
+        s: (
+            mgr.block_table(s).tolist(),
+            mgr.token_ids(s).tolist(),
+            mgr.block_hashes(s).tolist(),
+            mgr.is_swapped(s),
+        )
+        for s in mgr.seq_ids()
+    }
     host = pool_state(mgr.host_pool) if mgr.host_pool is not None else None
     return tables, pool_state(mgr.pool), host
 
@@ -29,12 +48,12 @@ def state(mgr):
 @pytest.fixture
 def mgr():
     m = BlockManager(12, 4, num_host_blocks=4, hash_key=KEY)
-    m.add("a", list(range(10)))          # 3 blocks, last partial
-    compute(m, "a")                      # its full blocks enter the prefix cache
+    m.add("a", list(range(10)))  # 3 blocks, last partial
+    compute(m, "a")  # its full blocks enter the prefix cache
     m.fork("a", "b")
-    m.add(7, list(range(100, 104)))      # one full block
+    m.add(7, list(range(100, 104)))  # one full block
     compute(m, 7)
-    m.free(7)                            # cached, evictable
+    m.free(7)  # cached, evictable
     m.add(8, [1, 2])
     return m
 
@@ -47,8 +66,6 @@ def fails(mgr, exc, fn, *args, **kw):
     mgr.check()
     assert isinstance(info.value, KVBlocksError) or exc is MemoryError
     return str(info.value)
-
-
 
 
 def test_out_of_blocks_messages(mgr):
@@ -91,7 +108,7 @@ def test_sequence_errors(mgr):
     fails(mgr, InvalidTypeError, mgr.add, ("t",), [1])
     fails(mgr, InvalidTypeError, mgr.add, "c", np.array([1.0, 2.0]))
     fails(mgr, InvalidTypeError, mgr.add, "c", ["x"])
-    fails(mgr, InvalidArgumentError, mgr.add, "c", np.array([1, 2 ** 40]))
+    fails(mgr, InvalidArgumentError, mgr.add, "c", np.array([1, 2**40]))
     fails(mgr, InvalidArgumentError, mgr.add, "c", np.zeros((2, 2), dtype=np.int32))
     fails(mgr, InvalidTypeError, mgr.add, "c", [1], salt=1.5)
     fails(mgr, InvalidArgumentError, mgr.truncate, "a", 11)
@@ -104,7 +121,7 @@ def test_sequence_errors(mgr):
 
 def test_swap_errors(mgr):
     fails(mgr, InvalidStateError, mgr.swap_in, "a")
-    mgr.swap_out(8)                                  # host: 3 usable blocks, 2 left
+    mgr.swap_out(8)  # host: 3 usable blocks, 2 left
     msg = fails(mgr, OutOfBlocksError, mgr.swap_out, "a")  # needs 3
     assert "need 3 host blocks, 2 free" in msg
     fails(mgr, InvalidStateError, mgr.swap_out, 8)
@@ -128,18 +145,18 @@ def test_pool_errors():
     for call, exc in [
         (lambda: pool.allocate(-1), InvalidArgumentError),
         (lambda: pool.allocate(8), OutOfBlocksError),
-        (lambda: pool.free([0]), InvalidArgumentError),          # the null block
+        (lambda: pool.free([0]), InvalidArgumentError),  # the null block
         (lambda: pool.free([8]), InvalidArgumentError),
         (lambda: pool.free([-3]), InvalidArgumentError),
-        (lambda: pool.free([ids[0]]), InvalidStateError),        # free already
+        (lambda: pool.free([ids[0]]), InvalidStateError),  # free already
         (lambda: pool.free([held[0], held[0]]), InvalidStateError),  # more than it holds
-        (lambda: pool.free([held[0], 99]), InvalidArgumentError),   # undo the first
+        (lambda: pool.free([held[0], 99]), InvalidArgumentError),  # undo the first
         (lambda: pool.incref([0]), InvalidArgumentError),
-        (lambda: pool.incref([7]), InvalidStateError),           # free, never cached
+        (lambda: pool.incref([7]), InvalidStateError),  # free, never cached
         (lambda: pool.incref([held[0], 9]), InvalidArgumentError),
         (lambda: pool.free(np.array([1.0])), InvalidTypeError),
         (lambda: pool.cache(held, h[:1]), InvalidArgumentError),  # lengths differ
-        (lambda: pool.cache([7], h[:1]), InvalidStateError),      # not referenced
+        (lambda: pool.cache([7], h[:1]), InvalidStateError),  # not referenced
         (lambda: pool.cache(held[:1], h[1:2].astype(np.int64)), InvalidTypeError),
         (lambda: pool.cache(held[:1], h[1:2].reshape(2, 1)), InvalidArgumentError),
         (lambda: pool.lookup(np.zeros((2, 3), dtype=np.uint64)), InvalidArgumentError),
@@ -158,7 +175,7 @@ def test_pool_errors():
         pool.cache(pinned[:1], h[1:2])
     assert pool_state(pool) == before
     with pytest.raises(InvalidStateError):
-        pool.reset_prefix_cache()            # cached blocks are referenced
+        pool.reset_prefix_cache()  # cached blocks are referenced
     assert pool_state(pool) == before
     nocache = BlockPool(4, enable_prefix_caching=False)
     with pytest.raises(InvalidStateError):
@@ -166,12 +183,16 @@ def test_pool_errors():
 
 
 def test_constructor_errors():
-    for call in [lambda: BlockPool(1), lambda: BlockPool(0), lambda: BlockManager(8, 0),
-                 lambda: BlockManager(8, 4, watermark=1.0),
-                 lambda: BlockManager(8, 4, watermark=-0.1),
-                 lambda: BlockManager(8, 4, num_host_blocks=1),
-                 lambda: BlockManager(8, 4, hash_key=b"short"),
-                 lambda: BlockPool(8, hash_key=123)]:
+    for call in [
+        lambda: BlockPool(1),
+        lambda: BlockPool(0),
+        lambda: BlockManager(8, 0),
+        lambda: BlockManager(8, 4, watermark=1.0),
+        lambda: BlockManager(8, 4, watermark=-0.1),
+        lambda: BlockManager(8, 4, num_host_blocks=1),
+        lambda: BlockManager(8, 4, hash_key=b"short"),
+        lambda: BlockPool(8, hash_key=123),
+    ]:
         with pytest.raises(KVBlocksError):
             call()
 
@@ -195,7 +216,7 @@ def test_success_paths_after_failures(mgr):
     """The same calls succeed once the cause is gone (every failing op has a passing twin)."""
     mgr.free("b")
     mgr.free(8)
-    assert mgr.add("c", list(range(10))) == 8   # full blocks of "a" are cached
+    assert mgr.add("c", list(range(10))) == 8  # full blocks of "a" are cached
     mgr.append("a", [5])
     mgr.reserve("a", 2)
     mgr.truncate("a", 3)
@@ -210,7 +231,7 @@ def test_hash_list_arguments():
     pool = BlockPool(4, hash_key=KEY)
     h = kvblocks.hash_blocks([1, 2, 3, 4], 4, key=KEY)
     as_ints = [int(h[0, 0]) | (int(h[0, 1]) << 64)]
-    assert pool.lookup(as_ints).size == 0          # 128-bit ints are accepted
+    assert pool.lookup(as_ints).size == 0  # 128-bit ints are accepted
     for bad in ([-1], [1 << 128], [1, "x"]):
         with pytest.raises(InvalidArgumentError):
             pool.lookup(bad)

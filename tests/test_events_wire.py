@@ -18,14 +18,22 @@ import pytest
 
 msgspec = pytest.importorskip("msgspec")
 
-import kvblocks  # noqa: E402
-from kvblocks import BlockManager, BlockPool, hash_blocks  # noqa: E402
-from kvblocks.errors import (InvalidArgumentError, InvalidStateError,  # noqa: E402
-                             InvalidTypeError, KVBlocksError)
-from kvblocks.events import (AllBlocksCleared, BlockRemoved, BlockStored,  # noqa: E402
-                             encode_batch)
+from steps import compute
 
-from steps import compute  # noqa: E402
+import kvblocks
+from kvblocks import BlockManager, BlockPool, hash_blocks
+from kvblocks.errors import (
+    InvalidArgumentError,
+    InvalidStateError,
+    InvalidTypeError,
+    KVBlocksError,
+)
+from kvblocks.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    encode_batch,
+)
 
 KEY = b"0123456789abcdef"
 M64 = (1 << 64) - 1
@@ -37,18 +45,23 @@ W1 = bytes.fromhex(
     "7472615f6b65797391c0a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c"
     "6c5f617474656e74696f6e84a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391"
     "cffedcba9876543210a66d656469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f"
-    "636b73436c656172656400")
+    "636b73436c656172656400"
+)
 W2 = bytes.fromhex(
     "93cb3ff8000000000000939cab426c6f636b53746f72656491cffedcba9876543210c092010202c0a3475055"
     "c091c000ae66756c6c5f617474656e74696f6ec094ac426c6f636b52656d6f76656491cffedcba9876543210"
-    "a34750550091b0416c6c426c6f636b73436c656172656400")
+    "a34750550091b0416c6c426c6f636b73436c656172656400"
+)
 H = 0xFEDCBA9876543210
 
 
 def w_events(high=0):
     """The events of W1/W2; ``high`` fills the upper 64 bits that the wire drops."""
-    return [BlockStored([(high << 64) | H], None, [1, 2], 2), BlockRemoved([(high << 64) | H]),
-            AllBlocksCleared()]
+    return [
+        BlockStored([(high << 64) | H], None, [1, 2], 2),
+        BlockRemoved([(high << 64) | H]),
+        AllBlocksCleared(),
+    ]
 
 
 # -- vLLM's structs, declared as vLLM declares them ---------------------------------------------
@@ -142,9 +155,15 @@ def test_vector_w1_map_form():
     assert encode_batch(w_events(), ts=1.5) == W1
     assert len(W1) == 275
     # vLLM's own structs write the same bytes
-    vllm = KVEventBatch(1.5, [VBlockStored([H], None, [1, 2], 2, None, "GPU", None, [None], 0,
-                                           "full_attention"),
-                              VBlockRemoved([H], "GPU", 0), VAllBlocksCleared()], 0)
+    vllm = KVEventBatch(
+        1.5,
+        [
+            VBlockStored([H], None, [1, 2], 2, None, "GPU", None, [None], 0, "full_attention"),
+            VBlockRemoved([H], "GPU", 0),
+            VAllBlocksCleared(),
+        ],
+        0,
+    )
     assert reencode(vllm) == W1
 
 
@@ -203,7 +222,7 @@ def test_manager_events_on_the_wire():
     step2 = decode(encode_batch(mgr.pool.take_events(), ts=2.0))
     full = [int(h[0]) | (int(h[1]) << 64) for h in mgr.block_hashes("a")]
     mgr.free("a")
-    mgr.add("b", list(range(100, 120)))                   # 5 blocks: evicts the 3 cached
+    mgr.add("b", list(range(100, 120)))  # 5 blocks: evicts the 3 cached
     compute(mgr, "b")
     payload = encode_batch(mgr.pool.take_events(), ts=3.0, data_parallel_rank=3)
     step3 = decode(payload)
@@ -214,8 +233,10 @@ def test_manager_events_on_the_wire():
     assert st2.parent_block_hash == st1.block_hashes[-1] and st2.token_ids == [8, 9, 10, 11]
     assert sorted(rm.block_hashes) == sorted(st1.block_hashes + st2.block_hashes)
     assert st3.parent_block_hash is None and len(st3.block_hashes) == 5
-    assert all(len(e.token_ids) == len(e.block_hashes) * e.block_size == 4 * len(e.block_hashes)
-               for e in (st1, st2, st3))
+    assert all(
+        len(e.token_ids) == len(e.block_hashes) * e.block_size == 4 * len(e.block_hashes)
+        for e in (st1, st2, st3)
+    )
 
 
 def test_lora_and_group_fields_are_written():
@@ -230,22 +251,39 @@ def test_lora_and_group_fields_are_written():
 def test_batch_header():
     assert encode_batch([], ts=1.5) == bytes.fromhex("93cb3ff80000000000009000")
     assert decode(encode_batch([], ts=1.5, data_parallel_rank=None)).data_parallel_rank is None
-    assert decode(encode_batch([AllBlocksCleared()], ts=2)).ts == 2.0   # float64 always
+    assert decode(encode_batch([AllBlocksCleared()], ts=2)).ts == 2.0  # float64 always
 
 
-@pytest.mark.parametrize("call, exc", [
-    (lambda: encode_batch([BlockStored([1], None, [], 0)], ts=0), InvalidArgumentError),
-    (lambda: encode_batch([BlockStored([1, 2], None, [1, 2, 3], 2)], ts=0), InvalidArgumentError),
-    (lambda: encode_batch([BlockStored(["x"], None, [1], 1)], ts=0), InvalidTypeError),
-    (lambda: encode_batch([BlockRemoved([1.5])], ts=0), InvalidTypeError),
-    (lambda: encode_batch([object()], ts=0), InvalidTypeError),
-    (lambda: encode_batch([], ts="now"), InvalidTypeError),
-    (lambda: encode_batch([], ts=0, fmt="json"), InvalidArgumentError),
-    (lambda: encode_batch([], ts=0, hash_int="u64"), InvalidArgumentError),
-    (lambda: encode_batch([], ts=0, data_parallel_rank=-1), InvalidArgumentError),
-    (lambda: kvblocks.events.fold_hash("1"), InvalidTypeError),
-], ids=["no-tokens", "short-tokens", "str-hash", "float-hash", "non-event", "ts", "fmt",
-        "hash_int", "rank", "fold"])
+@pytest.mark.parametrize(
+    "call, exc",
+    [
+        (lambda: encode_batch([BlockStored([1], None, [], 0)], ts=0), InvalidArgumentError),
+        (
+            lambda: encode_batch([BlockStored([1, 2], None, [1, 2, 3], 2)], ts=0),
+            InvalidArgumentError,
+        ),
+        (lambda: encode_batch([BlockStored(["x"], None, [1], 1)], ts=0), InvalidTypeError),
+        (lambda: encode_batch([BlockRemoved([1.5])], ts=0), InvalidTypeError),
+        (lambda: encode_batch([object()], ts=0), InvalidTypeError),
+        (lambda: encode_batch([], ts="now"), InvalidTypeError),
+        (lambda: encode_batch([], ts=0, fmt="json"), InvalidArgumentError),
+        (lambda: encode_batch([], ts=0, hash_int="u64"), InvalidArgumentError),
+        (lambda: encode_batch([], ts=0, data_parallel_rank=-1), InvalidArgumentError),
+        (lambda: kvblocks.events.fold_hash("1"), InvalidTypeError),
+    ],
+    ids=[
+        "no-tokens",
+        "short-tokens",
+        "str-hash",
+        "float-hash",
+        "non-event",
+        "ts",
+        "fmt",
+        "hash_int",
+        "rank",
+        "fold",
+    ],
+)
 def test_unrepresentable_events_raise_typed_errors(call, exc):
     with pytest.raises(exc) as info:
         call()
@@ -258,7 +296,7 @@ def test_pool_events_with_tokens_encode():
     pool.cache(pool.allocate(2), h, token_ids=list(range(8)))
     (st,) = decode(encode_batch(pool.take_events(), ts=0.0)).events
     assert st.block_size == 4 and st.parent_block_hash is None
-    assert st.block_hashes == [int(x[0]) for x in h]                # lo half = low 64 bits
+    assert st.block_hashes == [int(x[0]) for x in h]  # lo half = low 64 bits
 
 
 # -- the ZeroMQ publisher ------------------------------------------------------------------------
@@ -327,8 +365,9 @@ def free_port_pair():
 
 
 def test_publish_end_to_end_frames_and_sequence(ctx):
-    with ZmqEventPublisher("tcp://*:0", topic="kv@10.0.0.1:8000@m", data_parallel_rank=0,
-                           context=ctx) as pub:
+    with ZmqEventPublisher(
+        "tcp://*:0", topic="kv@10.0.0.1:8000@m", data_parallel_rank=0, context=ctx
+    ) as pub:
         assert pub.endpoint.startswith("tcp://") and not pub.endpoint.endswith(":0")
         sub = subscribe(ctx, pub)
         first = pub.next_seq
@@ -377,15 +416,21 @@ def test_connect_mode_and_array_form(ctx):
 
 def test_replay_both_layouts_and_bounded_buffer(ctx):
     for layout in ("topic", "legacy"):
-        with ZmqEventPublisher("tcp://*:0", replay_endpoint="tcp://*:0", topic="t",
-                               buffer_steps=3, replay_layout=layout, context=ctx) as pub:
+        with ZmqEventPublisher(
+            "tcp://*:0",
+            replay_endpoint="tcp://*:0",
+            topic="t",
+            buffer_steps=3,
+            replay_layout=layout,
+            context=ctx,
+        ) as pub:
             for i in range(5):
                 assert pub.publish([BlockRemoved([i])], ts=float(i)) == i
             assert pub.flush()
             dealer = ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(loopback(pub.replay_endpoint))
-            dealer.send_multipart([b"", b"bad"])              # malformed: ignored
+            dealer.send_multipart([b"", b"bad"])  # malformed: ignored
             dealer.send_multipart([b"", (0).to_bytes(8, "big")])
             got = []
             while True:
@@ -400,7 +445,7 @@ def test_replay_both_layouts_and_bounded_buffer(ctx):
                     assert payload == b""
                     break
                 got.append((int.from_bytes(seq, "big"), decode(payload).events[0].block_hashes))
-            assert got == [(2, [2]), (3, [3]), (4, [4])]       # the last buffer_steps batches
+            assert got == [(2, [2]), (3, [3]), (4, [4])]  # the last buffer_steps batches
             dealer.send_multipart([b"", (4).to_bytes(8, "big")])
             assert recv(dealer)[-2] == (4).to_bytes(8, "big")
             assert recv(dealer)[-2] == END_SEQ
@@ -412,7 +457,7 @@ def test_data_parallel_offsets(ctx):
     assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
     assert offset_endpoint("tcp://10.1.2.3:5557", 1) == "tcp://10.1.2.3:5558"
     assert offset_endpoint("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
-    assert offset_endpoint("tcp://*:0", 5) == "tcp://*:0"     # any free port stays any
+    assert offset_endpoint("tcp://*:0", 5) == "tcp://*:0"  # any free port stays any
     assert offset_endpoint("inproc://kv", 2) == "inproc://kv_dp2"
     assert offset_endpoint(None, 2) is None
     with pytest.raises(InvalidArgumentError):
@@ -421,12 +466,18 @@ def test_data_parallel_offsets(ctx):
         offset_endpoint("tcp://*:65535", 1)
     # two ranks on one base port: rank r binds base + r and stamps its batches with r
     base = free_port_pair()
-    pubs = [ZmqEventPublisher(f"tcp://*:{base}", replay_endpoint="inproc://kv-replay",
-                              data_parallel_rank=r, context=ctx) for r in (0, 1)]
+    pubs = [
+        ZmqEventPublisher(
+            f"tcp://*:{base}",
+            replay_endpoint="inproc://kv-replay",
+            data_parallel_rank=r,
+            context=ctx,
+        )
+        for r in (0, 1)
+    ]
     try:
         assert [p.endpoint.rsplit(":", 1)[1] for p in pubs] == [str(base), str(base + 1)]
-        assert [p.replay_endpoint for p in pubs] == ["inproc://kv-replay",
-                                                    "inproc://kv-replay_dp1"]
+        assert [p.replay_endpoint for p in pubs] == ["inproc://kv-replay", "inproc://kv-replay_dp1"]
         for r, p in enumerate(pubs):
             sub = subscribe(ctx, p)
             p.publish([AllBlocksCleared()])
@@ -457,7 +508,7 @@ def test_burst_larger_than_the_queue_drops_and_counts(ctx, monkeypatch):
         sub.setsockopt(zmq.LINGER, 0)
         sub.connect(loopback(pub.endpoint))
         pub.publish([BlockRemoved([0])])
-        assert entered.wait(TIMEOUT_MS / 1000)                 # the thread holds batch 0
+        assert entered.wait(TIMEOUT_MS / 1000)  # the thread holds batch 0
         seqs = [pub.publish([BlockRemoved([i])]) for i in range(1, 101)]
         assert seqs[:4] == [1, 2, 3, 4] and seqs[4:] == [None] * 96
         assert pub.dropped == 96 and pub.pending == 4 and pub.next_seq == 101
@@ -470,7 +521,7 @@ def test_burst_larger_than_the_queue_drops_and_counts(ctx, monkeypatch):
 def test_a_bad_batch_is_counted_and_the_publisher_goes_on(ctx):
     with ZmqEventPublisher("tcp://*:0", context=ctx) as pub:
         sub = subscribe(ctx, pub)
-        pub.publish([BlockStored([1], None, [], 0)])            # no tokens: unrepresentable
+        pub.publish([BlockStored([1], None, [], 0)])  # no tokens: unrepresentable
         seq = pub.publish([AllBlocksCleared()])
         assert int.from_bytes(recv(sub)[1], "big") == seq
         assert pub.errors == 1 and isinstance(pub.last_error, InvalidArgumentError)
@@ -496,7 +547,7 @@ def test_close_is_clean(ctx):
         pub.publish([BlockRemoved([i])])
     pub.close()
     assert pub.closed and not pub._thread.is_alive() and pub.sent == 10
-    pub.close()                                                 # idempotent
+    pub.close()  # idempotent
     with pytest.raises(InvalidStateError):
         pub.publish([AllBlocksCleared()])
     assert pub.publish([]) is None
@@ -504,29 +555,34 @@ def test_close_is_clean(ctx):
     deadline = time.monotonic() + TIMEOUT_MS / 1000
     while True:
         try:
-            ZmqEventPublisher(ep.replace("0.0.0.0", "*"), replay_endpoint=rep.replace(
-                "0.0.0.0", "*"), context=ctx).close()
+            ZmqEventPublisher(
+                ep.replace("0.0.0.0", "*"), replay_endpoint=rep.replace("0.0.0.0", "*"), context=ctx
+            ).close()
             break
         except InvalidStateError:
             assert time.monotonic() < deadline, "ports still in use after close()"
             time.sleep(0.01)
 
 
-@pytest.mark.parametrize("kwargs, exc", [
-    (dict(endpoint="udp://*:5557"), InvalidArgumentError),
-    (dict(endpoint="tcp://*"), InvalidArgumentError),
-    (dict(endpoint="tcp://*:99999"), InvalidArgumentError),
-    (dict(endpoint="tcp://no_such_interface:5557", bind=True), InvalidArgumentError),
-    (dict(endpoint=5557), InvalidTypeError),
-    (dict(replay_endpoint="tcp://*"), InvalidArgumentError),
-    (dict(topic=b"kv"), InvalidTypeError),
-    (dict(fmt="json"), InvalidArgumentError),
-    (dict(hash_int="u64"), InvalidArgumentError),
-    (dict(replay_layout="new"), InvalidArgumentError),
-    (dict(buffer_steps=-1), InvalidArgumentError),
-    (dict(max_queue_size=0), InvalidArgumentError),
-    (dict(data_parallel_rank=-1), InvalidArgumentError),
-], ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(map(str, v.items())))
+@pytest.mark.parametrize(
+    "kwargs, exc",
+    [
+        (dict(endpoint="udp://*:5557"), InvalidArgumentError),
+        (dict(endpoint="tcp://*"), InvalidArgumentError),
+        (dict(endpoint="tcp://*:99999"), InvalidArgumentError),
+        (dict(endpoint="tcp://no_such_interface:5557", bind=True), InvalidArgumentError),
+        (dict(endpoint=5557), InvalidTypeError),
+        (dict(replay_endpoint="tcp://*"), InvalidArgumentError),
+        (dict(topic=b"kv"), InvalidTypeError),
+        (dict(fmt="json"), InvalidArgumentError),
+        (dict(hash_int="u64"), InvalidArgumentError),
+        (dict(replay_layout="new"), InvalidArgumentError),
+        (dict(buffer_steps=-1), InvalidArgumentError),
+        (dict(max_queue_size=0), InvalidArgumentError),
+        (dict(data_parallel_rank=-1), InvalidArgumentError),
+    ],
+    ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(map(str, v.items())),
+)
 def test_bad_arguments_raise_typed_errors(ctx, kwargs, exc):
     kwargs.setdefault("endpoint", "tcp://*:0")
     with pytest.raises(exc):
@@ -550,6 +606,7 @@ def test_module_examples_run():
     mods = [wire]
     if zmq is not None:
         import kvblocks.events.zmq as kz
+
         mods.append(kz)
     for m in mods:
         result = doctest.testmod(m, optionflags=doctest.ELLIPSIS)
@@ -565,8 +622,11 @@ def test_router_example_runs(ctx, capsys):
     main = runpy.run_path(str(path), run_name="kv_router")["main"]
     assert main(["--replicas", "2", "--requests", "40", "--num-blocks", "1200"]) == 0
     out = capsys.readouterr().out
-    rates = {line.split()[0]: float(line.split()[1].rstrip("%"))
-             for line in out.splitlines() if line.startswith(("kv ", "round_robin "))}
+    rates = {
+        line.split()[0]: float(line.split()[1].rstrip("%"))
+        for line in out.splitlines()
+        if line.startswith(("kv ", "round_robin "))
+    }
     assert set(rates) == {"kv", "round_robin"} and rates["kv"] >= rates["round_robin"]
 
 

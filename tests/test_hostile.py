@@ -20,17 +20,21 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import kvblocks
-from kvblocks import (BlockManager, BlockPool, InvalidArgumentError, KVBlocksError,
-                      OutOfBlocksError)
+from kvblocks import BlockManager, BlockPool, InvalidArgumentError, KVBlocksError, OutOfBlocksError
 from kvblocks.testing import ReferenceManager, ReferencePool, same_error
 from kvblocks.testing import strategies as ks
 from kvblocks.testing.reference import hashes_of, scalar_of, seq_id_of, seq_ids_of, tokens_of
 
 KEY = b"kvblocks-hostile"
-LIVE = ("a", 1, "s", 2 ** 70)        # "s" is swapped out; 1 is a fork of "a"
+LIVE = ("a", 1, "s", 2**70)  # "s" is swapped out; 1 is a fork of "a"
 OTHER = ("zz", 99, "new")
-CONVERT = {"id": seq_id_of, "ids": seq_ids_of, "tokens": tokens_of, "hashes": hashes_of,
-           "n": lambda x: scalar_of(x, "n")}
+CONVERT = {
+    "id": seq_id_of,
+    "ids": seq_ids_of,
+    "tokens": tokens_of,
+    "hashes": hashes_of,
+    "n": lambda x: scalar_of(x, "n"),
+}
 
 
 def build_manager(cls, pending):
@@ -44,19 +48,24 @@ def build_manager(cls, pending):
     m.metadata(["a"], [10])
     m.add("s", [1, 2])
     m.swap_out("s")
-    m.add(2 ** 70, [3])
+    m.add(2**70, [3])
     m.fork("a", 1)
     if pending:
-        m.append(1, [5])                          # copy-on-write of a's partial block
+        m.append(1, [5])  # copy-on-write of a's partial block
     return m
 
 
 def manager_state(m):
     pool, host = m.pool, m.host_pool
     return {
-        "seqs": {repr(s): (np.asarray(m.block_table(s)).tolist(),
-                           np.asarray(m.token_ids(s)).tolist(), bool(m.is_swapped(s)))
-                 for s in m.seq_ids()},
+        "seqs": {
+            repr(s): (
+                np.asarray(m.block_table(s)).tolist(),
+                np.asarray(m.token_ids(s)).tolist(),
+                bool(m.is_swapped(s)),
+            )
+            for s in m.seq_ids()
+        },
         "ref_counts": np.asarray(pool.ref_counts()).tolist(),
         "free_list": np.asarray(pool.free_list()).tolist(),
         "cached": {b: pool.block_hash(b) for b in range(pool.num_blocks) if pool.is_cached(b)},
@@ -76,8 +85,10 @@ def pool_state(p):
 def result(x):
     """A comparable form of what a call returned."""
     if hasattr(x, "slot_mapping"):
-        return tuple(np.asarray(getattr(x, f)).tolist()
-                     for f in ("slot_mapping", "seq_lens", "kv_indptr", "kv_indices"))
+        return tuple(
+            np.asarray(getattr(x, f)).tolist()
+            for f in ("slot_mapping", "seq_lens", "kv_indptr", "kv_indices")
+        )
     if isinstance(x, (np.ndarray, np.generic)):
         return np.asarray(x).tolist()
     return x
@@ -98,7 +109,7 @@ def conversion_error(kind, recipe):
         return None
     try:
         value = CONVERT[kind](recipe.make(None, []))
-        if kind == "n" and not 0 <= value <= 2 ** 63 - 1:
+        if kind == "n" and not 0 <= value <= 2**63 - 1:
             raise InvalidArgumentError(f"{value} out of range")
     except KVBlocksError as exc:
         return exc
@@ -134,28 +145,34 @@ def check_call(ref, real, name, recipes, state, stats, conversion_errors=()):
         real_exc = exc
     if real_exc is not None:
         assert isinstance(real_exc, KVBlocksError), (
-            f"{where} raised {type(real_exc).__name__}: {real_exc} (not a KVBlocksError)")
+            f"{where} raised {type(real_exc).__name__}: {real_exc} (not a KVBlocksError)"
+        )
         if not real_log:
             assert state(real) == before and stats(real) == stats_before, (
-                f"{where} raised {real_exc!r} and changed the state")
-        huge = (any(r.huge for r in recipes)
-                and isinstance(real_exc, (InvalidArgumentError, OutOfBlocksError)))
+                f"{where} raised {real_exc!r} and changed the state"
+            )
+        huge = any(r.huge for r in recipes) and isinstance(
+            real_exc, (InvalidArgumentError, OutOfBlocksError)
+        )
         if ref_exc is None:
-            assert huge, (
-                f"{where}: the reference returned {result(want)!r}, the core {real_exc!r}")
+            assert huge, f"{where}: the reference returned {result(want)!r}, the core {real_exc!r}"
         else:
             allowed = [ref_exc] + list(conversion_errors)
             assert huge or any(same_error(e, real_exc) for e in allowed), (
-                f"{where}: the reference raised {ref_exc!r}, the core {real_exc!r}")
+                f"{where}: the reference raised {ref_exc!r}, the core {real_exc!r}"
+            )
     else:
         assert ref_exc is None, (
-            f"{where}: the reference raised {ref_exc!r}, the core returned {result(got)!r}")
+            f"{where}: the reference raised {ref_exc!r}, the core returned {result(got)!r}"
+        )
         assert result(got) == result(want), f"{where}: {result(got)!r} != {result(want)!r}"
     assert real_log == ref_log, (
-        f"{where}: the arguments' hooks ran {real_log} in the core, {ref_log} in the spec")
+        f"{where}: the arguments' hooks ran {real_log} in the core, {ref_log} in the spec"
+    )
     ordered = ref.pool.free_order_known if hasattr(ref, "host_pool") else ref.free_order_known
     assert same_state(state(real), state(ref), ordered), (
-        f"{where}: the state differs from the reference's\n core {state(real)}\n spec {state(ref)}")
+        f"{where}: the state differs from the reference's\n core {state(real)}\n spec {state(ref)}"
+    )
     real.check()
 
 
@@ -169,13 +186,27 @@ KINDS = {
     "n": ks.scalars(LIVE),
 }
 MANAGER_CALLS = {
-    "add": ("id", "tokens"), "append": ("id", "tokens"), "append_batch": ("ids", "tokens"),
-    "reserve": ("id", "n"), "truncate": ("id", "n"), "fork": ("id", "id"), "free": ("id",),
-    "block_table": ("id",), "num_tokens": ("id",), "num_computed": ("id",),
-    "token_ids": ("id",), "is_swapped": ("id",), "blocks_needed": ("id", "n"),
-    "can_append": ("ids", "n"), "can_add": ("n",), "blocks_for_tokens": ("n",),
-    "swap_out": ("id",), "swap_in": ("id",), "take_copies": (),
-    "metadata": ("ids", "tokens"), "schedule": ("ids", "tokens"),
+    "add": ("id", "tokens"),
+    "append": ("id", "tokens"),
+    "append_batch": ("ids", "tokens"),
+    "reserve": ("id", "n"),
+    "truncate": ("id", "n"),
+    "fork": ("id", "id"),
+    "free": ("id",),
+    "block_table": ("id",),
+    "num_tokens": ("id",),
+    "num_computed": ("id",),
+    "token_ids": ("id",),
+    "is_swapped": ("id",),
+    "blocks_needed": ("id", "n"),
+    "can_append": ("ids", "n"),
+    "can_add": ("n",),
+    "blocks_for_tokens": ("n",),
+    "swap_out": ("id",),
+    "swap_in": ("id",),
+    "take_copies": (),
+    "metadata": ("ids", "tokens"),
+    "schedule": ("ids", "tokens"),
 }
 
 
@@ -184,25 +215,40 @@ MANAGER_CALLS = {
 def test_manager_call(call, data):
     pending = data.draw(st.booleans(), label="pending copy")
     recipes, errors = draw_args(data, MANAGER_CALLS[call], KINDS)
-    check_call(build_manager(ReferenceManager, pending), build_manager(BlockManager, pending),
-               call, recipes, manager_state, lambda m: getattr(m.pool, "stats", None), errors)
+    check_call(
+        build_manager(ReferenceManager, pending),
+        build_manager(BlockManager, pending),
+        call,
+        recipes,
+        manager_state,
+        lambda m: getattr(m.pool, "stats", None),
+        errors,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # BlockPool
 # ---------------------------------------------------------------------------------------------
 HASHES = kvblocks.hash_blocks(np.arange(16, dtype=np.int32), 4, key=KEY)
-POOL_HOOKS = ks.effects(calls=[("free", ([2],)), ("allocate", (1,)), ("incref", ([1],)),
-                               ("reset_prefix_cache", ())])
+POOL_HOOKS = ks.effects(
+    calls=[("free", ([2],)), ("allocate", (1,)), ("incref", ([1],)), ("reset_prefix_cache", ())]
+)
 POOL_KINDS = {
     "ids": ks.token_arrays(values=st.integers(-1, 13), hooks=POOL_HOOKS),
     "n": ks.scalars(hooks=POOL_HOOKS),
     "hashes": ks.hash_arrays(HASHES),
 }
 POOL_CALLS = {
-    "allocate": ("n",), "free": ("ids",), "incref": ("ids",), "ref_count": ("n",),
-    "is_cached": ("n",), "block_hash": ("n",), "cache": ("ids", "hashes"),
-    "lookup": ("hashes",), "lookup_and_pin": ("hashes",), "reset_prefix_cache": (),
+    "allocate": ("n",),
+    "free": ("ids",),
+    "incref": ("ids",),
+    "ref_count": ("n",),
+    "is_cached": ("n",),
+    "block_hash": ("n",),
+    "cache": ("ids", "hashes"),
+    "lookup": ("hashes",),
+    "lookup_and_pin": ("hashes",),
+    "reset_prefix_cache": (),
 }
 
 
@@ -213,7 +259,7 @@ def build_pool(cls, evictable_only):
     p.cache(ids[:3], HASHES[:3])
     p.free(ids[::-1][:2])
     p.incref(ids[:1])
-    if evictable_only:                     # then reset_prefix_cache can succeed
+    if evictable_only:  # then reset_prefix_cache can succeed
         p.free([1, 1, 2])
     return p
 
@@ -223,8 +269,15 @@ def build_pool(cls, evictable_only):
 def test_pool_call(call, data):
     evictable_only = data.draw(st.booleans(), label="only evictable cached blocks")
     recipes, errors = draw_args(data, POOL_CALLS[call], POOL_KINDS)
-    check_call(build_pool(ReferencePool, evictable_only), build_pool(BlockPool, evictable_only),
-               call, recipes, pool_state, lambda p: getattr(p, "stats", None), errors)
+    check_call(
+        build_pool(ReferencePool, evictable_only),
+        build_pool(BlockPool, evictable_only),
+        call,
+        recipes,
+        pool_state,
+        lambda p: getattr(p, "stats", None),
+        errors,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,9 +288,10 @@ def test_threads_on_disjoint_sequences_keep_their_own_tokens():
     committing to and scheduling its own sequences with list arguments, many times.
     Afterwards every sequence holds exactly its own tokens."""
     threads, per_thread, steps = 4, 6, 1500
-    mgr = BlockManager(threads * per_thread * (steps // 4 + 1) + 1, 4)   # room for every token
-    ids = [[f"t{t}/{i}" if i % 2 else t * 100 + i for i in range(per_thread)]
-           for t in range(threads)]
+    mgr = BlockManager(threads * per_thread * (steps // 4 + 1) + 1, 4)  # room for every token
+    ids = [
+        [f"t{t}/{i}" if i % 2 else t * 100 + i for i in range(per_thread)] for t in range(threads)
+    ]
     for mine in ids:
         for sid in mine:
             mgr.add(sid, [])
@@ -248,7 +302,7 @@ def test_threads_on_disjoint_sequences_keep_their_own_tokens():
         start.wait()
         for step in range(steps):
             try:
-                mgr.append_batch(ids[t], [t * 1000 + step] * per_thread)   # list tokens
+                mgr.append_batch(ids[t], [t * 1000 + step] * per_thread)  # list tokens
                 mgr.metadata(ids[t], [1] * per_thread)
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
@@ -263,9 +317,14 @@ def test_threads_on_disjoint_sequences_keep_their_own_tokens():
             th.join()
     finally:
         sys.setswitchinterval(old)
-    wrong = [sid for t, mine in enumerate(ids) for sid in mine
-             if mgr.token_ids(sid).tolist() != [t * 1000 + s for s in range(steps)]]
+    wrong = [
+        sid
+        for t, mine in enumerate(ids)
+        for sid in mine
+        if mgr.token_ids(sid).tolist() != [t * 1000 + s for s in range(steps)]
+    ]
     assert not errors and not wrong, (
         f"{len(errors)} calls raised (first: {errors[:2]}); {len(wrong)} sequences do not "
-        f"hold exactly their own tokens: {wrong[:6]}")
+        f"hold exactly their own tokens: {wrong[:6]}"
+    )
     mgr.check()

@@ -20,8 +20,9 @@ def engine(num_blocks=16, block_size=4, host=16):
     return mgr, KVReadback(mgr)
 
 
-@pytest.mark.parametrize("order", ["copy_then_swap_out", "swap_out_then_drain",
-                                   "swap_out_then_drain_swaps_first"])
+@pytest.mark.parametrize(
+    "order", ["copy_then_swap_out", "swap_out_then_drain", "swap_out_then_drain_swaps_first"]
+)
 def test_swap_out_with_pending_copy_reads_back(order):
     """A child forked from a sequence whose last block is partial writes into it: the
     copy-on-write copy is pending when the child is swapped out. The swap pair must read the
@@ -30,7 +31,7 @@ def test_swap_out_with_pending_copy_reads_back(order):
     rb.add("parent", [1, 2, 3, 4, 5, 6])
     rb.forward(["parent"])
     rb.fork("parent", "child")
-    rb.append_batch(["child"], [7])                 # copy-on-write of the shared block
+    rb.append_batch(["child"], [7])  # copy-on-write of the shared block
     assert mgr.num_pending_copies == 1
     if order == "copy_then_swap_out":
         rb.drain()
@@ -39,11 +40,11 @@ def test_swap_out_with_pending_copy_reads_back(order):
     else:
         rb.swap_out("child")
         rb.drain(swaps_first=order.endswith("swaps_first"))
-    rb.assert_all()                                 # the host copy holds the child's K/V
+    rb.assert_all()  # the host copy holds the child's K/V
     rb.swap_in("child")
     rb.drain()
     rb.assert_all()
-    rb.forward(["child"])                           # its committed token, computed now
+    rb.forward(["child"])  # its committed token, computed now
     rb.assert_all()
     assert rb.num_computed("child") == 7
     mgr.check()
@@ -58,15 +59,15 @@ def test_take_copies_safe_for_one_copy_blocks_call():
     rb.add("p", [1, 2, 3, 4, 5])
     rb.add("g", [30, 31, 32, 33, 34])
     rb.forward(["p", "g"])
-    rb.fork("g", "h")                               # g's partial block is shared
+    rb.fork("g", "h")  # g's partial block is shared
     rb.fork("p", "c")
-    rb.append_batch(["c"], [6])                     # copy (p's block -> c's)
-    rb.fork("c", "d")                               # d shares c's block, still being copied
-    rb.append_batch(["d"], [7])                     # a chain: must read p's block
-    rb.free("p")                                    # the chain's source loses its owner
-    rb.append_batch(["h"], [8])                     # a new copy needs a fresh destination
+    rb.append_batch(["c"], [6])  # copy (p's block -> c's)
+    rb.fork("c", "d")  # d shares c's block, still being copied
+    rb.append_batch(["d"], [7])  # a chain: must read p's block
+    rb.free("p")  # the chain's source loses its owner
+    rb.append_batch(["h"], [8])  # a new copy needs a fresh destination
     try:
-        copies = rb.drain()                         # take_copies -> one copy_blocks call
+        copies = rb.drain()  # take_copies -> one copy_blocks call
     except InvalidArgumentError as exc:
         pytest.fail(f"take_copies() is not one valid copy_blocks call: {exc}")
     assert not set(copies[:, 0].tolist()) & set(copies[:, 1].tolist())
@@ -83,8 +84,8 @@ def test_uncomputed_block_is_never_a_prefix_hit(preempt):
     prefix hit: a longer prompt with the same 8 tokens hits 4 tokens, not 8."""
     mgr, rb = engine(host=8)
     rb.add("a", [1, 2, 3, 4, 5, 6, 7])
-    rb.forward(["a"])                               # metadata q=7 and the K/V writes
-    rb.append_batch(["a"], [8])                     # block 1 is full, position 7 unwritten
+    rb.forward(["a"])  # metadata q=7 and the K/V writes
+    rb.append_batch(["a"], [8])  # block 1 is full, position 7 unwritten
     if preempt == "free":
         rb.free("a")
     elif preempt == "swap_out":
@@ -94,7 +95,7 @@ def test_uncomputed_block_is_never_a_prefix_hit(preempt):
         rb.free("a")
     cached = rb.add("b", list(range(1, 11)))
     rb.drain()
-    rb.assert_all()                                 # no hit reads an unwritten slot
+    rb.assert_all()  # no hit reads an unwritten slot
     assert cached == 4
     rb.forward(["b"])
     rb.assert_all()
@@ -109,14 +110,14 @@ def test_swap_out_then_copy_on_write_before_the_drain():
 
     The documented drain order is therefore swap pairs first (in the order the calls
     returned them), copies last; copies first is the misuse that reads overwritten bytes."""
-    mgr, rb = engine(num_blocks=5, host=8)           # 4 usable blocks
+    mgr, rb = engine(num_blocks=5, host=8)  # 4 usable blocks
     rb.add("p", [1, 2, 3, 4, 5])
     rb.add("q", [9, 9])
     rb.forward(["p", "q"])
-    rb.fork("q", "r")                               # after the step, as engines fork
-    rb.swap_out("p")                                # schedule phase: preempt p ...
-    rb.reserve("r", 1)                              # ... and give r a lookahead slot
-    rb.drain()                                      # swap pairs, then copies (documented)
+    rb.fork("q", "r")  # after the step, as engines fork
+    rb.swap_out("p")  # schedule phase: preempt p ...
+    rb.reserve("r", 1)  # ... and give r a lookahead slot
+    rb.drain()  # swap pairs, then copies (documented)
     rb.assert_all()
     rb.swap_in("p")
     rb.drain()
@@ -134,8 +135,11 @@ def test_readback_reports_the_first_wrong_position():
     rb.assert_all()
     a1, b1 = mgr.block_table("a")[1], mgr.block_table("b")[1]
     rb.cache.planes[:, a1] = rb.cache.planes[:, b1]
-    with pytest.raises(AssertionError, match=r"sequence 'a' reads back wrong K/V: position 4 "
-                       r"\(token 5\).*sequence 'b' position 4 \(token 10\)"):
+    with pytest.raises(
+        AssertionError,
+        match=r"sequence 'a' reads back wrong K/V: position 4 "
+        r"\(token 5\).*sequence 'b' position 4 \(token 10\)",
+    ):
         rb.assert_reads_back(mgr, "a")
     rb.cache.planes[:, a1] = 0xA5
     with pytest.raises(AssertionError, match="never written"):
@@ -148,7 +152,7 @@ def test_identical_prefixes_have_identical_kv():
     b = prefix_hashes([1, 2, 3, 5])
     c = prefix_hashes([9, 2, 3, 4])
     assert a[:3] == b[:3] and a[3] != b[3]
-    assert all(x != y for x, y in zip(a, c))        # a different first token changes all
+    assert all(x != y for x, y in zip(a, c))  # a different first token changes all
     ka, va = rb.kv(a, 1)
     kb, vb = rb.kv(b, 1)
     assert np.array_equal(ka[:3], kb[:3]) and not np.array_equal(ka[3], kb[3])

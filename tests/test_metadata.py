@@ -14,18 +14,35 @@
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvblocks import (AttentionMetadata, BlockManager, InvalidArgumentError, InvalidStateError,
-                      InvalidTypeError, KVBlocksError, KVCache, KVLayout, OutOfBlocksError,
-                      UnknownSequenceError, ops)
+from kvblocks import (
+    AttentionMetadata,
+    BlockManager,
+    InvalidArgumentError,
+    InvalidStateError,
+    InvalidTypeError,
+    KVBlocksError,
+    KVCache,
+    KVLayout,
+    OutOfBlocksError,
+    UnknownSequenceError,
+    ops,
+)
 
 KEY = b"kvblocks-meta-k!"
 PREFIXES = [list(range(1, 40)), [1, 2, 3, 4, 9, 9, 9, 9] * 4, [7] * 30]
-FIELDS = ("slot_mapping", "block_tables", "seq_lens", "qo_indptr", "kv_indptr", "kv_indices",
-          "kv_last_page_len")
+FIELDS = (
+    "slot_mapping",
+    "block_tables",
+    "seq_lens",
+    "qo_indptr",
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,8 +69,11 @@ def reference_metadata(mgr, seq_ids, query_lens, max_blocks=None):
         "seq_lens": lens.astype(np.int32),
         "qo_indptr": np.concatenate([[0], np.cumsum(q)]).astype(np.int32),
         "kv_indptr": np.concatenate([[0], np.cumsum(nb)]).astype(np.int32),
-        "kv_indices": (np.concatenate([t[:n] for t, n in zip(tables, nb)]).astype(np.int32)
-                       if len(seq_ids) else np.zeros(0, np.int32)),
+        "kv_indices": (
+            np.concatenate([t[:n] for t, n in zip(tables, nb)]).astype(np.int32)
+            if len(seq_ids)
+            else np.zeros(0, np.int32)
+        ),
         # an empty sequence has no page at all: 0 (the only value outside 1..block_size)
         "kv_last_page_len": np.where(nb > 0, lens - (nb - 1) * bs, 0).astype(np.int32),
     }
@@ -68,8 +88,9 @@ def assert_meta_equal(meta, ref, block_size):
         assert got.shape == ref[name].shape, (name, got.shape, ref[name].shape)
         assert np.array_equal(got, ref[name]), (name, got, ref[name])
     nonempty = meta.seq_lens > 0
-    assert ((meta.kv_last_page_len[nonempty] >= 1)
-            & (meta.kv_last_page_len[nonempty] <= block_size)).all()
+    assert (
+        (meta.kv_last_page_len[nonempty] >= 1) & (meta.kv_last_page_len[nonempty] <= block_size)
+    ).all()
     assert meta.num_tokens == len(meta.slot_mapping)
     assert meta.num_seqs == len(meta.seq_lens)
 
@@ -78,11 +99,21 @@ def snapshot_manager(mgr):
     """Everything observable about the manager without draining anything."""
     seqs = {}
     for s in mgr.seq_ids():
-        seqs[s] = (mgr.block_table(s).tolist(), mgr.token_ids(s).tolist(), mgr.num_tokens(s),
-                   mgr.is_swapped(s))
+        seqs[s] = (
+            mgr.block_table(s).tolist(),
+            mgr.token_ids(s).tolist(),
+            mgr.num_tokens(s),
+            mgr.is_swapped(s),
+        )
     host = mgr.host_pool.ref_counts().copy() if mgr.host_pool is not None else None
-    return (seqs, mgr.pool.ref_counts().copy().tolist(), mgr.pool.num_free, mgr.pool.num_cached,
-            mgr.pool.num_evictable, None if host is None else host.tolist())
+    return (
+        seqs,
+        mgr.pool.ref_counts().copy().tolist(),
+        mgr.pool.num_free,
+        mgr.pool.num_cached,
+        mgr.pool.num_evictable,
+        None if host is None else host.tolist(),
+    )
 
 
 def snapshot_buffers(buf):
@@ -100,17 +131,23 @@ def assert_buffers_unchanged(buf, snap):
 class MetadataMachine(RuleBasedStateMachine):
     """Random manager histories; every metadata step is checked against the reference."""
 
-    @initialize(num_blocks=st.integers(6, 40), bs=st.sampled_from([1, 2, 3, 4, 16]),
-                caching=st.booleans(), host=st.sampled_from([0, 24]))
+    @initialize(
+        num_blocks=st.integers(6, 40),
+        bs=st.sampled_from([1, 2, 3, 4, 16]),
+        caching=st.booleans(),
+        host=st.sampled_from([0, 24]),
+    )
     def setup(self, num_blocks, bs, caching, host):
-        self.mgr = BlockManager(num_blocks, bs, enable_prefix_caching=caching,
-                                num_host_blocks=host, hash_key=KEY)
+        self.mgr = BlockManager(
+            num_blocks, bs, enable_prefix_caching=caching, num_host_blocks=host, hash_key=KEY
+        )
         self.bs = bs
         self.next_id = 0
         # fixed buffers reused by every step, as an engine with CUDA graphs would
         self.max_batch, self.max_tokens, self.max_blocks = 6, 48, 24
-        self.buf = AttentionMetadata.allocate(self.max_batch, self.max_tokens,
-                                              self.max_batch * self.max_blocks, self.max_blocks)
+        self.buf = AttentionMetadata.allocate(
+            self.max_batch, self.max_tokens, self.max_batch * self.max_blocks, self.max_blocks
+        )
 
     # -- helpers ---------------------------------------------------------------------------
     def live(self):
@@ -126,8 +163,12 @@ class MetadataMachine(RuleBasedStateMachine):
             pass
 
     # -- manager history -------------------------------------------------------------------
-    @rule(prefix=st.integers(0, len(PREFIXES) - 1), cut=st.integers(0, 30),
-          tail=st.lists(st.integers(0, 50), max_size=5), as_str=st.booleans())
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        cut=st.integers(0, 30),
+        tail=st.lists(st.integers(0, 50), max_size=5),
+        as_str=st.booleans(),
+    )
     def add(self, prefix, cut, tail, as_str):
         self.next_id += 1
         sid = f"s{self.next_id}" if as_str else self.next_id
@@ -182,14 +223,14 @@ class MetadataMachine(RuleBasedStateMachine):
         live = self.live()
         sid = data.draw(st.sampled_from(live))
         self.mgr.take_copies()  # an engine executes them before swapping
-        self._try(lambda: self.mgr.swap_in(sid) if self.mgr.is_swapped(sid)
-                  else self.mgr.swap_out(sid))
+        self._try(
+            lambda: self.mgr.swap_in(sid) if self.mgr.is_swapped(sid) else self.mgr.swap_out(sid)
+        )
 
     # -- metadata ----------------------------------------------------------------------------
     def _draw_batch(self, data, max_seqs):
         live = self.resident()
-        ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=max_seqs,
-                                 unique=True))
+        ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=max_seqs, unique=True))
         self.mgr.take_copies()  # the documented order: drain copies, then metadata
         q = []
         for s in ids:  # a step computes at least every token not yet computed
@@ -210,8 +251,11 @@ class MetadataMachine(RuleBasedStateMachine):
     def metadata_into_buffers(self, data):
         ids, q = self._draw_batch(data, self.max_batch)
         nbs = [-(-self.mgr.num_tokens(s) // self.bs) for s in ids]
-        if not (sum(q) <= self.max_tokens and sum(nbs) <= len(self.buf.kv_indices)
-                and max(nbs) <= self.max_blocks):
+        if not (
+            sum(q) <= self.max_tokens
+            and sum(nbs) <= len(self.buf.kv_indices)
+            and max(nbs) <= self.max_blocks
+        ):
             return
         ref = reference_metadata(self.mgr, ids, q, self.max_blocks)
         before = snapshot_manager(self.mgr)[0]
@@ -219,23 +263,41 @@ class MetadataMachine(RuleBasedStateMachine):
         assert_meta_equal(meta, ref, self.bs)
         # views into the fixed buffers, full row width kept for the block tables
         for name in FIELDS:
-            assert np.shares_memory(getattr(meta, name), getattr(self.buf, name)) or \
-                getattr(meta, name).size == 0, name
+            assert (
+                np.shares_memory(getattr(meta, name), getattr(self.buf, name))
+                or getattr(meta, name).size == 0
+            ), name
         assert meta.block_tables.shape == (len(ids), self.max_blocks)
         # the unused tail of slot_mapping is padding
-        assert (self.buf.slot_mapping[sum(q):] == -1).all()
+        assert (self.buf.slot_mapping[sum(q) :] == -1).all()
         assert snapshot_manager(self.mgr)[0] == before  # tables untouched (blocks may be cached)
 
     @precondition(lambda self: any(not self.mgr.is_swapped(s) for s in self.mgr.seq_ids()))
-    @rule(data=st.data(), kind=st.sampled_from(
-        ["unknown", "qlen_big", "qlen_neg", "tokens_cap", "indices_cap", "blocks_cap",
-         "batch_cap", "swapped", "len_mismatch", "freed_batch"]))
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(
+            [
+                "unknown",
+                "qlen_big",
+                "qlen_neg",
+                "tokens_cap",
+                "indices_cap",
+                "blocks_cap",
+                "batch_cap",
+                "swapped",
+                "len_mismatch",
+                "freed_batch",
+            ]
+        ),
+    )
     def metadata_error(self, data, kind):
         live = self.resident()
         ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=3, unique=True))
         self.mgr.take_copies()
-        q = [max(self.mgr.num_tokens(s) - self.mgr.num_computed(s), min(self.mgr.num_tokens(s), 1))
-             for s in ids]
+        q = [
+            max(self.mgr.num_tokens(s) - self.mgr.num_computed(s), min(self.mgr.num_tokens(s), 1))
+            for s in ids
+        ]
         # buffers with room to spare, holding a valid step, so that only the planted error
         # fails; the capacity kinds below replace them with buffers one entry too small
         buf = AttentionMetadata.allocate(8, 512, 2048, 512)
@@ -301,16 +363,20 @@ class MetadataMachine(RuleBasedStateMachine):
 
 
 TestMetadataMachine = MetadataMachine.TestCase
-TestMetadataMachine.settings = settings(stateful_step_count=30,
-                                        suppress_health_check=[HealthCheck.filter_too_much,
-                                                               HealthCheck.too_slow])
+TestMetadataMachine.settings = settings(
+    stateful_step_count=30,
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+)
 
 
 # ---------------------------------------------------------------------------------------------
 # direct checks
 # ---------------------------------------------------------------------------------------------
-@given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=8),
-       bs=st.sampled_from([1, 3, 4, 16]), data=st.data())
+@given(
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=8),
+    bs=st.sampled_from([1, 3, 4, 16]),
+    data=st.data(),
+)
 def test_metadata_matches_reference(lens, bs, data):
     mgr = BlockManager(600, bs, hash_key=KEY)
     ids = []
@@ -328,8 +394,9 @@ def test_metadata_matches_reference(lens, bs, data):
 
 def test_buffers_reused_across_decode_steps():
     mgr = BlockManager(64, 4, hash_key=KEY)
-    buf = AttentionMetadata.allocate(max_batch=4, max_tokens=40, max_indices=64,
-                                     max_blocks_per_seq=16)
+    buf = AttentionMetadata.allocate(
+        max_batch=4, max_tokens=40, max_indices=64, max_blocks_per_seq=16
+    )
     mgr.add("a", list(range(10)))
     mgr.add("b", list(range(100, 107)))
     # step 1: prefill both (17 query tokens)
@@ -460,8 +527,12 @@ def test_blocks_needed_and_can_append():
     mgr.check()
 
 
-@given(prompt=st.integers(1, 30), forked=st.booleans(), n=st.integers(0, 20),
-       bs=st.sampled_from([1, 2, 4, 8]))
+@given(
+    prompt=st.integers(1, 30),
+    forked=st.booleans(),
+    n=st.integers(0, 20),
+    bs=st.sampled_from([1, 2, 4, 8]),
+)
 def test_blocks_needed_predicts_append(prompt, forked, n, bs):
     mgr = BlockManager(64, bs, hash_key=KEY)
     mgr.add("p", list(range(prompt)))
@@ -502,7 +573,8 @@ def kv_for(tokens, positions, layer):
     t = np.asarray(tokens, dtype=np.float32)[:, None, None]
     p = np.asarray(positions, dtype=np.float32)[:, None, None]
     base = np.arange(LAYOUT.num_kv_heads * LAYOUT.head_dim, dtype=np.float32).reshape(
-        1, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+        1, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    )
     k = t * 1000 + p + base / 100 + layer * 0.5
     return k, -k
 
@@ -513,7 +585,7 @@ def compute(mgr, cache, seq_ids, query_lens):
     toks, pos = [], []
     for s, q in zip(seq_ids, query_lens):
         L = mgr.num_tokens(s)
-        toks.append(mgr.token_ids(s)[L - q:])
+        toks.append(mgr.token_ids(s)[L - q :])
         pos.append(np.arange(L - q, L))
     toks, pos = np.concatenate(toks), np.concatenate(pos)
     for layer in range(LAYOUT.num_layers):

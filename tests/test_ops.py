@@ -6,12 +6,11 @@ seeded numpy and hypothesis; every error path asserts the storage is unchanged a
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
-from subproc import run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from subproc import run_python
 
 import kvblocks
 from kvblocks import (
@@ -28,8 +27,17 @@ DTYPES = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]
 LAYOUTS = [(kind, joint) for kind in ("NHD", "HND") for joint in (True, False)]
 
 
-def make_cache(dtype="fp16", kind="NHD", joint=True, num_blocks=12, seed=0,
-               layers=3, heads=2, dim=8, block_size=4) -> KVCache:
+def make_cache(
+    dtype="fp16",
+    kind="NHD",
+    joint=True,
+    num_blocks=12,
+    seed=0,
+    layers=3,
+    heads=2,
+    dim=8,
+    block_size=4,
+) -> KVCache:
     lay = KVLayout(layers, heads, dim, block_size, dtype, kind=kind, joint=joint)
     cache = KVCache(lay, num_blocks, pin_memory=False)
     rng = np.random.default_rng(seed)
@@ -84,14 +92,17 @@ def test_layout_sizes():
     assert KVLayout(1, 2, 3, 4, "fp16", kind="hnd").block_shape == (2, 4, 3)
 
 
-@pytest.mark.parametrize("args, exc", [
-    ((0, 8, 128, 16, "fp16"), InvalidArgumentError),
-    ((1, -1, 128, 16, "fp16"), InvalidArgumentError),
-    ((1, 8, 128.0, 16, "fp16"), InvalidTypeError),
-    ((1, 8, 128, True, "fp16"), InvalidTypeError),
-    ((1, 8, 128, 16, "int8"), InvalidTypeError),
-    ((1, 8, 128, 16, np.int32), InvalidTypeError),
-])
+@pytest.mark.parametrize(
+    "args, exc",
+    [
+        ((0, 8, 128, 16, "fp16"), InvalidArgumentError),
+        ((1, -1, 128, 16, "fp16"), InvalidArgumentError),
+        ((1, 8, 128.0, 16, "fp16"), InvalidTypeError),
+        ((1, 8, 128, True, "fp16"), InvalidTypeError),
+        ((1, 8, 128, 16, "int8"), InvalidTypeError),
+        ((1, 8, 128, 16, np.int32), InvalidTypeError),
+    ],
+)
 def test_layout_rejects(args, exc):
     with pytest.raises(exc):
         KVLayout(*args)
@@ -233,19 +244,22 @@ def test_copy_blocks_property(layout, dtype, pairs):
         np.testing.assert_array_equal(cache.storage, before)
 
 
-@pytest.mark.parametrize("pairs, exc, match", [
-    # each list starts with a valid pair (5, 6): nothing of a bad batch may be applied
-    ([(5, 6), (0, 12)], InvalidArgumentError, "dst block 12 out of range"),
-    ([(5, 6), (12, 0)], InvalidArgumentError, "src block 12 out of range"),
-    ([(5, 6), (-1, 0)], InvalidArgumentError, "out of range"),
-    ([(5, 6), (1, 2), (3, 2)], InvalidArgumentError, "dst block 2 appears more than once"),
-    ([(5, 6), (1, 2), (2, 3)], InvalidArgumentError, "both a src and a dst"),
-    ([(5, 6), (4, 4)], InvalidArgumentError, "both a src and a dst"),
-    ([(1, 2, 3)], InvalidArgumentError, r"shape \(n, 2\)"),
-    ([1, 2], InvalidArgumentError, r"shape \(n, 2\)"),
-    (np.array([[1.0, 2.0]]), InvalidTypeError, "integer dtype"),
-    ("ab", InvalidTypeError, "integer dtype"),
-])
+@pytest.mark.parametrize(
+    "pairs, exc, match",
+    [
+        # each list starts with a valid pair (5, 6): nothing of a bad batch may be applied
+        ([(5, 6), (0, 12)], InvalidArgumentError, "dst block 12 out of range"),
+        ([(5, 6), (12, 0)], InvalidArgumentError, "src block 12 out of range"),
+        ([(5, 6), (-1, 0)], InvalidArgumentError, "out of range"),
+        ([(5, 6), (1, 2), (3, 2)], InvalidArgumentError, "dst block 2 appears more than once"),
+        ([(5, 6), (1, 2), (2, 3)], InvalidArgumentError, "both a src and a dst"),
+        ([(5, 6), (4, 4)], InvalidArgumentError, "both a src and a dst"),
+        ([(1, 2, 3)], InvalidArgumentError, r"shape \(n, 2\)"),
+        ([1, 2], InvalidArgumentError, r"shape \(n, 2\)"),
+        (np.array([[1.0, 2.0]]), InvalidTypeError, "integer dtype"),
+        ("ab", InvalidTypeError, "integer dtype"),
+    ],
+)
 def test_copy_blocks_rejects_and_changes_nothing(pairs, exc, match):
     cache = make_cache()
     before = cache.storage.copy()
@@ -477,19 +491,26 @@ def test_write_slots_rejects_and_changes_nothing():
 U64_MAX = 2**64 - 1
 
 
-@pytest.mark.parametrize("slot_mapping, exc, match", [
-    (np.array([0, U64_MAX, 1], np.uint64), InvalidArgumentError, "18446744073709551615 is beyond int64"),
-    (np.array([0, 2**63, 1], np.uint64), InvalidArgumentError, "beyond int64"),
-    ([0, 2**63, 1], InvalidArgumentError, "outside int64"),  # numpy would make these floats
-    ([-1, 2**63, 1], InvalidArgumentError, "outside int64"),
-    ([0, 2**70, 1], InvalidArgumentError, "outside int64"),  # numpy would make these objects
-    ([0.0, 1.0, 2.0], InvalidTypeError, "integer dtype"),
-    (np.array([0, 1.5, 2]), InvalidTypeError, "integer dtype"),
-    (np.array([0, 1, 2], np.float32), InvalidTypeError, "integer dtype"),
-    (np.array([True, False, True]), InvalidTypeError, "integer dtype"),
-    (np.array([0, 16, 1], np.uint64), InvalidArgumentError, "slot 16 out of range"),
-    (np.array([0, 2**31, 1], np.uint32), InvalidArgumentError, "slot 2147483648 out of range"),
-])
+@pytest.mark.parametrize(
+    "slot_mapping, exc, match",
+    [
+        (
+            np.array([0, U64_MAX, 1], np.uint64),
+            InvalidArgumentError,
+            "18446744073709551615 is beyond int64",
+        ),
+        (np.array([0, 2**63, 1], np.uint64), InvalidArgumentError, "beyond int64"),
+        ([0, 2**63, 1], InvalidArgumentError, "outside int64"),  # numpy would make these floats
+        ([-1, 2**63, 1], InvalidArgumentError, "outside int64"),
+        ([0, 2**70, 1], InvalidArgumentError, "outside int64"),  # numpy would make these objects
+        ([0.0, 1.0, 2.0], InvalidTypeError, "integer dtype"),
+        (np.array([0, 1.5, 2]), InvalidTypeError, "integer dtype"),
+        (np.array([0, 1, 2], np.float32), InvalidTypeError, "integer dtype"),
+        (np.array([True, False, True]), InvalidTypeError, "integer dtype"),
+        (np.array([0, 16, 1], np.uint64), InvalidArgumentError, "slot 16 out of range"),
+        (np.array([0, 2**31, 1], np.uint32), InvalidArgumentError, "slot 2147483648 out of range"),
+    ],
+)
 def test_write_slots_uint64_max_is_refused(slot_mapping, exc, match):
     """2**64 - 1 in a uint64 slot mapping wrapped to -1 and was skipped as padding."""
     rng = np.random.default_rng(1)
@@ -608,9 +629,9 @@ def emulate_token_kernel(cache, layer, k, v, index, num_tokens, op):
             for ptr, tok in ((ck, kb), (cv, vb)):
                 at = ptr - base + o
                 if op == "write_slots":
-                    buf[at:at + row] = tok[t, h]
+                    buf[at : at + row] = tok[t, h]
                 else:
-                    tok[t, h] = buf[at:at + row]
+                    tok[t, h] = buf[at : at + row]
 
 
 @pytest.mark.parametrize("kind, joint", LAYOUTS)

@@ -22,13 +22,18 @@ except Exception as exc:  # CUDA driver missing or broken
 DTYPES = ["bf16", "fp16", "fp32", "fp8_e4m3"]
 LAYOUTS = [(kind, joint) for kind in ("NHD", "HND") for joint in (True, False)]
 # head_dim 8 gives 16-byte rows (vectorised path) for 16-bit dtypes; 3 forces narrow words
-GEOMETRIES = [dict(layers=3, heads=2, dim=8, block_size=4), dict(layers=2, heads=3, dim=3, block_size=5)]
+GEOMETRIES = [
+    dict(layers=3, heads=2, dim=8, block_size=4),
+    dict(layers=2, heads=3, dim=3, block_size=5),
+]
 
 
 def twins(dtype="fp16", kind="NHD", joint=True, num_blocks=24, seed=0, geometry=None, pinned=False):
     """(cpu cache, cuda cache) with identical random bytes."""
     g = geometry or GEOMETRIES[0]
-    lay = KVLayout(g["layers"], g["heads"], g["dim"], g["block_size"], dtype, kind=kind, joint=joint)
+    lay = KVLayout(
+        g["layers"], g["heads"], g["dim"], g["block_size"], dtype, kind=kind, joint=joint
+    )
     cpu = KVCache(lay, num_blocks, pin_memory=pinned)
     rng = np.random.default_rng(seed)
     cpu.planes[...] = rng.integers(0, 256, cpu.planes.shape, dtype=np.uint8)
@@ -162,7 +167,9 @@ def test_write_slots_and_gather_match_numpy(dtype, kind, joint, geometry):
     k, v = raw.view(lay.storage_dtype).reshape((2, n) + lay.token_shape)
     for layer in range(lay.num_layers):
         ops.write_slots(cpu, layer, k, v, slots)
-        ops.write_slots(gpu, layer, cp.asarray(k), cp.asarray(v), cp.asarray(slots), check=(layer == 0))
+        ops.write_slots(
+            gpu, layer, cp.asarray(k), cp.asarray(v), cp.asarray(slots), check=(layer == 0)
+        )
         same(cpu, gpu)
     table = rng.permutation(8)[:4].astype(np.int32)
     for num_tokens in (0, 1, lay.block_size, 3 * lay.block_size + 1):

@@ -3,13 +3,18 @@ atomic lookup-and-pin, first-block-wins, reset, stats and KV events."""
 
 import numpy as np
 import pytest
+from steps import compute
 
 import kvblocks
-from kvblocks import (AllBlocksCleared, BlockManager, BlockPool, BlockRemoved, BlockStored,
-                      hash_blocks)
+from kvblocks import (
+    AllBlocksCleared,
+    BlockManager,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    hash_blocks,
+)
 from kvblocks._core import siphash128
-
-from steps import compute
 
 KEY = b"0123456789abcdef"
 
@@ -36,14 +41,15 @@ def test_hashes_stable_for_a_key_and_different_across_keys():
     assert not np.any(a == b)
     # the default key is random per process but fixed within it
     assert np.array_equal(hash_blocks(toks, 16), hash_blocks(toks, 16, key=None))
-    assert np.array_equal(hash_blocks(toks, 16), hash_blocks(toks, 16,
-                                                             key=kvblocks.default_hash_key()))
+    assert np.array_equal(
+        hash_blocks(toks, 16), hash_blocks(toks, 16, key=kvblocks.default_hash_key())
+    )
 
 
 def test_chaining_partial_blocks_and_parent():
     toks = np.arange(70, dtype=np.int32)
     h = hash_blocks(toks, 16, key=KEY)
-    assert len(h) == 4                                    # the partial block is not hashed
+    assert len(h) == 4  # the partial block is not hashed
     tail = hash_blocks(toks[32:64], 16, parent=h[1], key=KEY)
     assert np.array_equal(tail, h[2:4])
     assert np.array_equal(hash_blocks(toks[32:64], 16, parent=as_int(h[1]), key=KEY), h[2:4])
@@ -76,14 +82,12 @@ def test_manager_hashes_match_hash_blocks():
     compute(mgr, "a")
     mgr.append_batch(["a"], [13])
     compute(mgr, "a")
-    assert np.array_equal(mgr.block_hashes("a"),
-                          hash_blocks(list(range(12)), 4, salt="t", key=KEY))
+    assert np.array_equal(mgr.block_hashes("a"), hash_blocks(list(range(12)), 4, salt="t", key=KEY))
     mgr.append_batch(["a"], [14])
     compute(mgr, "a")
     mgr.append_batch(["a"], [15])
     compute(mgr, "a")
-    assert np.array_equal(mgr.block_hashes("a"),
-                          hash_blocks(list(range(16)), 4, salt="t", key=KEY))
+    assert np.array_equal(mgr.block_hashes("a"), hash_blocks(list(range(16)), 4, salt="t", key=KEY))
     for i, b in enumerate(mgr.block_table("a")):
         assert mgr.pool.block_hash(int(b)) == as_int(mgr.block_hashes("a")[i])
 
@@ -92,7 +96,7 @@ def test_hits_are_capped_to_compute_one_token():
     mgr = BlockManager(64, 4, hash_key=KEY)
     assert mgr.add("a", list(range(12))) == 0
     compute(mgr, "a")
-    assert mgr.add("b", list(range(12))) == 8        # not 12: the last token is computed
+    assert mgr.add("b", list(range(12))) == 8  # not 12: the last token is computed
     compute(mgr, "b")
     assert mgr.add("c", list(range(13))) == 12
     compute(mgr, "c")
@@ -122,13 +126,13 @@ def test_salts_never_share():
 
 
 def test_lru_eviction_order_and_never_cached_first():
-    mgr = BlockManager(10, 4, hash_key=KEY)     # 9 usable blocks
-    mgr.add("a", list(range(12)))                # blocks 1,2,3 full and cached
+    mgr = BlockManager(10, 4, hash_key=KEY)  # 9 usable blocks
+    mgr.add("a", list(range(12)))  # blocks 1,2,3 full and cached
     compute(mgr, "a")
-    mgr.add("x", [1, 2])                         # block 4, never cached
+    mgr.add("x", [1, 2])  # block 4, never cached
     compute(mgr, "x")
-    mgr.free("a")                                # tail first: 3, 2, 1 join the LRU tail
-    mgr.free("x")                                # uncached: head, reused first
+    mgr.free("a")  # tail first: 3, 2, 1 join the LRU tail
+    mgr.free("x")  # uncached: head, reused first
     pool = mgr.pool
     assert pool.num_evictable == 3 and pool.num_free == 9
     assert pool.free_list().tolist()[0] == 4
@@ -137,8 +141,8 @@ def test_lru_eviction_order_and_never_cached_first():
     mgr.add("y", list(range(100, 124)))
     compute(mgr, "y")
     assert pool.stats.evictions == 0 and pool.num_evictable == 3
-    mgr.free("y")                                 # y's 6 full blocks are now cached too
-    got = pool.allocate(7)                        # 6 oldest cached of y... LRU order
+    mgr.free("y")  # y's 6 full blocks are now cached too
+    got = pool.allocate(7)  # 6 oldest cached of y... LRU order
     assert pool.stats.evictions == 7
     # the least recently released go first: a's tail block (3) before its head (1)
     assert got.tolist()[:3] == [3, 2, 1]
@@ -148,19 +152,19 @@ def test_lru_eviction_order_and_never_cached_first():
 
 def test_lookup_and_pin_survives_eviction_pressure():
     pool = BlockPool(9, hash_key=KEY)
-    h = hash_blocks(list(range(32)), 4, key=KEY)           # 8 blocks
+    h = hash_blocks(list(range(32)), 4, key=KEY)  # 8 blocks
     ids = pool.allocate(8)
     pool.cache(ids, h)
     pool.free(ids[::-1])
     assert pool.num_evictable == 8
-    hit = pool.lookup_and_pin(h[:3])                        # atomic pin of the prefix
+    hit = pool.lookup_and_pin(h[:3])  # atomic pin of the prefix
     assert hit.tolist() == ids[:3].tolist()
     assert pool.num_free == 5
-    other = pool.allocate(5)                                # evicts all the rest...
-    assert not set(other.tolist()) & set(hit.tolist())      # ...but never a pinned hit
+    other = pool.allocate(5)  # evicts all the rest...
+    assert not set(other.tolist()) & set(hit.tolist())  # ...but never a pinned hit
     with pytest.raises(kvblocks.OutOfBlocksError):
         pool.allocate(1)
-    assert pool.lookup(h).tolist() == hit.tolist()           # the pinned prefix is cached
+    assert pool.lookup(h).tolist() == hit.tolist()  # the pinned prefix is cached
     assert pool.stats.evictions == 5
     pool.free(other)
     pool.free(hit[::-1])
@@ -185,17 +189,17 @@ def test_identical_block_cached_twice_keeps_the_first():
     mgr = BlockManager(16, 4, hash_key=KEY)
     mgr.add("a", [1, 2, 3])
     compute(mgr, "a")
-    mgr.add("b", [1, 2, 3])                # no full block yet: nothing shared
+    mgr.add("b", [1, 2, 3])  # no full block yet: nothing shared
     compute(mgr, "b")
-    mgr.append("a", [4])                   # a's block 1 becomes full: cached
+    mgr.append("a", [4])  # a's block 1 becomes full: cached
     compute(mgr, "a")
-    mgr.append("b", [4])                   # same content: the entry keeps a's block
+    mgr.append("b", [4])  # same content: the entry keeps a's block
     compute(mgr, "b")
     a0, b0 = int(mgr.block_table("a")[0]), int(mgr.block_table("b")[0])
     assert a0 != b0
     assert mgr.pool.is_cached(a0) and not mgr.pool.is_cached(b0)
     assert mgr.pool.num_cached == 1
-    mgr.free("b")                           # uncached: back at the head, reused first
+    mgr.free("b")  # uncached: back at the head, reused first
     assert mgr.pool.free_list().tolist()[0] == b0
     assert mgr.add("c", [1, 2, 3, 4, 5]) == 4
     compute(mgr, "c")
@@ -209,12 +213,12 @@ def test_truncate_then_rewrite_drops_a_private_cached_block():
     compute(mgr, "a")
     b1 = int(mgr.block_table("a")[1])
     assert mgr.pool.is_cached(b1)
-    mgr.truncate("a", 6)                    # block 1 partial again, entry still valid
+    mgr.truncate("a", 6)  # block 1 partial again, entry still valid
     assert mgr.pool.is_cached(b1)
-    mgr.append("a", [42])                   # content changes: entry dropped, no copy
+    mgr.append("a", [42])  # content changes: entry dropped, no copy
     compute(mgr, "a")
     assert not mgr.pool.is_cached(b1) and mgr.take_copies().size == 0
-    mgr.add("b", list(range(8)) + [9])      # only block 0 hits now
+    mgr.add("b", list(range(8)) + [9])  # only block 0 hits now
     compute(mgr, "b")
     assert mgr.num_tokens("b") == 9 and mgr.pool.stats.hit_tokens == 4
     mgr.check()
@@ -224,15 +228,15 @@ def test_truncate_of_shared_block_copies_on_write():
     mgr = BlockManager(16, 4, hash_key=KEY)
     mgr.add("a", list(range(8)))
     compute(mgr, "a")
-    mgr.add("b", list(range(9)))            # shares both full blocks of a
+    mgr.add("b", list(range(9)))  # shares both full blocks of a
     compute(mgr, "b")
     assert mgr.block_table("b").tolist()[:2] == mgr.block_table("a").tolist()
     mgr.truncate("a", 6)
-    mgr.append("a", [42])                   # block 1 is shared with b: copy-on-write
+    mgr.append("a", [42])  # block 1 is shared with b: copy-on-write
     old = int(mgr.block_table("b")[1])
     new = int(mgr.block_table("a")[1])
     assert mgr.take_copies().tolist() == [[old, new]]
-    assert mgr.pool.is_cached(old)          # b's block keeps its entry
+    assert mgr.pool.is_cached(old)  # b's block keeps its entry
     mgr.check()
 
 
@@ -256,7 +260,7 @@ def test_kv_events():
     mgr = BlockManager(6, 4, hash_key=KEY)
     mgr.add("a", list(range(8)))
     compute(mgr, "a")
-    assert mgr.pool.take_events() == []                  # off by default
+    assert mgr.pool.take_events() == []  # off by default
     mgr.free("a")
     mgr.pool.reset_prefix_cache()
     mgr.pool.record_events = True
@@ -267,20 +271,20 @@ def test_kv_events():
     assert len(ev) == 1 and isinstance(ev[0], BlockStored)
     assert ev[0].block_hashes == h and ev[0].token_ids == list(range(8))
     assert ev[0].block_size == 4 and ev[0].medium == "GPU" and ev[0].lora_id is None
-    assert ev[0].parent_block_hash is None              # a sequence's first block: nil
+    assert ev[0].parent_block_hash is None  # a sequence's first block: nil
     assert ev[0].lora_name is None and ev[0].group_idx == 0
-    mgr.append("a", [9, 10, 11])                        # block 2 fills: chains on block 1
+    mgr.append("a", [9, 10, 11])  # block 2 fills: chains on block 1
     compute(mgr, "a")
     ev = mgr.pool.take_events()
     assert ev[0].parent_block_hash == h[1] and ev[0].token_ids == [8, 9, 10, 11]
     all_h = [as_int(x) for x in mgr.block_hashes("a")]
     mgr.free("a")
-    mgr.add("b", list(range(100, 120)))                 # 5 blocks: evicts the 3 cached
+    mgr.add("b", list(range(100, 120)))  # 5 blocks: evicts the 3 cached
     compute(mgr, "b")
     ev = mgr.pool.take_events()
     removed = [e for e in ev if isinstance(e, BlockRemoved)]
-    assert len(removed) == 1                             # consecutive removals are grouped
-    assert removed[0].block_hashes == all_h[::-1]        # LRU: the tail block goes first
+    assert len(removed) == 1  # consecutive removals are grouped
+    assert removed[0].block_hashes == all_h[::-1]  # LRU: the tail block goes first
     assert [type(e) for e in ev] == [BlockRemoved, BlockStored]
     assert mgr.pool.take_events() == []
     mgr.check()
@@ -306,7 +310,7 @@ def test_cache_needs_token_ids_while_recording_events():
     h = hash_blocks(list(range(8)), 4, key=KEY)
     with pytest.raises(kvblocks.InvalidArgumentError, match="token_ids"):
         pool.cache(ids, h)
-    assert pool.num_cached == 0 and pool.take_events() == []     # nothing changed
+    assert pool.num_cached == 0 and pool.take_events() == []  # nothing changed
     assert pool.cache(ids, h, token_ids=list(range(8))) == 2
     (ev,) = pool.take_events()
     assert ev.parent_block_hash is None and ev.block_size == 4
@@ -330,7 +334,7 @@ def test_coalesce_merges_chains_across_drains():
     (one,) = coalesce(ev)
     assert one.block_hashes == ev[0].block_hashes + ev[1].block_hashes
     assert one.token_ids == list(range(8)) and one.parent_block_hash is None
-    assert len(ev[0].block_hashes) == 1                        # inputs untouched
+    assert len(ev[0].block_hashes) == 1  # inputs untouched
     rm = [BlockRemoved([1]), BlockRemoved([2], group_idx=1), BlockRemoved([3], group_idx=1)]
     assert coalesce(rm) == [BlockRemoved([1]), BlockRemoved([2, 3], group_idx=1)]
     assert coalesce([AllBlocksCleared(), AllBlocksCleared()]) == [AllBlocksCleared()] * 2
@@ -349,16 +353,16 @@ def test_pool_level_engine_flow():
     pool.free(ids[::-1])
     hit = pool.lookup_and_pin(h)
     assert hit.tolist() == ids[:3].tolist()
-    assert pool.cache(pool.allocate(1), h[:1]) == 0      # present already: first block wins
+    assert pool.cache(pool.allocate(1), h[:1]) == 0  # present already: first block wins
     pool.check()
 
 
 @pytest.mark.slow
 def test_no_collision_among_ten_million_blocks():
     rng = np.random.default_rng(7)
-    toks = rng.integers(0, 2 ** 31 - 1, size=10_000_000, dtype=np.int32)
-    h = hash_blocks(toks, 1, key=KEY)                 # 10M chained one-token blocks
+    toks = rng.integers(0, 2**31 - 1, size=10_000_000, dtype=np.int32)
+    h = hash_blocks(toks, 1, key=KEY)  # 10M chained one-token blocks
     lo = np.sort(h[:, 0])
-    assert not np.any(lo[1:] == lo[:-1])              # even the low 64 bits never collide
+    assert not np.any(lo[1:] == lo[:-1])  # even the low 64 bits never collide
     hi = np.sort(h[:, 1])
     assert not np.any(hi[1:] == hi[:-1])

@@ -11,8 +11,15 @@ reference did not change either.
 
 import numpy as np
 from hypothesis import strategies as st
-from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant,
-                                 precondition, rule)
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 import kvblocks
 from kvblocks import KVBlocksError
@@ -35,10 +42,12 @@ def both(ref_call, real_call):
         except Exception as got:  # noqa: BLE001 - compared below
             assert same_error(expected, got), (
                 f"reference raised {type(expected).__name__}({expected}), core raised "
-                f"{type(got).__name__}({got})")
+                f"{type(got).__name__}({got})"
+            )
             return False, None, None
-        raise AssertionError(f"reference raised {type(expected).__name__}({expected}); "
-                             "the core succeeded")
+        raise AssertionError(
+            f"reference raised {type(expected).__name__}({expected}); the core succeeded"
+        )
     got = real_call()
     return True, want, got
 
@@ -50,36 +59,48 @@ def as_list(x):
 class ReferenceMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
 
-    @initialize(num_blocks=st.integers(4, 28), bs=st.sampled_from([1, 2, 3, 4]),
-                caching=st.sampled_from([True, True, False]), host=st.sampled_from([0, 0, 12]),
-                watermark=st.sampled_from([0.0, 0.0, 0.2]))
+    @initialize(
+        num_blocks=st.integers(4, 28),
+        bs=st.sampled_from([1, 2, 3, 4]),
+        caching=st.sampled_from([True, True, False]),
+        host=st.sampled_from([0, 0, 12]),
+        watermark=st.sampled_from([0.0, 0.0, 0.2]),
+    )
     def setup(self, num_blocks, bs, caching, host, watermark):
-        kw = dict(enable_prefix_caching=caching, num_host_blocks=host, hash_key=KEY,
-                  watermark=watermark)
+        kw = dict(
+            enable_prefix_caching=caching, num_host_blocks=host, hash_key=KEY, watermark=watermark
+        )
         self.mgr = kvblocks.BlockManager(num_blocks, bs, **kw)
         self.ref = ReferenceManager(num_blocks, bs, **kw)
         self.bs = bs
         self.next_id = 0
-        self.salts = {}                       # salt of each sequence (for pool lookups)
+        self.salts = {}  # salt of each sequence (for pool lookups)
 
     def _new_id(self, as_str):
         self.next_id += 1
         return f"s{self.next_id}" if as_str else self.next_id
 
     def _live(self, swapped=None):
-        return [s for s in self.ref.seq_ids()
-                if swapped is None or self.ref.is_swapped(s) == swapped]
+        return [
+            s for s in self.ref.seq_ids() if swapped is None or self.ref.is_swapped(s) == swapped
+        ]
 
     # -- lifecycle -----------------------------------------------------------------------------
-    @rule(target=seqs, prefix=st.sampled_from(range(len(PREFIXES))), cut=st.integers(0, 12),
-          tail=st.lists(TOKENS, max_size=6), salt=st.sampled_from([None, "t1"]),
-          as_str=st.booleans())
+    @rule(
+        target=seqs,
+        prefix=st.sampled_from(range(len(PREFIXES))),
+        cut=st.integers(0, 12),
+        tail=st.lists(TOKENS, max_size=6),
+        salt=st.sampled_from([None, "t1"]),
+        as_str=st.booleans(),
+    )
     def add(self, prefix, cut, tail, salt, as_str):
         sid = self._new_id(as_str)
         tokens = PREFIXES[prefix][:cut] + tail
-        ok, want, got = both(lambda: self.ref.add(sid, tokens, salt=salt),
-                             lambda: self.mgr.add(sid, np.array(tokens, dtype=np.int64),
-                                                  salt=salt))
+        ok, want, got = both(
+            lambda: self.ref.add(sid, tokens, salt=salt),
+            lambda: self.mgr.add(sid, np.array(tokens, dtype=np.int64), salt=salt),
+        )
         if ok:
             assert want == got
             self.salts[sid] = salt
@@ -99,12 +120,14 @@ class ReferenceMachine(RuleBasedStateMachine):
         sids = data.draw(st.lists(st.sampled_from(live), max_size=6) if live else st.just([]))
         tokens = data.draw(st.lists(TOKENS, min_size=len(sids), max_size=len(sids)))
         real_ids = sids
-        if data.draw(st.booleans()):           # a pre-resolved SeqBatch
+        if data.draw(st.booleans()):  # a pre-resolved SeqBatch
             real_ids = self.mgr.batch(list(dict.fromkeys(sids)))
             sids = list(real_ids.seq_ids)
-            tokens = tokens[:len(sids)]
-        both(lambda: self.ref.append_batch(sids, tokens),
-             lambda: self.mgr.append_batch(real_ids, np.array(tokens, dtype=np.int32)))
+            tokens = tokens[: len(sids)]
+        both(
+            lambda: self.ref.append_batch(sids, tokens),
+            lambda: self.mgr.append_batch(real_ids, np.array(tokens, dtype=np.int32)),
+        )
 
     @rule(sid=seqs, n=st.integers(0, 7))
     def reserve(self, sid, n):
@@ -118,8 +141,7 @@ class ReferenceMachine(RuleBasedStateMachine):
     @rule(target=seqs, parent=seqs, as_str=st.booleans())
     def fork(self, parent, as_str):
         child = self._new_id(as_str)
-        ok, _, _ = both(lambda: self.ref.fork(parent, child),
-                        lambda: self.mgr.fork(parent, child))
+        ok, _, _ = both(lambda: self.ref.fork(parent, child), lambda: self.mgr.fork(parent, child))
         if ok:
             self.salts[child] = self.salts.get(parent)
         return child
@@ -149,13 +171,17 @@ class ReferenceMachine(RuleBasedStateMachine):
         """A batch with query lengths that are mostly right (every uncomputed token), some
         too short (a gap) or too long, and sometimes draft lengths (reserved slots)."""
         live = self._live()
-        sids = data.draw(st.lists(st.sampled_from(live), max_size=4) if live else st.just([]),
-                         label="seq_ids")
+        sids = data.draw(
+            st.lists(st.sampled_from(live), max_size=4) if live else st.just([]), label="seq_ids"
+        )
         q, d = [], []
         for s in sids:
             n, c = self.ref.num_tokens(s), self.ref.num_computed(s)
-            q.append(data.draw(st.sampled_from([n - c, n - c, n, max(0, n - c - 1), n + 1]),
-                               label="query_len"))
+            q.append(
+                data.draw(
+                    st.sampled_from([n - c, n - c, n, max(0, n - c - 1), n + 1]), label="query_len"
+                )
+            )
             slack = len(self.ref.block_table(s)) * self.bs - n
             d.append(data.draw(st.sampled_from([0, max(0, slack), 1]), label="draft_len"))
         drafts = d if data.draw(st.booleans(), label="with drafts") else None
@@ -165,11 +191,11 @@ class ReferenceMachine(RuleBasedStateMachine):
     def metadata(self, data):
         sids, q, drafts = self._step_args(data)
         kw = {} if drafts is None else {"draft_lens": drafts}
-        ok, want, got = both(lambda: self.ref.metadata(sids, q, **kw),
-                             lambda: self.mgr.metadata(sids, q, **kw))
+        ok, want, got = both(
+            lambda: self.ref.metadata(sids, q, **kw), lambda: self.mgr.metadata(sids, q, **kw)
+        )
         if ok:
-            for name in ("slot_mapping", "seq_lens", "kv_indptr", "kv_indices",
-                         "kv_last_page_len"):
+            for name in ("slot_mapping", "seq_lens", "kv_indptr", "kv_indices", "kv_last_page_len"):
                 assert as_list(getattr(got, name)) == as_list(getattr(want, name)), name
             for row, table in enumerate(want.block_tables.tolist()):
                 used = -(-int(want.seq_lens[row]) // self.bs)
@@ -178,30 +204,37 @@ class ReferenceMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def schedule(self, data):
         sids, q, drafts = self._step_args(data)
-        both(lambda: self.ref.schedule(sids, q, draft_lens=drafts),
-             lambda: self.mgr.schedule(sids, q, draft_lens=drafts))
+        both(
+            lambda: self.ref.schedule(sids, q, draft_lens=drafts),
+            lambda: self.mgr.schedule(sids, q, draft_lens=drafts),
+        )
 
     @rule(sid=seqs, data=st.data())
     def append_accepted_drafts(self, sid, data):
         """Commit drafts the last step wrote (computed=True); sometimes more than it wrote."""
         tokens = data.draw(st.lists(TOKENS, min_size=1, max_size=4))
-        both(lambda: self.ref.append(sid, tokens, computed=True),
-             lambda: self.mgr.append(sid, tokens, computed=True))
+        both(
+            lambda: self.ref.append(sid, tokens, computed=True),
+            lambda: self.mgr.append(sid, tokens, computed=True),
+        )
 
     # -- scheduling queries ------------------------------------------------------------------------
     @rule(sid=seqs, n=st.integers(0, 9))
     def blocks_needed(self, sid, n):
-        ok, want, got = both(lambda: self.ref.blocks_needed(sid, n),
-                             lambda: self.mgr.blocks_needed(sid, n))
+        ok, want, got = both(
+            lambda: self.ref.blocks_needed(sid, n), lambda: self.mgr.blocks_needed(sid, n)
+        )
         assert not ok or want == got
 
     @rule(data=st.data(), n=st.integers(0, 5))
     def can_append(self, data, n):
         live = self._live()
-        sids = data.draw(st.lists(st.sampled_from(live), unique=True, max_size=4)
-                         if live else st.just([]))
-        ok, want, got = both(lambda: self.ref.can_append(sids, n),
-                             lambda: self.mgr.can_append(sids, n))
+        sids = data.draw(
+            st.lists(st.sampled_from(live), unique=True, max_size=4) if live else st.just([])
+        )
+        ok, want, got = both(
+            lambda: self.ref.can_append(sids, n), lambda: self.mgr.can_append(sids, n)
+        )
         assert not ok or want == got
 
     @rule(n=st.integers(0, 40))
@@ -234,8 +267,10 @@ class ReferenceMachine(RuleBasedStateMachine):
 
     # -- invariant ---------------------------------------------------------------------------------
     def compare_pools(self):
-        for name, real, ref in [("device", self.mgr.pool, self.ref.pool),
-                                ("host", self.mgr.host_pool, self.ref.host_pool)]:
+        for name, real, ref in [
+            ("device", self.mgr.pool, self.ref.pool),
+            ("host", self.mgr.host_pool, self.ref.host_pool),
+        ]:
             if ref is None:
                 continue
             assert as_list(real.ref_counts()) == as_list(ref.ref_counts()), f"{name} ref counts"
@@ -243,7 +278,7 @@ class ReferenceMachine(RuleBasedStateMachine):
             if ref.free_order_known:
                 assert free == as_list(ref.free_list()), f"{name} free list"
             else:
-                ref.adopt_free_order(free)   # same set, order not documented
+                ref.adopt_free_order(free)  # same set, order not documented
             assert real.num_free == ref.num_free
 
     @invariant()
@@ -260,8 +295,9 @@ class ReferenceMachine(RuleBasedStateMachine):
             assert mgr.is_swapped(sid) == ref.is_swapped(sid)
         self.compare_pools()
         pool = mgr.pool
-        assert {b: pool.block_hash(b) for b in range(pool.num_blocks)
-                if pool.is_cached(b)} == ref.pool.cached()
+        assert {
+            b: pool.block_hash(b) for b in range(pool.num_blocks) if pool.is_cached(b)
+        } == ref.pool.cached()
         assert pool.num_cached == ref.pool.num_cached
         assert pool.num_evictable == ref.pool.num_evictable
         assert pool.stats.evictions == ref.pool.evictions

@@ -2,12 +2,17 @@
 
 import numpy as np
 import pytest
+from steps import compute
 
 import kvblocks
-from kvblocks import (BlockManager, BlockPool, BlockStored, InvalidArgumentError,
-                      InvalidStateError, UnknownSequenceError)
-
-from steps import compute
+from kvblocks import (
+    BlockManager,
+    BlockPool,
+    BlockStored,
+    InvalidArgumentError,
+    InvalidStateError,
+    UnknownSequenceError,
+)
 
 
 def test_fork_and_metadata_of_an_empty_sequence():
@@ -54,13 +59,13 @@ def test_pending_copy_into_a_released_block_is_dropped():
     mgr = BlockManager(8, 4)
     mgr.add("a", [1, 2, 3, 4, 5])
     mgr.fork("a", "b")
-    mgr.append("b", [6])                       # copy-on-write of the shared partial block
+    mgr.append("b", [6])  # copy-on-write of the shared partial block
     assert mgr.num_pending_copies == 1
-    mgr.free("b")                              # its private copy is released
+    mgr.free("b")  # its private copy is released
     assert mgr.num_pending_copies == 0 and mgr.take_copies().shape == (0, 2)
     mgr.fork("a", "c")
     mgr.append("c", [7])
-    mgr.truncate("c", 4)                       # the copied block is released again
+    mgr.truncate("c", 4)  # the copied block is released again
     assert mgr.num_pending_copies == 0
     mgr.check()
 
@@ -68,7 +73,7 @@ def test_pending_copy_into_a_released_block_is_dropped():
 def test_can_add_counts_partial_blocks():
     """blocks_for_tokens rounded down (-(-n // bs) under cdivision): can_add said yes to a
     prompt that add then refused."""
-    mgr = BlockManager(3, 4)                   # 2 usable blocks
+    mgr = BlockManager(3, 4)  # 2 usable blocks
     assert mgr.blocks_for_tokens(5) == 2 and mgr.blocks_for_tokens(8) == 2
     assert not mgr.can_add(9)
     assert mgr.can_add(8)
@@ -80,15 +85,15 @@ def test_huge_int_ids_are_unknown_not_overflow():
     """The small-int fast path of append_batch used PyLong_AsLong, which raised
     OverflowError for ids beyond a C long instead of UnknownSequenceError."""
     mgr = BlockManager(8, 4)
-    mgr.add(2 ** 70, [1])
-    mgr.append_batch([2 ** 70], [2])
-    assert mgr.num_tokens(2 ** 70) == 2
+    mgr.add(2**70, [1])
+    mgr.append_batch([2**70], [2])
+    assert mgr.num_tokens(2**70) == 2
     with pytest.raises(UnknownSequenceError):
-        mgr.append_batch([2 ** 71], [3])
+        mgr.append_batch([2**71], [3])
     with pytest.raises(UnknownSequenceError):
         mgr.append_batch([-5], [3])
     mgr.add(-5, [1])
-    mgr.append_batch([-5, 2 ** 70], [3, 4])
+    mgr.append_batch([-5, 2**70], [3, 4])
     mgr.check()
 
 
@@ -99,8 +104,8 @@ def test_cache_validates_repeated_blocks_in_linear_time():
     h = kvblocks.hash_blocks(list(range(8)), 4)
     b = pool.allocate(2)
     with pytest.raises(InvalidArgumentError):
-        pool.cache([b[0], b[1], b[0]], [h[0], h[1], h[1]])    # b[0] under two hashes
+        pool.cache([b[0], b[1], b[0]], [h[0], h[1], h[1]])  # b[0] under two hashes
     assert pool.num_cached == 0
-    pool.check()                                             # no mark left behind
-    assert pool.cache([b[0], b[0], b[1]], [h[0], h[0], h[1]]) == 2   # same hash twice is fine
+    pool.check()  # no mark left behind
+    assert pool.cache([b[0], b[0], b[1]], [h[0], h[0], h[1]]) == 2  # same hash twice is fine
     pool.check()

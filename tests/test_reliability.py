@@ -8,10 +8,23 @@ import numpy as np
 import pytest
 
 import kvblocks
-from kvblocks import (AttentionMetadata, BlockManager, BlockPool, BlockStored,
-                      DuplicateSequenceError, InvalidArgumentError, InvalidStateError,
-                      InvalidTypeError, KVBlocksError, KVCache, KVLayout, OutOfBlocksError,
-                      UnknownSequenceError, hash_blocks, ops)
+from kvblocks import (
+    AttentionMetadata,
+    BlockManager,
+    BlockPool,
+    BlockStored,
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    InvalidStateError,
+    InvalidTypeError,
+    KVBlocksError,
+    KVCache,
+    KVLayout,
+    OutOfBlocksError,
+    UnknownSequenceError,
+    hash_blocks,
+    ops,
+)
 
 KEY = b"kvblocks-test-k!"
 BS = 4
@@ -44,8 +57,8 @@ class Engine:
         off = 0
         for s, n in zip(ids, q):
             toks = self.mgr.token_ids(s)
-            k, v = self.kv(toks[len(toks) - n:], len(toks) - n)
-            ops.write_slots(self.dev, 0, k, v, meta.slot_mapping[off:off + n])
+            k, v = self.kv(toks[len(toks) - n :], len(toks) - n)
+            ops.write_slots(self.dev, 0, k, v, meta.slot_mapping[off : off + n])
             off += n
 
     def assert_reads_back(self, seq):
@@ -63,15 +76,15 @@ class Engine:
 @pytest.mark.parametrize("drain_first", [False, True])
 def test_swap_out_with_pending_copy_keeps_kv(drain_first):
     e = Engine()
-    e.mgr.add("p", [1, 2, 3, 4, 5, 6])     # last block partial
+    e.mgr.add("p", [1, 2, 3, 4, 5, 6])  # last block partial
     e.step(["p"])
     e.mgr.fork("p", "c")
-    e.mgr.append_batch(["c"], [9])         # copy-on-write pair queued
+    e.mgr.append_batch(["c"], [9])  # copy-on-write pair queued
     if drain_first:
         e.drain()
     pairs = e.mgr.swap_out("c")
     ops.swap_blocks(e.dev, e.host, pairs)
-    e.drain()                              # after the swap: the pair was redirected
+    e.drain()  # after the swap: the pair was redirected
     ops.swap_blocks(e.host, e.dev, e.mgr.swap_in("c"))
     e.step(["c"])
     e.assert_reads_back("c")
@@ -84,12 +97,12 @@ def test_take_copies_chain_is_one_copy_blocks_call():
     e.mgr.add("a", [1, 2, 3, 4, 5, 6])
     e.step(["a"])
     e.mgr.fork("a", "b")
-    e.mgr.append_batch(["b"], [7])         # copy a's block -> b's
+    e.mgr.append_batch(["b"], [7])  # copy a's block -> b's
     e.mgr.fork("b", "c")
-    e.mgr.append_batch(["c"], [8])         # b's block is itself a pending destination
+    e.mgr.append_batch(["c"], [8])  # b's block is itself a pending destination
     pairs = e.mgr.take_copies()
     assert not set(pairs[:, 0]) & set(pairs[:, 1]), pairs
-    ops.copy_blocks(e.dev, pairs)          # one call, any order
+    ops.copy_blocks(e.dev, pairs)  # one call, any order
     e.step(["b", "c"])
     for s in "abc":
         e.assert_reads_back(s)
@@ -101,13 +114,13 @@ def test_pending_copy_source_is_not_handed_out_again():
     e.mgr.add("a", [1, 2, 3, 4, 5, 6])
     e.step(["a"])
     e.mgr.fork("a", "b")
-    e.mgr.append_batch(["b"], [7])         # pending (a's block 2 -> fresh)
+    e.mgr.append_batch(["b"], [7])  # pending (a's block 2 -> fresh)
     src = int(e.mgr.block_table("a")[1])
-    e.mgr.free("a")                        # the source's last table reference goes
+    e.mgr.free("a")  # the source's last table reference goes
     assert e.mgr.pool.ref_count(src) == 1  # held by the pending pair
     e.mgr.add("x", [50, 51, 52])
     e.mgr.fork("x", "y")
-    e.mgr.append_batch(["y"], [53])        # a new pair: src must not be its destination
+    e.mgr.append_batch(["y"], [53])  # a new pair: src must not be its destination
     pairs = e.mgr.take_copies()
     assert src not in pairs[:, 1].tolist()
     ops.copy_blocks(e.dev, pairs)
@@ -150,7 +163,7 @@ def test_str_subclass_id_callbacks_never_run():
     mgr = BlockManager(16, BS)
     mgr.add("a", [1, 2, 3])
     ids = [EvilStr("a")]
-    mgr.append_batch(ids, [4])             # normalized to the exact str "a"
+    mgr.append_batch(ids, [4])  # normalized to the exact str "a"
     mgr.free(EvilStr("a"))
     assert EvilStr.calls == 0 and "a" not in mgr
     with pytest.raises(UnknownSequenceError):
@@ -173,9 +186,9 @@ def test_alias_ids_are_refused(alias):
 def test_numpy_int_id_is_the_int_and_clears_the_fast_map():
     mgr = BlockManager(16, BS)
     mgr.add(1, [1, 2, 3])
-    mgr.free(np.int64(1))                  # frees sequence 1 (and its fast-map entry)
+    mgr.free(np.int64(1))  # frees sequence 1 (and its fast-map entry)
     assert 1 not in mgr
-    mgr.add("other", [7, 7])               # reuses the slot
+    mgr.add("other", [7, 7])  # reuses the slot
     with pytest.raises(UnknownSequenceError):
         mgr.append_batch([1], [4])
     assert mgr.token_ids("other").tolist() == [7, 7]
@@ -200,7 +213,7 @@ def test_array_callback_that_frees_the_sequence():
     mgr.add("a", [1, 2, 3])
     with pytest.raises(UnknownSequenceError):
         mgr.append("a", Reenter(lambda: mgr.free("a")))
-    mgr.add("b", [1])                       # would have reused a's slot
+    mgr.add("b", [1])  # would have reused a's slot
     assert mgr.token_ids("b").tolist() == [1]
     mgr.check()
 
@@ -220,7 +233,8 @@ def test_array_callback_batch_ids_resolved_after_conversion():
 
     def swap():
         mgr.free("a")
-        mgr.add("c", [3])                   # takes a's slot
+        mgr.add("c", [3])  # takes a's slot
+
     with pytest.raises(UnknownSequenceError):
         mgr.append_batch(["a", "b"], _LateTokens(swap))
     assert mgr.token_ids("c").tolist() == [3] and mgr.token_ids("b").tolist() == [2]
@@ -244,7 +258,7 @@ def test_reentrant_call_from_inside_a_call_is_refused():
         __slots__ = ("_sm",)
 
         @property
-        def slot_mapping(self):             # read inside the call: re-enters the manager
+        def slot_mapping(self):  # read inside the call: re-enters the manager
             mgr.free("a")
             return self._sm
 
@@ -253,13 +267,24 @@ def test_reentrant_call_from_inside_a_call_is_refused():
             self._sm = value
 
     buf = AttentionMetadata.allocate(4, 64, 16, 4)
-    evil = EvilBuffers(*(getattr(buf, f) for f in ("slot_mapping", "block_tables", "seq_lens",
-                                                   "qo_indptr", "kv_indptr", "kv_indices",
-                                                   "kv_last_page_len")))
+    evil = EvilBuffers(
+        *(
+            getattr(buf, f)
+            for f in (
+                "slot_mapping",
+                "block_tables",
+                "seq_lens",
+                "qo_indptr",
+                "kv_indptr",
+                "kv_indices",
+                "kv_last_page_len",
+            )
+        )
+    )
     with pytest.raises(InvalidStateError, match="re-entrantly"):
         mgr.metadata(["a"], [3], out=evil)
     assert mgr.num_tokens("a") == 3 and mgr.num_computed("a") == 0
-    mgr.free("a")                           # the guard was released
+    mgr.free("a")  # the guard was released
     mgr.check()
 
 
@@ -273,7 +298,7 @@ def test_threads_on_disjoint_sequences_keep_their_tokens():
             mgr.add(s, [t])
         mgr.schedule(ids, [1] * nseq)
         for k in range(steps):
-            mgr.append_batch(list(ids), [t * 1000 + k] * nseq)   # list tokens: converted
+            mgr.append_batch(list(ids), [t * 1000 + k] * nseq)  # list tokens: converted
             mgr.schedule(list(ids), [1] * nseq)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(nthreads)]
@@ -283,8 +308,7 @@ def test_threads_on_disjoint_sequences_keep_their_tokens():
         th.join()
     for t in range(nthreads):
         for i in range(nseq):
-            assert mgr.token_ids(f"t{t}-{i}").tolist() == [t] + [t * 1000 + k
-                                                               for k in range(steps)]
+            assert mgr.token_ids(f"t{t}-{i}").tolist() == [t] + [t * 1000 + k for k in range(steps)]
     mgr.check()
 
 
@@ -292,11 +316,11 @@ def test_threads_on_disjoint_sequences_keep_their_tokens():
 # 8-10. block counting (class: a count that disagrees with what the mutation does)
 # ---------------------------------------------------------------------------------------------
 def test_shared_partial_block_batch_needs_one_copy_not_two():
-    mgr = BlockManager(5, BS)              # 4 usable blocks
-    mgr.add("p", [1, 2, 3, 4, 5])          # 2 blocks, the last one partial
+    mgr = BlockManager(5, BS)  # 4 usable blocks
+    mgr.add("p", [1, 2, 3, 4, 5])  # 2 blocks, the last one partial
     mgr.fork("p", "c")
-    mgr.add("x", [9])                      # 1 block: 1 free left
-    assert mgr.can_append(["p", "c"])      # p copies, c writes in place: 1 block
+    mgr.add("x", [9])  # 1 block: 1 free left
+    assert mgr.can_append(["p", "c"])  # p copies, c writes in place: 1 block
     mgr.append_batch(["p", "c"], [6, 7])
     assert mgr.pool.num_free == 0
     assert len(mgr.take_copies()) == 1
@@ -306,7 +330,7 @@ def test_shared_partial_block_batch_needs_one_copy_not_two():
 def test_blocks_needed_of_swapped_sequence_counts_reserved_blocks():
     mgr = BlockManager(32, BS, num_host_blocks=16)
     mgr.add("a", [1, 2, 3])
-    mgr.reserve("a", 6)                    # 3 blocks held
+    mgr.reserve("a", 6)  # 3 blocks held
     mgr.swap_out("a")
     assert mgr.blocks_needed("a", 0) == 3
     assert mgr.blocks_needed("a", 1) == 3 and mgr.blocks_needed("a", 7) == 3
@@ -319,11 +343,14 @@ def test_blocks_needed_of_swapped_sequence_counts_reserved_blocks():
     assert free - mgr.pool.num_free == 3
 
 
-@pytest.mark.parametrize("call", [
-    lambda m: m.reserve("a", 2**63 - 1),
-    lambda m: m.reserve("a", 2**62),
-    lambda m: m.append("a", np.zeros(0, np.int32)) or m.reserve("a", 10**12),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.reserve("a", 2**63 - 1),
+        lambda m: m.reserve("a", 2**62),
+        lambda m: m.append("a", np.zeros(0, np.int32)) or m.reserve("a", 10**12),
+    ],
+)
 def test_huge_counts_are_refused_not_wrapped(call):
     mgr = BlockManager(16, BS)
     mgr.add("a", [1, 2, 3])
@@ -352,22 +379,25 @@ def test_scheduling_helpers_never_wrap():
 # ---------------------------------------------------------------------------------------------
 # 11. scalar arguments (class: implicit C coercion)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("call, exc", [
-    (lambda: hash_blocks([1, 2, 3], 1.5), InvalidTypeError),
-    (lambda: hash_blocks([1, 2, 3], True), InvalidTypeError),
-    (lambda: hash_blocks([1, 2, 3], 2**40), InvalidArgumentError),
-    (lambda: BlockPool(2.5), InvalidTypeError),
-    (lambda: BlockPool(2**40), InvalidArgumentError),
-    (lambda: BlockPool(8).allocate(1.0), InvalidTypeError),
-    (lambda: BlockPool(8).allocate(-1), InvalidArgumentError),
-    (lambda: BlockPool(8).ref_count(2**70), InvalidArgumentError),
-    (lambda: BlockManager(8, 4.0), InvalidTypeError),
-    (lambda: BlockManager(8, 4, watermark=float("nan")), InvalidArgumentError),
-    (lambda: BlockManager(8, 4, num_host_blocks=2**40), InvalidArgumentError),
-    (lambda: hash_blocks([1, 2], 1, salt="\ud800"), InvalidArgumentError),
-    (lambda: hash_blocks([1, 2], 1, salt=7), InvalidTypeError),
-    (lambda: BlockManager(8, 4).metadata([], [], out=object()), InvalidTypeError),
-])
+@pytest.mark.parametrize(
+    "call, exc",
+    [
+        (lambda: hash_blocks([1, 2, 3], 1.5), InvalidTypeError),
+        (lambda: hash_blocks([1, 2, 3], True), InvalidTypeError),
+        (lambda: hash_blocks([1, 2, 3], 2**40), InvalidArgumentError),
+        (lambda: BlockPool(2.5), InvalidTypeError),
+        (lambda: BlockPool(2**40), InvalidArgumentError),
+        (lambda: BlockPool(8).allocate(1.0), InvalidTypeError),
+        (lambda: BlockPool(8).allocate(-1), InvalidArgumentError),
+        (lambda: BlockPool(8).ref_count(2**70), InvalidArgumentError),
+        (lambda: BlockManager(8, 4.0), InvalidTypeError),
+        (lambda: BlockManager(8, 4, watermark=float("nan")), InvalidArgumentError),
+        (lambda: BlockManager(8, 4, num_host_blocks=2**40), InvalidArgumentError),
+        (lambda: hash_blocks([1, 2], 1, salt="\ud800"), InvalidArgumentError),
+        (lambda: hash_blocks([1, 2], 1, salt=7), InvalidTypeError),
+        (lambda: BlockManager(8, 4).metadata([], [], out=object()), InvalidTypeError),
+    ],
+)
 def test_scalar_arguments_are_checked(call, exc):
     with pytest.raises(exc):
         call()
@@ -382,7 +412,7 @@ def test_pool_cache_event_has_no_parent_and_needs_the_tokens():
     ids = pool.allocate(1)
     h = hash_blocks(np.arange(16), 16, key=KEY)
     with pytest.raises(InvalidArgumentError, match="token_ids"):
-        pool.cache(ids, h)                 # a BlockStored without tokens: routers drop it
+        pool.cache(ids, h)  # a BlockStored without tokens: routers drop it
     assert pool.num_cached == 0 and pool.take_events() == []
     pool.cache(ids, h, token_ids=np.arange(16))
     (ev,) = pool.take_events()
@@ -414,7 +444,7 @@ def test_returned_metadata_can_be_passed_back_as_out():
     meta = mgr.metadata(["a"], [10], out=buf)
     mgr.append_batch(["a"], [1])
     mgr.add("b", list(range(20)))
-    meta2 = mgr.metadata(["a", "b"], [1, 20], out=meta)   # the full buffers, not the views
+    meta2 = mgr.metadata(["a", "b"], [1, 20], out=meta)  # the full buffers, not the views
     assert meta2.num_tokens == 21 and np.shares_memory(meta2.slot_mapping, buf.slot_mapping)
 
 
@@ -429,7 +459,7 @@ def test_event_log_is_bounded():
 
 def test_int_id_fast_map_is_bounded():
     mgr = BlockManager(16, BS)
-    mgr.add(10**6, [1])                    # far beyond the fast map: a dict entry only
+    mgr.add(10**6, [1])  # far beyond the fast map: a dict entry only
     mgr.add(2**80, [1])
     mgr.append_batch([10**6, 2**80], [2, 2])
     assert mgr.token_ids(2**80).tolist() == [1, 2]
@@ -444,7 +474,7 @@ def test_uncomputed_block_is_never_a_prefix_hit(preempt):
     e = Engine()
     e.mgr.add("s", [1, 2, 3, 4, 5, 6, 7])
     e.step(["s"])
-    e.mgr.append_batch(["s"], [8])         # block 1 full, committed, not computed
+    e.mgr.append_batch(["s"], [8])  # block 1 full, committed, not computed
     if preempt == "swap_out":
         ops.swap_blocks(e.dev, e.host, e.mgr.swap_out("s"))
     elif preempt == "truncate":
@@ -452,7 +482,7 @@ def test_uncomputed_block_is_never_a_prefix_hit(preempt):
     if preempt != "swap_out":
         e.mgr.free("s")
     cached = e.mgr.add("t", list(range(1, 11)))
-    assert cached == 4                     # block 0 only: block 1 was never computed
+    assert cached == 4  # block 0 only: block 1 was never computed
     e.step(["t"])
     e.assert_reads_back("t")
     e.mgr.check()
@@ -482,21 +512,21 @@ def test_speculative_drafts_are_addressed_but_never_cached():
     e.mgr.append_batch(["s"], [4])
     e.mgr.reserve("s", 4)
     with pytest.raises(InvalidStateError):
-        e.mgr.metadata(["s"], [1], draft_lens=[9])     # beyond the reserved slots
+        e.mgr.metadata(["s"], [1], draft_lens=[9])  # beyond the reserved slots
     meta = e.mgr.metadata(["s"], [1], draft_lens=[4])
     assert meta.num_tokens == 5 and meta.seq_lens.tolist() == [8]
     drafts = [5, 6, 7, 8]
     k, v = e.kv([4] + drafts, 3)
     ops.write_slots(e.dev, 0, k, v, meta.slot_mapping)
-    assert e.mgr.pool.num_cached == 1      # block 0; block 1 holds only drafts
+    assert e.mgr.pool.num_cached == 1  # block 0; block 1 holds only drafts
     with pytest.raises(InvalidStateError):
-        e.mgr.append("s", [5, 6, 7, 8, 9], computed=True)   # more than was drafted
-    e.mgr.append("s", [5, 6, 7, 8], computed=True)          # all accepted: block 1 is full
+        e.mgr.append("s", [5, 6, 7, 8, 9], computed=True)  # more than was drafted
+    e.mgr.append("s", [5, 6, 7, 8], computed=True)  # all accepted: block 1 is full
     assert e.mgr.num_computed("s") == 8 and e.mgr.pool.num_cached == 2
     e.assert_reads_back("s")
-    e.mgr.append_batch(["s"], [60])        # the bonus token, computed next step
+    e.mgr.append_batch(["s"], [60])  # the bonus token, computed next step
     with pytest.raises(InvalidStateError):
-        e.mgr.append("s", [61], computed=True)              # no draft slots scheduled now
+        e.mgr.append("s", [61], computed=True)  # no draft slots scheduled now
     e.step(["s"])
     e.assert_reads_back("s")
     e.mgr.check()
@@ -506,22 +536,22 @@ def test_swap_in_reshares_blocks_still_cached_on_the_device():
     e = Engine()
     e.mgr.add("a", list(range(1, 11)))
     e.step(["a"])
-    e.mgr.fork("a", "b")                   # b keeps the device blocks alive
+    e.mgr.fork("a", "b")  # b keeps the device blocks alive
     pairs = e.mgr.swap_out("a")
     ops.swap_blocks(e.dev, e.host, pairs)
     back = e.mgr.swap_in("a")
-    assert len(back) == 1                  # the 2 full blocks are shared again
+    assert len(back) == 1  # the 2 full blocks are shared again
     ops.swap_blocks(e.host, e.dev, back)
     e.assert_reads_back("a")
     e.mgr.check()
 
 
 def test_probe_and_can_add_prompt_count_hits_without_pinning():
-    mgr = BlockManager(6, BS, hash_key=KEY)   # 5 usable
+    mgr = BlockManager(6, BS, hash_key=KEY)  # 5 usable
     mgr.add("a", list(range(12)))
     mgr.schedule(["a"], [12])
     mgr.free("a")
-    assert mgr.probe(list(range(13))) == (12, 4)   # 3 evictable hits pinned + 1 new
+    assert mgr.probe(list(range(13))) == (12, 4)  # 3 evictable hits pinned + 1 new
     assert mgr.probe(list(range(12))) == (8, 3)
     assert mgr.pool.num_free == 5 and mgr.pool.stats.queries == 1
     mgr.add("x", [99])
@@ -539,12 +569,12 @@ def test_recompute_readds_are_not_counted_as_reuse():
     mgr = BlockManager(32, BS, hash_key=KEY)
     mgr.add("a", list(range(12)))
     mgr.schedule(["a"], [12])
-    mgr.free("a")                          # preempted by recompute
+    mgr.free("a")  # preempted by recompute
     assert mgr.add("a", list(range(13)), recompute=True) == 12
     st = mgr.pool.stats
     assert (st.query_tokens, st.hit_tokens) == (12, 0)
     assert (st.recompute_query_tokens, st.recompute_hit_tokens) == (13, 12)
-    assert mgr.add("b", list(range(13))) == 12   # real reuse
+    assert mgr.add("b", list(range(13))) == 12  # real reuse
     assert mgr.pool.stats.hit_tokens == 12 and mgr.pool.stats.hit_rate == 12 / 25
 
 
@@ -552,13 +582,13 @@ def test_drafts_never_overwrite_another_sequences_kv():
     """Found by the reference-model machine: after a truncate into a block shared with
     another sequence, draft slots lay in that shared block."""
     e = Engine()
-    e.mgr.add("a", list(range(1, 9)))      # 2 full blocks
+    e.mgr.add("a", list(range(1, 9)))  # 2 full blocks
     e.step(["a"])
-    e.mgr.fork("a", "b")                   # b shares both
-    e.mgr.truncate("a", 6)                 # a's write block is b's full block 1
+    e.mgr.fork("a", "b")  # b shares both
+    e.mgr.truncate("a", 6)  # a's write block is b's full block 1
     with pytest.raises(InvalidStateError, match="reserve"):
         e.mgr.metadata(["a"], [0], draft_lens=[2])
-    e.mgr.reserve("a", 2)                  # copy-on-write: a's own block
+    e.mgr.reserve("a", 2)  # copy-on-write: a's own block
     e.drain()
     meta = e.mgr.metadata(["a"], [0], draft_lens=[2])
     k, v = e.kv([70, 71], 6)

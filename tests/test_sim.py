@@ -58,13 +58,24 @@ def synthetic_mooncake(path: Path, n: int = 300, seed: int = 1, out_max: int = 4
             ids = list(rng.choice(systems)) + [fresh() for _ in range(rng.randint(0, 4))]
         convs.append(ids)
         length = 512 * (len(ids) - 1) + rng.choice([1, 15, 16, 17, 200, 511, 512])
-        lines.append(json.dumps({"timestamp": t, "input_length": length, "output_length": rng.randint(1, out_max), "hash_ids": ids}))
+        lines.append(
+            json.dumps(
+                {
+                    "timestamp": t,
+                    "input_length": length,
+                    "output_length": rng.randint(1, out_max),
+                    "hash_ids": ids,
+                }
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def unbounded(workload, block_size: int, **kw) -> SchedulerConfig:
-    blocks = sum(-(-(r.prompt_len + r.output_len) // block_size) * r.n for r in workload.requests) + 8
+    blocks = (
+        sum(-(-(r.prompt_len + r.output_len) // block_size) * r.n for r in workload.requests) + 8
+    )
     return SchedulerConfig(num_blocks=blocks, block_size=block_size, max_num_seqs=100_000, **kw)
 
 
@@ -77,7 +88,9 @@ def test_hit_rate_equals_exact_reuse_synthetic(tmp_path, block_size):
     np.testing.assert_array_equal(res.recorder.cached_tokens, expect)
     s = res.summary
     assert s["evictions"] == 0 and s["preemptions"] == 0 and s["completed"] == len(w)
-    assert s["prefix_hit_rate"] == pytest.approx(expect.sum() / sum(r.prompt_len for r in w.requests))
+    assert s["prefix_hit_rate"] == pytest.approx(
+        expect.sum() / sum(r.prompt_len for r in w.requests)
+    )
     assert s["blocks_in_use_at_end"] == 0
 
 
@@ -172,7 +185,15 @@ def test_shared_types_do_not_load_the_scheduler():
     import ast
 
     sim = Path(kvblocks.sim.__file__).parent
-    for name in ("plan.py", "report.py", "metrics.py", "contiguous.py", "fmt.py", "progress.py", "plot.py"):
+    for name in (
+        "plan.py",
+        "report.py",
+        "metrics.py",
+        "contiguous.py",
+        "fmt.py",
+        "progress.py",
+        "plot.py",
+    ):
         tree = ast.parse((sim / name).read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert "scheduler" not in imported, name
@@ -186,7 +207,14 @@ def test_no_prefix_caching_means_no_hits(tmp_path):
 
 def test_swap_preemption(tmp_path):
     w = load_mooncake(str(synthetic_mooncake(tmp_path / "t.jsonl", n=150, out_max=600))).scaled(0.0)
-    cfg = SchedulerConfig(num_blocks=600, block_size=16, watermark=0.0, preemption="swap", host_blocks=2000, block_bytes=1 << 21)
+    cfg = SchedulerConfig(
+        num_blocks=600,
+        block_size=16,
+        watermark=0.0,
+        preemption="swap",
+        host_blocks=2000,
+        block_bytes=1 << 21,
+    )
     try:
         res = simulate_paged(w, cfg, TM)
     except SimulationError as e:
@@ -244,7 +272,11 @@ def test_token_book_matches_stream():
 def test_steps_until_matches_brute_force():
     rng = random.Random(0)
     for _ in range(200):
-        base, slope, target = rng.uniform(0.001, 0.05), rng.choice([0.0, rng.uniform(0, 0.01)]), rng.uniform(0, 20)
+        base, slope, target = (
+            rng.uniform(0.001, 0.05),
+            rng.choice([0.0, rng.uniform(0, 0.01)]),
+            rng.uniform(0, 20),
+        )
         k = _steps_until(target, base, slope, 10**6)
         total = lambda k: k * base + slope * k * (k - 1) / 2  # noqa: E731
         assert total(k) >= target - 1e-12 and (k == 1 or total(k - 1) < target)
@@ -276,15 +308,31 @@ def test_model_presets_kv_bytes():
 
 def test_plan_paged_beats_contiguous_and_dists():
     bill = memory_bill(get_model("llama-3.1-8b"), 80, 16)
-    plan = make_plan(bill, parse_dist("uniform:128:4096"), parse_dist("lognormal:300:200"), samples=20_000)
+    plan = make_plan(
+        bill, parse_dist("uniform:128:4096"), parse_dist("lognormal:300:200"), samples=20_000
+    )
     n = plan.numbers
     assert n["paged_concurrent"] > 2 * n["contiguous_concurrent"] > 0
-    assert 0 < n["rounding_share"] < 0.01 and n["mean_rounding_tokens"] == pytest.approx(7.5, abs=0.5)
+    assert 0 < n["rounding_share"] < 0.01 and n["mean_rounding_tokens"] == pytest.approx(
+        7.5, abs=0.5
+    )
     const = make_plan(bill, parse_dist("1000"), parse_dist("const:24"), samples=10).numbers
-    assert const["paged_concurrent"] == bill.num_blocks // 64 and const["contiguous_concurrent"] == bill.token_slots // 1024
+    assert (
+        const["paged_concurrent"] == bill.num_blocks // 64
+        and const["contiguous_concurrent"] == bill.token_slots // 1024
+    )
     d = parse_dist("normal:500:0")
     assert (d.sample(np.random.default_rng(0), 5, 10**6) == 500).all()
-    for bad in ["-5", "uniform:10:5", "normal:1e12:1", "foo:1", "uniform:1", "lognormal:x:1", "0", "nan"]:
+    for bad in [
+        "-5",
+        "uniform:10:5",
+        "normal:1e12:1",
+        "foo:1",
+        "uniform:1",
+        "lognormal:x:1",
+        "0",
+        "nan",
+    ]:
         with pytest.raises(SimulationError):
             parse_dist(bad)
 
@@ -292,17 +340,31 @@ def test_plan_paged_beats_contiguous_and_dists():
 @pytest.mark.parametrize(
     "line, msg",
     [
-        ('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]', "malformed JSON"),
-        ('{"timestamp": 0, "input_length": -3, "output_length": 5, "hash_ids": [1]}', "must be >= 1"),
-        ('{"timestamp": 0, "input_length": 99999999999, "output_length": 5, "hash_ids": [1]}', "absurdly large"),
-        ('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1, 2]}', "does not match"),
+        (
+            '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]',
+            "malformed JSON",
+        ),
+        (
+            '{"timestamp": 0, "input_length": -3, "output_length": 5, "hash_ids": [1]}',
+            "must be >= 1",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 99999999999, "output_length": 5, "hash_ids": [1]}',
+            "absurdly large",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1, 2]}',
+            "does not match",
+        ),
         ('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}', "missing field 'output_length'"),
-        ('[1, 2]', "JSON object"),
+        ("[1, 2]", "JSON object"),
     ],
 )
 def test_mooncake_errors_name_file_and_line(tmp_path, line, msg):
     p = tmp_path / "bad.jsonl"
-    p.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n' + line + "\n")
+    p.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n' + line + "\n"
+    )
     with pytest.raises(WorkloadError, match=msg) as ei:
         load_workload(str(p), "mooncake")
     assert ei.value.line == 2 and str(ei.value).startswith(f"{p}:2: ")
@@ -319,10 +381,14 @@ def test_azure_csv(tmp_path):
     w = load_workload(str(p))
     assert w.kind == "azure" and len(w) == 3
     assert [r.prompt_len for r in w.requests] == [374, 879, 396]
-    assert w.requests[2].arrival == pytest.approx(4.31457, abs=1e-4) and w.requests[2].output_len == 1
+    assert (
+        w.requests[2].arrival == pytest.approx(4.31457, abs=1e-4) and w.requests[2].output_len == 1
+    )
     res = simulate_paged(w, SchedulerConfig(num_blocks=500, block_size=16), TM)
     assert res.summary["completed"] == 3 and res.summary["cached_tokens"] == 0
-    (tmp_path / "bad.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1.0,12,3\n2.0,abc,3\n")
+    (tmp_path / "bad.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n1.0,12,3\n2.0,abc,3\n"
+    )
     with pytest.raises(WorkloadError, match=r"bad\.csv:3: ContextTokens must be an integer"):
         load_workload(str(tmp_path / "bad.csv"))
     (tmp_path / "cols.csv").write_text("time,ctx\n1,2\n")
@@ -354,33 +420,63 @@ NAN, INF = float("nan"), float("inf")
 LLAMA = get_model("llama-3.1-8b")
 
 
-@pytest.mark.parametrize("call, flag", [
-    (lambda: memory_bill(LLAMA, NAN, 16), "--gpu-mem"),
-    (lambda: memory_bill(LLAMA, INF, 16), "--gpu-mem"),
-    (lambda: memory_bill(LLAMA, 80, 16, reserve_gib=NAN), "--reserve"),  # was int(nan): ValueError
-    (lambda: memory_bill(LLAMA, 80, 16, reserve_gib=-INF), "--reserve"),
-    (lambda: memory_bill(LLAMA, 80, 16, host_mem_gib=NAN), "--host-mem"),  # nan < 0 is False
-    (lambda: memory_bill(LLAMA, 80, 16, host_mem_gib=INF), "--host-mem"),  # was OverflowError
-    (lambda: memory_bill(LLAMA, 80, 16.0), "--block-size"),
-    (lambda: memory_bill(LLAMA, 80, 16, num_blocks=2**31), "--num-blocks"),
-    (lambda: memory_bill(LLAMA, 80, 16, num_blocks=10**30), "--num-blocks"),
-    (lambda: memory_bill(LLAMA, 1e6, 16, max_blocks=1 << 24), "--gpu-mem"),
-    (lambda: memory_bill(LLAMA, 80, 16, num_blocks=20_000_000, max_blocks=1 << 24), "--num-blocks"),
-    (lambda: kvblocks.sim.custom_model(4, 2, 64, params=NAN), "params"),  # was int(nan) in weight_bytes
-    (lambda: kvblocks.sim.custom_model(4, 2, 64, params=INF), "params"),
-    (lambda: kvblocks.sim.custom_model(4, 2, 10**20), "--head-dim"),
-    (lambda: kvblocks.sim.custom_model(4.5, 2, 64), "--layers"),
-    (lambda: TimeModel.for_model(LLAMA, step_overhead_ms=NAN), "--step-overhead-ms"),
-    (lambda: TimeModel.for_model(LLAMA, kv_read_ns=-1), "--kv-read-ns"),
-    (lambda: SchedulerConfig(num_blocks=10, watermark=NAN).validate(), "--watermark"),
-    (lambda: SchedulerConfig(num_blocks=10, token_budget=2.5).validate(), "--token-budget"),
-    (lambda: SchedulerConfig(num_blocks=10, max_num_seqs=0).validate(), "--max-num-seqs"),
-    (lambda: make_plan(memory_bill(LLAMA, 80, 16), parse_dist("10"), parse_dist("10"), seed=-1), "--seed"),
-    (lambda: make_plan(memory_bill(LLAMA, 80, 16), parse_dist("10"), parse_dist("10"), samples=0), "--samples"),
-    (lambda: make_plan(memory_bill(LLAMA, 80, 16), parse_dist("10"), parse_dist("10"), max_len=0), "--max-len"),
-    (lambda: kvblocks.sim.builtin_workload(5).scaled(NAN), "--time-scale"),  # NaN arrivals hang a replay
-    (lambda: kvblocks.sim.builtin_workload(5).scaled(1e300), "--time-scale"),
-])
+@pytest.mark.parametrize(
+    "call, flag",
+    [
+        (lambda: memory_bill(LLAMA, NAN, 16), "--gpu-mem"),
+        (lambda: memory_bill(LLAMA, INF, 16), "--gpu-mem"),
+        (
+            lambda: memory_bill(LLAMA, 80, 16, reserve_gib=NAN),
+            "--reserve",
+        ),  # was int(nan): ValueError
+        (lambda: memory_bill(LLAMA, 80, 16, reserve_gib=-INF), "--reserve"),
+        (lambda: memory_bill(LLAMA, 80, 16, host_mem_gib=NAN), "--host-mem"),  # nan < 0 is False
+        (lambda: memory_bill(LLAMA, 80, 16, host_mem_gib=INF), "--host-mem"),  # was OverflowError
+        (lambda: memory_bill(LLAMA, 80, 16.0), "--block-size"),
+        (lambda: memory_bill(LLAMA, 80, 16, num_blocks=2**31), "--num-blocks"),
+        (lambda: memory_bill(LLAMA, 80, 16, num_blocks=10**30), "--num-blocks"),
+        (lambda: memory_bill(LLAMA, 1e6, 16, max_blocks=1 << 24), "--gpu-mem"),
+        (
+            lambda: memory_bill(LLAMA, 80, 16, num_blocks=20_000_000, max_blocks=1 << 24),
+            "--num-blocks",
+        ),
+        (
+            lambda: kvblocks.sim.custom_model(4, 2, 64, params=NAN),
+            "params",
+        ),  # was int(nan) in weight_bytes
+        (lambda: kvblocks.sim.custom_model(4, 2, 64, params=INF), "params"),
+        (lambda: kvblocks.sim.custom_model(4, 2, 10**20), "--head-dim"),
+        (lambda: kvblocks.sim.custom_model(4.5, 2, 64), "--layers"),
+        (lambda: TimeModel.for_model(LLAMA, step_overhead_ms=NAN), "--step-overhead-ms"),
+        (lambda: TimeModel.for_model(LLAMA, kv_read_ns=-1), "--kv-read-ns"),
+        (lambda: SchedulerConfig(num_blocks=10, watermark=NAN).validate(), "--watermark"),
+        (lambda: SchedulerConfig(num_blocks=10, token_budget=2.5).validate(), "--token-budget"),
+        (lambda: SchedulerConfig(num_blocks=10, max_num_seqs=0).validate(), "--max-num-seqs"),
+        (
+            lambda: make_plan(
+                memory_bill(LLAMA, 80, 16), parse_dist("10"), parse_dist("10"), seed=-1
+            ),
+            "--seed",
+        ),
+        (
+            lambda: make_plan(
+                memory_bill(LLAMA, 80, 16), parse_dist("10"), parse_dist("10"), samples=0
+            ),
+            "--samples",
+        ),
+        (
+            lambda: make_plan(
+                memory_bill(LLAMA, 80, 16), parse_dist("10"), parse_dist("10"), max_len=0
+            ),
+            "--max-len",
+        ),
+        (
+            lambda: kvblocks.sim.builtin_workload(5).scaled(NAN),
+            "--time-scale",
+        ),  # NaN arrivals hang a replay
+        (lambda: kvblocks.sim.builtin_workload(5).scaled(1e300), "--time-scale"),
+    ],
+)
 def test_library_limits_refuse_nan_inf_and_huge(call, flag):
     with pytest.raises(SimulationError, match=f"^{flag} "):
         call()
@@ -396,18 +492,21 @@ def test_memory_bill_caps_are_defaults():
 KV_OK = {"timestamp": 0, "segments": [[1, 10]], "output_length": 5}
 
 
-@pytest.mark.parametrize("patch, msg", [
-    ({"output_id": 2**36}, "bad output_id"),  # was a ValueError from seed_of during the replay
-    ({"output_id": 1.0}, "bad output_id"),
-    ({"segments": [[1, 10**7 + 1]]}, "bad segment"),
-    ({"segments": [[1, 10**40]]}, "bad segment"),
-    ({"segments": [[2**36, 10]]}, "bad segment"),
-    ({"segments": [[1, 10.0]]}, "bad segment"),
-    ({"n": 2.0}, "must be an integer"),
-    ({"n": 65}, "absurdly large"),
-    ({"output_length": 5.0}, "must be an integer, got 5.0"),
-    ({"timestamp": 1e16}, "absurdly large"),
-])
+@pytest.mark.parametrize(
+    "patch, msg",
+    [
+        ({"output_id": 2**36}, "bad output_id"),  # was a ValueError from seed_of during the replay
+        ({"output_id": 1.0}, "bad output_id"),
+        ({"segments": [[1, 10**7 + 1]]}, "bad segment"),
+        ({"segments": [[1, 10**40]]}, "bad segment"),
+        ({"segments": [[2**36, 10]]}, "bad segment"),
+        ({"segments": [[1, 10.0]]}, "bad segment"),
+        ({"n": 2.0}, "must be an integer"),
+        ({"n": 65}, "absurdly large"),
+        ({"output_length": 5.0}, "must be an integer, got 5.0"),
+        ({"timestamp": 1e16}, "absurdly large"),
+    ],
+)
 def test_kvblocks_jsonl_errors_name_file_and_line(tmp_path, patch, msg):
     p = tmp_path / "w.jsonl"
     p.write_text(json.dumps(KV_OK) + "\n" + json.dumps({**KV_OK, **patch}) + "\n")
@@ -425,7 +524,9 @@ def test_fractional_ms_timestamps_still_load(tmp_path):
 def test_not_utf8_names_the_line(tmp_path):
     p = tmp_path / "t.jsonl"
     ok = json.dumps({"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]})
-    p.write_bytes((ok + "\n").encode() * 3000 + b'{"x": "\xff"}\n')  # past the first 8 KiB read chunk
+    p.write_bytes(
+        (ok + "\n").encode() * 3000 + b'{"x": "\xff"}\n'
+    )  # past the first 8 KiB read chunk
     with pytest.raises(WorkloadError, match="not UTF-8 text") as ei:
         load_workload(str(p))
     assert ei.value.line == 3001

@@ -37,16 +37,27 @@ def stub_members():
 
 def test_stub_functions_match_the_module():
     stubbed = {n.name for n in stub_tree().body if isinstance(n, ast.FunctionDef)}
-    runtime = {n for n, v in vars(_core).items()
-               if not n.startswith("_") and inspect.isbuiltin(v) or
-               (callable(v) and not isinstance(v, type) and getattr(v, "__module__", "")
-                == "kvblocks._core" and not n.startswith("_"))}
+    runtime = {
+        n
+        for n, v in vars(_core).items()
+        if not n.startswith("_")
+        and inspect.isbuiltin(v)
+        or (
+            callable(v)
+            and not isinstance(v, type)
+            and getattr(v, "__module__", "") == "kvblocks._core"
+            and not n.startswith("_")
+        )
+    }
     assert stubbed == runtime
 
 
 @pytest.mark.parametrize("cls", ["BlockPool", "BlockManager", "SeqBatch"])
 def test_stub_classes_match_the_runtime(cls):
-    runtime = public(n for n in dir(getattr(_core, cls)) if n not in dir(object)
-                     or n in ("__len__", "__contains__"))
+    runtime = public(
+        n
+        for n in dir(getattr(_core, cls))
+        if n not in dir(object) or n in ("__len__", "__contains__")
+    )
     runtime -= {"__reduce__", "__reduce_cython__", "__setstate_cython__", "__pyx_vtable__"}
     assert stub_members()[cls] == runtime

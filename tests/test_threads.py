@@ -24,7 +24,7 @@ BLOCK_SIZE = 4
 
 def _worker(mgr, w, errors, models, barrier):
     rng = random.Random(w)
-    model = {}   # seq id -> committed tokens
+    model = {}  # seq id -> committed tokens
     family = {}  # seq id -> the id of the prompt it was forked from (itself for a prompt)
     models[w] = (model, family)
     base = 1000 * (w + 1)  # this worker's token values: no prefix is shared between workers
@@ -62,8 +62,10 @@ def _worker(mgr, w, errors, models, barrier):
                 batch = rng.sample(ids, rng.randrange(1, len(ids) + 1))
                 # a step computes at least every uncomputed token (only this worker touches
                 # its sequences); other workers' forks may leave copy-on-write pairs pending
-                qlens = [rng.randrange(len(model[s]) - mgr.num_computed(s), len(model[s]) + 1)
-                         for s in batch]
+                qlens = [
+                    rng.randrange(len(model[s]) - mgr.num_computed(s), len(model[s]) + 1)
+                    for s in batch
+                ]
                 mgr.take_copies()
                 try:
                     meta = mgr.metadata(batch, qlens)
@@ -73,13 +75,16 @@ def _worker(mgr, w, errors, models, barrier):
                     continue  # another worker queued a copy in between: a legal refusal
                 lens = [len(model[s]) for s in batch]
                 if meta.seq_lens.tolist() != lens:
-                    raise AssertionError(f"metadata({batch}).seq_lens = "
-                                         f"{meta.seq_lens.tolist()}, expected {lens}")
+                    raise AssertionError(
+                        f"metadata({batch}).seq_lens = {meta.seq_lens.tolist()}, expected {lens}"
+                    )
                 want = np.concatenate(
-                    [mgr.block_table(s)[:-(-len(model[s]) // BLOCK_SIZE)] for s in batch])
+                    [mgr.block_table(s)[: -(-len(model[s]) // BLOCK_SIZE)] for s in batch]
+                )
                 if not np.array_equal(meta.kv_indices, want):
-                    raise AssertionError(f"metadata({batch}).kv_indices are not the batch's "
-                                         "block tables")
+                    raise AssertionError(
+                        f"metadata({batch}).kv_indices are not the batch's block tables"
+                    )
             elif op < 9:
                 parent = rng.choice(ids)
                 child = new_id()
@@ -104,8 +109,10 @@ def test_threads_own_their_sequences():
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
     try:
-        threads = [threading.Thread(target=_worker, args=(mgr, w, errors, models, barrier))
-                   for w in range(WORKERS)]
+        threads = [
+            threading.Thread(target=_worker, args=(mgr, w, errors, models, barrier))
+            for w in range(WORKERS)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -124,15 +131,16 @@ def test_threads_own_their_sequences():
             table = mgr.block_table(sid)
             assert len(table) == -(-len(toks) // BLOCK_SIZE)
             for b in table.tolist():
-                assert owner.setdefault(b, w) == w, f"block {b} is held by workers " \
-                    f"{owner[b]} and {w}"
+                assert owner.setdefault(b, w) == w, (
+                    f"block {b} is held by workers {owner[b]} and {w}"
+                )
         # within a worker, only a prompt and its forks may share blocks
         seen = {}
         for sid in model:
             for b in mgr.block_table(sid).tolist():
-                assert seen.setdefault(b, family[sid]) == family[sid], \
+                assert seen.setdefault(b, family[sid]) == family[sid], (
                     f"block {b} is shared by unrelated sequences of worker {w}"
+                )
     assert mgr.num_seqs == live
-    assert sorted(map(repr, mgr.seq_ids())) == sorted(
-        repr(s) for model, _ in models for s in model)
+    assert sorted(map(repr, mgr.seq_ids())) == sorted(repr(s) for model, _ in models for s in model)
     mgr.check()

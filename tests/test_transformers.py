@@ -32,9 +32,18 @@ CACHE_KW = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "pas
 
 
 def _common(**kw):
-    out = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-               pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+    out = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+    )
     out.update(kw)
     return out
 
@@ -70,26 +79,59 @@ def _family(model_cls, config_cls, **kw):
 _FAMILIES = {
     "qwen2": _family("Qwen2ForCausalLM", "Qwen2Config", **_common()),
     "mistral": _family("MistralForCausalLM", "MistralConfig", **_common(sliding_window=None)),
-    "gpt_neox": _family("GPTNeoXForCausalLM", "GPTNeoXConfig",
-                        **{k: v for k, v in _common().items() if k != "num_key_value_heads"}),
+    "gpt_neox": _family(
+        "GPTNeoXForCausalLM",
+        "GPTNeoXConfig",
+        **{k: v for k, v in _common().items() if k != "num_key_value_heads"},
+    ),
     # Falcon-7B layout: multi-query, one K/V head (num_kv_heads in the config is not it)
-    "falcon_multi_query": _family("FalconForCausalLM", "FalconConfig", **_TOKENS, hidden_size=64,
-                                  num_hidden_layers=2, num_attention_heads=4, multi_query=True,
-                                  new_decoder_architecture=False),
-    "falcon_multi_head": _family("FalconForCausalLM", "FalconConfig", **_TOKENS, hidden_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4, multi_query=False,
-                                 new_decoder_architecture=False),
+    "falcon_multi_query": _family(
+        "FalconForCausalLM",
+        "FalconConfig",
+        **_TOKENS,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        multi_query=True,
+        new_decoder_architecture=False,
+    ),
+    "falcon_multi_head": _family(
+        "FalconForCausalLM",
+        "FalconConfig",
+        **_TOKENS,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        multi_query=False,
+        new_decoder_architecture=False,
+    ),
     # Falcon-40B/180B layout: K/V groups broadcast to every head before caching
-    "falcon_new_architecture": _family("FalconForCausalLM", "FalconConfig", **_TOKENS,
-                                       hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                       num_kv_heads=2, new_decoder_architecture=True),
-    "gpt_bigcode_multi_query": _family("GPTBigCodeForCausalLM", "GPTBigCodeConfig", **_TOKENS,
-                                       n_embd=64, n_layer=2, n_head=4, n_positions=256,
-                                       multi_query=True),
-    "gpt2": _family("GPT2LMHeadModel", "GPT2Config", **_TOKENS, n_embd=64, n_layer=2, n_head=4,
-                    n_positions=256),
-    "bloom": _family("BloomForCausalLM", "BloomConfig", **_TOKENS, hidden_size=64, n_layer=2,
-                     n_head=4),
+    "falcon_new_architecture": _family(
+        "FalconForCausalLM",
+        "FalconConfig",
+        **_TOKENS,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        new_decoder_architecture=True,
+    ),
+    "gpt_bigcode_multi_query": _family(
+        "GPTBigCodeForCausalLM",
+        "GPTBigCodeConfig",
+        **_TOKENS,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        multi_query=True,
+    ),
+    "gpt2": _family(
+        "GPT2LMHeadModel", "GPT2Config", **_TOKENS, n_embd=64, n_layer=2, n_head=4, n_positions=256
+    ),
+    "bloom": _family(
+        "BloomForCausalLM", "BloomConfig", **_TOKENS, hidden_size=64, n_layer=2, n_head=4
+    ),
 }
 
 
@@ -104,8 +146,8 @@ def _prompts(lengths, seed=0):
     ids = np.full((len(lengths), L), PAD, dtype=np.int64)
     mask = np.zeros((len(lengths), L), dtype=np.int64)
     for r, n in enumerate(lengths):
-        ids[r, L - n:] = g.integers(3, VOCAB, n)
-        mask[r, L - n:] = 1
+        ids[r, L - n :] = g.integers(3, VOCAB, n)
+        mask[r, L - n :] = 1
     return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
@@ -140,16 +182,16 @@ def test_update_round_trip_and_dedupe(llama):
     dyn = DynamicCache(config=llama.config)
     k0 = torch.randn(1, 2, 6, 16, generator=g).repeat(3, 1, 1, 1)  # 3 equal rows in layer 0
     k1 = torch.randn(1, 2, 6, 16, generator=g).repeat(3, 1, 1, 1)
-    k1[2, 0, 5, 0] += 1.0                                           # row 2 differs in layer 1
+    k1[2, 0, 5, 0] += 1.0  # row 2 differs in layer 1
     for layer, k in ((0, k0), (1, k1)):
         got = cache.update(k, -k, layer)
         want = dyn.update(k, -k, layer)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     tables = cache.block_tables()
-    assert np.array_equal(tables[0], tables[1])             # row 1 forked row 0
+    assert np.array_equal(tables[0], tables[1])  # row 1 forked row 0
     assert not set(tables[2].tolist()) & set(tables[0].tolist())
     assert cache.stats["forks"] == 1 and cache.num_blocks_held() == 4
-    for step in range(3):                                   # decode: copy-on-write of block 1
+    for _step in range(3):  # decode: copy-on-write of block 1
         for layer in (0, 1):
             k = torch.randn(3, 2, 1, 16, generator=g)
             got = cache.update(k, 2 * k, layer)
@@ -306,7 +348,7 @@ def test_continuation_like_dynamic_cache(llama):
     b = _generate(llama, ids, mask, cache, max_new_tokens=4)
     assert torch.equal(a, b)
     # feed the output back with the same cache: only the new tokens are computed
-    mask2 = torch.cat([mask, torch.ones_like(a[:, mask.shape[1]:])], dim=1)
+    mask2 = torch.cat([mask, torch.ones_like(a[:, mask.shape[1] :])], dim=1)
     a2 = _generate(llama, a, mask2, dyn, max_new_tokens=4)
     b2 = _generate(llama, b, mask2, cache, max_new_tokens=4)
     assert torch.equal(a2, b2)
@@ -338,7 +380,7 @@ def test_errors(llama):
     with pytest.raises(OutOfBlocksError):
         _generate(llama, ids, mask, cache)
     assert cache.manager.pool.usage == 0  # the failed prefill left nothing behind
-    ids2, mask2 = _prompts([12, 12])       # ... and the cache is still usable
+    ids2, mask2 = _prompts([12, 12])  # ... and the cache is still usable
     ref, _ = _reference(llama, ids2, mask2, max_new_tokens=1)
     assert torch.equal(_generate(llama, ids2, mask2, cache, max_new_tokens=1), ref)
     cache.reset()
@@ -401,7 +443,7 @@ def test_poison_prepare_reset_prepare(llama):
     cache = PagedKVCache(llama.config, num_blocks=64, block_size=BLOCK)
     assert cache.prepare(ids, mask, model=llama) == 0
     cache.reset()
-    assert cache.manager.pool.num_cached == 0       # nothing computed, nothing cached
+    assert cache.manager.pool.num_cached == 0  # nothing computed, nothing cached
     assert cache.prepare(ids, mask, model=llama) == 0
     assert torch.equal(_generate(llama, ids, mask, cache), ref)
     assert cache.prepare(ids, mask, model=llama) == 12  # computed now: real hits
@@ -414,7 +456,7 @@ def test_poison_generate_fails_argument_validation(llama):
     ref, _ = _reference(llama, ids, mask)
     cache = PagedKVCache(llama.config, num_blocks=64, block_size=BLOCK)
     cache.prepare(ids, mask, model=llama)
-    with pytest.raises(ValueError):                  # transformers refuses before any forward
+    with pytest.raises(ValueError):  # transformers refuses before any forward
         _generate(llama, ids, mask, cache, num_return_sequences=2)
     assert cache.manager.pool.num_cached == 0
     assert cache.prepare(ids, mask, model=llama) == 0
@@ -427,7 +469,7 @@ def test_poison_generate_fails_argument_validation(llama):
 
 
 def test_poison_prepare_out_of_blocks_on_third_row(llama):
-    ids, mask = _prompts([13, 13, 13], seed=13)      # 4 blocks per row; 8 usable blocks
+    ids, mask = _prompts([13, 13, 13], seed=13)  # 4 blocks per row; 8 usable blocks
     cache = PagedKVCache(llama.config, num_blocks=9, block_size=BLOCK)
     with pytest.raises(OutOfBlocksError):
         cache.prepare(ids, mask, model=llama)
@@ -469,8 +511,9 @@ def test_prepare_generate_mismatch_is_detected(llama):
     ref_a, _ = _reference(llama, a, am)
     ref_b, _ = _reference(llama, b, bm)
     cache = PagedKVCache(llama.config, num_blocks=64, block_size=BLOCK)
-    assert torch.equal(cache.generate(llama, a, attention_mask=am, max_new_tokens=8,
-                                      do_sample=False), ref_a)
+    assert torch.equal(
+        cache.generate(llama, a, attention_mask=am, max_new_tokens=8, do_sample=False), ref_a
+    )
     assert cache.cached_tokens == 0
 
     assert cache.prepare(a, am, model=llama) == 12
@@ -513,8 +556,12 @@ def test_prepared_rows_wait_for_their_prompts(llama):
     ref, _ = _reference(llama, ids, mask)
     cache = PagedKVCache(llama.config, num_blocks=64, block_size=BLOCK)
     cache.prepare(ids, mask, model=llama)
-    for op in (lambda: cache.crop(-1), lambda: cache.batch_repeat_interleave(2),
-               lambda: cache.reorder_cache(torch.tensor([1, 0])), lambda: copy.deepcopy(cache)):
+    for op in (
+        lambda: cache.crop(-1),
+        lambda: cache.batch_repeat_interleave(2),
+        lambda: cache.reorder_cache(torch.tensor([1, 0])),
+        lambda: copy.deepcopy(cache),
+    ):
         with pytest.raises(InvalidStateError, match="prepared prompts"):
             op()
     assert torch.equal(_generate(llama, ids, mask, cache), ref)
@@ -643,16 +690,36 @@ def test_prepare_with_chunked_prefill(llama, copies):
 def _encoder_decoder_models():
     out = []
     for name, model_cls, config in (
-        ("bart", "BartForConditionalGeneration",
-         lambda: transformers.BartConfig(**_TOKENS, decoder_start_token_id=BOS, d_model=64,
-                                         encoder_layers=2, decoder_layers=2,
-                                         encoder_attention_heads=4, decoder_attention_heads=4,
-                                         encoder_ffn_dim=128, decoder_ffn_dim=128,
-                                         max_position_embeddings=256)),
-        ("t5", "T5ForConditionalGeneration",
-         lambda: transformers.T5Config(**_TOKENS, decoder_start_token_id=BOS, d_model=64,
-                                       d_kv=16, d_ff=128, num_layers=1, num_decoder_layers=2,
-                                       num_heads=4)),
+        (
+            "bart",
+            "BartForConditionalGeneration",
+            lambda: transformers.BartConfig(
+                **_TOKENS,
+                decoder_start_token_id=BOS,
+                d_model=64,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=128,
+                decoder_ffn_dim=128,
+                max_position_embeddings=256,
+            ),
+        ),
+        (
+            "t5",
+            "T5ForConditionalGeneration",
+            lambda: transformers.T5Config(
+                **_TOKENS,
+                decoder_start_token_id=BOS,
+                d_model=64,
+                d_kv=16,
+                d_ff=128,
+                num_layers=1,
+                num_decoder_layers=2,
+                num_heads=4,
+            ),
+        ),
     ):
         out.append(pytest.param(model_cls, config, id=name))
     return out
@@ -685,9 +752,18 @@ def test_multi_head_latent_attention_refused():
     config = getattr(transformers, "DeepseekV3Config", None)
     if config is None:  # pragma: no cover
         pytest.skip("no DeepseekV3Config")
-    cfg = config(**_common(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-                           qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
-                           num_experts_per_tok=2, moe_intermediate_size=32))
+    cfg = config(
+        **_common(
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        )
+    )
     with pytest.raises(NotSupportedError, match="latent"):
         PagedKVCache(cfg, num_blocks=8, dtype=torch.float32)
 
@@ -734,18 +810,21 @@ def test_deepcopy_prompt_reuse_recipe(llama):
     paged.manager.check()
 
 
-@pytest.mark.parametrize("kw, exc", [
-    (dict(num_blocks=2.5), InvalidTypeError),
-    (dict(num_blocks="10"), InvalidTypeError),
-    (dict(num_blocks=True), InvalidTypeError),
-    (dict(num_blocks=10, block_size=3.7), InvalidTypeError),
-    (dict(num_blocks=1), InvalidArgumentError),
-    (dict(num_blocks=10, block_size=0), InvalidArgumentError),
-    (dict(num_blocks=10, device="tpu"), InvalidArgumentError),
-    (dict(num_blocks=10, device=0), InvalidTypeError),
-    (dict(num_blocks=10, dtype="int8"), InvalidTypeError),
-    (dict(num_blocks=10, enable_prefix_caching="yes"), InvalidTypeError),
-])
+@pytest.mark.parametrize(
+    "kw, exc",
+    [
+        (dict(num_blocks=2.5), InvalidTypeError),
+        (dict(num_blocks="10"), InvalidTypeError),
+        (dict(num_blocks=True), InvalidTypeError),
+        (dict(num_blocks=10, block_size=3.7), InvalidTypeError),
+        (dict(num_blocks=1), InvalidArgumentError),
+        (dict(num_blocks=10, block_size=0), InvalidArgumentError),
+        (dict(num_blocks=10, device="tpu"), InvalidArgumentError),
+        (dict(num_blocks=10, device=0), InvalidTypeError),
+        (dict(num_blocks=10, dtype="int8"), InvalidTypeError),
+        (dict(num_blocks=10, enable_prefix_caching="yes"), InvalidTypeError),
+    ],
+)
 def test_constructor_refuses_instead_of_coercing(llama, monkeypatch, kw, exc):
     """Found 11: typed errors, raised before any storage is allocated."""
     import kvblocks.integrations.transformers as integration
@@ -776,15 +855,19 @@ def test_constructor_refusals_allocate_nothing(monkeypatch):
         PagedKVCache(_machine_model(), num_blocks=8)
     if not torch.cuda.is_available():
         with pytest.raises(KVBlocksError):
-            PagedKVCache(LlamaConfig(**_common()), num_blocks=8, device="cuda",
-                         dtype=torch.float32)
+            PagedKVCache(LlamaConfig(**_common()), num_blocks=8, device="cuda", dtype=torch.float32)
     assert not allocated
 
 
 def test_constructor_accepts_canonical_spellings(llama):
     for device in ("CPU", " cpu", torch.device("cpu")):
-        cache = PagedKVCache(llama.config, num_blocks=np.int64(8), block_size=np.int32(4),
-                             device=device, dtype="fp16")
+        cache = PagedKVCache(
+            llama.config,
+            num_blocks=np.int64(8),
+            block_size=np.int32(4),
+            device=device,
+            dtype="fp16",
+        )
         assert cache.device == "cpu" and cache.kv.device == "cpu"
         assert cache.num_blocks == 8 and type(cache.num_blocks) is int
 
@@ -827,8 +910,8 @@ def _left_pad(rows):
     ids = np.full((len(rows), L), PAD, dtype=np.int64)
     mask = np.zeros((len(rows), L), dtype=np.int64)
     for i, r in enumerate(rows):
-        ids[i, L - len(r):] = r
-        mask[i, L - len(r):] = 1
+        ids[i, L - len(r) :] = r
+        mask[i, L - len(r) :] = 1
     return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
@@ -842,17 +925,19 @@ class GenerateMachine(RuleBasedStateMachine):
     def setup(self, num_blocks):
         self.model = _machine_model()
         self.cache = PagedKVCache(self.model.config, num_blocks=num_blocks, block_size=BLOCK)
-        self.dyn = None      # a DynamicCache holding what the cache holds, when continuable
-        self.held = None     # (tokens, mask): the cache holds K/V of all tokens but the last
+        self.dyn = None  # a DynamicCache holding what the cache holds, when continuable
+        self.held = None  # (tokens, mask): the cache holds K/V of all tokens but the last
 
     def _batch(self, data):
         rows = []
         for _ in range(data.draw(st.integers(1, 3), label="rows")):
             prefix = _PREFIXES[data.draw(st.integers(0, 2), label="prefix")]
-            cut = data.draw(st.one_of(st.just(len(prefix)), st.integers(0, len(prefix))),
-                            label="cut")
-            tail = data.draw(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=6),
-                             label="tail")
+            cut = data.draw(
+                st.one_of(st.just(len(prefix)), st.integers(0, len(prefix))), label="cut"
+            )
+            tail = data.draw(
+                st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=6), label="tail"
+            )
             rows.append(np.concatenate([prefix[:cut], np.array(tail)]))
         if data.draw(st.booleans(), label="same length"):  # unpadded rows: hits across batches
             L = max(len(r) for r in rows)
@@ -904,7 +989,7 @@ class GenerateMachine(RuleBasedStateMachine):
         event(f"{mode}: tokens equal" + (", prefix hits" if hits else ""))
         if mode in _CONTINUABLE:
             self.dyn = dyn
-            self.held = (out, torch.cat([mask, torch.ones_like(out[:, mask.shape[1]:])], dim=1))
+            self.held = (out, torch.cat([mask, torch.ones_like(out[:, mask.shape[1] :])], dim=1))
         else:
             self.dyn = self.held = None
 
@@ -917,8 +1002,13 @@ class GenerateMachine(RuleBasedStateMachine):
         self._generate_both(data, mode, max_new, prepared=False)
 
     @precondition(lambda self: self.held is not None)
-    @rule(data=st.data(), new=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=3),
-          sample=st.booleans(), max_new=st.integers(1, 4), fork=st.booleans())
+    @rule(
+        data=st.data(),
+        new=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=3),
+        sample=st.booleans(),
+        max_new=st.integers(1, 4),
+        fork=st.booleans(),
+    )
     def continue_generate(self, data, new, sample, max_new, fork):
         import copy
 
@@ -948,7 +1038,7 @@ class GenerateMachine(RuleBasedStateMachine):
         if fork:
             cache.reset()
         else:
-            self.held = (got, torch.cat([mask, torch.ones_like(got[:, mask.shape[1]:])], dim=1))
+            self.held = (got, torch.cat([mask, torch.ones_like(got[:, mask.shape[1] :])], dim=1))
 
     @precondition(lambda self: self.held is not None and self.held[0].shape[1] > 2)
     @rule(n=st.integers(1, 3))
@@ -980,6 +1070,9 @@ class GenerateMachine(RuleBasedStateMachine):
 
 
 GenerateMachine.TestCase.settings = settings(
-    max_examples=max(8, settings.default.max_examples // 5), stateful_step_count=10,
-    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    max_examples=max(8, settings.default.max_examples // 5),
+    stateful_step_count=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 test_generate_state_machine = GenerateMachine.TestCase

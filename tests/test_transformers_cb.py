@@ -33,8 +33,15 @@ PROMPTS = [SYSTEM + [50 + i, 60 + i, 70 + i] for i in range(5)] + [[7, 8, 9, 10,
 
 def _tiny(family="llama", attn="sdpa", **extra):
     torch.manual_seed(0)
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     common.update(extra)
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
@@ -62,8 +69,12 @@ def _cbc(num_blocks=64, **kw):
 
 
 def _run(model, prompts, *, gen=None, cbc=None):
-    out = model.generate_batch(prompts, generation_config=gen or _gen(),
-                               continuous_batching_config=cbc or _cbc(), warmup=False)
+    out = model.generate_batch(
+        prompts,
+        generation_config=gen or _gen(),
+        continuous_batching_config=cbc or _cbc(),
+        warmup=False,
+    )
     return {k: list(v.generated_tokens) for k, v in out.items()}
 
 
@@ -85,6 +96,7 @@ def reference(llama):
 
 # --- equivalence ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("prefix", [True, False])
 def test_same_tokens_as_transformers_cb(llama, reference, prefix):
     with transformers_cb.enabled(enable_prefix_caching=prefix) as kb:
@@ -102,9 +114,14 @@ def test_same_tokens_as_transformers_cb(llama, reference, prefix):
 def test_same_tokens_as_per_prompt_generate(llama, reference):
     for prompt, toks in zip(PROMPTS[:2], reference[:2]):
         ids = torch.tensor([prompt])
-        ref = llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                             do_sample=False, pad_token_id=0)
-        assert ref[0, len(prompt):].tolist() == toks
+        ref = llama.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        assert ref[0, len(prompt) :].tolist() == toks
 
 
 def test_paged_eager_and_second_family():
@@ -144,6 +161,7 @@ def test_block_ids_flow_unchanged_and_trash_reserved(llama):
 
 # --- prefix cache, pressure, forks, cancel ----------------------------------------------------
 
+
 def test_prefix_hits_under_pressure_lazy_eviction(llama, reference):
     """Few blocks: kvblocks evicts cached blocks one at a time, when an allocation needs them
     (transformers drops them all at once), and the tokens stay the same."""
@@ -182,13 +200,21 @@ def test_prefix_hits_across_calls_persistent_manager(llama, reference):
     """With a persistent manager, the second ``generate_batch`` hits blocks the first computed."""
     with transformers_cb.enabled() as kb:
         first = _tokens(_run(llama, PROMPTS[:1]))
-        out = llama.generate_batch(PROMPTS[1:3], generation_config=_gen(),
-                                   continuous_batching_config=_cbc(), warmup=False,
-                                   persistent_manager=True)
+        out = llama.generate_batch(
+            PROMPTS[1:3],
+            generation_config=_gen(),
+            continuous_batching_config=_cbc(),
+            warmup=False,
+            persistent_manager=True,
+        )
         hits = kb.stats.hit_blocks
-        out2 = llama.generate_batch(PROMPTS[3:5], generation_config=_gen(),
-                                    continuous_batching_config=_cbc(), warmup=False,
-                                    persistent_manager=True)
+        out2 = llama.generate_batch(
+            PROMPTS[3:5],
+            generation_config=_gen(),
+            continuous_batching_config=_cbc(),
+            warmup=False,
+            persistent_manager=True,
+        )
         llama.destroy_cached_continuous_batching_manager()
     assert first == reference[:1]
     assert _tokens({k: list(v.generated_tokens) for k, v in out.items()}) == reference[1:3]
@@ -234,8 +260,9 @@ def _wait(cond, timeout=10.0):
 def test_manager_api_and_cancel(llama, reference):
     """init_continuous_batching / start / add_request / get_result / cancel_request / stop."""
     with transformers_cb.enabled() as kb:
-        mgr = llama.init_continuous_batching(generation_config=_gen(),
-                                             continuous_batching_config=_cbc())
+        mgr = llama.init_continuous_batching(
+            generation_config=_gen(), continuous_batching_config=_cbc()
+        )
         mgr.start()
         try:
             rid = mgr.add_request(PROMPTS[0], max_new_tokens=8)
@@ -256,6 +283,7 @@ def test_manager_api_and_cancel(llama, reference):
 
 # --- the context manager --------------------------------------------------------------------------
 
+
 def test_restores_transformers_classes_also_on_error(llama):
     saved = (cb_cache.ATTN_TYPE_TO_ALLOCATOR, cb_cache.CachePool)
     with transformers_cb.enabled():
@@ -269,8 +297,9 @@ def test_restores_transformers_classes_also_on_error(llama):
             raise ZeroDivisionError("the body raised")
     assert cb_cache.ATTN_TYPE_TO_ALLOCATOR is saved[0] and cb_cache.CachePool is saved[1]
     # a cache built after the block is transformers' own
-    mgr = llama.init_continuous_batching(generation_config=_gen(),
-                                         continuous_batching_config=_cbc())
+    mgr = llama.init_continuous_batching(
+        generation_config=_gen(), continuous_batching_config=_cbc()
+    )
     mgr.warmup()
     assert type(mgr.batch_processor.cache.pool) is saved[1]
     mgr.stop()

@@ -31,8 +31,10 @@ def _alloc_free(vllm: Optional[Callable[[int], Any]]) -> List[Op]:
     vp = vllm(1 << 16) if vllm else None
     ops = []
     for n in SIZES:
-        cases = [Case("kvblocks", lambda n=n: pool.free(pool.allocate(n))),  # type: ignore[misc]  # mypy cannot type a lambda with defaults
-                 Case("python", lambda n=n: py.free(py.allocate(n)))]  # type: ignore[misc]  # mypy cannot type a lambda with defaults
+        cases = [
+            Case("kvblocks", lambda n=n: pool.free(pool.allocate(n))),  # type: ignore[misc]
+            Case("python", lambda n=n: py.free(py.allocate(n))),  # type: ignore[misc]
+        ]
         if vp is not None:
             cases.append(Case("vllm", lambda n=n: vp.free_blocks(vp.get_new_blocks(n))))  # type: ignore[misc]  # mypy cannot type a lambda with defaults
         ops.append(Op(f"allocate_free/n={n}", f"allocate+free n={n}", "block", n, cases))
@@ -61,8 +63,13 @@ def _fork_cow() -> Op:
         tables.take_copies()
         tables.free("c")
 
-    return Op("fork_cow", "fork + copy-on-write append + free", "call", 1,
-              [Case("kvblocks", cycle), Case("python", pycycle)])
+    return Op(
+        "fork_cow",
+        "fork + copy-on-write append + free",
+        "call",
+        1,
+        [Case("kvblocks", cycle), Case("python", pycycle)],
+    )
 
 
 def _append_batch() -> List[Op]:
@@ -92,10 +99,30 @@ def _append_batch() -> List[Op]:
             tables.reserve(i, BS)
 
     py = Case("python", lambda: tables.append_batch(ids, pytoks), inner=steps, teardown=pyreset)
-    ops = [Op("append_batch/list", f"append_batch {NSEQ} seqs (list of ids)", "seq", NSEQ,
-              [Case("kvblocks", lambda: mgr.append_batch(ids, toks), inner=steps, teardown=reset), py]),
-           Op("append_batch/seqbatch", f"append_batch {NSEQ} seqs (SeqBatch)", "seq", NSEQ,
-              [Case("kvblocks", lambda: mgr.append_batch(batch, toks), inner=steps, teardown=reset), py])]
+    ops = [
+        Op(
+            "append_batch/list",
+            f"append_batch {NSEQ} seqs (list of ids)",
+            "seq",
+            NSEQ,
+            [
+                Case("kvblocks", lambda: mgr.append_batch(ids, toks), inner=steps, teardown=reset),
+                py,
+            ],
+        ),
+        Op(
+            "append_batch/seqbatch",
+            f"append_batch {NSEQ} seqs (SeqBatch)",
+            "seq",
+            NSEQ,
+            [
+                Case(
+                    "kvblocks", lambda: mgr.append_batch(batch, toks), inner=steps, teardown=reset
+                ),
+                py,
+            ],
+        ),
+    ]
 
     # decode steps over one block's worth of tokens: each sequence crosses a boundary, its
     # filled block is hashed and (once the step is scheduled) cached; fresh tokens every sample
@@ -110,8 +137,10 @@ def _append_batch() -> List[Op]:
     mgr2.schedule(b2, [3 * BS] * NSEQ)
     ones = np.ones(NSEQ, dtype=np.int32)
     rng = np.random.default_rng(0)
-    state: Dict[str, Any] = {"rows": list(rng.integers(0, 32000, (fill, NSEQ), dtype=np.int32)),
-                             "k": 0}
+    state: Dict[str, Any] = {
+        "rows": list(rng.integers(0, 32000, (fill, NSEQ), dtype=np.int32)),
+        "k": 0,
+    }
     pystate = {"rows": [r.tolist() for r in state["rows"]], "k": 0}
 
     def step():
@@ -137,11 +166,20 @@ def _append_batch() -> List[Op]:
         pystate["rows"] = rng.integers(0, 32000, (fill, NSEQ), dtype=np.int32).tolist()
         pystate["k"] = 0
 
-    ops.append(Op("decode_step/fills", f"append_batch+schedule {NSEQ} seqs (block fills)", "seq", NSEQ,
-                  [Case("kvblocks", step, inner=fill, teardown=reset2),
-                   Case("python", pystep, inner=fill, teardown=pyreset2)],
-                  note="a decode step crossing block boundaries: each filled block is hashed and, "
-                  "once scheduled, cached (python: SHA-256 on fill)"))
+    ops.append(
+        Op(
+            "decode_step/fills",
+            f"append_batch+schedule {NSEQ} seqs (block fills)",
+            "seq",
+            NSEQ,
+            [
+                Case("kvblocks", step, inner=fill, teardown=reset2),
+                Case("python", pystep, inner=fill, teardown=pyreset2),
+            ],
+            note="a decode step crossing block boundaries: each filled block is hashed and, "
+            "once scheduled, cached (python: SHA-256 on fill)",
+        )
+    )
     return ops
 
 
@@ -166,16 +204,31 @@ def _build(s: Settings, vllm: Optional[Callable[[int], object]]) -> Op:
             held.clear()
             release()
 
-        return Case(impl, lambda: held.append(make(BUILD_BLOCKS + 1)), inner=1, teardown=teardown,
-                    samples=samples, min_samples=1, warmup=False)
+        return Case(
+            impl,
+            lambda: held.append(make(BUILD_BLOCKS + 1)),
+            inner=1,
+            teardown=teardown,
+            samples=samples,
+            min_samples=1,
+            warmup=False,
+        )
 
-    cases = [case("kvblocks", BlockPool, 3 if s.quick else 15),
-             case("python", PyBlockPool, 1 if s.quick else 5)]
+    cases = [
+        case("kvblocks", BlockPool, 3 if s.quick else 15),
+        case("python", PyBlockPool, 1 if s.quick else 5),
+    ]
     if vllm:
         cases.append(case("vllm", vllm, 1 if s.quick else 5))
-    return Op("build/1M", "build a 1,000,000-block pool", "block", BUILD_BLOCKS, cases,
-              note="timed cold: no warm-up, freed memory returned to the OS between builds (glibc), "
-              "so page faults count; GC off, which spares the Python pools collections")
+    return Op(
+        "build/1M",
+        "build a 1,000,000-block pool",
+        "block",
+        BUILD_BLOCKS,
+        cases,
+        note="timed cold: no warm-up, freed memory returned to the OS between builds (glibc), "
+        "so page faults count; GC off, which spares the Python pools collections",
+    )
 
 
 def _python_bytes(make: Callable[[int], object]) -> float:

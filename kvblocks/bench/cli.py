@@ -47,7 +47,9 @@ def _samples(text: str) -> int:
     except ValueError:
         n = 0
     if not 1 <= n <= MAX_SAMPLES:
-        raise argparse.ArgumentTypeError(f"must be an integer in [1, {MAX_SAMPLES:,}], not {text[:40]!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be an integer in [1, {MAX_SAMPLES:,}], not {text[:40]!r}"
+        )
     return n
 
 
@@ -62,15 +64,27 @@ def add_command(sub: "argparse._SubParsersAction") -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("suites", nargs="*", metavar="SUITE", help="alloc, prefix, metadata or all (default all)")
+    p.add_argument(
+        "suites", nargs="*", metavar="SUITE", help="alloc, prefix, metadata or all (default all)"
+    )
     p.add_argument("--quick", action="store_true", help="fewer samples: seconds per suite, noisier")
-    p.add_argument("--samples", type=_samples, metavar="N", help="at most N samples per case (a smoke test)")
-    p.add_argument("--json", metavar="FILE", help="write the results as JSON ('-': to stdout, no table)")
+    p.add_argument(
+        "--samples", type=_samples, metavar="N", help="at most N samples per case (a smoke test)"
+    )
+    p.add_argument(
+        "--json", metavar="FILE", help="write the results as JSON ('-': to stdout, no table)"
+    )
     p.add_argument("--compare", metavar="FILE", help="ratios against an earlier --json FILE")
-    p.add_argument("--plot", metavar="FILE", help="latency histograms and CDFs (PNG/SVG/PDF; needs matplotlib)")
+    p.add_argument(
+        "--plot", metavar="FILE", help="latency histograms and CDFs (PNG/SVG/PDF; needs matplotlib)"
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    p.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
-    p.add_argument("--no-vllm", action="store_true", help="do not time vLLM's BlockPool even if importable")
+    p.add_argument(
+        "--progress", action="store_true", help="progress bar even when stderr is not a terminal"
+    )
+    p.add_argument(
+        "--no-vllm", action="store_true", help="do not time vLLM's BlockPool even if importable"
+    )
 
 
 def _command(args: argparse.Namespace, suites: List[str]) -> str:
@@ -99,8 +113,14 @@ def run(args: argparse.Namespace) -> int:
         if not os.path.isdir(folder):
             raise BenchError(f"--json {args.json}: no such folder {folder}")
     show = not args.quiet and (args.progress or sys.stderr.isatty())
-    res = run_bench(suites, quick=args.quick, max_samples=args.samples, progress=show,
-                    use_vllm=not args.no_vllm, command=_command(args, suites))
+    res = run_bench(
+        suites,
+        quick=args.quick,
+        max_samples=args.samples,
+        progress=show,
+        use_vllm=not args.no_vllm,
+        command=_command(args, suites),
+    )
     doc = res.doc
     if old is not None:
         doc["compare"] = compare(doc, old, args.compare)

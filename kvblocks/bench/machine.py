@@ -34,8 +34,12 @@ def _cpu_model() -> str:
             return m.group(1).strip()
     if sys.platform == "darwin":
         try:
-            return subprocess.check_output(["sysctl", "-n", "machdep.cpu.brand_string"], text=True,
-                                           stderr=subprocess.DEVNULL, timeout=5).strip()
+            return subprocess.check_output(
+                ["sysctl", "-n", "machdep.cpu.brand_string"],
+                text=True,
+                stderr=subprocess.DEVNULL,
+                timeout=5,
+            ).strip()
         except (OSError, subprocess.SubprocessError):
             pass
     return platform.processor() or platform.machine() or "unknown"
@@ -66,10 +70,19 @@ def git_commit() -> Optional[str]:
     if not (root / ".git").exists():
         return None
     try:
-        out = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                                      stderr=subprocess.DEVNULL, timeout=10).strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "csrc", "kvblocks"], cwd=root,
-                               stderr=subprocess.DEVNULL, timeout=10).returncode
+        out = subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            text=True,
+            stderr=subprocess.DEVNULL,
+            timeout=10,
+        ).strip()
+        dirty = subprocess.run(
+            ["git", "diff", "--quiet", "HEAD", "--", "csrc", "kvblocks"],
+            cwd=root,
+            stderr=subprocess.DEVNULL,
+            timeout=10,
+        ).returncode
         return out + ("+dirty" if dirty == 1 else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -82,9 +95,14 @@ def detect_build(path: Optional[str] = None) -> Dict[str, object]:
         from .. import _core
 
         path = _core.__file__
-    info: Dict[str, object] = {"extension": os.path.basename(str(path)), "kind": "unknown",
-                               "optimization": None, "assertions": None, "sanitizers": [],
-                               "compiler": None}
+    info: Dict[str, object] = {
+        "extension": os.path.basename(str(path)),
+        "kind": "unknown",
+        "optimization": None,
+        "assertions": None,
+        "sanitizers": [],
+        "compiler": None,
+    }
     try:
         data = Path(str(path)).read_bytes()
     except OSError as e:
@@ -102,8 +120,12 @@ def detect_build(path: Optional[str] = None) -> Dict[str, object]:
         opt = levels[-1] if levels else None
         for m in re.findall(r"-fsanitize=([\w,-]+)", p):
             sanitizers += [x for x in m.split(",") if x and x not in sanitizers]
-    for marker, name in ((b"__asan_init", "address"), (b"__ubsan_handle", "undefined"),
-                         (b"__tsan_init", "thread"), (b"__msan_init", "memory")):
+    for marker, name in (
+        (b"__asan_init", "address"),
+        (b"__ubsan_handle", "undefined"),
+        (b"__tsan_init", "thread"),
+        (b"__msan_init", "memory"),
+    ):
         if marker in data and name not in sanitizers:
             sanitizers.append(name)
     assertions = b"__assert_fail" in data or b"__assert_rtn" in data or b"_wassert" in data
@@ -112,7 +134,8 @@ def detect_build(path: Optional[str] = None) -> Dict[str, object]:
     if own:  # the running build records its debug level (0 release, 1 assertions, 2 + checks)
         try:
             from .. import _core
-            info["debug_level"] = int(getattr(_core, "BUILD_DEBUG_LEVEL"))
+
+            info["debug_level"] = int(_core.BUILD_DEBUG_LEVEL)
         except (ImportError, AttributeError):
             pass
     if info["debug_level"]:
@@ -128,8 +151,11 @@ def detect_build(path: Optional[str] = None) -> Dict[str, object]:
     else:
         kind = "release?"  # no assertions, optimisation level not recorded (stripped)
     info["kind"] = kind
-    info["detected_from"] = ("compiler flags in the extension's debug info" if ours else
-                             "imported symbols only (no compiler flags recorded)")
+    info["detected_from"] = (
+        "compiler flags in the extension's debug info"
+        if ours
+        else "imported symbols only (no compiler flags recorded)"
+    )
     return info
 
 
@@ -167,14 +193,20 @@ def summary_lines(m: Dict[str, object]) -> List[str]:
         cores += f" ({m['cores_physical']} physical)"
     if m.get("cores_usable") not in (None, m["cores_logical"]):
         cores += f", {m['cores_usable']} usable"
-    flags = ", ".join(x for x in (
-        b.get("optimization") or "optimisation unknown",
-        "assertions on" if b.get("assertions") else "assertions off",
-        ("sanitizers: " + "+".join(b["sanitizers"])) if b.get("sanitizers") else "",
-    ) if x)
+    flags = ", ".join(
+        x
+        for x in (
+            b.get("optimization") or "optimisation unknown",
+            "assertions on" if b.get("assertions") else "assertions off",
+            ("sanitizers: " + "+".join(b["sanitizers"])) if b.get("sanitizers") else "",
+        )
+        if x
+    )
     commit = f", commit {m['commit']}" if m.get("commit") else ""
     return [
         f"machine   {m['cpu_model']} ({m['arch']}), {cores}; {m['os']}",
-        (f"software  {m['python']}, numpy {m['numpy']}, kvblocks {m['kvblocks']}{commit}, "
-         f"{b['kind']} build ({flags})"),
+        (
+            f"software  {m['python']}, numpy {m['numpy']}, kvblocks {m['kvblocks']}{commit}, "
+            f"{b['kind']} build ({flags})"
+        ),
     ]

@@ -35,7 +35,9 @@ def check_plot(path: str) -> None:
     finally:
         plt.close(fig)
     if ext and ext not in formats:
-        raise BenchError(f"--plot {path}: matplotlib cannot write .{ext} (try {', '.join(sorted(formats))})")
+        raise BenchError(
+            f"--plot {path}: matplotlib cannot write .{ext} (try {', '.join(sorted(formats))})"
+        )
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise BenchError(f"--plot {path}: no such folder {folder}")
@@ -61,8 +63,14 @@ def plot_run(doc: dict, samples: Dict[str, Dict[str, Dict[str, np.ndarray]]], pa
             color = _COLORS.get(impl)
             ax_h.hist(a, bins=bins, histtype="step", color=color, label=f"{impl} (n={a.size})")
             xs = np.sort(a)
-            ax_c.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post", color=color, label=impl,
-                      linewidth=1.2)
+            ax_c.step(
+                xs,
+                np.arange(1, xs.size + 1) / xs.size,
+                where="post",
+                color=color,
+                label=impl,
+                linewidth=1.2,
+            )
             ax_c.axvline(np.percentile(a, 99), color=color, linestyle=":", linewidth=0.8)
         for ax in (ax_h, ax_c):
             ax.set_xscale("log")

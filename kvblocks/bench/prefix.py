@@ -25,10 +25,17 @@ def _hash() -> Op:
     toks = np.random.default_rng(0).integers(0, 128000, PROMPT, dtype=np.int32)
     lst = toks.tolist()
     n = PROMPT // BS
-    return Op("hash_blocks/32k", f"hash a {PROMPT:,}-token prompt ({n:,} blocks)", "block", n,
-              [Case("kvblocks", lambda: hash_blocks(toks, BS)),
-               Case("python", lambda: sha256_block_hashes(lst, BS))],
-              note="kvblocks: keyed SipHash-128; python: SHA-256 of pickled (parent, tokens)")
+    return Op(
+        "hash_blocks/32k",
+        f"hash a {PROMPT:,}-token prompt ({n:,} blocks)",
+        "block",
+        n,
+        [
+            Case("kvblocks", lambda: hash_blocks(toks, BS)),
+            Case("python", lambda: sha256_block_hashes(lst, BS)),
+        ],
+        note="kvblocks: keyed SipHash-128; python: SHA-256 of pickled (parent, tokens)",
+    )
 
 
 def _lookup() -> List[Op]:
@@ -49,12 +56,26 @@ def _lookup() -> List[Op]:
         py.touch(hit)
         py.free(hit[::-1])
 
-    return [Op("lookup/2048", f"lookup {n:,} cached blocks (no pin)", "block", n,
-               [Case("kvblocks", lambda: pool.lookup(h)), Case("python", lambda: py.lookup(pyh))]),
-            Op("lookup_and_pin/2048", f"lookup_and_pin + free {n:,} blocks", "block", n,
-               [Case("kvblocks", lambda: pool.free(pool.lookup_and_pin(h)[::-1])),
-                Case("python", pycycle)],
-               note="python: lookup, touch (pin), free")]
+    return [
+        Op(
+            "lookup/2048",
+            f"lookup {n:,} cached blocks (no pin)",
+            "block",
+            n,
+            [Case("kvblocks", lambda: pool.lookup(h)), Case("python", lambda: py.lookup(pyh))],
+        ),
+        Op(
+            "lookup_and_pin/2048",
+            f"lookup_and_pin + free {n:,} blocks",
+            "block",
+            n,
+            [
+                Case("kvblocks", lambda: pool.free(pool.lookup_and_pin(h)[::-1])),
+                Case("python", pycycle),
+            ],
+            note="python: lookup, touch (pin), free",
+        ),
+    ]
 
 
 def _evict() -> List[Op]:
@@ -93,6 +114,7 @@ def _evict() -> List[Op]:
             for x in lst:
                 p.free(x)
             lst.clear()
+
         return f
 
     def check():  # the timed calls did evict
@@ -102,14 +124,42 @@ def _evict() -> List[Op]:
 
     inner = EVICT_INNER
     return [
-        Op("allocate_evicting/128", f"allocate {n} evicting cached blocks", "block", n,
-           [Case("kvblocks", lambda: held.append(pool.allocate(n)), inner=inner, setup=fill, check=check),
-            Case("python", lambda: pyheld.append(py.allocate(n)), inner=inner, setup=pyfill)]),
-        Op("allocate_uncached/128", f"allocate {n}, nothing cached (for contrast)", "block", n,
-           [Case("kvblocks", lambda: held_plain.append(plain.allocate(n)), inner=inner,
-                 teardown=release(plain, held_plain)),
-            Case("python", lambda: pyheld_plain.append(pyplain.allocate(n)), inner=inner,
-                 teardown=release(pyplain, pyheld_plain))]),
+        Op(
+            "allocate_evicting/128",
+            f"allocate {n} evicting cached blocks",
+            "block",
+            n,
+            [
+                Case(
+                    "kvblocks",
+                    lambda: held.append(pool.allocate(n)),
+                    inner=inner,
+                    setup=fill,
+                    check=check,
+                ),
+                Case("python", lambda: pyheld.append(py.allocate(n)), inner=inner, setup=pyfill),
+            ],
+        ),
+        Op(
+            "allocate_uncached/128",
+            f"allocate {n}, nothing cached (for contrast)",
+            "block",
+            n,
+            [
+                Case(
+                    "kvblocks",
+                    lambda: held_plain.append(plain.allocate(n)),
+                    inner=inner,
+                    teardown=release(plain, held_plain),
+                ),
+                Case(
+                    "python",
+                    lambda: pyheld_plain.append(pyplain.allocate(n)),
+                    inner=inner,
+                    teardown=release(pyplain, pyheld_plain),
+                ),
+            ],
+        ),
     ]
 
 

@@ -28,8 +28,10 @@ class ProgressBar:
         self._last = now
         frac = min(1.0, done / max(1, total))
         fill = int(frac * self.width)
-        self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {frac:4.0%} "
-                          f"{done}/{total}  {now - self.t0:.1f} s")
+        self.stream.write(
+            f"\r{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {frac:4.0%} "
+            f"{done}/{total}  {now - self.t0:.1f} s"
+        )
         self.stream.flush()
         self._shown = True
 

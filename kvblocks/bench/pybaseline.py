@@ -115,7 +115,7 @@ class PyBlockPool:
 def sha256_block_hashes(tokens: list, block_size: int, parent: bytes = b"") -> list:
     out = []
     for i in range(len(tokens) // block_size):
-        blk = tuple(tokens[i * block_size:(i + 1) * block_size])
+        blk = tuple(tokens[i * block_size : (i + 1) * block_size])
         parent = hashlib.sha256(pickle.dumps((parent, blk, None))).digest()
         out.append(parent)
     return out
@@ -144,7 +144,7 @@ class PySeqTables:
         self.pool.touch(hit)
         need = -(-len(toks) // self.bs) - len(hit)
         blocks = hit + self.pool.allocate(need)
-        self.pool.cache(blocks[len(hit):len(hashes)], hashes[len(hit):])
+        self.pool.cache(blocks[len(hit) : len(hashes)], hashes[len(hit) :])
         self.tables[seq], self.tokens[seq], self.hashes[seq] = blocks, toks, hashes
         return len(hit) * self.bs
 
@@ -169,7 +169,7 @@ class PySeqTables:
         toks.append(token)
         if (pos + 1) % self.bs == 0:  # the block is full: hash it and cache it
             hs = self.hashes[seq]
-            h = sha256_block_hash(hs[-1] if hs else b"", toks[pos + 1 - self.bs:pos + 1])
+            h = sha256_block_hash(hs[-1] if hs else b"", toks[pos + 1 - self.bs : pos + 1])
             hs.append(h)
             self.pool.cache([blocks[i]], [h])
 
@@ -184,7 +184,7 @@ class PySeqTables:
             self.pool.free(blocks[keep:][::-1])
             del blocks[keep:]
         del self.tokens[seq][n:]
-        del self.hashes[seq][n // self.bs:]
+        del self.hashes[seq][n // self.bs :]
 
     def fork(self, parent, child) -> None:
         blocks = list(self.tables[parent])

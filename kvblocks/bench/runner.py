@@ -29,12 +29,18 @@ UNAVAILABLE = {  # accepted names of suites whose features are not in this versi
     "groups": "it needs KV cache groups (sliding-window and full-attention layers), not built yet",
     "tier": "it needs the host (CPU) tier of the prefix cache, not built yet",
 }
-WARMUP_NOTE = ("warm-up: each operation ran untimed samples first (>= {ms:g} ms), and each of the "
-               "{rounds} interleaved rounds starts with one untimed sample; pool builds are timed cold")
-OVERHEAD_NOTE = ("timer overhead (per sample) and harness overhead (per call), measured before the run "
-                 "and in every round, are subtracted (their medians; values on each suite's line)")
-P99_NOTE = ("p50/p99 are over samples; a sample is the mean of `inner` back-to-back calls "
-            "(1 for single-call operations: metadata, pool build)")
+WARMUP_NOTE = (
+    "warm-up: each operation ran untimed samples first (>= {ms:g} ms), and each of the "
+    "{rounds} interleaved rounds starts with one untimed sample; pool builds are timed cold"
+)
+OVERHEAD_NOTE = (
+    "timer overhead (per sample) and harness overhead (per call), measured before the run "
+    "and in every round, are subtracted (their medians; values on each suite's line)"
+)
+P99_NOTE = (
+    "p50/p99 are over samples; a sample is the mean of `inner` back-to-back calls "
+    "(1 for single-call operations: metadata, pool build)"
+)
 BASELINES = {
     "python": "the bundled pure-Python vLLM-style pool (kvblocks.bench.pybaseline), same harness",
     "numpy-list": "numpy from one block-table array per sequence",
@@ -51,7 +57,9 @@ def resolve_suites(names: Sequence[str]) -> List[str]:
         elif name in SUITES:
             todo = [name]
         elif name in UNAVAILABLE:
-            raise BenchError(f"suite {name!r} is not available in this version: {UNAVAILABLE[name]}")
+            raise BenchError(
+                f"suite {name!r} is not available in this version: {UNAVAILABLE[name]}"
+            )
         else:
             raise BenchError(f"unknown suite {name!r} (choose from {', '.join(SUITES)}, all)")
         out += [t for t in todo if t not in out]
@@ -77,9 +85,16 @@ class BenchRun:
     samples: Dict[str, Dict[str, Dict[str, np.ndarray]]] = field(default_factory=dict)
 
 
-def run(suites: Sequence[str] = ("all",), *, quick: bool = False, max_samples: Optional[int] = None,
-        progress: bool = False, stream: Optional[TextIO] = None, use_vllm: bool = True,
-        command: str = "") -> BenchRun:
+def run(
+    suites: Sequence[str] = ("all",),
+    *,
+    quick: bool = False,
+    max_samples: Optional[int] = None,
+    progress: bool = False,
+    stream: Optional[TextIO] = None,
+    use_vllm: bool = True,
+    command: str = "",
+) -> BenchRun:
     """Time ``suites`` and return the run; ``progress`` draws a bar on ``stream`` (stderr)."""
     from .progress import ProgressBar
     from .vllm_pool import load
@@ -95,9 +110,13 @@ def run(suites: Sequence[str] = ("all",), *, quick: bool = False, max_samples: O
         "command": command,
         "settings": {"quick": quick, "max_samples": max_samples, "rounds": settings.rounds},
         "machine": describe_machine(),
-        "timing": {"before_run": cal.as_dict(), "gc": "off while timing",
-                   "warmup": WARMUP_NOTE.format(ms=settings.warmup_ns / 1e6, rounds=settings.rounds),
-                   "overhead": OVERHEAD_NOTE, "percentiles": P99_NOTE},
+        "timing": {
+            "before_run": cal.as_dict(),
+            "gc": "off while timing",
+            "warmup": WARMUP_NOTE.format(ms=settings.warmup_ns / 1e6, rounds=settings.rounds),
+            "overhead": OVERHEAD_NOTE,
+            "percentiles": P99_NOTE,
+        },
         "baselines": {**BASELINES, "vllm": vllm_desc},
         "vllm_timed": make_vllm is not None,
         "suites": {},
@@ -120,11 +139,28 @@ def run(suites: Sequence[str] = ("all",), *, quick: bool = False, max_samples: O
             res = {c.impl: stats[id(c)].as_dict(op.units) for c in op.cases}
             raw[op.id] = {c.impl: stats[id(c)].samples for c in op.cases}
             ref = res["kvblocks"]["p50_ns"]
-            speedup = {k: (v["p50_ns"] / ref if ref > 0 else None) for k, v in res.items() if k != "kvblocks"}
-            rows.append({"id": op.id, "label": op.label, "unit": op.unit, "units": op.units,
-                         "note": op.note, "results": res, "speedup": speedup})
-        doc["suites"][name] = {"seconds": round(time.perf_counter() - t0, 2), "overhead": used.as_dict(),
-                               "ops": rows, **facts}
+            speedup = {
+                k: (v["p50_ns"] / ref if ref > 0 else None)
+                for k, v in res.items()
+                if k != "kvblocks"
+            }
+            rows.append(
+                {
+                    "id": op.id,
+                    "label": op.label,
+                    "unit": op.unit,
+                    "units": op.units,
+                    "note": op.note,
+                    "results": res,
+                    "speedup": speedup,
+                }
+            )
+        doc["suites"][name] = {
+            "seconds": round(time.perf_counter() - t0, 2),
+            "overhead": used.as_dict(),
+            "ops": rows,
+            **facts,
+        }
         result.samples[name] = raw
         del ops
     doc["load_average"] = {"start": load_start, "end": _loadavg()}

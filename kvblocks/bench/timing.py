@@ -82,9 +82,13 @@ class Calibration:
     slowdown: float = 1.0  # median over quietest call_ns of the blocks: > 1 when others were busy
 
     def as_dict(self) -> dict:
-        return {"timer_overhead_ns": self.timer_ns, "call_overhead_ns": self.call_ns,
-                "clock_resolution_ns": self.resolution_ns, "subtracted": True,
-                "probe_slowdown": round(self.slowdown, 3)}
+        return {
+            "timer_overhead_ns": self.timer_ns,
+            "call_overhead_ns": self.call_ns,
+            "clock_resolution_ns": self.resolution_ns,
+            "subtracted": True,
+            "probe_slowdown": round(self.slowdown, 3),
+        }
 
 
 def _sample(fn: Callable[[], object], inner: int) -> int:
@@ -126,8 +130,12 @@ def _combine(blocks: List[tuple]) -> Calibration:
     calls = [b[1] for b in blocks]
     call = float(np.median(calls))
     quiet = min(calls)
-    return Calibration(timer_ns=float(np.median([b[0] for b in blocks])), call_ns=call,
-                       resolution_ns=res, slowdown=call / quiet if quiet > 0 else 1.0)
+    return Calibration(
+        timer_ns=float(np.median([b[0] for b in blocks])),
+        call_ns=call,
+        resolution_ns=res,
+        slowdown=call / quiet if quiet > 0 else 1.0,
+    )
 
 
 @dataclass(eq=False)
@@ -188,9 +196,16 @@ class Stats:
     def as_dict(self, units: int) -> dict:
         a = self.samples
         p50 = float(np.percentile(a, 50))
-        return {"p50_ns": p50, "p99_ns": float(np.percentile(a, 99)),
-                "mean_ns": float(a.mean()), "min_ns": float(a.min()), "max_ns": float(a.max()),
-                "ns_per_unit": p50 / units, "samples": int(a.size), "inner": self.inner}
+        return {
+            "p50_ns": p50,
+            "p99_ns": float(np.percentile(a, 99)),
+            "mean_ns": float(a.mean()),
+            "min_ns": float(a.min()),
+            "max_ns": float(a.max()),
+            "ns_per_unit": p50 / units,
+            "samples": int(a.size),
+            "inner": self.inner,
+        }
 
 
 def _prepare(case: Case, s: Settings, cal: Calibration) -> None:
@@ -219,8 +234,12 @@ def _prepare(case: Case, s: Settings, cal: Calibration) -> None:
     case._got = []
 
 
-def run_ops(ops: List[Op], s: Settings, cal: Calibration,
-            progress: Optional[Callable[[int, int], None]] = None) -> Tuple[Dict[int, Stats], Calibration]:
+def run_ops(
+    ops: List[Op],
+    s: Settings,
+    cal: Calibration,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> Tuple[Dict[int, Stats], Calibration]:
     """Time every distinct case of ``ops``; returns ``{id(case): Stats}`` and the calibration
     subtracted (``cal``'s blocks and one more per round, combined)."""
     cases: List[Case] = []

@@ -41,7 +41,10 @@ def load() -> Tuple[Optional[Callable[[int], object]], str]:
             kwargs[name] = True
         elif name in _FILL and p.default is inspect.Parameter.empty:
             kwargs[name] = _FILL[name]
-        elif p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+        elif p.default is inspect.Parameter.empty and p.kind not in (
+            p.VAR_POSITIONAL,
+            p.VAR_KEYWORD,
+        ):
             if first is None and not kwargs:  # the block count, under another name
                 first = name
                 continue
@@ -58,5 +61,8 @@ def load() -> Tuple[Optional[Callable[[int], object]], str]:
     try:
         make(8).get_new_blocks(2)
     except Exception as e:  # an API drift we cannot follow
-        return None, f"vllm {version}: BlockPool does not work as expected ({type(e).__name__}: {e})"
+        return (
+            None,
+            f"vllm {version}: BlockPool does not work as expected ({type(e).__name__}: {e})",
+        )
     return make, f"vllm {version} (vllm.v1.core.block_pool.BlockPool)"

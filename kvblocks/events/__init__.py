@@ -12,11 +12,24 @@ The wire modules load on first use, so importing kvblocks never needs msgspec or
 
 from .types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, coalesce
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEvent", "ZmqEventPublisher",
-           "coalesce", "encode_batch", "offset_endpoint"]
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEvent",
+    "ZmqEventPublisher",
+    "coalesce",
+    "encode_batch",
+    "offset_endpoint",
+]
 
-_LAZY = {"encode_batch": "wire", "to_wire": "wire", "fold_hash": "wire",
-         "ZmqEventPublisher": "zmq", "offset_endpoint": "zmq"}
+_LAZY = {
+    "encode_batch": "wire",
+    "to_wire": "wire",
+    "fold_hash": "wire",
+    "ZmqEventPublisher": "zmq",
+    "offset_endpoint": "zmq",
+}
 
 
 def __getattr__(name):
@@ -24,13 +37,16 @@ def __getattr__(name):
     if mod is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
+
     try:
         m = importlib.import_module(f"{__name__}.{mod}")
     except ImportError as exc:
         if exc.name not in ("msgspec", "zmq"):
             raise
-        raise ImportError(f"kvblocks.events.{name} needs {exc.name}: "
-                          f'pip install "kvblocks[events]"', name=exc.name) from exc
+        raise ImportError(
+            f'kvblocks.events.{name} needs {exc.name}: pip install "kvblocks[events]"',
+            name=exc.name,
+        ) from exc
     return getattr(m, name)
 
 

@@ -71,21 +71,35 @@ def coalesce(events: Sequence[AnyEvent]) -> List[AnyEvent]:
     for ev in events:
         last = out[-1] if out else None
         if isinstance(ev, BlockStored):
-            if (isinstance(last, BlockStored) and last.block_hashes
-                    and ev.parent_block_hash is not None
-                    and last.block_hashes[-1] == ev.parent_block_hash
-                    and (last.block_size, last.medium, last.lora_id, last.lora_name,
-                         last.group_idx) == (ev.block_size, ev.medium, ev.lora_id,
-                                             ev.lora_name, ev.group_idx)):
+            if (
+                isinstance(last, BlockStored)
+                and last.block_hashes
+                and ev.parent_block_hash is not None
+                and last.block_hashes[-1] == ev.parent_block_hash
+                and (last.block_size, last.medium, last.lora_id, last.lora_name, last.group_idx)
+                == (ev.block_size, ev.medium, ev.lora_id, ev.lora_name, ev.group_idx)
+            ):
                 last.block_hashes.extend(ev.block_hashes)
                 last.token_ids.extend(ev.token_ids)
                 continue
-            out.append(BlockStored(list(ev.block_hashes), ev.parent_block_hash,
-                                   list(ev.token_ids), ev.block_size, ev.lora_id, ev.medium,
-                                   ev.lora_name, ev.group_idx))
+            out.append(
+                BlockStored(
+                    list(ev.block_hashes),
+                    ev.parent_block_hash,
+                    list(ev.token_ids),
+                    ev.block_size,
+                    ev.lora_id,
+                    ev.medium,
+                    ev.lora_name,
+                    ev.group_idx,
+                )
+            )
         elif isinstance(ev, BlockRemoved):
-            if (isinstance(last, BlockRemoved) and last.medium == ev.medium
-                    and last.group_idx == ev.group_idx):
+            if (
+                isinstance(last, BlockRemoved)
+                and last.medium == ev.medium
+                and last.group_idx == ev.group_idx
+            ):
                 last.block_hashes.extend(ev.block_hashes)
                 continue
             out.append(BlockRemoved(list(ev.block_hashes), ev.medium, ev.group_idx))

@@ -115,8 +115,10 @@ class _Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: Optional[int] = None
 
 
-_FORMS = {"map": (_Stored, _Removed, _Cleared()),
-          "array": (_ArrayStored, _ArrayRemoved, _ArrayCleared())}
+_FORMS = {
+    "map": (_Stored, _Removed, _Cleared()),
+    "array": (_ArrayStored, _ArrayRemoved, _ArrayCleared()),
+}
 
 
 def fold_hash(h: int, hash_int: str = "unsigned") -> int:
@@ -162,7 +164,8 @@ def to_wire(events: Sequence[Any], fmt: str = "map", hash_int: str = "unsigned")
                     raise InvalidArgumentError(
                         f"BlockStored of {n} blocks, block_size {bs!r}, needs {n} * "
                         f"block_size token_ids, got {len(toks)} (give token_ids to "
-                        f"pool.cache())")
+                        f"pool.cache())"
+                    )
                 par = ev.parent_block_hash
                 if signed:
                     w = [(h & M) - ((h & S) << 1) for h in hs]
@@ -172,8 +175,20 @@ def to_wire(events: Sequence[Any], fmt: str = "map", hash_int: str = "unsigned")
                     w = [hs[0] & M] if n == 1 else [h & M for h in hs]
                     if par is not None:
                         par &= M
-                append(Stored(w, par, toks, bs, ev.lora_id, ev.medium, ev.lora_name,
-                              [None] * n, ev.group_idx, _KIND))
+                append(
+                    Stored(
+                        w,
+                        par,
+                        toks,
+                        bs,
+                        ev.lora_id,
+                        ev.medium,
+                        ev.lora_name,
+                        [None] * n,
+                        ev.group_idx,
+                        _KIND,
+                    )
+                )
             elif t is BlockRemoved:
                 hs = ev.block_hashes
                 if signed:
@@ -188,16 +203,23 @@ def to_wire(events: Sequence[Any], fmt: str = "map", hash_int: str = "unsigned")
     except KVBlocksError as exc:  # name the event: every event before it was appended
         raise type(exc)(f"event {len(out)}: {exc}") from None
     except TypeError as exc:
-        raise InvalidTypeError(f"event {len(out)}: {exc} (block hashes must be ints, "
-                               f"token_ids a list of ints)") from None
+        raise InvalidTypeError(
+            f"event {len(out)}: {exc} (block hashes must be ints, token_ids a list of ints)"
+        ) from None
     return out
 
 
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode_batch(events: Sequence[Any], *, ts: float, data_parallel_rank: Optional[int] = 0,
-                 fmt: str = "map", hash_int: str = "unsigned") -> bytes:
+def encode_batch(
+    events: Sequence[Any],
+    *,
+    ts: float,
+    data_parallel_rank: Optional[int] = 0,
+    fmt: str = "map",
+    hash_int: str = "unsigned",
+) -> bytes:
     """vLLM's msgpack ``KVEventBatch`` of ``events`` (kvblocks BlockStored, BlockRemoved,
     AllBlocksCleared), byte for byte: ``fmt="map"`` for vLLM >= 0.24 consumers, ``"array"``
     for vLLM 0.22/0.23 ones; ``hash_int`` "unsigned" (vLLM) or "signed" (int64 readers).

@@ -47,16 +47,19 @@ _SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 def _check_endpoint(endpoint: Any, what: str) -> str:
     if not isinstance(endpoint, str):
-        raise InvalidTypeError(f"{what} must be a str such as 'tcp://*:5557', "
-                               f"got {type(endpoint).__name__}")
+        raise InvalidTypeError(
+            f"{what} must be a str such as 'tcp://*:5557', got {type(endpoint).__name__}"
+        )
     if not endpoint.startswith(_SCHEMES) or endpoint.endswith("//"):
-        raise InvalidArgumentError(f"{what} {endpoint!r}: expected tcp://host:port, "
-                                   f"ipc://path or inproc://name")
+        raise InvalidArgumentError(
+            f"{what} {endpoint!r}: expected tcp://host:port, ipc://path or inproc://name"
+        )
     if endpoint.startswith("tcp://"):
         host, sep, port = endpoint[6:].rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
-            raise InvalidArgumentError(f"{what} {endpoint!r}: expected tcp://host:port "
-                                       f"with a port in 0..65535")
+            raise InvalidArgumentError(
+                f"{what} {endpoint!r}: expected tcp://host:port with a port in 0..65535"
+            )
     return endpoint
 
 
@@ -69,8 +72,9 @@ def offset_endpoint(endpoint: Optional[str], data_parallel_rank: int) -> Optiona
     ('tcp://*:5559', 'inproc://kv_dp1')
     """
     if type(data_parallel_rank) is not int or data_parallel_rank < 0:
-        raise InvalidArgumentError(f"data_parallel_rank must be an int >= 0, "
-                                   f"got {data_parallel_rank!r}")
+        raise InvalidArgumentError(
+            f"data_parallel_rank must be an int >= 0, got {data_parallel_rank!r}"
+        )
     if endpoint is None:
         return None
     _check_endpoint(endpoint, "endpoint")
@@ -84,17 +88,19 @@ def offset_endpoint(endpoint: Optional[str], data_parallel_rank: int) -> Optiona
         if p == 0:
             return endpoint
         if p + data_parallel_rank > 65535:
-            raise InvalidArgumentError(f"endpoint {endpoint!r}: port {p} + rank "
-                                       f"{data_parallel_rank} is past 65535")
+            raise InvalidArgumentError(
+                f"endpoint {endpoint!r}: port {p} + rank {data_parallel_rank} is past 65535"
+            )
         return f"{base}:{p + data_parallel_rank}"
-    raise InvalidArgumentError(f"endpoint {endpoint!r}: an ipc endpoint cannot be shifted "
-                               f"per data-parallel rank; give each rank its own path")
+    raise InvalidArgumentError(
+        f"endpoint {endpoint!r}: an ipc endpoint cannot be shifted "
+        f"per data-parallel rank; give each rank its own path"
+    )
 
 
 def _binds(endpoint: str) -> bool:
     """vLLM's rule: bind a wildcard or local-transport endpoint, connect to anything else."""
-    return ("*" in endpoint or "::" in endpoint
-            or endpoint.startswith(("ipc://", "inproc://")))
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 def _zmq_error(exc: zmq.ZMQError, what: str, endpoint: str) -> Exception:
@@ -121,15 +127,29 @@ class ZmqEventPublisher:
     the constructor (the sockets are bound or connected there).
     """
 
-    def __init__(self, endpoint: str = "tcp://*:5557", *, replay_endpoint: Optional[str] = None,
-                 topic: str = "", data_parallel_rank: int = 0, buffer_steps: int = 10_000,
-                 hwm: int = 100_000, max_queue_size: int = 100_000, fmt: str = "map",
-                 hash_int: str = "unsigned", replay_layout: str = "topic",
-                 bind: Optional[bool] = None, context: Optional[zmq.Context] = None) -> None:
+    def __init__(
+        self,
+        endpoint: str = "tcp://*:5557",
+        *,
+        replay_endpoint: Optional[str] = None,
+        topic: str = "",
+        data_parallel_rank: int = 0,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = 100_000,
+        fmt: str = "map",
+        hash_int: str = "unsigned",
+        replay_layout: str = "topic",
+        bind: Optional[bool] = None,
+        context: Optional[zmq.Context] = None,
+    ) -> None:
         if not isinstance(topic, str):
             raise InvalidTypeError(f"topic must be a str, got {type(topic).__name__}")
-        for name, v, lo in (("buffer_steps", buffer_steps, 0), ("hwm", hwm, 0),
-                            ("max_queue_size", max_queue_size, 1)):
+        for name, v, lo in (
+            ("buffer_steps", buffer_steps, 0),
+            ("hwm", hwm, 0),
+            ("max_queue_size", max_queue_size, 1),
+        ):
             if type(v) is not int or v < lo:
                 raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {v!r}")
         if fmt not in FORMATS:
@@ -137,8 +157,9 @@ class ZmqEventPublisher:
         if hash_int not in HASH_INTS:
             raise InvalidArgumentError(f"hash_int must be one of {HASH_INTS}, got {hash_int!r}")
         if replay_layout not in REPLAY_LAYOUTS:
-            raise InvalidArgumentError(f"replay_layout must be one of {REPLAY_LAYOUTS}, "
-                                       f"got {replay_layout!r}")
+            raise InvalidArgumentError(
+                f"replay_layout must be one of {REPLAY_LAYOUTS}, got {replay_layout!r}"
+            )
         pub_endpoint = offset_endpoint(endpoint, data_parallel_rank)
         assert pub_endpoint is not None  # endpoint is a str (checked above)
         self._endpoint: str = pub_endpoint
@@ -187,8 +208,7 @@ class ZmqEventPublisher:
         except BaseException:
             self._close_sockets()
             raise
-        self._thread = threading.Thread(target=self._run, name="kvblocks-kv-events",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kvblocks-kv-events", daemon=True)
         self._thread.start()
 
     # -- engine thread ---------------------------------------------------------------------
@@ -277,8 +297,10 @@ class ZmqEventPublisher:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"next_seq={self._next_seq}"
-        return (f"ZmqEventPublisher({self._endpoint!r}, topic={self._topic.decode()!r}, "
-                f"rank={self._rank}, {state}, sent={self.sent}, dropped={self.dropped})")
+        return (
+            f"ZmqEventPublisher({self._endpoint!r}, topic={self._topic.decode()!r}, "
+            f"rank={self._rank}, {state}, sent={self.sent}, dropped={self.dropped})"
+        )
 
     # -- background thread -----------------------------------------------------------------
     _busy = False
@@ -301,8 +323,9 @@ class ZmqEventPublisher:
             self._busy = True
             seq, ts, events = queue.popleft()
             try:
-                payload = encoder.encode(_Batch(float(ts), to_wire(events, self._fmt,
-                                                                   self._hash_int), self._rank))
+                payload = encoder.encode(
+                    _Batch(float(ts), to_wire(events, self._fmt, self._hash_int), self._rank)
+                )
                 seq_b = seq.to_bytes(8, "big")
                 pub.send_multipart((self._topic, seq_b, payload), flags=zmq.NOBLOCK)
                 self.sent += 1

@@ -107,9 +107,16 @@ def _torch_dtype(dtype: Any) -> torch.dtype:
             raise InvalidTypeError(f"unsupported KV dtype {dtype}")
         return dtype
     if isinstance(dtype, str):
-        names = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
-                 "bf16": "bfloat16", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-                 "fp8_e5m2": "float8_e5m2"}
+        names = {
+            "fp32": "float32",
+            "float": "float32",
+            "fp16": "float16",
+            "half": "float16",
+            "bf16": "bfloat16",
+            "fp8": "float8_e4m3fn",
+            "fp8_e4m3": "float8_e4m3fn",
+            "fp8_e5m2": "float8_e5m2",
+        }
         t = getattr(torch, names.get(dtype.lower(), dtype.lower()), None)
         if isinstance(t, torch.dtype) and t in _TORCH_DTYPES:
             return t
@@ -142,8 +149,9 @@ class _PagedLayer(CacheLayerMixin):
     def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         return self._parent._update(key_states, value_states, self._layer_idx)
 
     def get_seq_length(self) -> int:
@@ -190,8 +198,8 @@ class _Shared:
 
     def __init__(self, manager: Any) -> None:
         self.manager = manager
-        self.kv: Optional[KVCache] = None            # allocated on the first update (dtype None)
-        self.ids = itertools.count()                 # sequence ids, unique in the manager
+        self.kv: Optional[KVCache] = None  # allocated on the first update (dtype None)
+        self.ids = itertools.count()  # sequence ids, unique in the manager
         self.store_dtype: Optional[torch.dtype] = None
         self.raw_dtype: Optional[torch.dtype] = None  # torch dtype of the raw storage view
 
@@ -203,11 +211,15 @@ class _ModelSpec:
     def __init__(self, config: Any) -> None:
         if isinstance(config, torch.nn.Module):
             raise InvalidTypeError(
-                "PagedKVCache takes the model's config (model.config), not the model")
+                "PagedKVCache takes the model's config (model.config), not the model"
+            )
         if not hasattr(config, "num_hidden_layers") and not hasattr(config, "get_text_config"):
             raise InvalidTypeError(
-                f"PagedKVCache needs a transformers model config, got {type(config).__name__}")
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+                f"PagedKVCache needs a transformers model config, got {type(config).__name__}"
+            )
+        text = (
+            config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        )
         self.model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
         self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
         layer_types = getattr(text, "layer_types", None)
@@ -215,17 +227,21 @@ class _ModelSpec:
             bad = sorted({t for t in layer_types if t != "full_attention"})
             if bad:
                 raise NotSupportedError(
-                    f"PagedKVCache supports full-attention layers only; this model has {bad}")
+                    f"PagedKVCache supports full-attention layers only; this model has {bad}"
+                )
         elif getattr(text, "sliding_window", None) is not None and getattr(
-                text, "use_sliding_window", True):
+            text, "use_sliding_window", True
+        ):
             raise NotSupportedError(
                 "PagedKVCache supports full-attention layers only; this config sets sliding_window"
-                f"={text.sliding_window} (set it to None to use full attention)")
+                f"={text.sliding_window} (set it to None to use full attention)"
+            )
         if getattr(text, "kv_lora_rank", None) is not None:
             raise NotSupportedError(
                 "PagedKVCache does not support multi-head latent attention "
                 f"({self.model_type or 'MLA'}: kv_lora_rank is set): it caches a compressed "
-                "latent and a rotary key of different sizes, not K and V of one head size")
+                "latent and a rotary key of different sizes, not K and V of one head size"
+            )
         layers = getattr(text, "num_decoder_layers", None) if self.encoder_decoder else None
         self.num_layers = int(layers or text.num_hidden_layers)
         heads = int(text.num_attention_heads)
@@ -304,21 +320,36 @@ class PagedKVCache(Cache):
     :class:`~kvblocks.InvalidStateError`.
     """
 
-    def __init__(self, config: Any, num_blocks: int, block_size: int = 16, *,
-                 device: Any = "cpu", dtype: Any = None,
-                 enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        config: Any,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        device: Any = "cpu",
+        dtype: Any = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         spec = _ModelSpec(config)
         if spec.encoder_decoder:
             raise NotSupportedError(
                 "PagedKVCache holds a decoder's self-attention; this is an encoder-decoder model, "
                 "whose cross-attention would write into it too. Use "
                 "PagedKVCache.encoder_decoder(config, num_blocks, ...), an EncoderDecoderCache "
-                "of a PagedKVCache (self-attention) and a DynamicCache (cross-attention)")
+                "of a PagedKVCache (self-attention) and a DynamicCache (cross-attention)"
+            )
         self._setup(spec, num_blocks, block_size, device, dtype, enable_prefix_caching)
 
     @classmethod
-    def encoder_decoder(cls, config: Any, num_blocks: int, block_size: int = 16, *,
-                        device: Any = "cpu", dtype: Any = None) -> Any:
+    def encoder_decoder(
+        cls,
+        config: Any,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        device: Any = "cpu",
+        dtype: Any = None,
+    ) -> Any:
         """An ``EncoderDecoderCache`` for encoder-decoder models (BART, T5, ...): the decoder's
         self-attention K/V in a PagedKVCache (``.self_attention_cache``), the cross-attention
         K/V (computed once from the encoder output) in a ``DynamicCache``.
@@ -332,21 +363,30 @@ class PagedKVCache(Cache):
         if not spec.encoder_decoder:
             raise InvalidArgumentError(
                 "PagedKVCache.encoder_decoder needs an encoder-decoder config; "
-                "use PagedKVCache(config, ...)")
+                "use PagedKVCache(config, ...)"
+            )
         self = cls.__new__(cls)
         self._setup(spec, num_blocks, block_size, device, dtype, False)
         self._encoder_decoder = True
         return EncoderDecoderCache(self, DynamicCache())
 
-    def _setup(self, spec: _ModelSpec, num_blocks: Any, block_size: Any, device: Any, dtype: Any,
-               enable_prefix_caching: Any) -> None:
+    def _setup(
+        self,
+        spec: _ModelSpec,
+        num_blocks: Any,
+        block_size: Any,
+        device: Any,
+        dtype: Any,
+        enable_prefix_caching: Any,
+    ) -> None:
         from .. import BlockManager  # the allocator (C core)
 
         num_blocks = _count(num_blocks, "num_blocks")
         block_size = _count(block_size, "block_size")
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise InvalidTypeError(
-                f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
+                f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}"
+            )
         store_dtype = None if dtype is None else _torch_dtype(dtype)
         self.device = _device(device)
         self.num_layers = spec.num_layers
@@ -357,28 +397,35 @@ class PagedKVCache(Cache):
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self._encoder_decoder = False
         # the manager checks the ranges; nothing is allocated before every check passed
-        self._shared = _Shared(BlockManager(num_blocks, block_size,
-                                            enable_prefix_caching=self.enable_prefix_caching))
+        self._shared = _Shared(
+            BlockManager(num_blocks, block_size, enable_prefix_caching=self.enable_prefix_caching)
+        )
         if store_dtype is not None:
             self._allocate(store_dtype)
         super().__init__(layers=[_PagedLayer(self, i) for i in range(self.num_layers)])
         self._init_rows()
         #: prompt tokens per row reused from the prefix cache (not recomputed) by the last prepare()
         self.cached_tokens = 0
-        self._stats = {"prompts": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                       "hit_tokens": 0, "copy_on_write_blocks": 0, "forks": 0}
+        self._stats = {
+            "prompts": 0,
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "hit_tokens": 0,
+            "copy_on_write_blocks": 0,
+            "forks": 0,
+        }
 
     def _init_rows(self) -> None:
-        self._rows: List[int] = []             # sequence id of each batch row (a prompt's
-                                               # copies share its id until the prompt is written)
-        self._write_from: List[int] = []       # positions below this are not written (shared)
+        self._rows: List[int] = []  # sequence id of each batch row (a prompt's
+        # copies share its id until the prompt is written)
+        self._write_from: List[int] = []  # positions below this are not written (shared)
         self._layer_len = [0] * self.num_layers  # tokens per row, per layer (all layers agree
-                                                 # between forward passes)
-        self._prompt: Optional[Dict[str, Any]] = None   # prompts registered by prepare(), until
-                                                        # their last token is fed
+        # between forward passes)
+        self._prompt: Optional[Dict[str, Any]] = None  # prompts registered by prepare(), until
+        # their last token is fed
         self._candidates: Dict[int, int] = {}  # row -> representative row (first pass only)
-        self._step: Optional[Dict[str, Any]] = None     # the current forward pass
-        self._failed: Optional[str] = None     # why the rows are unusable (a forward raised)
+        self._step: Optional[Dict[str, Any]] = None  # the current forward pass
+        self._failed: Optional[str] = None  # why the rows are unusable (a forward raised)
 
     # ------------------------------------------------------------------------------------------
     # storage
@@ -436,8 +483,14 @@ class PagedKVCache(Cache):
     # ------------------------------------------------------------------------------------------
     # the Cache API
     # ------------------------------------------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args: Any, **kwargs: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' K/V of ``layer_idx`` and return every row's whole K/V.
 
         ``key_states`` / ``value_states`` are ``[batch, kv_heads, new_tokens, head_dim]``; the
@@ -525,7 +578,8 @@ class PagedKVCache(Cache):
         self._check_idle("crop")
         if new_len < 0:
             raise InvalidArgumentError(
-                f"crop({n}): the cache holds only {self._layer_len[0]} tokens per row")
+                f"crop({n}): the cache holds only {self._layer_len[0]} tokens per row"
+            )
         for seq in self._rows:
             self.manager.truncate(seq, new_len)
         self._write_from = [min(w, new_len) for w in self._write_from]
@@ -540,9 +594,18 @@ class PagedKVCache(Cache):
         self._check_idle("copy.deepcopy")
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        for name in ("device", "num_layers", "num_kv_heads", "head_dim", "block_size",
-                     "num_blocks", "enable_prefix_caching", "_encoder_decoder", "_shared",
-                     "cached_tokens"):
+        for name in (
+            "device",
+            "num_layers",
+            "num_kv_heads",
+            "head_dim",
+            "block_size",
+            "num_blocks",
+            "enable_prefix_caching",
+            "_encoder_decoder",
+            "_shared",
+            "cached_tokens",
+        ):
             setattr(new, name, getattr(self, name))
         Cache.__init__(new, layers=[_PagedLayer(new, i) for i in range(self.num_layers)])
         new._init_rows()
@@ -567,7 +630,8 @@ class PagedKVCache(Cache):
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise NotSupportedError(
             "a PagedKVCache cannot be pickled (its K/V live in kvblocks blocks); copy.deepcopy "
-            "forks it on the same manager, and prepare() reuses prompts through the prefix cache")
+            "forks it on the same manager, and prepare() reuses prompts through the prefix cache"
+        )
 
     # ------------------------------------------------------------------------------------------
     # prefix caching
@@ -594,17 +658,20 @@ class PagedKVCache(Cache):
         if self._encoder_decoder:
             raise NotSupportedError(
                 "prepare() is for decoder-only models: an encoder-decoder decoder's K/V depend on "
-                "the encoder input, so they cannot be reused by decoder token ids")
+                "the encoder input, so they cannot be reused by decoder token ids"
+            )
         if model is None or not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError(
                 "prepare(input_ids, attention_mask, model=model): the model that will generate is "
                 "needed to check that generate is fed these prompts (or call "
-                "cache.generate(model, input_ids, attention_mask=..., ...))")
+                "cache.generate(model, input_ids, attention_mask=..., ...))"
+            )
         ids = _as_2d_int(input_ids, "input_ids")
         mask = None if attention_mask is None else _as_2d_int(attention_mask, "attention_mask")
         if mask is not None and mask.shape != ids.shape:
             raise InvalidArgumentError(
-                f"attention_mask shape {mask.shape} does not match input_ids {ids.shape}")
+                f"attention_mask shape {mask.shape} does not match input_ids {ids.shape}"
+            )
         P, L = ids.shape
         if P == 0 or L == 0:
             raise InvalidArgumentError("prepare: empty prompts")
@@ -638,8 +705,13 @@ class PagedKVCache(Cache):
         self._write_from = list(hits)
         self._layer_len = [common] * self.num_layers
         self._prompt = {
-            "ids": ids32, "mask": None if mask is None or mask.all() else mask.astype(np.int8),
-            "owners": seqs, "hits": hits, "k": None, "checked": None, "hook": None,
+            "ids": ids32,
+            "mask": None if mask is None or mask.all() else mask.astype(np.int8),
+            "owners": seqs,
+            "hits": hits,
+            "k": None,
+            "checked": None,
+            "hook": None,
         }
         self._prompt["hook"] = _ForwardCheck.attach(self, model)
         self.cached_tokens = common
@@ -650,8 +722,9 @@ class PagedKVCache(Cache):
         st["hit_tokens"] += sum(hits)
         return common
 
-    def generate(self, model: Any, input_ids: Any, attention_mask: Any = None,
-                 **kwargs: Any) -> Any:
+    def generate(
+        self, model: Any, input_ids: Any, attention_mask: Any = None, **kwargs: Any
+    ) -> Any:
         """``prepare(input_ids, attention_mask, model=model)`` then ``model.generate`` on this cache
         with the same inputs (and ``kwargs``): prefix caching without passing the prompts twice."""
         self.prepare(input_ids, attention_mask, model=model)
@@ -706,13 +779,15 @@ class PagedKVCache(Cache):
         if self._failed is not None:
             raise InvalidStateError(
                 f"PagedKVCache: a forward pass failed ({self._failed}); its rows are not usable. "
-                "Call cache.reset() or cache.prepare(...) before the next generate call")
+                "Call cache.reset() or cache.prepare(...) before the next generate call"
+            )
 
     def _check_idle(self, what: str) -> None:
         if self._step is not None or self._prompt is not None:
             raise InvalidStateError(
                 f"{what} in the middle of a forward pass, or before generate fed the prepared "
-                "prompts")
+                "prompts"
+            )
 
     def _fail(self, exc: BaseException) -> None:
         """A forward pass raised: keep the rows as they are (inspectable) but refuse to serve them
@@ -809,8 +884,10 @@ class PagedKVCache(Cache):
     def _check_candidates(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Keep only the dedup candidates whose K and V equal their representative's."""
         for r, rep in list(self._candidates.items()):
-            if not (torch.equal(key_states[r], key_states[rep])
-                    and torch.equal(value_states[r], value_states[rep])):
+            if not (
+                torch.equal(key_states[r], key_states[rep])
+                and torch.equal(value_states[r], value_states[rep])
+            ):
                 del self._candidates[r]
 
     def _dedupe(self) -> None:
@@ -827,7 +904,8 @@ class PagedKVCache(Cache):
         mgr = self.manager
         if want > mgr.num_free_blocks:
             raise OutOfBlocksError(
-                f"PagedKVCache: this forward pass needs {want} blocks, {mgr.num_free_blocks} free")
+                f"PagedKVCache: this forward pass needs {want} blocks, {mgr.num_free_blocks} free"
+            )
         done: List[Tuple[int, int]] = []
         try:
             for seq, toks in appends:
@@ -859,7 +937,8 @@ class PagedKVCache(Cache):
         if checked != (B, q, start):
             raise InvalidStateError(
                 "a forward pass fed prepared prompts without going through the model given to "
-                "prepare(model=...); call generate on that model (or cache.generate(model, ...))")
+                "prepare(model=...); call generate on that model (or cache.generate(model, ...))"
+            )
         owners = pr["owners"]
         P, L = pr["ids"].shape
         if pr["k"] is None:  # first pass: generate repeated each prompt k times
@@ -872,17 +951,19 @@ class PagedKVCache(Cache):
         if end > L and k > 1:
             raise NotSupportedError(
                 "tokens past the prompt in the prompt's forward pass (speculative candidates) with "
-                f"{k} copies of each prompt (num_return_sequences / num_beams)")
+                f"{k} copies of each prompt (num_return_sequences / num_beams)"
+            )
         mgr = self.manager
         appends = []
         want = 0
         for p, seq in enumerate(owners):
             nt = int(mgr.num_tokens(seq))
             if nt < end:
-                toks = pr["ids"][p, nt:min(end, L)]
+                toks = pr["ids"][p, nt : min(end, L)]
                 if end > max(nt, L):
-                    toks = np.concatenate([toks, np.full(end - max(nt, L), PLACEHOLDER_TOKEN,
-                                                         dtype=np.int32)])
+                    toks = np.concatenate(
+                        [toks, np.full(end - max(nt, L), PLACEHOLDER_TOKEN, dtype=np.int32)]
+                    )
                 appends.append((seq, toks))
                 # a prompt's last block is never shared while it is being written
                 want += int(mgr.blocks_needed(seq, len(toks)))
@@ -913,11 +994,13 @@ class PagedKVCache(Cache):
         if tuple(value_states.shape) != tuple(key_states.shape):
             raise NotSupportedError(
                 f"keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} differ in "
-                "shape: PagedKVCache stores K and V of one head count and head size")
+                "shape: PagedKVCache stores K and V of one head count and head size"
+            )
         if (H, D) != (self.num_kv_heads, self.head_dim):
             raise InvalidArgumentError(
                 f"key_states have {H} heads of size {D}; the config says "
-                f"{self.num_kv_heads} x {self.head_dim}")
+                f"{self.num_kv_heads} x {self.head_dim}"
+            )
         if self.kv is None:
             self._allocate(key_states.dtype)
         mgr = self.manager
@@ -932,7 +1015,8 @@ class PagedKVCache(Cache):
             if B != len(self._rows):
                 raise InvalidStateError(
                     f"the cache holds {len(self._rows)} rows but the model fed {B}; call "
-                    "cache.prepare(...) or cache.reset() before a new generate call")
+                    "cache.prepare(...) or cache.reset() before a new generate call"
+                )
             start = self._layer_len[0]
             if q == 1:
                 mgr.append_batch(self._rows, np.full(B, PLACEHOLDER_TOKEN, dtype=np.int32))
@@ -948,7 +1032,8 @@ class PagedKVCache(Cache):
                     need = sum(int(mgr.blocks_needed(s, q)) for s in self._rows)
                     raise OutOfBlocksError(
                         f"PagedKVCache: {B} rows x {q} new tokens do not fit "
-                        f"({mgr.num_free_blocks} blocks free, up to {need} needed)")
+                        f"({mgr.num_free_blocks} blocks free, up to {need} needed)"
+                    )
                 self._commit([(s, toks) for s in self._rows], 0)
         end = start + q
         bs = self.block_size
@@ -965,19 +1050,27 @@ class PagedKVCache(Cache):
         for r, table in enumerate(tables):
             key = table[: -(-end // bs)].tobytes()
             src.append(groups.setdefault(key, r))
-        self._step = {"B": B, "q": q, "end": end, "slots": slots.reshape(-1),
-                      "tables": tables, "src": src}
+        self._step = {
+            "B": B,
+            "q": q,
+            "end": end,
+            "slots": slots.reshape(-1),
+            "tables": tables,
+            "src": src,
+        }
 
-    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-                layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         try:
             return self._update_layer(key_states, value_states, layer_idx)
         except BaseException as exc:
             self._fail(exc)
             raise
 
-    def _update_layer(self, key_states: torch.Tensor, value_states: torch.Tensor,
-                      layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _update_layer(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         B, H, q, D = key_states.shape
         if layer_idx == 0 or self._step is None:
             if layer_idx != 0:
@@ -987,7 +1080,8 @@ class PagedKVCache(Cache):
         assert step is not None
         if (B, q) != (step["B"], step["q"]) or tuple(value_states.shape) != tuple(key_states.shape):
             raise InvalidStateError(
-                f"layer {layer_idx} got {B} rows x {q} tokens, layer 0 had {step['B']} x {step['q']}")
+                f"layer {layer_idx} got {B} rows x {q} tokens, layer 0 had {step['B']} x {step['q']}"
+            )
         kv = self._storage
         k_new = self._to_storage(key_states.transpose(1, 2).reshape(B * q, H, D))
         v_new = self._to_storage(value_states.transpose(1, 2).reshape(B * q, H, D))
@@ -1005,8 +1099,12 @@ class PagedKVCache(Cache):
             keys.append(self._from_storage(k))
             values.append(self._from_storage(v))
         out_dtype, out_device = key_states.dtype, key_states.device
-        k_all = torch.stack(keys).transpose(1, 2).to(device=out_device, dtype=out_dtype).contiguous()
-        v_all = torch.stack(values).transpose(1, 2).to(device=out_device, dtype=out_dtype).contiguous()
+        k_all = (
+            torch.stack(keys).transpose(1, 2).to(device=out_device, dtype=out_dtype).contiguous()
+        )
+        v_all = (
+            torch.stack(values).transpose(1, 2).to(device=out_device, dtype=out_dtype).contiguous()
+        )
         self._layer_len[layer_idx] = end
         if self._candidates:
             self._check_candidates(key_states, value_states)
@@ -1022,10 +1120,12 @@ class PagedKVCache(Cache):
         return k_all, v_all
 
     def __repr__(self) -> str:
-        return (f"PagedKVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, num_blocks={self.num_blocks}, "
-                f"block_size={self.block_size}, device={self.device!r}, rows={len(self._rows)}, "
-                f"tokens={self._layer_len[0]})")
+        return (
+            f"PagedKVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, num_blocks={self.num_blocks}, "
+            f"block_size={self.block_size}, device={self.device!r}, rows={len(self._rows)}, "
+            f"tokens={self._layer_len[0]})"
+        )
 
 
 class _ForwardCheck:
@@ -1074,7 +1174,8 @@ class _ForwardCheck:
         if not isinstance(ids, torch.Tensor):
             raise NotSupportedError(
                 "after prepare(), generate must feed input_ids (inputs_embeds cannot be checked "
-                "against the prepared prompts)")
+                "against the prepared prompts)"
+            )
         fed = ids.detach().to("cpu").numpy()
         prompts, pmask = pr["ids"], pr["mask"]
         P, L = prompts.shape
@@ -1085,7 +1186,8 @@ class _ForwardCheck:
         if B % P or (rows is not None and B != rows) or q == 0:
             raise InvalidStateError(
                 f"generate fed {B} rows, but prepare() registered {P} prompts: pass generate the "
-                "input_ids and attention_mask given to prepare()")
+                "input_ids and attention_mask given to prepare()"
+            )
         k = B // P
         start = cache._layer_len[0]
         # where the model puts these tokens: a 2-D attention mask covers every position up to
@@ -1102,11 +1204,12 @@ class _ForwardCheck:
             raise InvalidStateError(
                 f"generate fed positions {s}..{s + q - 1} of the prepared prompts, but the cache "
                 f"holds {start} tokens per row: pass generate the input_ids and attention_mask "
-                "given to prepare()")
+                "given to prepare()"
+            )
         n = min(s + q, L) - s
         if n <= 0:
             raise InvalidStateError("generate fed tokens past the prepared prompts' end")
-        want = np.repeat(prompts[:, s:s + n], k, axis=0)
+        want = np.repeat(prompts[:, s : s + n], k, axis=0)
         bad = np.nonzero((fed[:, :n] != want).any(axis=1))[0]
         if bad.size:
             r = int(bad[0])
@@ -1115,7 +1218,8 @@ class _ForwardCheck:
                 f"generate was not fed the prompts given to prepare(): row {r} has token "
                 f"{int(fed[r, j])} at position {s + j} where the prepared prompt has "
                 f"{int(want[r, j])}. Call prepare() with the input_ids passed to generate "
-                "(or cache.generate(model, input_ids, ...))")
+                "(or cache.generate(model, input_ids, ...))"
+            )
         want_mask = None if pmask is None else np.repeat(pmask, k, axis=0)
         if isinstance(mask, torch.Tensor) and mask.ndim == 2:
             m = mask.detach().to("cpu").numpy() != 0
@@ -1124,10 +1228,12 @@ class _ForwardCheck:
             if not np.array_equal(m[:, :w], exp) or not m[:, w:].all():
                 raise InvalidStateError(
                     "generate was fed an attention_mask other than the one given to prepare(); "
-                    "the prefix cache keys padded rows by their padding")
+                    "the prefix cache keys padded rows by their padding"
+                )
         elif want_mask is not None and mask is None:
             raise InvalidStateError(
-                "prepare() was given a padded attention_mask but generate was fed none")
+                "prepare() was given a padded attention_mask but generate was fed none"
+            )
         if s == 0 and start > 0:
             # the whole prompt again (assisted generation's first pass): nothing is skipped,
             # rows still share the blocks they found (positions below a row's hit are not written)
@@ -1148,7 +1254,9 @@ def _as_2d_int(a: Any, name: str) -> np.ndarray:
     if a.ndim == 1:
         a = a[None, :]
     if a.ndim != 2 or a.dtype.kind not in "iub":
-        raise InvalidTypeError(f"{name} must be a 2-D integer array/tensor, got {a.dtype} {a.shape}")
+        raise InvalidTypeError(
+            f"{name} must be a 2-D integer array/tensor, got {a.dtype} {a.shape}"
+        )
     return a.astype(np.int64)
 
 
@@ -1162,4 +1270,7 @@ def _padding_salt(mask: Optional[np.ndarray]) -> Optional[str]:
     npad = int(np.argmax(m)) if m.any() else m.size
     if m[npad:].all():
         return f"kvblocks-leftpad-{npad}"
-    return "kvblocks-mask-" + hashlib.sha256(np.packbits(m).tobytes() + str(m.size).encode()).hexdigest()
+    return (
+        "kvblocks-mask-"
+        + hashlib.sha256(np.packbits(m).tobytes() + str(m.size).encode()).hexdigest()
+    )

@@ -69,18 +69,22 @@ def _version_problem(version: str) -> Optional[str]:
     parts = version.split(".")
     if ".".join(parts[:2]) in SUPPORTED_TRANSFORMERS:
         return None
-    return (f"kvblocks.integrations.transformers_cb supports transformers "
-            f"{', '.join(v + '.x' for v in SUPPORTED_TRANSFORMERS)} (its continuous-batching "
-            f"internals change between minor versions); found transformers {version}. "
-            f"Install a supported one: pip install 'kvblocks[transformers-cb]'")
+    return (
+        f"kvblocks.integrations.transformers_cb supports transformers "
+        f"{', '.join(v + '.x' for v in SUPPORTED_TRANSFORMERS)} (its continuous-batching "
+        f"internals change between minor versions); found transformers {version}. "
+        f"Install a supported one: pip install 'kvblocks[transformers-cb]'"
+    )
 
 
 def _installed_version() -> str:
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise NotSupportedError("kvblocks.integrations.transformers_cb needs transformers "
-                                f"{SUPPORTED_TRANSFORMERS[0]}.x (not installed)") from exc
+        raise NotSupportedError(
+            "kvblocks.integrations.transformers_cb needs transformers "
+            f"{SUPPORTED_TRANSFORMERS[0]}.x (not installed)"
+        ) from exc
     return transformers.__version__
 
 
@@ -157,8 +161,12 @@ class KVBlocksCB:
         allocators = self.cache_pool.allocators if self.cache_pool is not None else []
         n = sum(a.dedup_lookups[0] for a in allocators)
         hits = sum(a.dedup_lookups[1] for a in allocators)
-        return dataclasses.replace(st, queries=st.queries - n, query_blocks=st.query_blocks - n,
-                                   hit_blocks=st.hit_blocks - hits)
+        return dataclasses.replace(
+            st,
+            queries=st.queries - n,
+            query_blocks=st.query_blocks - n,
+            hit_blocks=st.hit_blocks - hits,
+        )
 
     @property
     def hit_tokens(self) -> int:
@@ -196,8 +204,10 @@ class KVBlocksCB:
         m = self.manager
         if m is None:
             return "KVBlocksCB(no cache built)"
-        return (f"KVBlocksCB(blocks={m.num_blocks}, in_use={self.blocks_in_use}, "
-                f"cached={m.num_cached}, hits={m.stats.hit_blocks}, evictions={m.stats.evictions})")
+        return (
+            f"KVBlocksCB(blocks={m.num_blocks}, in_use={self.blocks_in_use}, "
+            f"cached={m.num_cached}, hits={m.stats.hit_blocks}, evictions={m.stats.evictions})"
+        )
 
 
 class KVBlocksCachePool(CachePool):
@@ -210,16 +220,21 @@ class KVBlocksCachePool(CachePool):
     cached ones: allocation evicts those lazily, in LRU order, one at a time).
     """
 
-    def __init__(self, num_sectors: int, num_allocators: int,
-                 num_reserved_sectors: int = 2) -> None:
+    def __init__(
+        self, num_sectors: int, num_allocators: int, num_reserved_sectors: int = 2
+    ) -> None:
         kb = _ACTIVE
         if kb is None:
-            raise InvalidStateError("a kvblocks cache pool was built outside "
-                                    "transformers_cb.enabled() (the block was left while "
-                                    "transformers was building its cache)")
+            raise InvalidStateError(
+                "a kvblocks cache pool was built outside "
+                "transformers_cb.enabled() (the block was left while "
+                "transformers was building its cache)"
+            )
         if num_allocators != 1:
-            raise NotSupportedError("transformers_cb serves models whose layers are all full "
-                                    f"attention; this one needs {num_allocators} cache allocators")
+            raise NotSupportedError(
+                "transformers_cb serves models whose layers are all full "
+                f"attention; this one needs {num_allocators} cache allocators"
+            )
         self.kb = kb
         self.kv: Optional[BlockPool] = None
         self.reserved = np.empty(0, dtype=np.int32)
@@ -241,8 +256,10 @@ class KVBlocksCachePool(CachePool):
         self.blocks_per_sector[index] = blocks_per_sector
         num_blocks = (self.num_sectors + self.num_reserved_sectors) * blocks_per_sector
         kb = self.kb
-        kwargs: Dict[str, Any] = {"enable_prefix_caching": kb.enable_prefix_caching,
-                                  "enable_kv_events": kb.enable_kv_events}
+        kwargs: Dict[str, Any] = {
+            "enable_prefix_caching": kb.enable_prefix_caching,
+            "enable_kv_events": kb.enable_kv_events,
+        }
         if kb.hash_key is not None:
             kwargs["hash_key"] = kb.hash_key
         kv = BlockPool(num_blocks, **kwargs)
@@ -292,8 +309,10 @@ class KVBlocksCachePool(CachePool):
         bad = np.flatnonzero(expected != actual)
         if bad.size:
             b = int(bad[0])
-            raise InvalidStateError(f"block {b}: ref count {int(actual[b])} but block tables hold "
-                                    f"{int(expected[b])} references ({bad.size} blocks differ)")
+            raise InvalidStateError(
+                f"block {b}: ref count {int(actual[b])} but block tables hold "
+                f"{int(expected[b])} references ({bad.size} blocks differ)"
+            )
 
     def __repr__(self) -> str:
         return f"KVBlocksCachePool({self.kv!r})"
@@ -327,11 +346,14 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
         self.dedup_lookups = [0, 0]  # [lookups, hits] made to de-duplicate (not prefix queries)
         self.hit_tokens = 0  # prompt tokens served from the prefix cache
 
-    def _after_cache_tensor_init(self, non_trash_bytes: int, bytes_per_sector: int,
-                                 cache_tensor: Any, pool: Any) -> None:
+    def _after_cache_tensor_init(
+        self, non_trash_bytes: int, bytes_per_sector: int, cache_tensor: Any, pool: Any
+    ) -> None:
         if not isinstance(pool, KVBlocksCachePool):
-            raise InvalidStateError("transformers_cb: the cache was built while leaving "
-                                    "enabled(); build it inside the block")
+            raise InvalidStateError(
+                "transformers_cb: the cache was built while leaving "
+                "enabled(); build it inside the block"
+            )
         super()._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
         pool.allocators.append(self)
 
@@ -350,8 +372,7 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
         if table:
             self.kv.free(np.asarray(table[::-1], dtype=np.int32))
 
-    def fork_blocks(self, source_request_id: str, dest_request_id: str,
-                    past_length: int) -> tuple:
+    def fork_blocks(self, source_request_id: str, dest_request_id: str, past_length: int) -> tuple:
         """A child shares the parent's full blocks (``incref``) and gets fresh blocks for the rest,
         which transformers copies (the partial tail block)."""
         source = self.block_table[source_request_id]
@@ -375,8 +396,9 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
         n = (len(prompt_ids) - 1) // self.tokens_per_page
         if n <= 0:
             return []
-        hashes = hash_blocks(prompt_ids[: n * self.tokens_per_page], self.tokens_per_page,
-                             key=self.kv.hash_key)
+        hashes = hash_blocks(
+            prompt_ids[: n * self.tokens_per_page], self.tokens_per_page, key=self.kv.hash_key
+        )
         hit = self.kv.lookup_and_pin(hashes)
         if len(hit):
             self._pending_hit = (hit, hashes[: len(hit)])
@@ -388,8 +410,9 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
         if hit.tolist() != list(block_ids) or self.block_table.get(request_id):
             if len(hit):
                 self.kv.free(hit[::-1])
-            raise InvalidStateError(f"prefix hit for request {request_id!r} does not match the "
-                                    "blocks just looked up")
+            raise InvalidStateError(
+                f"prefix hit for request {request_id!r} does not match the blocks just looked up"
+            )
         kept = prefix_len // self.tokens_per_page
         if kept < len(hit):  # another allocator matched less (not the case with one allocator)
             self.kv.free(hit[kept:][::-1])
@@ -397,8 +420,9 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
         self._chains[request_id] = hashes[:kept].copy()
         self.hit_tokens += kept * self.tokens_per_page
 
-    def mark_complete_blocks(self, request_id: str, token_ids: List[int],
-                             new_new_blocks: int) -> None:
+    def mark_complete_blocks(
+        self, request_id: str, token_ids: List[int], new_new_blocks: int
+    ) -> None:
         """The forward pass that just returned computed ``new_new_blocks`` more full blocks of the
         request: hash them on their parent and register them in the prefix cache.
 
@@ -417,7 +441,7 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
         if end <= done:
             return
         parent = None if chain is None or done == 0 else chain[done - 1]
-        tokens = np.asarray(token_ids[done * ps: end * ps], dtype=np.int32)
+        tokens = np.asarray(token_ids[done * ps : end * ps], dtype=np.int32)
         new = hash_blocks(tokens, ps, parent=parent, key=self.kv.hash_key)
         ids = np.asarray(table[done:end], dtype=np.int32)
         kv = self.kv
@@ -425,13 +449,13 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
         for i, block in enumerate(ids.tolist()):
             if kv.is_cached(block):
                 continue
-            existing = kv.lookup(new[i: i + 1])  # same thread, nothing between lookup and incref
+            existing = kv.lookup(new[i : i + 1])  # same thread, nothing between lookup and incref
             self.dedup_lookups[0] += 1
             self.dedup_lookups[1] += len(existing)
             if len(existing) and int(existing[0]) != block:
                 kv.incref(existing)
                 table[done + i] = int(existing[0])
-                kv.free(ids[i: i + 1])
+                kv.free(ids[i : i + 1])
                 self.deduplicated += 1
         self._chains[request_id] = new if chain is None else np.concatenate([chain, new])
 
@@ -440,9 +464,11 @@ class _RefusedSlidingAllocator:
     """Sliding-window layers need kvblocks' hybrid groups (not wired yet): refuse clearly."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotSupportedError("transformers_cb does not serve sliding-window layers yet (they "
-                                "need kvblocks' hybrid KV groups); run this model without "
-                                "transformers_cb.enabled()")
+        raise NotSupportedError(
+            "transformers_cb does not serve sliding-window layers yet (they "
+            "need kvblocks' hybrid KV groups); run this model without "
+            "transformers_cb.enabled()"
+        )
 
 
 _LOCK = threading.Lock()
@@ -450,8 +476,9 @@ _ACTIVE: Optional[KVBlocksCB] = None
 
 
 @contextlib.contextmanager
-def enabled(enable_prefix_caching: bool = True, *, hash_key: Any = None,
-            enable_kv_events: bool = False) -> Iterator[KVBlocksCB]:
+def enabled(
+    enable_prefix_caching: bool = True, *, hash_key: Any = None, enable_kv_events: bool = False
+) -> Iterator[KVBlocksCB]:
     """Inside the ``with`` block, every transformers continuous-batching cache built allocates its
     blocks through kvblocks; transformers' own classes are restored on exit, also on an error.
 
@@ -470,8 +497,9 @@ def enabled(enable_prefix_caching: bool = True, *, hash_key: Any = None,
     kb = KVBlocksCB(enable_prefix_caching, hash_key, enable_kv_events)
     with _LOCK:
         if _ACTIVE is not None:
-            raise InvalidStateError("transformers_cb.enabled() is already active (contexts do "
-                                    "not nest)")
+            raise InvalidStateError(
+                "transformers_cb.enabled() is already active (contexts do not nest)"
+            )
         saved = (_cb_cache.ATTN_TYPE_TO_ALLOCATOR, _cb_cache.CachePool)
         table = dict(saved[0])
         table[FULL_ATTENTION] = KVBlocksAllocator

@@ -35,7 +35,9 @@ class SchedulerConfig:
 
     def validate(self) -> None:
         if self.preemption not in ("recompute", "swap"):
-            raise SimulationError(f"--preemption must be 'recompute' or 'swap', got {self.preemption!r}")
+            raise SimulationError(
+                f"--preemption must be 'recompute' or 'swap', got {self.preemption!r}"
+            )
         limits.WATERMARK.check(self.watermark)
         limits.MAX_NUM_SEQS.check(self.max_num_seqs)
         limits.TOKEN_BUDGET.check(self.token_budget)

@@ -43,8 +43,19 @@ def generate(seed: int = SEED) -> List[Dict]:
 
     recs: List[Dict] = []
 
-    def add(t: float, segments: List[List[int]], out: int, n: int = 1, output_id: Optional[int] = None, kind: str = "") -> None:
-        rec = {"timestamp": round(t * 1000.0, 1), "segments": [list(s) for s in segments], "output_length": out}
+    def add(
+        t: float,
+        segments: List[List[int]],
+        out: int,
+        n: int = 1,
+        output_id: Optional[int] = None,
+        kind: str = "",
+    ) -> None:
+        rec = {
+            "timestamp": round(t * 1000.0, 1),
+            "segments": [list(s) for s in segments],
+            "output_length": out,
+        }
         if n > 1:
             rec["n"] = n
         if output_id is not None:
@@ -71,12 +82,23 @@ def generate(seed: int = SEED) -> List[Dict]:
     for _ in range(40):
         system = rng.choice([2, 3])
         task = [new_segment(), rng.randint(200, 1500)]
-        add(rng.uniform(0, 30), [[system, SYSTEM_PROMPTS[system]], task], rng.randint(64, 400), n=4, kind="parallel")
+        add(
+            rng.uniform(0, 30),
+            [[system, SYSTEM_PROMPTS[system]], task],
+            rng.randint(64, 400),
+            n=4,
+            kind="parallel",
+        )
 
     # Long one-shot documents.
     for _ in range(60):
         doc = [new_segment(), rng.randint(3000, 16000)]
-        add(rng.uniform(0, 30), [[4, SYSTEM_PROMPTS[4]], doc], rng.randint(150, 600), kind="document")
+        add(
+            rng.uniform(0, 30),
+            [[4, SYSTEM_PROMPTS[4]], doc],
+            rng.randint(150, 600),
+            kind="document",
+        )
 
     # Short questions.
     t = 0.0

@@ -57,15 +57,47 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", metavar="NAME", help=f"preset: {names} (default {DEFAULT_MODEL})")
     g.add_argument("--layers", type=L.LAYERS.parse, help="custom model: transformer layers")
     g.add_argument("--kv-heads", type=L.KV_HEADS.parse, default=0, help="custom model: KV heads")
-    g.add_argument("--head-dim", type=L.HEAD_DIM.parse, default=0, help="custom model: head dimension")
+    g.add_argument(
+        "--head-dim", type=L.HEAD_DIM.parse, default=0, help="custom model: head dimension"
+    )
     g.add_argument("--latent-dim", type=L.LATENT_DIM.parse, default=0,
                    help="custom MLA model: latent elements per token and layer")  # fmt: skip
-    g.add_argument("--params", type=L.PARAMS.parse, default=0.0, metavar="BILLIONS", help="custom model: parameters (weights)")
-    g.add_argument("--dtype", metavar="DTYPE", help="KV cache dtype: bf16 (default), fp16, fp8, fp32")
-    g.add_argument("--gpu-mem", type=L.GPU_MEM.parse, default=DEFAULT_GPU_MEM, metavar="GiB", help="GPU memory (default 80)")
-    g.add_argument("--reserve", type=L.RESERVE.parse, metavar="GiB", help="activation/context reserve (default 10%% of --gpu-mem)")
-    g.add_argument("--block-size", type=L.BLOCK_SIZE.parse, default=16, metavar="N", help="tokens per KV block (default 16)")
-    g.add_argument("--num-blocks", type=L.NUM_BLOCKS.parse, metavar="N", help="KV blocks, overriding the memory computation")
+    g.add_argument(
+        "--params",
+        type=L.PARAMS.parse,
+        default=0.0,
+        metavar="BILLIONS",
+        help="custom model: parameters (weights)",
+    )
+    g.add_argument(
+        "--dtype", metavar="DTYPE", help="KV cache dtype: bf16 (default), fp16, fp8, fp32"
+    )
+    g.add_argument(
+        "--gpu-mem",
+        type=L.GPU_MEM.parse,
+        default=DEFAULT_GPU_MEM,
+        metavar="GiB",
+        help="GPU memory (default 80)",
+    )
+    g.add_argument(
+        "--reserve",
+        type=L.RESERVE.parse,
+        metavar="GiB",
+        help="activation/context reserve (default 10%% of --gpu-mem)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=L.BLOCK_SIZE.parse,
+        default=16,
+        metavar="N",
+        help="tokens per KV block (default 16)",
+    )
+    g.add_argument(
+        "--num-blocks",
+        type=L.NUM_BLOCKS.parse,
+        metavar="N",
+        help="KV blocks, overriding the memory computation",
+    )
 
 
 def add_commands(sub: "argparse._SubParsersAction") -> None:
@@ -79,19 +111,52 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = sim.add_argument_group("workload")
-    g.add_argument("--trace", metavar="FILE", help="Mooncake JSONL, kvblocks JSONL or Azure CSV (default: built-in)")
-    g.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure", "kvblocks"], help="trace format")
-    g.add_argument("--limit", type=L.LIMIT.parse, metavar="N", help="replay only the first N requests")
+    g.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="Mooncake JSONL, kvblocks JSONL or Azure CSV (default: built-in)",
+    )
+    g.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "mooncake", "azure", "kvblocks"],
+        help="trace format",
+    )
+    g.add_argument(
+        "--limit", type=L.LIMIT.parse, metavar="N", help="replay only the first N requests"
+    )
     g.add_argument("--time-scale", type=L.TIME_SCALE.parse, default=1.0, metavar="F",
                    help="multiply arrival times by F (2 = half the rate, 0 = all at once)")  # fmt: skip
     _add_model_args(sim)
     g = sim.add_argument_group("engine")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    g.add_argument("--watermark", type=L.WATERMARK.parse, default=0.01, help="fraction of blocks admission keeps free (0.01)")
-    g.add_argument("--preemption", default="recompute", choices=["recompute", "swap"], help="when decode cannot grow")
-    g.add_argument("--host-mem", type=L.HOST_MEM.parse, metavar="GiB", help=f"swap space (default {DEFAULT_SWAP_GIB:g} with swap)")
-    g.add_argument("--max-num-seqs", type=L.MAX_NUM_SEQS.parse, default=256, help="sequences per batch (256)")
-    g.add_argument("--token-budget", type=L.TOKEN_BUDGET.parse, default=8192, help="tokens per step, max_num_batched_tokens (8192)")
+    g.add_argument(
+        "--watermark",
+        type=L.WATERMARK.parse,
+        default=0.01,
+        help="fraction of blocks admission keeps free (0.01)",
+    )
+    g.add_argument(
+        "--preemption",
+        default="recompute",
+        choices=["recompute", "swap"],
+        help="when decode cannot grow",
+    )
+    g.add_argument(
+        "--host-mem",
+        type=L.HOST_MEM.parse,
+        metavar="GiB",
+        help=f"swap space (default {DEFAULT_SWAP_GIB:g} with swap)",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=L.MAX_NUM_SEQS.parse, default=256, help="sequences per batch (256)"
+    )
+    g.add_argument(
+        "--token-budget",
+        type=L.TOKEN_BUDGET.parse,
+        default=8192,
+        help="tokens per step, max_num_batched_tokens (8192)",
+    )
     g.add_argument("--max-model-len", type=L.MAX_MODEL_LEN.parse, metavar="N",
                    help="contiguous baseline reservation per sequence (default: longest request)")  # fmt: skip
     g.add_argument("--no-contiguous", action="store_true", help="skip the contiguous baseline")
@@ -99,11 +164,25 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--step-overhead-ms", type=L.STEP_OVERHEAD_MS.parse, help="fixed cost per step")
     g.add_argument("--prefill-us", type=L.PREFILL_US.parse, help="cost per prefill token")
     g.add_argument("--decode-us", type=L.DECODE_US.parse, help="cost per decode token")
-    g.add_argument("--kv-read-ns", type=L.KV_READ_NS.parse, help="cost per cached token read by a decoding token")
+    g.add_argument(
+        "--kv-read-ns",
+        type=L.KV_READ_NS.parse,
+        help="cost per cached token read by a decoding token",
+    )
     g = sim.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print the report as JSON")
-    g.add_argument("--plot", metavar="FILE", help="write memory use and concurrency over time (PNG/SVG/PDF; needs matplotlib)")
-    g.add_argument("--progress", dest="progress", action="store_true", default=None, help="progress bar on stderr")
+    g.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="write memory use and concurrency over time (PNG/SVG/PDF; needs matplotlib)",
+    )
+    g.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="progress bar on stderr",
+    )
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
     plan = sub.add_parser(
@@ -115,10 +194,21 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_args(plan)
-    plan.add_argument("--prompt-len", required=True, metavar="DIST", help="prompt length distribution")
-    plan.add_argument("--output-len", required=True, metavar="DIST", help="output length distribution")
-    plan.add_argument("--max-len", type=L.MAX_LEN.parse, metavar="N", help="contiguous reservation (default: longest draw)")
-    plan.add_argument("--samples", type=L.SAMPLES.parse, default=100_000, help="lengths drawn (100000)")
+    plan.add_argument(
+        "--prompt-len", required=True, metavar="DIST", help="prompt length distribution"
+    )
+    plan.add_argument(
+        "--output-len", required=True, metavar="DIST", help="output length distribution"
+    )
+    plan.add_argument(
+        "--max-len",
+        type=L.MAX_LEN.parse,
+        metavar="N",
+        help="contiguous reservation (default: longest draw)",
+    )
+    plan.add_argument(
+        "--samples", type=L.SAMPLES.parse, default=100_000, help="lengths drawn (100000)"
+    )
     plan.add_argument("--seed", type=L.SEED.parse, default=0, help="random seed (0)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -142,10 +232,16 @@ def _simulate(args: argparse.Namespace) -> int:
     from .workload import load_workload
 
     model = _model(args)
-    host = args.host_mem if args.host_mem is not None else (DEFAULT_SWAP_GIB if args.preemption == "swap" else 0.0)
+    host = (
+        args.host_mem
+        if args.host_mem is not None
+        else (DEFAULT_SWAP_GIB if args.preemption == "swap" else 0.0)
+    )
     bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks, host,
                        max_blocks=L.MAX_SIM_BLOCKS)  # fmt: skip
-    tm = TimeModel.for_model(model, args.step_overhead_ms, args.prefill_us, args.decode_us, args.kv_read_ns)
+    tm = TimeModel.for_model(
+        model, args.step_overhead_ms, args.prefill_us, args.decode_us, args.kv_read_ns
+    )
     workload = load_workload(args.trace, args.format, args.limit)
     if args.time_scale != 1.0:
         workload = workload.scaled(args.time_scale)

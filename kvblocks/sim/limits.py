@@ -104,7 +104,11 @@ def shown(value: object, keep: int = 40) -> str:
     """``repr(value)`` for an error message, its middle elided when longer than ``keep``
     characters (so a 4000-digit number stays one short line)."""
     text = repr(value)
-    return text if len(text) <= keep else f"{text[:keep // 2]}...{text[-(keep // 2):]} ({len(text)} chars)"
+    return (
+        text
+        if len(text) <= keep
+        else f"{text[: keep // 2]}...{text[-(keep // 2) :]} ({len(text)} chars)"
+    )
 
 
 # model and memory (simulate and plan)
@@ -113,7 +117,9 @@ KV_HEADS = Limit("--kv-heads", int, 0, 1 << 16)
 HEAD_DIM = Limit("--head-dim", int, 0, 1 << 16)
 LATENT_DIM = Limit("--latent-dim", int, 0, 1 << 20)
 PARAMS = Limit("--params", float, 0.0, 1e6, unit="of billions")
-PARAM_COUNT = Limit("params", float, 0.0, 1e15, unit="of parameters")  # custom_model's, not in billions
+PARAM_COUNT = Limit(
+    "params", float, 0.0, 1e15, unit="of parameters"
+)  # custom_model's, not in billions
 GPU_MEM = Limit("--gpu-mem", float, 0.0, MAX_GIB, lo_open=True, unit="of GiB")
 RESERVE = Limit("--reserve", float, 0.0, MAX_GIB, unit="of GiB")
 HOST_MEM = Limit("--host-mem", float, 0.0, MAX_GIB, unit="of GiB")

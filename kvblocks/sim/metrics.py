@@ -25,7 +25,9 @@ def percentile(values: np.ndarray, q: float) -> Optional[float]:
 class Recorder:
     """Collects the samples and timings one simulation produces."""
 
-    def __init__(self, arrivals: np.ndarray, capacity_slots: int, output_tokens: np.ndarray) -> None:
+    def __init__(
+        self, arrivals: np.ndarray, capacity_slots: int, output_tokens: np.ndarray
+    ) -> None:
         n = arrivals.shape[0]
         self.capacity_slots = max(1, capacity_slots)
         self.arrival = arrivals
@@ -50,7 +52,16 @@ class Recorder:
         self.steps = 0
         self.counters: Dict[str, float] = {}
 
-    def step(self, now: float, dt: float, used_slots: int, waste_slots: float, running: int, waiting: int, steps: int = 1) -> None:
+    def step(
+        self,
+        now: float,
+        dt: float,
+        used_slots: int,
+        waste_slots: float,
+        running: int,
+        waiting: int,
+        steps: int = 1,
+    ) -> None:
         """One step (or ``steps`` identical-shape steps) lasting ``dt`` seconds in all."""
         self.t.append(now)
         self.used.append(used_slots)

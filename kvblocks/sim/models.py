@@ -20,7 +20,16 @@ from typing import Dict, Optional
 from . import limits
 from .errors import SimulationError
 
-__all__ = ["ModelSpec", "MemoryBill", "PRESETS", "DTYPE_BYTES", "get_model", "custom_model", "memory_bill", "GiB"]
+__all__ = [
+    "ModelSpec",
+    "MemoryBill",
+    "PRESETS",
+    "DTYPE_BYTES",
+    "get_model",
+    "custom_model",
+    "memory_bill",
+    "GiB",
+]
 
 GiB = 1 << 30
 DTYPE_BYTES: Dict[str, int] = {
@@ -98,7 +107,9 @@ DEFAULT_MODEL = "llama-3.1-8b"
 
 def _check_dtype(dtype: str) -> None:
     if dtype.lower() not in DTYPE_BYTES:
-        raise SimulationError(f"unknown dtype {dtype!r} (known: {', '.join(sorted(set(DTYPE_BYTES)))})")
+        raise SimulationError(
+            f"unknown dtype {dtype!r} (known: {', '.join(sorted(set(DTYPE_BYTES)))})"
+        )
 
 
 def get_model(name: str) -> ModelSpec:
@@ -106,7 +117,9 @@ def get_model(name: str) -> ModelSpec:
     key = name.strip().lower()
     key = ALIASES.get(key, key)
     if key not in PRESETS:
-        raise SimulationError(f"unknown model {name!r} (known: {', '.join(m.name for m in PRESETS.values())})")
+        raise SimulationError(
+            f"unknown model {name!r} (known: {', '.join(m.name for m in PRESETS.values())})"
+        )
     return PRESETS[key]
 
 
@@ -127,10 +140,28 @@ def custom_model(
     latent_dim = limits.LATENT_DIM.check_int(latent_dim)
     params = limits.PARAM_COUNT.check_float(params)
     if not latent_dim and (kv_heads < 1 or head_dim < 1):
-        raise SimulationError("a custom model needs --kv-heads and --head-dim (or --latent-dim for MLA)")
-    name = f"custom({layers}L x {kv_heads}H x {head_dim}D)" if not latent_dim else f"custom({layers}L x {latent_dim} MLA)"
+        raise SimulationError(
+            "a custom model needs --kv-heads and --head-dim (or --latent-dim for MLA)"
+        )
+    name = (
+        f"custom({layers}L x {kv_heads}H x {head_dim}D)"
+        if not latent_dim
+        else f"custom({layers}L x {latent_dim} MLA)"
+    )
     d = dtype.lower()
-    return ModelSpec(name, layers, kv_heads, head_dim, params, params, max_context, d, d, latent_dim, "command line")
+    return ModelSpec(
+        name,
+        layers,
+        kv_heads,
+        head_dim,
+        params,
+        params,
+        max_context,
+        d,
+        d,
+        latent_dim,
+        "command line",
+    )
 
 
 @dataclass(frozen=True)
@@ -213,7 +244,9 @@ def memory_bill(
     if num_blocks is not None:
         num_blocks = limits.NUM_BLOCKS.check_int(num_blocks)
         if num_blocks > max_blocks:
-            raise SimulationError(f"--num-blocks {num_blocks:,} is more than {_cap_words(max_blocks)}")
+            raise SimulationError(
+                f"--num-blocks {num_blocks:,} is more than {_cap_words(max_blocks)}"
+            )
         return MemoryBill(model, gpu, model.weight_bytes, reserve, note, block_size, model.kv_bytes_per_token,
                           num_blocks, host_blocks)  # fmt: skip
     pool = gpu - model.weight_bytes - reserve
@@ -233,7 +266,9 @@ def memory_bill(
 
 def _cap_words(max_blocks: int) -> str:
     if max_blocks == limits.MAX_SIM_BLOCKS:
-        return f"the {max_blocks:,} blocks the simulator builds (about 600 MiB of allocator metadata)"
+        return (
+            f"the {max_blocks:,} blocks the simulator builds (about 600 MiB of allocator metadata)"
+        )
     if max_blocks == limits.MAX_BLOCK_IDS:
         return f"the {max_blocks:,} blocks int32 block ids allow"
     return f"the limit of {max_blocks:,} blocks"

@@ -31,8 +31,8 @@ import numpy as np
 from . import limits
 from .errors import SimulationError
 from .fmt import fmt_bytes, json_safe
-from .models import MemoryBill, ModelSpec
 from .limits import MAX_TOKENS
+from .models import MemoryBill, ModelSpec
 
 __all__ = ["LengthDist", "parse_dist", "Plan", "make_plan", "format_plan", "DIST_HELP"]
 
@@ -77,7 +77,9 @@ def parse_dist(text: str, what: str = "length") -> LengthDist:
     if kind not in arity:
         raise SimulationError(f"{what}: unknown distribution {parts[0]!r} in {text!r}; {DIST_HELP}")
     if len(args) != arity[kind]:
-        raise SimulationError(f"{what}: {kind} takes {arity[kind]} number(s), got {text!r}; {DIST_HELP}")
+        raise SimulationError(
+            f"{what}: {kind} takes {arity[kind]} number(s), got {text!r}; {DIST_HELP}"
+        )
     try:
         vals = tuple(float(a) for a in args)
     except ValueError:
@@ -138,7 +140,9 @@ def make_plan(
     bs = bill.block_size
     blocks = -(-total // bs)
     waste = blocks * bs - total
-    live = p + np.floor(rng.random(samples) * o).astype(np.int64) + 1  # mid-life: part of the output written
+    live = (
+        p + np.floor(rng.random(samples) * o).astype(np.int64) + 1
+    )  # mid-life: part of the output written
     live_blocks = -(-live // bs)
     reserve = int(total.max()) if max_len is None else max_len
     slots = bill.token_slots
@@ -166,7 +170,8 @@ def make_plan(
         "contiguous_too_long_share": too_long,
         "gain": paged_full / contiguous if contiguous else float("inf"),
         # bytes of GPU memory per live token when the KV pool is full of such sequences
-        "bill_weights_per_token": (bill.weight_bytes + bill.reserve_bytes) / max(1.0, paged_full * mean_tokens),
+        "bill_weights_per_token": (bill.weight_bytes + bill.reserve_bytes)
+        / max(1.0, paged_full * mean_tokens),
         "bill_kv_per_token": float(kvb),
         "bill_rounding_per_token": kvb * float(waste.mean()) / mean_tokens,
         "bill_contiguous_waste_per_token": kvb * (reserve - mean_tokens) / mean_tokens,
@@ -178,7 +183,9 @@ def format_plan(plan: Plan) -> str:
     """The human-readable plan."""
     b, n, m = plan.bill, plan.numbers, plan.bill.model
     lines: List[str] = []
-    lines.append(f"plan      {m.name} on {fmt_bytes(b.gpu_bytes)} GPU memory, {b.block_size}-token blocks")
+    lines.append(
+        f"plan      {m.name} on {fmt_bytes(b.gpu_bytes)} GPU memory, {b.block_size}-token blocks"
+    )
     lines.append(
         f"lengths   prompt {plan.prompt.text} (mean {n['mean_prompt']:,.0f}), output {plan.output.text} "
         f"(mean {n['mean_output']:,.0f}); prompt+output mean {n['mean_tokens']:,.0f}, p99 {n['p99_tokens']:,.0f}, "
@@ -187,22 +194,38 @@ def format_plan(plan: Plan) -> str:
     lines.append("")
     lines.append("memory bill")
     lines.append(f"  GPU memory              {fmt_bytes(b.gpu_bytes):>12}")
-    lines.append(f"  - weights               {fmt_bytes(b.weight_bytes):>12}   {m.params / 1e9:.2f}B params x {m.weight_dtype}")
+    lines.append(
+        f"  - weights               {fmt_bytes(b.weight_bytes):>12}   {m.params / 1e9:.2f}B params x {m.weight_dtype}"
+    )
     lines.append(f"  - reserve               {fmt_bytes(b.reserve_bytes):>12}   {b.reserve_note}")
-    lines.append(f"  = KV pool               {fmt_bytes(b.kv_pool_bytes):>12}   {b.num_blocks:,} blocks, {b.token_slots:,} token slots")
-    lines.append(f"  KV per token            {fmt_bytes(b.kv_bytes_per_token):>12}   {m.kv_formula()}")
-    lines.append(f"  KV per block            {fmt_bytes(b.block_bytes):>12}   {b.block_size} tokens")
+    lines.append(
+        f"  = KV pool               {fmt_bytes(b.kv_pool_bytes):>12}   {b.num_blocks:,} blocks, {b.token_slots:,} token slots"
+    )
+    lines.append(
+        f"  KV per token            {fmt_bytes(b.kv_bytes_per_token):>12}   {m.kv_formula()}"
+    )
+    lines.append(
+        f"  KV per block            {fmt_bytes(b.block_bytes):>12}   {b.block_size} tokens"
+    )
     lines.append("")
     lines.append("concurrent sequences that fit")
     lines.append(f"  paged, all at full length        {n['paged_concurrent']:>9,}")
     lines.append(f"  paged, steady state (mid-life)   {n['paged_concurrent_steady']:>9,}")
     lines.append(
         f"  contiguous max-length            {n['contiguous_concurrent']:>9,}   reserves {plan.max_len:,} tokens each"
-        + (f"; {100 * n['contiguous_too_long_share']:.1f}% of draws exceed it" if n["contiguous_too_long_share"] else "")
+        + (
+            f"; {100 * n['contiguous_too_long_share']:.1f}% of draws exceed it"
+            if n["contiguous_too_long_share"]
+            else ""
+        )
     )
     lines.append(f"  ideal (no waste at all)          {n['ideal_concurrent']:>9,}")
     gain = n["gain"]
-    lines.append(f"  paged / contiguous               {gain:>9.2f}x" if math.isfinite(gain) else "  paged / contiguous                     inf")
+    lines.append(
+        f"  paged / contiguous               {gain:>9.2f}x"
+        if math.isfinite(gain)
+        else "  paged / contiguous                     inf"
+    )
     lines.append("")
     lines.append("bill per live token (pool full of such sequences)")
     lines.append(f"  weights + reserve share       {fmt_bytes(n['bill_weights_per_token']):>12}")

@@ -26,7 +26,14 @@ def plot_results(results: Sequence[SimResult], path: str, title: str = "") -> No
         label = "paged (kvblocks)" if res.name == "paged" else "contiguous (max-length)"
         ax1.plot(s["t"], 100.0 * s["kv_usage"], label=label, linewidth=1, color=color)
         ax2.plot(s["t"], s["running"], label=f"{label}: running", linewidth=1, color=color)
-        ax2.plot(s["t"], s["waiting"], label=f"{label}: waiting", linewidth=1, linestyle="--", color=color)
+        ax2.plot(
+            s["t"],
+            s["waiting"],
+            label=f"{label}: waiting",
+            linewidth=1,
+            linestyle="--",
+            color=color,
+        )
     ax1.set_ylabel("KV memory allocated (%)")
     ax1.set_ylim(0, 105)
     ax1.legend(loc="upper right", fontsize=8)

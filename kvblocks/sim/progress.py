@@ -39,7 +39,9 @@ class ProgressThrottle:
 class ProgressBar:
     """``label [#####.....] 45% 5,412/12,031 requests  sim 1,234 s  3.2 s`` redrawn in place."""
 
-    def __init__(self, label: str, total: int, stream: Optional[TextIO] = None, width: int = 30) -> None:
+    def __init__(
+        self, label: str, total: int, stream: Optional[TextIO] = None, width: int = 30
+    ) -> None:
         self.label = label
         self.total = max(1, total)
         self.stream = stream if stream is not None else sys.stderr

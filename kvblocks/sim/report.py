@@ -66,7 +66,9 @@ def format_simulation(
         f"{int(wstats['prompt_tokens']):,} prompt + {int(wstats['output_tokens']):,} output tokens "
         f"over {wstats['span_s']:,.1f} s"
     )
-    out.append(f"model     {m.name}: KV {fmt_bytes(bill.kv_bytes_per_token)}/token = {m.kv_formula()}")
+    out.append(
+        f"model     {m.name}: KV {fmt_bytes(bill.kv_bytes_per_token)}/token = {m.kv_formula()}"
+    )
     out.append(
         f"memory    {fmt_bytes(bill.gpu_bytes)} GPU - {fmt_bytes(bill.weight_bytes)} weights - "
         f"{fmt_bytes(bill.reserve_bytes)} reserve = {bill.num_blocks:,} blocks x {bill.block_size} tokens "
@@ -87,7 +89,11 @@ def format_simulation(
     ps = paged.summary
     if contiguous is not None:
         cs = contiguous.summary
-        gain = ps["throughput_tok_s"] / cs["throughput_tok_s"] if cs["throughput_tok_s"] else float("inf")
+        gain = (
+            ps["throughput_tok_s"] / cs["throughput_tok_s"]
+            if cs["throughput_tok_s"]
+            else float("inf")
+        )
         out.append(
             f"contiguous reserves {cs['max_len']:,} tokens per sequence ({cs['regions']:,} regions fit); "
             f"paging serves {gain:.2f}x its throughput."
@@ -119,5 +125,3 @@ def simulation_json(
         "contiguous": contiguous.summary if contiguous is not None else None,
     }
     return json.dumps(json_safe(doc), indent=2)
-
-

@@ -64,7 +64,19 @@ _T = TypeVar("_T")
 class _Seq:
     """One sequence (a request's sample) as the scheduler sees it."""
 
-    __slots__ = ("uid", "req", "sample", "seed", "prompt_len", "output_len", "gen", "ctx", "prefill_left", "forks", "done")
+    __slots__ = (
+        "uid",
+        "req",
+        "sample",
+        "seed",
+        "prompt_len",
+        "output_len",
+        "gen",
+        "ctx",
+        "prefill_left",
+        "forks",
+        "done",
+    )
 
     def __init__(self, uid: int, req: Request, sample: int) -> None:
         self.uid = uid
@@ -114,7 +126,11 @@ class _Decoding:
         self.seqs = [s for s, k in zip(self.seqs, mask.tolist()) if k]
         self.batch = None
         self.uid, self.key, self.gen, self.out, self.ctx = (
-            self.uid[mask], self.key[mask], self.gen[mask], self.out[mask], self.ctx[mask]
+            self.uid[mask],
+            self.key[mask],
+            self.gen[mask],
+            self.out[mask],
+            self.ctx[mask],
         )
 
     def extend(self, seqs: List[_Seq]) -> None:
@@ -124,7 +140,9 @@ class _Decoding:
         self.uid = np.concatenate([self.uid, np.array([s.uid for s in seqs], dtype=np.int64)])
         self.key = np.concatenate([self.key, seed_keys([s.seed for s in seqs])])
         self.gen = np.concatenate([self.gen, np.array([s.gen for s in seqs], dtype=np.int64)])
-        self.out = np.concatenate([self.out, np.array([s.output_len for s in seqs], dtype=np.int64)])
+        self.out = np.concatenate(
+            [self.out, np.array([s.output_len for s in seqs], dtype=np.int64)]
+        )
         self.ctx = np.concatenate([self.ctx, np.array([s.ctx for s in seqs], dtype=np.int64)])
 
 
@@ -140,7 +158,9 @@ class PagedEngine:
         cfg.validate()
         self.wall0 = _perf()
         if cfg.preemption == "swap" and cfg.host_blocks <= 0:
-            raise SimulationError("--preemption swap needs host memory for swapped blocks (--host-mem GiB)")
+            raise SimulationError(
+                "--preemption swap needs host memory for swapped blocks (--host-mem GiB)"
+            )
         self.workload = workload
         self.cfg = cfg
         self.tm = tm
@@ -245,7 +265,9 @@ class PagedEngine:
                 "cache_lookups": stats.queries,  # BlockManager.add calls that looked up the cache
                 "lookup_blocks": stats.query_blocks,  # full blocks they looked up (re-admissions too)
                 "block_hits": stats.hit_blocks,  # of which found in the cache
-                "token_hit_rate": stats.hit_tokens / stats.query_tokens if stats.query_tokens else 0.0,
+                "token_hit_rate": stats.hit_tokens / stats.query_tokens
+                if stats.query_tokens
+                else 0.0,
                 "recompute_readds": self.readds,
                 "recompute_cached_tokens": self.readd_cached,
                 "cow_copies": self.cow_copies,
@@ -259,7 +281,9 @@ class PagedEngine:
             }
         )
         if leaked:
-            raise SimulationError(f"internal error: {leaked} blocks still referenced after the replay")
+            raise SimulationError(
+                f"internal error: {leaked} blocks still referenced after the replay"
+            )
         return SimResult("paged", self.rec.summary(), self.rec)
 
     # ----------------------------------------------------------------------------- the phases
@@ -345,7 +369,9 @@ class PagedEngine:
         t0 = _perf()
         if n_dec:
             d = self.decoding
-            mgr.schedule(d.batch if d.batch is not None else d.uid.tolist(), np.ones(n_dec, np.int32))
+            mgr.schedule(
+                d.batch if d.batch is not None else d.uid.tolist(), np.ones(n_dec, np.int32)
+            )
         for s in completed:
             mgr.schedule([s.uid], [mgr.num_tokens(s.uid) - mgr.num_computed(s.uid)])
         self.alloc_s += _perf() - t0
@@ -360,7 +386,9 @@ class PagedEngine:
         for s in self.prefilling:
             waste += -s.ctx % bs
         used = (self.usable - self.pool.num_free) * bs
-        self.rec.step(self.now, dt, used, waste, len(self.running), len(self.waiting) + len(self.swapped))
+        self.rec.step(
+            self.now, dt, used, waste, len(self.running), len(self.waiting) + len(self.swapped)
+        )
         self.now += dt
         self.steps += 1
         return dt

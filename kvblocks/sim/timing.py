@@ -72,7 +72,9 @@ class TimeModel:
             kv_read_s_per_token=kv_read if kv_read_ns is None else kv_read_ns * 1e-9,
         )
 
-    def step(self, prefill_tokens: int, decode_tokens: int, kv_tokens_read: int, swap_bytes: int = 0) -> float:
+    def step(
+        self, prefill_tokens: int, decode_tokens: int, kv_tokens_read: int, swap_bytes: int = 0
+    ) -> float:
         """Seconds one step takes."""
         return (
             self.step_overhead_s

@@ -52,7 +52,16 @@ MAX_TIMESTAMP_S = 1e12  # CSV arrival times (s; any date-time fits)
 class Request:
     """One request: arrival (seconds from the workload start), lengths and prompt content."""
 
-    __slots__ = ("index", "arrival", "prompt_len", "output_len", "n", "hash_ids", "segments", "output_id")
+    __slots__ = (
+        "index",
+        "arrival",
+        "prompt_len",
+        "output_len",
+        "n",
+        "hash_ids",
+        "segments",
+        "output_id",
+    )
 
     def __init__(
         self,
@@ -113,7 +122,16 @@ class Workload:
         """The same requests with arrival times multiplied by ``factor`` (0 = all at once)."""
         factor = TIME_SCALE.check(factor)
         reqs = [
-            Request(r.index, r.arrival * factor, r.prompt_len, r.output_len, r.n, r.hash_ids, r.segments, r.output_id)
+            Request(
+                r.index,
+                r.arrival * factor,
+                r.prompt_len,
+                r.output_len,
+                r.n,
+                r.hash_ids,
+                r.segments,
+                r.output_id,
+            )
             for r in self.requests
         ]
         w = Workload(self.name, reqs, self.kind)
@@ -138,8 +156,12 @@ class Workload:
 
     def stats(self) -> Dict[str, float]:
         """Counts and mean lengths (for reports)."""
-        p = np.fromiter((r.prompt_len for r in self.requests), dtype=np.int64, count=len(self.requests))
-        o = np.fromiter((r.output_len for r in self.requests), dtype=np.int64, count=len(self.requests))
+        p = np.fromiter(
+            (r.prompt_len for r in self.requests), dtype=np.int64, count=len(self.requests)
+        )
+        o = np.fromiter(
+            (r.output_len for r in self.requests), dtype=np.int64, count=len(self.requests)
+        )
         n = np.fromiter((r.n for r in self.requests), dtype=np.int64, count=len(self.requests))
         span = self.requests[-1].arrival - self.requests[0].arrival if self.requests else 0.0
         return {
@@ -166,7 +188,9 @@ def _int_field(obj: dict, key: str, path: str, line: int, lo: int = 0, hi: int =
     if v < lo:
         raise WorkloadError(f"field {key!r} is {shown(v)}, must be >= {lo}", path, line)
     if v > hi:
-        raise WorkloadError(f"field {key!r} is {shown(v)}, absurdly large (limit {hi:,})", path, line)
+        raise WorkloadError(
+            f"field {key!r} is {shown(v)}, absurdly large (limit {hi:,})", path, line
+        )
     return v
 
 
@@ -176,9 +200,15 @@ def _time_field(obj: dict, key: str, path: str, line: int) -> float:
         raise WorkloadError(f"missing field {key!r}", path, line)
     v = obj[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise WorkloadError(f"field {key!r} must be a non-negative number of ms, got {shown(v)}", path, line)
+        raise WorkloadError(
+            f"field {key!r} must be a non-negative number of ms, got {shown(v)}", path, line
+        )
     if v > MAX_TIMESTAMP_MS:
-        raise WorkloadError(f"field {key!r} is {shown(v)}, absurdly large (limit {MAX_TIMESTAMP_MS:g} ms)", path, line)
+        raise WorkloadError(
+            f"field {key!r} is {shown(v)}, absurdly large (limit {MAX_TIMESTAMP_MS:g} ms)",
+            path,
+            line,
+        )
     return float(v)
 
 
@@ -201,7 +231,9 @@ def _open_lines(path: str) -> Generator[Tuple[int, str], None, None]:
                     except UnicodeDecodeError as e:
                         raise WorkloadError(
                             f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                            f"save the trace as UTF-8", path, lineno,
+                            f"save the trace as UTF-8",
+                            path,
+                            lineno,
                         ) from None
                     yield lineno, text
         except OSError as e:
@@ -216,7 +248,9 @@ def _json_lines(path: str) -> Iterator[Tuple[int, dict]]:
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            raise WorkloadError(f"malformed JSON ({e.msg} at column {e.colno})", path, lineno) from None
+            raise WorkloadError(
+                f"malformed JSON ({e.msg} at column {e.colno})", path, lineno
+            ) from None
         except (ValueError, RecursionError) as e:  # an integer of > 4300 digits; deep nesting
             raise WorkloadError(f"malformed JSON ({str(e).split(':')[0]})", path, lineno) from None
         if not isinstance(obj, dict):
@@ -253,13 +287,19 @@ def load_mooncake(path: str, limit: Optional[int] = None) -> Workload:
         n_out = _int_field(obj, "output_length", path, lineno, lo=1)
         ids = obj.get("hash_ids")
         if not isinstance(ids, list) or not ids:
-            raise WorkloadError("field 'hash_ids' must be a non-empty list of integers", path, lineno)
+            raise WorkloadError(
+                "field 'hash_ids' must be a non-empty list of integers", path, lineno
+            )
         for h in ids:
             if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < (1 << ID_BITS):
-                raise WorkloadError(f"bad hash id {shown(h)} (must be an integer in [0, 2^{ID_BITS}))", path, lineno)
+                raise WorkloadError(
+                    f"bad hash id {shown(h)} (must be an integer in [0, 2^{ID_BITS}))", path, lineno
+                )
         if not MOONCAKE_BLOCK * (len(ids) - 1) < n_in <= MOONCAKE_BLOCK * len(ids):
             raise WorkloadError(
-                f"input_length {n_in} does not match {len(ids)} hash ids of {MOONCAKE_BLOCK} tokens", path, lineno
+                f"input_length {n_in} does not match {len(ids)} hash ids of {MOONCAKE_BLOCK} tokens",
+                path,
+                lineno,
             )
         reqs.append(Request(len(reqs), t, n_in, n_out, hash_ids=tuple(ids)))
     return _finish(os.path.basename(path), "mooncake", reqs, path)
@@ -308,7 +348,9 @@ def load_azure_csv(path: str, limit: Optional[int] = None) -> Workload:
         need = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
         absent = [c for c in need if c not in cols]
         if absent:
-            raise WorkloadError(f"missing column(s) {', '.join(absent)} (need {', '.join(need)})", path, 1)
+            raise WorkloadError(
+                f"missing column(s) {', '.join(absent)} (need {', '.join(need)})", path, 1
+            )
         it, ic, ig = (cols[c] for c in need)
         width = max(it, ic, ig) + 1
         while True:
@@ -329,21 +371,29 @@ def load_azure_csv(path: str, limit: Optional[int] = None) -> Workload:
                 t = _parse_timestamp(row[it])
             except (ValueError, OverflowError):
                 raise WorkloadError(f"bad TIMESTAMP {shown(row[it])}", path, lineno) from None
-            if not math.isfinite(t) or abs(t) > MAX_TIMESTAMP_S:  # nan never compares: replay would hang
+            if (
+                not math.isfinite(t) or abs(t) > MAX_TIMESTAMP_S
+            ):  # nan never compares: replay would hang
                 raise WorkloadError(
                     f"bad TIMESTAMP {shown(row[it])} (need a date-time or a finite number of seconds "
-                    f"within +-{MAX_TIMESTAMP_S:g})", path, lineno,
+                    f"within +-{MAX_TIMESTAMP_S:g})",
+                    path,
+                    lineno,
                 )
             vals = []
             for name, i, lo in (("ContextTokens", ic, 1), ("GeneratedTokens", ig, 0)):
                 try:
                     v = int(row[i].strip())
                 except ValueError:
-                    raise WorkloadError(f"{name} must be an integer, got {shown(row[i])}", path, lineno) from None
+                    raise WorkloadError(
+                        f"{name} must be an integer, got {shown(row[i])}", path, lineno
+                    ) from None
                 if v < lo:
                     raise WorkloadError(f"{name} is {v}, must be >= {lo}", path, lineno)
                 if v > MAX_TOKENS:
-                    raise WorkloadError(f"{name} is {v}, absurdly large (limit {MAX_TOKENS:,})", path, lineno)
+                    raise WorkloadError(
+                        f"{name} is {v}, absurdly large (limit {MAX_TOKENS:,})", path, lineno
+                    )
                 vals.append(v)
             if t0 is None:
                 t0 = t
@@ -356,7 +406,9 @@ def load_azure_csv(path: str, limit: Optional[int] = None) -> Workload:
     return _finish(os.path.basename(path), "azure", reqs, path)
 
 
-def load_kvblocks_jsonl(path: str, limit: Optional[int] = None, name: Optional[str] = None) -> Workload:
+def load_kvblocks_jsonl(
+    path: str, limit: Optional[int] = None, name: Optional[str] = None
+) -> Workload:
     """Read a kvblocks workload JSONL (segments, parallel samples; see module docstring)."""
     reqs: List[Request] = []
     for lineno, obj, t in _timed_records(path, limit):
@@ -364,25 +416,37 @@ def load_kvblocks_jsonl(path: str, limit: Optional[int] = None, name: Optional[s
         n = _int_field(obj, "n", path, lineno, lo=1, hi=MAX_SAMPLES) if "n" in obj else 1
         segs = obj.get("segments")
         if not isinstance(segs, list) or not segs:
-            raise WorkloadError("field 'segments' must be a non-empty list of [id, length] pairs", path, lineno)
+            raise WorkloadError(
+                "field 'segments' must be a non-empty list of [id, length] pairs", path, lineno
+            )
         pieces = []
         for s in segs:
-            ok = isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
+            ok = (
+                isinstance(s, list)
+                and len(s) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
+            )
             if not ok or not 0 <= s[0] < (1 << ID_BITS) or not 1 <= s[1] <= MAX_TOKENS:
                 raise WorkloadError(
                     f"bad segment {shown(s)} (need [id in [0, 2^{ID_BITS}), length in [1, {MAX_TOKENS:,}]])",
-                    path, lineno,
+                    path,
+                    lineno,
                 )
             pieces.append((s[0], s[1]))
         total = sum(p[1] for p in pieces)
         if total > MAX_TOKENS:
             raise WorkloadError(f"prompt of {total} tokens is absurdly long", path, lineno)
         out_id = obj.get("output_id")
-        if out_id is not None and (isinstance(out_id, bool) or not isinstance(out_id, int)
-                                   or not 0 <= out_id < (1 << ID_BITS)):
+        if out_id is not None and (
+            isinstance(out_id, bool)
+            or not isinstance(out_id, int)
+            or not 0 <= out_id < (1 << ID_BITS)
+        ):
             raise WorkloadError(f"bad output_id {shown(out_id)} (must be an integer in [0, 2^{ID_BITS}))",
                                 path, lineno)  # fmt: skip
-        reqs.append(Request(len(reqs), t, total, n_out, n=n, segments=tuple(pieces), output_id=out_id))
+        reqs.append(
+            Request(len(reqs), t, total, n_out, n=n, segments=tuple(pieces), output_id=out_id)
+        )
     return _finish(name or os.path.basename(path), "kvblocks", reqs, path)
 
 
@@ -408,10 +472,14 @@ def detect_format(path: str) -> str:
         return "kvblocks" if '"segments"' in first else "mooncake"
     if "TIMESTAMP" in first:
         return "azure"
-    raise WorkloadError("unknown trace format (expected Mooncake JSONL, kvblocks JSONL or Azure CSV)", path, 1)
+    raise WorkloadError(
+        "unknown trace format (expected Mooncake JSONL, kvblocks JSONL or Azure CSV)", path, 1
+    )
 
 
-def load_workload(path: Optional[str] = None, fmt: str = "auto", limit: Optional[int] = None) -> Workload:
+def load_workload(
+    path: Optional[str] = None, fmt: str = "auto", limit: Optional[int] = None
+) -> Workload:
     """Load a workload file (or the built-in default when ``path`` is None)."""
     if limit is not None and limit < 1:
         raise WorkloadError(f"--limit must be >= 1, got {limit}")
@@ -440,7 +508,9 @@ def prefix_reuse(requests: Sequence[Request], block_size: int) -> np.ndarray:
     :meth:`BlockManager.add` reports. Needs ``block_size`` to divide 512 only for the
     partial-block case to be exact; it is exact for any size since matching is per token.
     """
-    seen: Dict[Tuple[int, int], Tuple[int, int]] = {}  # (parent node, id) -> (node, max tokens in block)
+    seen: Dict[
+        Tuple[int, int], Tuple[int, int]
+    ] = {}  # (parent node, id) -> (node, max tokens in block)
     out = np.zeros(len(requests), dtype=np.int64)
     for k, r in enumerate(requests):
         if r.hash_ids is None:

@@ -13,12 +13,21 @@ The last two need hypothesis; importing this package does not.
 from .readback import KVReadback, ReadbackError
 from .reference import ReferenceManager, ReferenceMetadata, ReferencePool, same_error
 
-__all__ = ["EngineMachine", "KVReadback", "ReadbackError", "ReferenceManager",
-           "ReferenceMetadata", "ReferencePool", "same_error", "strategies"]
+__all__ = [
+    "EngineMachine",
+    "KVReadback",
+    "ReadbackError",
+    "ReferenceManager",
+    "ReferenceMetadata",
+    "ReferencePool",
+    "same_error",
+    "strategies",
+]
 
 
 def __getattr__(name):  # hypothesis only when these are used
     import importlib
+
     if name == "EngineMachine":
         return importlib.import_module(__name__ + ".machines").EngineMachine
     if name == "strategies":

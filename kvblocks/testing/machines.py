@@ -19,8 +19,16 @@ Needs hypothesis.
 from __future__ import annotations
 
 from hypothesis import strategies as st
-from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize,
-                                 invariant, multiple, precondition, rule)
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
 
 from .._core import BlockManager
 from ..errors import InvalidStateError, OutOfBlocksError
@@ -41,21 +49,32 @@ class EngineMachine(RuleBasedStateMachine):
     #: drain order: the documented one runs the copy-on-write copies before the swap pairs
     swaps_first = True
 
-    def make_manager(self, num_blocks: int, block_size: int, *, num_host_blocks: int,
-                     enable_prefix_caching: bool):
+    def make_manager(
+        self, num_blocks: int, block_size: int, *, num_host_blocks: int, enable_prefix_caching: bool
+    ):
         """The manager under test (override to test another one)."""
-        return BlockManager(num_blocks, block_size, num_host_blocks=num_host_blocks,
-                            enable_prefix_caching=enable_prefix_caching)
+        return BlockManager(
+            num_blocks,
+            block_size,
+            num_host_blocks=num_host_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        )
 
-    @initialize(num_blocks=st.integers(4, 24), bs=st.sampled_from([1, 2, 3, 4]),
-                host=st.sampled_from([0, 8, 24]), caching=st.sampled_from([True, True, False]),
-                kind=st.sampled_from(layout_kinds), joint=st.booleans())
+    @initialize(
+        num_blocks=st.integers(4, 24),
+        bs=st.sampled_from([1, 2, 3, 4]),
+        host=st.sampled_from([0, 8, 24]),
+        caching=st.sampled_from([True, True, False]),
+        kind=st.sampled_from(layout_kinds),
+        joint=st.booleans(),
+    )
     def setup(self, num_blocks, bs, host, caching, kind, joint):
-        self.mgr = self.make_manager(num_blocks, bs, num_host_blocks=host,
-                                     enable_prefix_caching=caching)
+        self.mgr = self.make_manager(
+            num_blocks, bs, num_host_blocks=host, enable_prefix_caching=caching
+        )
         self.rb = KVReadback(self.mgr, kind=kind, joint=joint)
         self.next_id = 0
-        self.conversations = []      # token histories of finished sequences (next turns)
+        self.conversations = []  # token histories of finished sequences (next turns)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _new_id(self):
@@ -69,8 +88,13 @@ class EngineMachine(RuleBasedStateMachine):
         return not self.rb.expected[sid].swapped
 
     # -- admission ---------------------------------------------------------------------------------
-    @rule(target=seqs, source=st.integers(0, 63), cut=st.integers(0, 40),
-          tail=st.lists(TOKENS, max_size=6), salt=st.sampled_from([None, None, "t1"]))
+    @rule(
+        target=seqs,
+        source=st.integers(0, 63),
+        cut=st.integers(0, 40),
+        tail=st.lists(TOKENS, max_size=6),
+        salt=st.sampled_from([None, None, "t1"]),
+    )
     def admit(self, source, cut, tail, salt):
         """A prompt: a prefix of a system prompt, of a live sequence or of a finished
         conversation (the next turn), plus new tokens."""
@@ -94,8 +118,10 @@ class EngineMachine(RuleBasedStateMachine):
         """Drain, then one forward over some running sequences: every committed token not
         computed yet is this step's query."""
         running = self._running()
-        batch = data.draw(st.lists(st.sampled_from(running), unique=True, max_size=5)
-                          if running else st.just([]), label="batch")
+        batch = data.draw(
+            st.lists(st.sampled_from(running), unique=True, max_size=5) if running else st.just([]),
+            label="batch",
+        )
         self.rb.drain(swaps_first=self.swaps_first)
         self.rb.forward(batch)
 
@@ -105,10 +131,12 @@ class EngineMachine(RuleBasedStateMachine):
         running = self._running()
         if not running:
             return
-        batch = data.draw(st.lists(st.sampled_from(running), unique=True, min_size=1,
-                                   max_size=5), label="batch")
-        tokens = data.draw(st.lists(TOKENS, min_size=len(batch), max_size=len(batch)),
-                           label="tokens")
+        batch = data.draw(
+            st.lists(st.sampled_from(running), unique=True, min_size=1, max_size=5), label="batch"
+        )
+        tokens = data.draw(
+            st.lists(TOKENS, min_size=len(batch), max_size=len(batch)), label="tokens"
+        )
         try:
             self.rb.append_batch(batch, tokens)
         except OutOfBlocksError:
@@ -123,8 +151,13 @@ class EngineMachine(RuleBasedStateMachine):
             except OutOfBlocksError:
                 pass
 
-    @rule(sid=seqs, k=st.integers(1, 4), accept=st.integers(0, 4),
-          drafts=st.lists(TOKENS, min_size=4, max_size=4), bonus=st.none() | TOKENS)
+    @rule(
+        sid=seqs,
+        k=st.integers(1, 4),
+        accept=st.integers(0, 4),
+        drafts=st.lists(TOKENS, min_size=4, max_size=4),
+        bonus=st.none() | TOKENS,
+    )
     def speculate(self, sid, k, accept, drafts, bonus):
         """Speculative decoding: reserve k slots, drain, a step that computes the uncomputed
         tokens and writes k drafts, commit the accepted drafts as computed, maybe a bonus."""
@@ -138,7 +171,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.rb.forward([sid], drafts=[drafts[:k]])
         try:
             if min(accept, k):
-                self.rb.append(sid, drafts[:min(accept, k)], computed=True)
+                self.rb.append(sid, drafts[: min(accept, k)], computed=True)
             if bonus is not None:
                 self.rb.append(sid, [bonus])
         except OutOfBlocksError:

@@ -43,7 +43,7 @@ from ..storage import KVCache
 
 __all__ = ["KVReadback", "ReadbackError"]
 
-POISON = 0xA5                       # every byte of both caches before anything is written
+POISON = 0xA5  # every byte of both caches before anything is written
 _M64 = (1 << 64) - 1
 _SEED = 0x5EED_C0DE_1234_5678
 
@@ -85,16 +85,18 @@ def prefix_hashes(tokens: Sequence[int], prev: int = _SEED, start: int = 0) -> L
 @dataclass
 class _Expected:
     """What one sequence must read back."""
+
     tokens: List[int]
-    hashes: List[int]                         # prefix hash of each committed position
-    computed: int = 0                         # positions [0, computed) hold their K/V
-    drafts: List[int] = field(default_factory=list)   # draft tokens written since the commit
+    hashes: List[int]  # prefix hash of each committed position
+    computed: int = 0  # positions [0, computed) hold their K/V
+    drafts: List[int] = field(default_factory=list)  # draft tokens written since the commit
     swapped: bool = False
-    host_table: Optional[np.ndarray] = None   # host blocks while swapped out
+    host_table: Optional[np.ndarray] = None  # host blocks while swapped out
 
     def copy(self) -> "_Expected":
-        return _Expected(list(self.tokens), list(self.hashes), self.computed, [],
-                         self.swapped, self.host_table)
+        return _Expected(
+            list(self.tokens), list(self.hashes), self.computed, [], self.swapped, self.host_table
+        )
 
 
 class KVReadback:
@@ -104,21 +106,34 @@ class KVReadback:
     layout keywords pick the cache geometry; the block size is the manager's.
     """
 
-    def __init__(self, mgr, *, num_layers: int = 2, num_kv_heads: int = 2, head_dim: int = 4,
-                 dtype: str = "bf16", kind: str = "NHD", joint: bool = True) -> None:
+    def __init__(
+        self,
+        mgr,
+        *,
+        num_layers: int = 2,
+        num_kv_heads: int = 2,
+        head_dim: int = 4,
+        dtype: str = "bf16",
+        kind: str = "NHD",
+        joint: bool = True,
+    ) -> None:
         self.mgr = mgr
-        self.layout = KVLayout(num_layers, num_kv_heads, head_dim, mgr.block_size, dtype,
-                               kind=kind, joint=joint)
+        self.layout = KVLayout(
+            num_layers, num_kv_heads, head_dim, mgr.block_size, dtype, kind=kind, joint=joint
+        )
         self.cache = KVCache(self.layout, mgr.pool.num_blocks, device="cpu", pin_memory=False)
         host_pool = getattr(mgr, "host_pool", None)
-        self.host = (KVCache(self.layout, host_pool.num_blocks, device="cpu", pin_memory=False)
-                     if host_pool is not None else None)
+        self.host = (
+            KVCache(self.layout, host_pool.num_blocks, device="cpu", pin_memory=False)
+            if host_pool is not None
+            else None
+        )
         for c in (self.cache, self.host):
             if c is not None:
                 c.planes[...] = POISON
         self.expected: Dict[object, _Expected] = {}
-        self._swaps: List[Tuple[str, np.ndarray]] = []   # returned by swap_*, not yet run
-        self._origin: Dict[bytes, str] = {}              # K bytes -> what they were written for
+        self._swaps: List[Tuple[str, np.ndarray]] = []  # returned by swap_*, not yet run
+        self._origin: Dict[bytes, str] = {}  # K bytes -> what they were written for
         self._token_bytes = num_kv_heads * head_dim * self.layout.itemsize
         self._words = -(-self._token_bytes // 8)
 
@@ -133,9 +148,12 @@ class KVReadback:
         for which in (0, 1):
             salt = np.uint64(_mix((layer << 1 | which) + 1))
             words = _mix_np((h ^ salt) + idx * np.uint64(0x9E3779B97F4A7C15))
-            raw = np.ascontiguousarray(words).view(np.uint8)[:, :self._token_bytes]
-            out.append(np.ascontiguousarray(raw).view(lay.storage_dtype)
-                       .reshape(len(h), lay.num_kv_heads, lay.head_dim))
+            raw = np.ascontiguousarray(words).view(np.uint8)[:, : self._token_bytes]
+            out.append(
+                np.ascontiguousarray(raw)
+                .view(lay.storage_dtype)
+                .reshape(len(h), lay.num_kv_heads, lay.head_dim)
+            )
         return out[0], out[1]
 
     # -- the manager's calls, with what each sequence must read back ---------------------------
@@ -149,9 +167,11 @@ class KVReadback:
         tokens = [int(t) for t in tokens]
         e = self.expected[seq_id]
         if computed:
-            if tokens != e.drafts[:len(tokens)]:
-                raise ReadbackError(f"append({seq_id!r}, computed=True): {tokens} are not the "
-                                    f"draft tokens {e.drafts} the last step wrote")
+            if tokens != e.drafts[: len(tokens)]:
+                raise ReadbackError(
+                    f"append({seq_id!r}, computed=True): {tokens} are not the "
+                    f"draft tokens {e.drafts} the last step wrote"
+                )
             self.mgr.append(seq_id, tokens, computed=True)
         else:
             self.mgr.append(seq_id, tokens)
@@ -234,7 +254,7 @@ class KVReadback:
                     src, dst = (self.cache, self.host) if kind == "out" else (self.host, self.cache)
                     ops.swap_blocks(src, dst, pairs)
 
-        for run in ((run_swaps, run_copies) if swaps_first else (run_copies, run_swaps)):
+        for run in (run_swaps, run_copies) if swaps_first else (run_copies, run_swaps):
             run()
         return copies
 
@@ -257,7 +277,7 @@ class KVReadback:
         hashes, labels = [], []
         for sid, e, q, d in zip(seq_ids, rows, query_lens, drafts):
             n = len(e.tokens)
-            hashes += e.hashes[n - q:n]
+            hashes += e.hashes[n - q : n]
             labels += [(sid, p, e.tokens[p]) for p in range(n - q, n)]
             prev = e.hashes[-1] if e.hashes else _SEED
             hashes += prefix_hashes(d, prev, n)
@@ -265,7 +285,7 @@ class KVReadback:
         slots = np.asarray(meta.slot_mapping, dtype=np.int64)
         if len(slots) < len(hashes):
             raise ReadbackError(f"metadata gave {len(slots)} slots for {len(hashes)} queries")
-        slots = slots[:len(hashes)]
+        slots = slots[: len(hashes)]
         first: Dict[int, int] = {}
         for i, slot in enumerate(slots.tolist()):
             j = first.setdefault(slot, i)
@@ -273,7 +293,8 @@ class KVReadback:
                 raise ReadbackError(
                     f"one step writes two different K/V into slot {slot} (block "
                     f"{slot // self.layout.block_size}): {self._label(labels[j])} and "
-                    f"{self._label(labels[i])}")
+                    f"{self._label(labels[i])}"
+                )
         keep = sorted(i for i in first.values() if slots[i] >= 0)
         h = [hashes[i] for i in keep]
         for layer in range(self.layout.num_layers):
@@ -302,8 +323,10 @@ class KVReadback:
         else:
             cache, table, where = self.cache, np.asarray(mgr.block_table(seq_id)), "device"
         if len(table) < -(-n // bs):
-            raise ReadbackError(f"sequence {seq_id!r}: {n} computed positions but its "
-                                f"{where} table has {len(table)} blocks of {bs}")
+            raise ReadbackError(
+                f"sequence {seq_id!r}: {n} computed positions but its "
+                f"{where} table has {len(table)} blocks of {bs}"
+            )
         for layer in range(self.layout.num_layers):
             want = self.kv(e.hashes[:n], layer)
             got = ops.gather(cache, layer, table, n)
@@ -319,7 +342,8 @@ class KVReadback:
                         f"{e.tokens[p]}) of {n} computed, layer {layer}, {name}, {where} block "
                         f"{int(table[p // bs])} offset {p % bs}: holds {found}; "
                         f"{bad.size} of {n} positions wrong (first ones: {bad[:8].tolist()}); "
-                        f"{where} table {np.asarray(table).tolist()}")
+                        f"{where} table {np.asarray(table).tolist()}"
+                    )
 
     def assert_all(self, mgr=None) -> None:
         """``assert_reads_back`` for every live sequence (needs ``settled``)."""

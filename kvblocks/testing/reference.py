@@ -61,22 +61,36 @@ Choices where the round-2 text is open (each is repeated where it is made):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .. import _core
-from ..errors import (CorruptionError, DuplicateSequenceError, InvalidArgumentError,
-                      InvalidStateError, InvalidTypeError, KVBlocksError, OutOfBlocksError,
-                      UnknownSequenceError)
+from ..errors import (
+    CorruptionError,
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    InvalidStateError,
+    InvalidTypeError,
+    KVBlocksError,
+    OutOfBlocksError,
+    UnknownSequenceError,
+)
 
-__all__ = ["ReferencePool", "ReferenceManager", "ReferenceMetadata", "same_error",
-           "seq_id_of", "scalar_of", "tokens_of"]
+__all__ = [
+    "ReferencePool",
+    "ReferenceManager",
+    "ReferenceMetadata",
+    "same_error",
+    "seq_id_of",
+    "scalar_of",
+    "tokens_of",
+]
 
-INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
-INT64_MAX = 2 ** 63 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MAX = 2**63 - 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,9 +120,10 @@ class _Rules:
 
     def check(self) -> None:
         if self.broken:
-            first = self.broken[0]
-            setattr(first, "also_ok", tuple(getattr(first, "also_ok", ()))
-                    + tuple(type(e) for e in self.broken[1:]))
+            first: Any = self.broken[0]  # a kvblocks error carrying also_ok (see _err)
+            first.also_ok = tuple(getattr(first, "also_ok", ())) + tuple(
+                type(e) for e in self.broken[1:]
+            )
             raise first
 
 
@@ -125,11 +140,11 @@ def seq_id_of(x):
     if isinstance(x, (bool, np.bool_)):
         raise _err(InvalidTypeError, f"sequence ids must be int or str, got {t.__name__}")
     if isinstance(x, int):
-        return int.__index__(x)          # the base slot: the subclass' methods never run
+        return int.__index__(x)  # the base slot: the subclass' methods never run
     if isinstance(x, np.integer):
         return int(x)
     if isinstance(x, str):
-        return str.__str__(x)            # an exact copy; __hash__/__eq__ never run
+        return str.__str__(x)  # an exact copy; __hash__/__eq__ never run
     raise _err(InvalidTypeError, f"sequence ids must be int or str, got {t.__name__}")
 
 
@@ -138,8 +153,9 @@ def seq_ids_of(xs) -> List:
     try:
         items = list(xs)
     except Exception as exc:  # the iterable's own code raised: any KVBlocksError will do
-        raise _err(InvalidTypeError, f"seq_ids must be an iterable of ids: {exc!r}",
-                   KVBlocksError) from None
+        raise _err(
+            InvalidTypeError, f"seq_ids must be an iterable of ids: {exc!r}", KVBlocksError
+        ) from None
     return [seq_id_of(x) for x in items]
 
 
@@ -168,14 +184,15 @@ def tokens_of(x, name: str = "token_ids") -> np.ndarray:
     try:
         arr = np.asarray(x)
     except Exception as exc:  # e.g. __array__ raised: any KVBlocksError will do
-        raise _err(InvalidTypeError, f"{name} must be a sequence of ints: {exc!r}",
-                   KVBlocksError) from None
+        raise _err(
+            InvalidTypeError, f"{name} must be a sequence of ints: {exc!r}", KVBlocksError
+        ) from None
     if arr.ndim != 1:
         raise _err(InvalidArgumentError, f"{name} must be 1-D, got shape {arr.shape}", *bad)
     if arr.size == 0 and arr.dtype.kind in "iu":
         return np.zeros(0, dtype=np.int32)
     if arr.size == 0 and not isinstance(x, np.ndarray):
-        return np.zeros(0, dtype=np.int32)      # [] has no dtype of its own
+        return np.zeros(0, dtype=np.int32)  # [] has no dtype of its own
     if arr.dtype.kind not in "iu":
         raise _err(InvalidTypeError, f"{name} must hold integers, got {arr.dtype}", *bad)
     if int(arr.min()) < INT32_MIN or int(arr.max()) > INT32_MAX:
@@ -205,8 +222,9 @@ def hashes_of(x) -> List[int]:
     """128-bit block hashes from an ``(n, 2)`` uint64 array of [lo, hi] or a list of ints."""
     if isinstance(x, (list, tuple)) and x and isinstance(x[0], int):
         if any(isinstance(h, bool) or not isinstance(h, int) for h in x):
-            raise _err(InvalidTypeError, "hashes: 128-bit unsigned ints expected",
-                       InvalidArgumentError)
+            raise _err(
+                InvalidTypeError, "hashes: 128-bit unsigned ints expected", InvalidArgumentError
+            )
         if not all(0 <= h < (1 << 128) for h in x):
             raise _err(InvalidArgumentError, "hashes: 128-bit unsigned ints expected")
         return [int(h) for h in x]
@@ -244,9 +262,9 @@ class ReferencePool:
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self._ref = [0] * num_blocks
         self._free: List[int] = list(range(1, num_blocks))  # index 0 is allocated first
-        self._block_of: Dict[int, int] = {}                  # hash -> cached block
-        self._hash_of: Dict[int, int] = {}                   # cached block -> hash
-        self.evictions = 0        # cache entries dropped because allocation reused the block
+        self._block_of: Dict[int, int] = {}  # hash -> cached block
+        self._hash_of: Dict[int, int] = {}  # cached block -> hash
+        self.evictions = 0  # cache entries dropped because allocation reused the block
         #: False after an operation whose free-list order the documents leave open
         self.free_order_known = True
 
@@ -294,7 +312,8 @@ class ReferencePool:
         blocks must be the same set."""
         order = [int(b) for b in order]
         assert sorted(order) == sorted(self._free), (
-            f"free blocks differ: real {sorted(order)}, reference {sorted(self._free)}")
+            f"free blocks differ: real {sorted(order)}, reference {sorted(self._free)}"
+        )
         self._free = order
         self.free_order_known = True
 
@@ -305,8 +324,11 @@ class ReferencePool:
         if n < 0:
             raise _err(InvalidArgumentError, f"allocate: n must be >= 0, got {n}")
         if n > len(self._free):
-            raise _err(OutOfBlocksError, f"allocate({n}): {len(self._free)} free",
-                       *((InvalidArgumentError,) if n > INT32_MAX else ()))
+            raise _err(
+                OutOfBlocksError,
+                f"allocate({n}): {len(self._free)} free",
+                *((InvalidArgumentError,) if n > INT32_MAX else ()),
+            )
         return np.array(self._allocate(n), dtype=np.int32)
 
     def free(self, ids) -> None:
@@ -373,8 +395,9 @@ class ReferencePool:
         """
         held = [b for b in self._hash_of if self._ref[b] > 0]
         if held:
-            raise _err(InvalidStateError,
-                       f"reset_prefix_cache: {len(held)} cached blocks are referenced")
+            raise _err(
+                InvalidStateError, f"reset_prefix_cache: {len(held)} cached blocks are referenced"
+            )
         if self._hash_of:
             self.free_order_known = False
         self._block_of.clear()
@@ -383,10 +406,14 @@ class ReferencePool:
     def check(self) -> None:
         """The pool's own invariants (raises CorruptionError)."""
         free = set(self._free)
-        ok = (len(free) == len(self._free) and 0 not in free and self._ref[0] == 0
-              and all((self._ref[b] == 0) == (b in free) for b in range(1, self.num_blocks))
-              and all(self._block_of[h] == b for b, h in self._hash_of.items())
-              and len(self._block_of) == len(self._hash_of))
+        ok = (
+            len(free) == len(self._free)
+            and 0 not in free
+            and self._ref[0] == 0
+            and all((self._ref[b] == 0) == (b in free) for b in range(1, self.num_blocks))
+            and all(self._block_of[h] == b for b, h in self._hash_of.items())
+            and len(self._block_of) == len(self._hash_of)
+        )
         if not ok:
             raise CorruptionError("reference pool invariant violated")
 
@@ -401,15 +428,18 @@ class ReferencePool:
         blocks = tokens_of(ids, "ids").tolist()
         for b in blocks:
             if not 0 < b < self.num_blocks:
-                raise _err(InvalidArgumentError, f"block {b} out of range [1, {self.num_blocks})",
-                           InvalidStateError)
+                raise _err(
+                    InvalidArgumentError,
+                    f"block {b} out of range [1, {self.num_blocks})",
+                    InvalidStateError,
+                )
         return blocks
 
     def _allocate(self, n: int) -> List[int]:
         out = self._free[:n]
         del self._free[:n]
         for b in out:
-            if b in self._hash_of:          # lazy eviction: the entry goes when reused
+            if b in self._hash_of:  # lazy eviction: the entry goes when reused
                 del self._block_of[self._hash_of.pop(b)]
                 self.evictions += 1
             self._ref[b] = 1
@@ -422,9 +452,9 @@ class ReferencePool:
         if self._ref[b]:
             return False
         if b in self._hash_of:
-            self._free.append(b)            # evictable: least recently released goes first
+            self._free.append(b)  # evictable: least recently released goes first
         else:
-            self._free.insert(0, b)         # never cached: reused before any cached block
+            self._free.insert(0, b)  # never cached: reused before any cached block
         return True
 
     def _pin(self, b: int) -> None:
@@ -459,18 +489,19 @@ class ReferencePool:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class _Seq:
-    tokens: List[int]             # committed tokens
-    blocks: List[int]             # device block table, or the host table while swapped out
+    tokens: List[int]  # committed tokens
+    blocks: List[int]  # device block table, or the host table while swapped out
     salt: Union[None, str, bytes]
-    num_computed: int = 0         # tokens whose K/V are written (a prefix of tokens)
-    num_offered: int = 0          # full blocks already offered to the prefix cache
-    drafts: int = 0               # draft slots scheduled since the last commit
+    num_computed: int = 0  # tokens whose K/V are written (a prefix of tokens)
+    num_offered: int = 0  # full blocks already offered to the prefix cache
+    drafts: int = 0  # draft slots scheduled since the last commit
     swapped: bool = False
 
 
 @dataclass
 class ReferenceMetadata:
     """What ``BlockManager.metadata`` returns, as plain numpy arrays."""
+
     slot_mapping: np.ndarray
     block_tables: np.ndarray
     seq_lens: np.ndarray
@@ -496,8 +527,16 @@ class ReferenceManager:
     4
     """
 
-    def __init__(self, num_blocks, block_size, *, enable_prefix_caching=True, watermark=0.0,
-                 num_host_blocks=0, hash_key=None) -> None:
+    def __init__(
+        self,
+        num_blocks,
+        block_size,
+        *,
+        enable_prefix_caching=True,
+        watermark=0.0,
+        num_host_blocks=0,
+        hash_key=None,
+    ) -> None:
         block_size = scalar_of(block_size, "block_size")
         if block_size < 1:
             raise _err(InvalidArgumentError, f"block_size must be >= 1, got {block_size}")
@@ -507,15 +546,16 @@ class ReferenceManager:
         if num_host_blocks < 0 or num_host_blocks == 1:
             raise _err(InvalidArgumentError, "num_host_blocks must be 0 or >= 2")
         self.pool = ReferencePool(num_blocks, enable_prefix_caching=enable_prefix_caching)
-        self.host_pool = (ReferencePool(num_host_blocks, enable_prefix_caching=False)
-                          if num_host_blocks else None)
+        self.host_pool = (
+            ReferencePool(num_host_blocks, enable_prefix_caching=False) if num_host_blocks else None
+        )
         self.block_size = block_size
         self.watermark = watermark
         # the documented rule: admission keeps ceil(watermark * usable blocks) free
         self._watermark_blocks = math.ceil(watermark * (self.pool.num_blocks - 1))
         self.hash_key = _core.default_hash_key() if hash_key is None else hash_key
         self._seqs: Dict[object, _Seq] = {}
-        self._copies: List[Tuple[int, int]] = []    # pending copy-on-write (src, dst)
+        self._copies: List[Tuple[int, int]] = []  # pending copy-on-write (src, dst)
 
     # -- queries ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -587,7 +627,8 @@ class ReferenceManager:
             raise _err(InvalidArgumentError, f"n must be >= 0, got {n}")
         if s.swapped:  # choice 7: what swap_in takes, plus the growth
             return self._swap_in_plan(s)[1] + max(
-                0, _ceil_div(len(s.tokens) + n, self.block_size) - len(s.blocks))
+                0, _ceil_div(len(s.tokens) + n, self.block_size) - len(s.blocks)
+            )
         return self._need([(s, n)])
 
     def can_append(self, seq_ids, n=1) -> bool:
@@ -615,19 +656,20 @@ class ReferenceManager:
         n, bs = len(toks), self.block_size
         self._check_fits(None, n)
         hashes = self._hashes(toks, salt_b)
-        hashes = hashes[:(n - 1) // bs if n else 0]     # keep one token to compute
+        hashes = hashes[: (n - 1) // bs if n else 0]  # keep one token to compute
         hits = self.pool._lookup(hashes)
         need = _ceil_div(n, bs) - len(hits)
         pinned_from_free = sum(1 for b in hits if self.pool._ref[b] == 0)
         if need > self.pool.num_free - pinned_from_free:
-            raise _err(OutOfBlocksError, f"add({sid!r}): need {need} blocks, "
-                       f"{self.pool.num_free - pinned_from_free} free")
-        for b in hits:                                   # lookup_and_pin, then allocate
+            raise _err(
+                OutOfBlocksError,
+                f"add({sid!r}): need {need} blocks, {self.pool.num_free - pinned_from_free} free",
+            )
+        for b in hits:  # lookup_and_pin, then allocate
             self.pool._pin(b)
         blocks = hits + self.pool._allocate(need)
         cached = len(hits) * bs
-        self._seqs[sid] = _Seq(toks, blocks, salt_b, num_computed=cached,
-                               num_offered=len(hits))
+        self._seqs[sid] = _Seq(toks, blocks, salt_b, num_computed=cached, num_offered=len(hits))
         return cached
 
     def append(self, seq_id, token_ids, *, computed=False) -> None:
@@ -643,8 +685,11 @@ class ReferenceManager:
         if s.swapped:
             rules.add(InvalidStateError, f"append: sequence {sid!r} is swapped out")
         if computed and len(toks) > s.drafts:
-            rules.add(InvalidStateError, f"append(computed=True): {len(toks)} tokens, "
-                      f"{s.drafts} draft slots scheduled since the last commit")
+            rules.add(
+                InvalidStateError,
+                f"append(computed=True): {len(toks)} tokens, "
+                f"{s.drafts} draft slots scheduled since the last commit",
+            )
         rules.check()
         if not toks:
             return
@@ -665,11 +710,12 @@ class ReferenceManager:
         the order given (so k sharers of a partial block make k-1 copies)."""
         sids = seq_ids_of(seq_ids)
         toks = tokens_of(token_ids).tolist()
-        for sid in sids:       # unknown ids first, then the rest element by element
+        for sid in sids:  # unknown ids first, then the rest element by element
             self._seq(sid)
         if len(toks) != len(sids):
-            raise _err(InvalidArgumentError,
-                       f"append_batch: {len(sids)} sequences, {len(toks)} tokens")
+            raise _err(
+                InvalidArgumentError, f"append_batch: {len(sids)} sequences, {len(toks)} tokens"
+            )
         rules, seen = _Rules(), set()
         for sid in sids:
             if sid in seen:
@@ -742,12 +788,16 @@ class ReferenceManager:
         if p.swapped:
             rules.add(InvalidStateError, f"fork: {pid!r} is swapped out")
         rules.check()
-        shared = p.blocks[:_ceil_div(len(p.tokens), self.block_size)]
+        shared = p.blocks[: _ceil_div(len(p.tokens), self.block_size)]
         for b in shared:
             self.pool._pin(b)
-        self._seqs[cid] = _Seq(list(p.tokens), list(shared), p.salt,
-                               num_computed=p.num_computed,
-                               num_offered=min(p.num_offered, len(shared)))
+        self._seqs[cid] = _Seq(
+            list(p.tokens),
+            list(shared),
+            p.salt,
+            num_computed=p.num_computed,
+            num_offered=min(p.num_offered, len(shared)),
+        )
 
     def free(self, seq_id) -> None:
         """Release the sequence's blocks tail first (cached ones stay evictable)."""
@@ -765,7 +815,7 @@ class ReferenceManager:
         pairs, self._copies = self._copies, []
         freed = [src for src, _ in pairs if self.pool._release(src)]
         if len(freed) > 1:
-            self.pool.free_order_known = False   # the release order of sources is open
+            self.pool.free_order_known = False  # the release order of sources is open
         return np.array(pairs, dtype=np.int64).reshape(-1, 2)
 
     # -- swap ---------------------------------------------------------------------------------
@@ -779,13 +829,15 @@ class ReferenceManager:
         if s.swapped:
             raise _err(InvalidStateError, f"swap_out: {sid!r} is already swapped out")
         if len(s.blocks) > self.host_pool.num_free:
-            raise _err(OutOfBlocksError, f"swap_out: need {len(s.blocks)} host blocks, "
-                       f"{self.host_pool.num_free} free")
+            raise _err(
+                OutOfBlocksError,
+                f"swap_out: need {len(s.blocks)} host blocks, {self.host_pool.num_free} free",
+            )
         host = self.host_pool._allocate(len(s.blocks))
         pairs = [(self._copy_source(b), h) for b, h in zip(s.blocks, host)]  # choice 6
         freed = [b for b in reversed(s.blocks) if self.pool._release(b)]
         s.blocks, s.swapped = host, True
-        s.num_offered = 0          # host blocks are not cached; offered again after swap_in
+        s.num_offered = 0  # host blocks are not cached; offered again after swap_in
         s.drafts = 0
         self._settle(freed)
         return np.array(pairs, dtype=np.int64).reshape(-1, 2)
@@ -804,7 +856,7 @@ class ReferenceManager:
         hits, need = self._swap_in_plan(s)
         if need > self.pool.num_free:
             raise _err(OutOfBlocksError, f"swap_in: need {need}, {self.pool.num_free} free")
-        for i in sorted(hits):             # pin every hit before allocating the rest
+        for i in sorted(hits):  # pin every hit before allocating the rest
             self.pool._pin(hits[i])
         dev, pairs = [], []
         for i, h in enumerate(s.blocks):
@@ -823,11 +875,9 @@ class ReferenceManager:
         """Blocks swap_in shares again ({table index: device block}) and the device blocks it
         takes from the free pool (fresh ones, plus evictable hits it pins)."""
         full = s.num_computed // self.block_size
-        hashes = self._hashes(s.tokens[:full * self.block_size], s.salt)
-        hits = {i: self.pool._block_of[h] for i, h in enumerate(hashes)
-                if h in self.pool._block_of}
-        need = (len(s.blocks) - len(hits)
-                + sum(1 for b in hits.values() if self.pool._ref[b] == 0))
+        hashes = self._hashes(s.tokens[: full * self.block_size], s.salt)
+        hits = {i: self.pool._block_of[h] for i, h in enumerate(hashes) if h in self.pool._block_of}
+        need = len(s.blocks) - len(hits) + sum(1 for b in hits.values() if self.pool._ref[b] == 0)
         return hits, need
 
     # -- the step ------------------------------------------------------------------------------
@@ -849,7 +899,7 @@ class ReferenceManager:
         for s, q, d in rows:
             n = len(s.tokens)
             slots += [s.blocks[p // bs] * bs + p % bs for p in range(n - q, n + d)]
-            used = s.blocks[:_ceil_div(n + d, bs)]
+            used = s.blocks[: _ceil_div(n + d, bs)]
             tables.append(used)
             lens.append(n + d)
             indices += used
@@ -857,12 +907,18 @@ class ReferenceManager:
             last.append(n + d - (len(used) - 1) * bs if n + d else 0)
         bt = np.zeros((len(rows), max([len(t) for t in tables] + [1])), dtype=np.int32)
         for i, t in enumerate(tables):
-            bt[i, :len(t)] = t
+            bt[i, : len(t)] = t
         self._step(rows)
-        return ReferenceMetadata(np.array(slots, dtype=np.int64), bt,
-                                 np.array(lens, dtype=np.int32), np.array(indptr, dtype=np.int32),
-                                 np.array(indices, dtype=np.int32), np.array(last, dtype=np.int32),
-                                 num_tokens=len(slots), num_seqs=len(rows))
+        return ReferenceMetadata(
+            np.array(slots, dtype=np.int64),
+            bt,
+            np.array(lens, dtype=np.int32),
+            np.array(indptr, dtype=np.int32),
+            np.array(indices, dtype=np.int32),
+            np.array(last, dtype=np.int32),
+            num_tokens=len(slots),
+            num_seqs=len(rows),
+        )
 
     def check(self) -> None:
         """The manager's invariants: every reference is held by a table or a pending copy."""
@@ -872,14 +928,19 @@ class ReferenceManager:
         for s in self._seqs.values():
             for b in s.blocks:
                 (host_refs if s.swapped else refs)[b] += 1
-            if not (0 <= s.num_computed <= len(s.tokens)
-                    and len(s.blocks) >= _ceil_div(len(s.tokens), self.block_size)):
+            if not (
+                0 <= s.num_computed <= len(s.tokens)
+                and len(s.blocks) >= _ceil_div(len(s.tokens), self.block_size)
+            ):
                 raise CorruptionError("reference sequence invariant violated")
         for src, _dst in self._copies:
             refs[src] += 1
         srcs = {src for src, _ in self._copies}
-        if (refs != self.pool._ref or any(dst in srcs for _, dst in self._copies)
-                or (self.host_pool and host_refs != self.host_pool._ref)):
+        if (
+            refs != self.pool._ref
+            or any(dst in srcs for _, dst in self._copies)
+            or (self.host_pool and host_refs != self.host_pool._ref)
+        ):
             raise CorruptionError("reference counts differ from the references held")
 
     # -- internals ------------------------------------------------------------------------------
@@ -894,8 +955,12 @@ class ReferenceManager:
         full = len(tokens) // self.block_size
         if not self.pool.enable_prefix_caching or not full:
             return []
-        h = _core.hash_blocks(np.array(tokens[:full * self.block_size], dtype=np.int32),
-                              self.block_size, salt=salt, key=self.hash_key)
+        h = _core.hash_blocks(
+            np.array(tokens[: full * self.block_size], dtype=np.int32),
+            self.block_size,
+            salt=salt,
+            key=self.hash_key,
+        )
         return [int(lo) | (int(hi) << 64) for lo, hi in h.tolist()]
 
     def _check_fits(self, s: Optional[_Seq], n: int) -> None:
@@ -942,17 +1007,17 @@ class ReferenceManager:
             return []
         b = s.blocks[w]
         if self._seq_refs(b) <= 1:
-            self.pool._uncache(b)           # private: its content is about to change
+            self.pool._uncache(b)  # private: its content is about to change
             return []
         (new,) = self.pool._allocate(1)
         s.blocks[w] = new
-        if len(s.tokens) % bs == 0:         # no committed token in it: nothing to copy
+        if len(s.tokens) % bs == 0:  # no committed token in it: nothing to copy
             return [b] if self.pool._release(b) else []
-        src = self._copy_source(b)          # chain collapse: read the original source
+        src = self._copy_source(b)  # chain collapse: read the original source
         self._copies.append((src, new))
         if src != b:
-            self.pool._pin(src)             # the copy holds its source ...
-            self.pool._release(b)           # ... and our reference on b goes (b stays held)
+            self.pool._pin(src)  # the copy holds its source ...
+            self.pool._release(b)  # ... and our reference on b goes (b stays held)
         # else: our reference on b is now the copy's
         return []
 
@@ -965,7 +1030,7 @@ class ReferenceManager:
         freed = self._make_writable(s)
         self._grow(s, len(s.tokens) + len(toks))
         s.tokens += toks
-        s.drafts = 0                         # a commit ends the draft window
+        s.drafts = 0  # a commit ends the draft window
         return freed
 
     def _settle(self, freed: List[int]) -> None:
@@ -978,7 +1043,7 @@ class ReferenceManager:
                 freed_src.append(src)
         self._copies = kept
         if freed_src and len(freed) + len(freed_src) > 1:
-            self.pool.free_order_known = False   # sources vs. table: order not documented
+            self.pool.free_order_known = False  # sources vs. table: order not documented
 
     def _validate_step(self, seq_ids, query_lens, draft_lens):
         sids = seq_ids_of(seq_ids)
@@ -1000,18 +1065,34 @@ class ReferenceManager:
             if not 0 <= qi <= n:
                 rules.add(InvalidArgumentError, f"metadata: query_len {qi} not in [0, {n}]")
             elif n - qi > s.num_computed:
-                rules.add(InvalidStateError, f"metadata: {sid!r} has {s.num_computed} computed "
-                          f"of {n} tokens; a query of {qi} leaves a gap")
+                rules.add(
+                    InvalidStateError,
+                    f"metadata: {sid!r} has {s.num_computed} computed "
+                    f"of {n} tokens; a query of {qi} leaves a gap",
+                )
             if di < 0:
                 rules.add(InvalidArgumentError, f"metadata: draft_len {di} < 0")
-            elif di and (n + di > len(s.blocks) * bs or any(   # choice 3
-                    self.pool._ref[b] != 1 or b in self.pool._hash_of
-                    for b in s.blocks[n // bs:_ceil_div(n + di, bs)])):
-                rules.add(InvalidStateError, f"metadata: {di} draft slots of {sid!r} are not "
-                          "reserved and writable (call reserve)")
-        if self._copies:                                      # choice 1
-            rules.add(InvalidStateError, f"metadata: {len(self._copies)} copy-on-write "
-                      "copies are pending: drain them with take_copies() first")
+            elif (
+                di
+                and (
+                    n + di > len(s.blocks) * bs
+                    or any(  # choice 3
+                        self.pool._ref[b] != 1 or b in self.pool._hash_of
+                        for b in s.blocks[n // bs : _ceil_div(n + di, bs)]
+                    )
+                )
+            ):
+                rules.add(
+                    InvalidStateError,
+                    f"metadata: {di} draft slots of {sid!r} are not "
+                    "reserved and writable (call reserve)",
+                )
+        if self._copies:  # choice 1
+            rules.add(
+                InvalidStateError,
+                f"metadata: {len(self._copies)} copy-on-write "
+                "copies are pending: drain them with take_copies() first",
+            )
         rules.check()
         return list(zip(seqs, q, d))
 
@@ -1025,7 +1106,7 @@ class ReferenceManager:
         """Offer the full, computed blocks not offered yet to the prefix cache."""
         full = s.num_computed // self.block_size
         if full > s.num_offered:
-            hashes = self._hashes(s.tokens[:full * self.block_size], s.salt)
+            hashes = self._hashes(s.tokens[: full * self.block_size], s.salt)
             for i in range(s.num_offered, min(full, len(hashes))):
                 self.pool._register(s.blocks[i], hashes[i])
         s.num_offered = max(s.num_offered, full)

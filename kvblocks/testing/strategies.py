@@ -24,16 +24,27 @@ Needs hypothesis.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 from hypothesis import strategies as st
 
-__all__ = ["Hostile", "Effect", "token_lists", "prompts", "effects", "seq_ids",
-           "seq_id_iterables", "token_arrays", "scalars", "hash_arrays", "HUGE"]
+__all__ = [
+    "Hostile",
+    "Effect",
+    "token_lists",
+    "prompts",
+    "effects",
+    "seq_ids",
+    "seq_id_iterables",
+    "token_arrays",
+    "scalars",
+    "hash_arrays",
+    "HUGE",
+]
 
 #: scalars beyond anything a pool can hold
-HUGE = (2 ** 31, 2 ** 32 + 1, 2 ** 62, 2 ** 63 - 1, 2 ** 63, 2 ** 64, 2 ** 100)
+HUGE = (2**31, 2**32 + 1, 2**62, 2**63 - 1, 2**63, 2**64, 2**100)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,9 +56,12 @@ def token_lists(*, min_size: int = 0, max_size: int = 24, vocab: int = 50):
 
 def prompts(prefixes: Sequence[Sequence[int]], *, max_tail: int = 8, vocab: int = 50):
     """A cut of one of ``prefixes`` plus new tokens."""
-    return st.builds(lambda p, cut, tail: list(p)[:cut] + tail, st.sampled_from(prefixes),
-                     st.integers(0, max(len(p) for p in prefixes)),
-                     token_lists(max_size=max_tail, vocab=vocab))
+    return st.builds(
+        lambda p, cut, tail: list(p)[:cut] + tail,
+        st.sampled_from(prefixes),
+        st.integers(0, max(len(p) for p in prefixes)),
+        token_lists(max_size=max_tail, vocab=vocab),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,6 +84,7 @@ class Effect:
 
     def run(self, target, log: List[str]) -> None:
         from ..errors import KVBlocksError
+
         log.append(repr(self))
         if self.kind == "raise":
             raise self.arg("raised by a hostile hook")
@@ -83,8 +98,14 @@ class Effect:
 class Hostile:
     """A recipe: ``make(target, log)`` builds a fresh argument for ``target``."""
 
-    def __init__(self, label: str, build: Callable[[Any, List[str]], Any], *,
-                 huge: bool = False, runs_code: bool = False) -> None:
+    def __init__(
+        self,
+        label: str,
+        build: Callable[[Any, List[str]], Any],
+        *,
+        huge: bool = False,
+        runs_code: bool = False,
+    ) -> None:
         #: huge: a size beyond anything a pool holds; runs_code: converting the argument
         #: legitimately runs its own code (``__array__``, a generator's body)
         self.label, self.build, self.huge, self.runs_code = label, build, huge, runs_code
@@ -99,6 +120,7 @@ class Hostile:
 def _plain(value, label=None, **kw) -> Hostile:
     def build(_t, _log):
         return value.copy() if isinstance(value, np.ndarray) else value
+
     return Hostile(label or repr(value), build, **kw)
 
 
@@ -107,18 +129,25 @@ def effects(live_ids: Sequence = ("a", 1), new_id: Any = "from-callback", calls=
     given ``calls``: ``(method, args)`` pairs) or raising hooks (RuntimeError, KeyError,
     TypeError, kvblocks' own UnknownSequenceError)."""
     from ..errors import UnknownSequenceError
+
     if calls is None:
-        calls = ([("free", (s,)) for s in live_ids] + [("append", (s, [9])) for s in live_ids]
-                 + [("add", (new_id, [1, 2, 3, 4, 5]))])
+        calls = (
+            [("free", (s,)) for s in live_ids]
+            + [("append", (s, [9])) for s in live_ids]
+            + [("add", (new_id, [1, 2, 3, 4, 5]))]
+        )
     return st.one_of(
         st.sampled_from(list(calls)).map(lambda c: Effect("call", c)),
-        st.sampled_from([RuntimeError, KeyError, TypeError, UnknownSequenceError])
-        .map(lambda e: Effect("raise", e)))
+        st.sampled_from([RuntimeError, KeyError, TypeError, UnknownSequenceError]).map(
+            lambda e: Effect("raise", e)
+        ),
+    )
 
 
 # -- ids -------------------------------------------------------------------------------------
 class _HookInt(int):
     """An int subclass whose dunder methods run an effect first."""
+
     _effect: Effect
     _target: Any
     _log: List[str]
@@ -149,6 +178,7 @@ class _HookInt(int):
 
 class _HookStr(str):
     """A str subclass whose __hash__ / __eq__ run an effect first."""
+
     _effect: Effect
     _target: Any
     _log: List[str]
@@ -186,6 +216,7 @@ def _hooked(cls, value, effect: Effect) -> Hostile:
         obj = cls(value)
         obj._effect, obj._target, obj._log = effect, target, log
         return obj
+
     return Hostile(f"{cls.__name__.lstrip('_')}({value!r}, {effect!r})", build)
 
 
@@ -196,26 +227,41 @@ def seq_ids(live_ids: Sequence = ("a", 1), other_ids: Sequence = ("zz", 99), hoo
     ints = [s for s in live_ids if type(s) is int] or [1]
     strs = [s for s in live_ids if type(s) is str] or ["a"]
     plain = st.sampled_from(list(live_ids) + list(other_ids)).map(_plain)
+
     def aliases_of(i):
-        out = [_plain(float(i)), _plain(True), _plain(np.bool_(True), "np.bool_(True)"),
-               _plain(np.float64(i), f"np.float64({i})"), _plain(complex(i))]
-        if i < 2 ** 63:    # numpy integers equal to a live id: the same id
+        out = [
+            _plain(float(i)),
+            _plain(True),
+            _plain(np.bool_(True), "np.bool_(True)"),
+            _plain(np.float64(i), f"np.float64({i})"),
+            _plain(complex(i)),
+        ]
+        if i < 2**63:  # numpy integers equal to a live id: the same id
             out += [_plain(np.int64(i), f"np.int64({i})"), _plain(np.uint64(i), f"np.uint64({i})")]
         if i < 256:
             out.append(_plain(np.uint8(i), f"np.uint8({i})"))
         return st.sampled_from(out)
+
     aliases = st.sampled_from(ints).flatmap(aliases_of)
-    wrong = st.sampled_from([_plain(None), _plain(b"a"), _plain(("a",)), _plain(1.5),
-                             _plain(float("nan")), Hostile("[1]", lambda _t, _log: [1]),
-                             Hostile("{'a'}", lambda _t, _log: {"a"})])
+    wrong = st.sampled_from(
+        [
+            _plain(None),
+            _plain(b"a"),
+            _plain(("a",)),
+            _plain(1.5),
+            _plain(float("nan")),
+            Hostile("[1]", lambda _t, _log: [1]),
+            Hostile("{'a'}", lambda _t, _log: {"a"}),
+        ]
+    )
     hooked = st.one_of(
         st.tuples(st.sampled_from(ints), hooks).map(lambda a: _hooked(_HookInt, *a)),
-        st.tuples(st.sampled_from(strs), hooks).map(lambda a: _hooked(_HookStr, *a)))
+        st.tuples(st.sampled_from(strs), hooks).map(lambda a: _hooked(_HookStr, *a)),
+    )
     return st.one_of(plain, aliases, wrong, hooked)
 
 
-def seq_id_iterables(live_ids: Sequence = ("a", 1), other_ids: Sequence = ("zz", 99),
-                     hooks=None):
+def seq_id_iterables(live_ids: Sequence = ("a", 1), other_ids: Sequence = ("zz", 99), hooks=None):
     """``seq_ids`` arguments: lists, tuples, generators (one pass), generators that call back
     or raise half way, numpy arrays of int ids, and things that are not iterables of ids."""
     hooks = effects(live_ids) if hooks is None else hooks
@@ -223,8 +269,9 @@ def seq_id_iterables(live_ids: Sequence = ("a", 1), other_ids: Sequence = ("zz",
     plain_ids = st.lists(st.sampled_from(list(live_ids) + list(other_ids)), max_size=3)
 
     def as_list(items):
-        return Hostile(f"[{', '.join(map(repr, items))}]",
-                       lambda t, log: [i.make(t, log) for i in items])
+        return Hostile(
+            f"[{', '.join(map(repr, items))}]", lambda t, log: [i.make(t, log) for i in items]
+        )
 
     def as_tuple(ids):
         return _plain(tuple(ids))
@@ -241,17 +288,22 @@ def seq_id_iterables(live_ids: Sequence = ("a", 1), other_ids: Sequence = ("zz",
                     if k == len(ids) // 2:
                         effect.run(t, log)
                     yield i
+
             return g()
+
         return Hostile(f"gen{tuple(ids)!r} with {effect!r}", build, runs_code=True)
 
     ints = [s for s in live_ids if type(s) is int] or [1]
     return st.one_of(
         st.lists(one, max_size=3).map(as_list),
-        plain_ids.map(as_tuple), plain_ids.map(as_gen),
+        plain_ids.map(as_tuple),
+        plain_ids.map(as_gen),
         st.tuples(plain_ids.filter(bool), hooks).map(gen_with),
-        st.lists(st.sampled_from([i for i in ints if i < 2 ** 63] or [1]), max_size=3).map(
-            lambda ids: _plain(np.array(ids, dtype=np.int64), f"np.array({ids})")),
-        st.sampled_from([_plain(5), _plain(None), _plain(1.0)]))
+        st.lists(st.sampled_from([i for i in ints if i < 2**63] or [1]), max_size=3).map(
+            lambda ids: _plain(np.array(ids, dtype=np.int64), f"np.array({ids})")
+        ),
+        st.sampled_from([_plain(5), _plain(None), _plain(1.0)]),
+    )
 
 
 # -- tokens ----------------------------------------------------------------------------------
@@ -273,8 +325,9 @@ class ArrayLike:
         return f"ArrayLike({self.tokens}, {self._effect!r})"
 
 
-def token_arrays(live_ids: Sequence = ("a", 1), *, max_size: int = 5,
-                 values=st.integers(0, 50), hooks=None):
+def token_arrays(
+    live_ids: Sequence = ("a", 1), *, max_size: int = 5, values=st.integers(0, 50), hooks=None
+):
     """Token arguments: good ones (lists, int arrays of several dtypes, ranges, tuples) and
     odd ones (2-D, float, bool, object, non-contiguous, big-endian, beyond int32, strings,
     generators), and array-likes whose ``__array__`` calls back into the manager or raises."""
@@ -283,27 +336,47 @@ def token_arrays(live_ids: Sequence = ("a", 1), *, max_size: int = 5,
     good = st.one_of(
         small.map(lambda t: _plain(list(t))),
         st.tuples(small, st.sampled_from(["int32", "int64", "uint8", "uint64", ">i4"])).map(
-            lambda a: _plain(np.array([abs(v) for v in a[0]] if "u" in a[1] else a[0],
-                                      dtype=a[1]), f"np.array({a[0]}, {a[1]})")),
-        small.map(lambda t: _plain(np.array(t + t, dtype=np.int32)[::2],
-                                   f"non-contiguous {t}")),
+            lambda a: _plain(
+                np.array([abs(v) for v in a[0]] if "u" in a[1] else a[0], dtype=a[1]),
+                f"np.array({a[0]}, {a[1]})",
+            )
+        ),
+        small.map(lambda t: _plain(np.array(t + t, dtype=np.int32)[::2], f"non-contiguous {t}")),
         st.integers(0, max_size).map(lambda n: _plain(range(n))),
-        small.map(lambda t: _plain(tuple(t))))
-    odd = st.sampled_from([
-        _plain(np.zeros((2, 2), dtype=np.int32), "2-D int32"),
-        _plain(np.array([1.0, 2.0]), "float64"), _plain(np.array([True, False]), "bool array"),
-        _plain(np.array([1, 2], dtype=object), "object array"), _plain([True, 1], "[True, 1]"),
-        _plain([1.5]), _plain([1, "x"]), _plain([[1, 2], [3]], "ragged"),
-        _plain(np.array([1, 2 ** 40]), "beyond int32"),
-        _plain(np.array([2 ** 64 - 1], dtype=np.uint64), "uint64 max"),
-        _plain([2 ** 70]), _plain([-2 ** 31 - 1]), _plain("abc"), _plain(b"abc"), _plain(None),
-        _plain(7), _plain(np.int64(7), "np.int64(7)"), _plain({1: 2}),
-        Hostile("generator", lambda t, log: (i for i in [1, 2])),
-        _plain(np.array([], dtype=np.float64), "empty float64"),
-        _plain(np.zeros((0, 3), dtype=np.int32), "empty 2-D")])
-    array_like = st.tuples(small, hooks).map(lambda a: Hostile(
-        f"ArrayLike({a[0]}, {a[1]!r})", lambda t, log, a=a: ArrayLike(a[0], a[1], t, log),  # type: ignore[misc]  # mypy cannot type a lambda with defaults
-        runs_code=True))
+        small.map(lambda t: _plain(tuple(t))),
+    )
+    odd = st.sampled_from(
+        [
+            _plain(np.zeros((2, 2), dtype=np.int32), "2-D int32"),
+            _plain(np.array([1.0, 2.0]), "float64"),
+            _plain(np.array([True, False]), "bool array"),
+            _plain(np.array([1, 2], dtype=object), "object array"),
+            _plain([True, 1], "[True, 1]"),
+            _plain([1.5]),
+            _plain([1, "x"]),
+            _plain([[1, 2], [3]], "ragged"),
+            _plain(np.array([1, 2**40]), "beyond int32"),
+            _plain(np.array([2**64 - 1], dtype=np.uint64), "uint64 max"),
+            _plain([2**70]),
+            _plain([-(2**31) - 1]),
+            _plain("abc"),
+            _plain(b"abc"),
+            _plain(None),
+            _plain(7),
+            _plain(np.int64(7), "np.int64(7)"),
+            _plain({1: 2}),
+            Hostile("generator", lambda t, log: (i for i in [1, 2])),
+            _plain(np.array([], dtype=np.float64), "empty float64"),
+            _plain(np.zeros((0, 3), dtype=np.int32), "empty 2-D"),
+        ]
+    )
+    array_like = st.tuples(small, hooks).map(
+        lambda a: Hostile(
+            f"ArrayLike({a[0]}, {a[1]!r})",
+            lambda t, log, a=a: ArrayLike(a[0], a[1], t, log),  # type: ignore[misc]  # mypy cannot type a lambda with defaults
+            runs_code=True,
+        )
+    )
     return st.one_of(good, odd, array_like)
 
 
@@ -317,15 +390,33 @@ def scalars(live_ids: Sequence = ("a", 1), small=st.integers(-2, 12), hooks=None
         small.map(_plain),
         small.map(lambda n: _plain(np.int64(n), f"np.int64({n})")),
         st.sampled_from(HUGE).map(lambda n: _plain(n, huge=True)),
-        st.sampled_from([_plain(np.uint64(2 ** 64 - 1), "np.uint64(2**64-1)", huge=True),
-                         _plain(-2 ** 63), _plain(-2 ** 100), _plain(np.int64(-1), "np.int64(-1)"),
-                         _plain(1.0), _plain(2.5), _plain(float("nan")), _plain(float("inf")),
-                         _plain(True), _plain(False), _plain(np.bool_(True), "np.bool_(True)"),
-                         _plain(np.float64(3.0), "np.float64(3.0)"), _plain(None), _plain("3"),
-                         _plain(3 + 0j)]),
+        st.sampled_from(
+            [
+                _plain(np.uint64(2**64 - 1), "np.uint64(2**64-1)", huge=True),
+                _plain(-(2**63)),
+                _plain(-(2**100)),
+                _plain(np.int64(-1), "np.int64(-1)"),
+                _plain(1.0),
+                _plain(2.5),
+                _plain(float("nan")),
+                _plain(float("inf")),
+                _plain(True),
+                _plain(False),
+                _plain(np.bool_(True), "np.bool_(True)"),
+                _plain(np.float64(3.0), "np.float64(3.0)"),
+                _plain(None),
+                _plain("3"),
+                _plain(3 + 0j),
+            ]
+        ),
         hooked.map(lambda a: _hooked(_HookInt, *a)),
-        hooked.map(lambda a: Hostile(f"IndexOnly({a[0]}, {a[1]!r})",
-                                     lambda t, log, a=a: IndexOnly(a[0], a[1], t, log))))  # type: ignore[misc]  # mypy cannot type a lambda with defaults
+        hooked.map(
+            lambda a: Hostile(
+                f"IndexOnly({a[0]}, {a[1]!r})",
+                lambda t, log, a=a: IndexOnly(a[0], a[1], t, log),  # type: ignore[misc]
+            )
+        ),
+    )
 
 
 def hash_arrays(good: np.ndarray):
@@ -335,9 +426,18 @@ def hash_arrays(good: np.ndarray):
     return st.one_of(
         st.integers(0, len(good)).map(lambda k: _plain(good[:k].copy(), f"hashes[:{k}]")),
         st.integers(1, max(1, len(ints))).map(lambda k: _plain(ints[:k], f"ints[:{k}]")),
-        st.sampled_from([
-            _plain(good.astype(np.int64), "int64 hashes"), _plain(good.reshape(-1), "1-D"),
-            _plain(good.T.copy(), "transposed"),
-            _plain(np.zeros((2, 3), dtype=np.uint64), "(2, 3)"),
-            _plain([-1]), _plain([1 << 128]), _plain([1, "x"]), _plain([True]), _plain(None),
-            _plain(good[:, ::-1], "non-contiguous")]))
+        st.sampled_from(
+            [
+                _plain(good.astype(np.int64), "int64 hashes"),
+                _plain(good.reshape(-1), "1-D"),
+                _plain(good.T.copy(), "transposed"),
+                _plain(np.zeros((2, 3), dtype=np.uint64), "(2, 3)"),
+                _plain([-1]),
+                _plain([1 << 128]),
+                _plain([1, "x"]),
+                _plain([True]),
+                _plain(None),
+                _plain(good[:, ::-1], "non-contiguous"),
+            ]
+        ),
+    )
