@@ -36,6 +36,22 @@ def test_docstring_examples(module):
     assert result.attempted > 0 and result.failed == 0
 
 
+def test_testing_guide_examples_run(tmp_path, monkeypatch):
+    """docs/testing.md: its code blocks run (the hypothesis ones as tests)."""
+    root = README.parent
+    monkeypatch.chdir(root)
+    blocks = re.findall(r"```python\n(.*?)```", (root / "docs" / "testing.md").read_text(), re.S)
+    assert len(blocks) == 4
+    for code in blocks:
+        ns: dict = {"__name__": "docs_testing"}
+        exec(compile(code, "docs/testing.md", "exec"), ns)
+        for name, obj in list(ns.items()):
+            if name.startswith("test_") and callable(obj):
+                obj()
+            elif name.startswith("Test") and hasattr(obj, "runTest"):
+                obj("runTest").runTest()
+
+
 def test_readme_python_blocks_run():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     assert len(blocks) >= 2

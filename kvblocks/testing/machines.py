@@ -4,8 +4,8 @@ checks, after every step, that every live sequence reads back exactly its own K/
 It drives the manager through :class:`~kvblocks.testing.KVReadback` in the documented step
 order (``docs/engine-integration.md``): admission (``add``, with prompts that reuse earlier
 prompts and whole earlier conversations, so prefix hits happen), preemption (``free``,
-``swap_out``, ``truncate``), ``swap_in``, the drain (``take_copies`` -> ``ops.copy_blocks``,
-swap pairs -> ``ops.swap_blocks``), the forward (``metadata`` -> ``write_slots``), commits
+``swap_out``, ``truncate``), ``swap_in``, the drain (swap pairs -> ``ops.swap_blocks``, then
+``take_copies`` -> ``ops.copy_blocks``), the forward (``metadata`` -> ``write_slots``), commits
 (``append_batch``, prefill chunks with ``append``), ``fork``, speculative decoding
 (``reserve``, drafts in ``metadata``, ``append(..., computed=True)``) and
 ``reset_prefix_cache``. Rules come in any order, so preemption lands between a commit and
@@ -46,7 +46,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     seqs = Bundle("seqs")
     layout_kinds = ("NHD", "HND")
-    #: drain order: the documented one runs the copy-on-write copies before the swap pairs
+    #: drain order: the documented one runs the swap pairs first, the copy-on-write copies last
     swaps_first = True
 
     def make_manager(
