@@ -175,7 +175,8 @@ cdef class BlockManager:
     cdef int _err(self, int rc, str what) except -1
     cdef _register(self, object seq_id, int32_t slot)
     cdef _unregister(self, object seq_id, int32_t slot)
-    cdef kvb_seq_t *_seq(self, object seq_id) except NULL
+    cdef int64_t _field(self, object seq_id, int which) except? -1
+    cdef object _copy_out(self, object seq_id, int which)
     cdef int _check_step(self, cnp.ndarray slots, cnp.ndarray q, object d, Py_ssize_t B,
                          str what) except -1
     cdef object _fill_meta(self, object out, int32_t *slots, int32_t *q, int32_t *d,

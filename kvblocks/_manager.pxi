@@ -543,44 +543,61 @@ cdef class BlockManager:
             self._leave()
 
     # -- queries --------------------------------------------------------------------------------
-    cdef kvb_seq_t *_seq(self, object seq_id) except NULL:
-        return &self.m.seqs[self._slot(norm_id(seq_id))]
-
+    # Queries copy out under the call guard: allocating the result may run a garbage-collector
+    # callback (another thread, or code that frees or adds sequences and moves the slots).
     def block_table(self, seq_id):
         """Physical block ids in logical order (an int32 copy). For a swapped-out sequence
         these are host-pool ids (see ``is_swapped``)."""
-        cdef kvb_seq_t *s = self._seq(seq_id)
-        cdef cnp.ndarray out = new_i32(s.nblocks)
-        if s.nblocks:
-            memcpy(cnp.PyArray_DATA(out), s.blocks, s.nblocks * sizeof(int32_t))
-        return out
+        return self._copy_out(seq_id, 0)
 
     def num_tokens(self, seq_id):
         """Committed tokens."""
-        return self._seq(seq_id).ntokens
+        return self._field(seq_id, 0)
 
     def num_computed(self, seq_id):
         """Leading tokens whose K/V are written (or promised by the last metadata call)."""
-        return self._seq(seq_id).ncomputed
+        return self._field(seq_id, 1)
 
     def token_ids(self, seq_id):
         """Committed token ids (an int32 copy)."""
-        cdef kvb_seq_t *s = self._seq(seq_id)
-        cdef cnp.ndarray out = new_i32(s.ntokens)
-        if s.ntokens:
-            memcpy(cnp.PyArray_DATA(out), s.tokens, s.ntokens * sizeof(int32_t))
-        return out
+        return self._copy_out(seq_id, 1)
 
     def block_hashes(self, seq_id):
         """Hashes of the full blocks, (n, 2) uint64 (empty without prefix caching)."""
-        cdef kvb_seq_t *s = self._seq(seq_id)
-        out = np.empty((s.nhashed, 2), dtype=np.uint64)
-        if s.nhashed:
-            memcpy(cnp.PyArray_DATA(<cnp.ndarray>out), s.hashes, s.nhashed * sizeof(kvb_hash_t))
-        return out
+        return self._copy_out(seq_id, 2)
 
     def is_swapped(self, seq_id):
-        return bool(self._seq(seq_id).swapped)
+        return bool(self._field(seq_id, 2))
+
+    cdef int64_t _field(self, object seq_id, int which) except? -1:
+        seq_id = norm_id(seq_id)
+        cdef kvb_seq_t *s
+        self._enter()
+        try:
+            s = &self.m.seqs[self._slot(seq_id)]
+            return s.ntokens if which == 0 else (s.ncomputed if which == 1 else s.swapped)
+        finally:
+            self._leave()
+
+    cdef object _copy_out(self, object seq_id, int which):
+        """A copy of a sequence's block table (0), tokens (1) or hashes (2)."""
+        seq_id = norm_id(seq_id)
+        cdef kvb_seq_t *s
+        cdef Py_ssize_t n
+        self._enter()
+        try:
+            s = &self.m.seqs[self._slot(seq_id)]
+            n = s.nblocks if which == 0 else (s.ntokens if which == 1 else s.nhashed)
+            out = np.empty((n, 2), dtype=np.uint64) if which == 2 else new_i32(n)
+            s = &self.m.seqs[self._slot(seq_id)]  # guarded: still the same sequence
+            if n:
+                memcpy(cnp.PyArray_DATA(<cnp.ndarray>out),
+                       s.blocks if which == 0 else (<void *>s.tokens if which == 1
+                                                    else <void *>s.hashes),
+                       n * (sizeof(kvb_hash_t) if which == 2 else sizeof(int32_t)))
+            return out
+        finally:
+            self._leave()
 
     @property
     def num_pending_copies(self):
