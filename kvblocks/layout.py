@@ -62,6 +62,13 @@ _ALIASES = {
     "e5m2": "fp8_e5m2",
 }
 
+
+def dtype_bytes() -> Dict[str, int]:
+    """Bytes per element of every accepted spelling: the one dtype table (``DTYPES``), which
+    the simulator's memory bill and the integrations read too."""
+    return {alias: DTYPES[name].itemsize for alias, name in _ALIASES.items()}
+
+
 KINDS = ("NHD", "HND")
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, Optional
 
+from ..layout import dtype_bytes
 from . import limits
 from .errors import SimulationError
 
@@ -32,10 +33,9 @@ __all__ = [
 ]
 
 GiB = 1 << 30
-DTYPE_BYTES: Dict[str, int] = {
-    "fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1,
-}  # fmt: skip
+# the one dtype table (kvblocks.layout.DTYPES), plus int8: a KV format the memory bill can
+# price (quantized caches) but that KVCache does not store
+DTYPE_BYTES: Dict[str, int] = {**dtype_bytes(), "int8": 1}
 DEFAULT_RESERVE_FRACTION = 0.10
 
 
