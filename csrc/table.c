@@ -166,11 +166,12 @@ static void drop_dead_copies(kvb_mgr_t *m) {
 }
 
 /* ---- write rule ------------------------------------------------------------------------- */
-/* Blocks covering ntokens + n tokens, for any n in [0, INT64_MAX] (no overflow: ntokens is
- * below 2^62 and the quotient of n is taken first). */
+/* Blocks covering ntokens + n tokens, for any n in [0, INT64_MAX]; saturates at INT64_MAX
+ * (never fits) instead of overflowing: ntokens is below 2^62 and n's quotient comes first. */
 static int64_t blocks_after(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t n) {
     int64_t q = n / m->block_size, r = n % m->block_size;
-    return q + blocks_for(m, s->ntokens + r);
+    int64_t b = blocks_for(m, s->ntokens + r);
+    return q > INT64_MAX - b ? INT64_MAX : q + b;
 }
 
 /* Blocks taking n more written tokens would cost: growth plus copy-on-write of block w. */

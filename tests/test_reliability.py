@@ -595,3 +595,19 @@ def test_drafts_never_overwrite_another_sequences_kv():
     ops.write_slots(e.dev, 0, k, v, meta.slot_mapping)
     e.assert_reads_back("b")
     e.mgr.check()
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+def test_blocks_needed_saturates_instead_of_overflowing(bs):
+    """Found by the CI fuzz stage (UBSan, signed overflow in blocks_after): with block size 1
+    the block count of 2**63 - 1 more tokens does not fit in int64. Queries saturate."""
+    mgr = BlockManager(16, bs, num_host_blocks=8)
+    mgr.add("a", [1, 2, 3])
+    mgr.add("s", [4, 5, 6])
+    mgr.swap_out("s")
+    for sid in ("a", "s"):  # the exact count where int64 holds it, else saturated
+        assert 2**63 // bs - 16 <= mgr.blocks_needed(sid, 2**63 - 1) <= 2**63 - 1
+    assert not mgr.can_append(["a"], 2**63 - 1)
+    with pytest.raises(OutOfBlocksError):
+        mgr.reserve("a", 2**63 - 1)
+    mgr.check()

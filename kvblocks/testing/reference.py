@@ -625,11 +625,14 @@ class ReferenceManager:
         s = self._seq(sid)
         if n < 0:
             raise _err(InvalidArgumentError, f"n must be >= 0, got {n}")
+        # a count that never fits saturates at 2**63 - 1, as the core's int64 answer does
         if s.swapped:  # choice 7: what swap_in takes, plus the growth
-            return self._swap_in_plan(s)[1] + max(
-                0, _ceil_div(len(s.tokens) + n, self.block_size) - len(s.blocks)
+            return min(
+                INT64_MAX,
+                self._swap_in_plan(s)[1]
+                + max(0, _ceil_div(len(s.tokens) + n, self.block_size) - len(s.blocks)),
             )
-        return self._need([(s, n)])
+        return min(INT64_MAX, self._need([(s, n)]))
 
     def can_append(self, seq_ids, n=1) -> bool:
         """Whether every sequence can take ``n`` more tokens at once (False if any is
