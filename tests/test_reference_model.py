@@ -10,6 +10,7 @@ reference did not change either.
 """
 
 import numpy as np
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -22,8 +23,8 @@ from hypothesis.stateful import (
 )
 
 import kvblocks
-from kvblocks import KVBlocksError
-from kvblocks.testing import ReferenceManager, same_error
+from kvblocks import BlockManager, KVBlocksError
+from kvblocks.testing import ReferenceManager, same_error, strategies
 
 KEY = b"kvblocks-test-k!"
 # few distinct prefixes so that prompts share blocks and the cache gets hits
@@ -307,3 +308,23 @@ class ReferenceMachine(RuleBasedStateMachine):
 
 
 TestReferenceMachine = ReferenceMachine.TestCase
+
+
+@settings(max_examples=40, deadline=None)
+@given(workload=strategies.workloads([list(range(1, 17)), [7] * 12], max_requests=8))
+def test_workload_prefix_hits_match_the_reference(workload):
+    """Requests of a serving workload admitted, computed and finished in order: the core and
+    the executable specification agree on every prefix hit and block table."""
+    key = b"kvblocks-test-k!"
+    real = BlockManager(64, 4, hash_key=key)
+    spec = ReferenceManager(64, 4, hash_key=key)
+    for i, req in enumerate(workload):
+        for m in (real, spec):
+            cached = m.add(i, req["prompt"])
+            m.schedule([i], [len(req["prompt"]) - cached])
+        assert real.block_table(i).tolist() == spec.block_table(i).tolist()
+        assert real.num_computed(i) == spec.num_computed(i)
+        if i % 3 == 2:  # finish some: their blocks stay cached for later requests
+            real.free(i)
+            spec.free(i)
+    real.check()

@@ -64,6 +64,37 @@ def prompts(prefixes: Sequence[Sequence[int]], *, max_tail: int = 8, vocab: int 
     )
 
 
+def requests(
+    prefixes: Sequence[Sequence[int]],
+    *,
+    max_tail: int = 32,
+    max_output: int = 64,
+    vocab: int = 50,
+):
+    """One request of a serving workload, as a dict: ``prompt`` (a shared prefix, such as a
+    system prompt or an earlier turn, plus new tokens), ``output_len`` (skewed short: most
+    answers are short, some run to ``max_output``), ``n`` (parallel samples: forks),
+    ``drafts`` (speculative tokens proposed per step, 0 for none) and ``preempt`` (None, or
+    how the engine preempts it once: ``"free"`` for recompute, ``"swap_out"``, or
+    ``"truncate"`` of its last tokens)."""
+    return st.fixed_dictionaries(
+        {
+            "prompt": prompts(prefixes, max_tail=max_tail, vocab=vocab),
+            "output_len": st.one_of(
+                st.integers(1, max(1, max_output // 8)), st.integers(1, max_output)
+            ),
+            "n": st.sampled_from([1, 1, 1, 2, 4]),
+            "drafts": st.sampled_from([0, 0, 2, 4]),
+            "preempt": st.sampled_from([None, None, "free", "swap_out", "truncate"]),
+        }
+    )
+
+
+def workloads(prefixes: Sequence[Sequence[int]], *, max_requests: int = 16, **kw):
+    """A list of ``requests`` (arrival order), sharing ``prefixes``."""
+    return st.lists(requests(prefixes, **kw), min_size=1, max_size=max_requests)
+
+
 # ---------------------------------------------------------------------------------------------
 # recipes and callbacks
 # ---------------------------------------------------------------------------------------------
