@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from steps import compute
+from helpers import KEY, compute
 
 import kvblocks
 from kvblocks import (
@@ -16,8 +16,6 @@ from kvblocks import (
     OutOfBlocksError,
     UnknownSequenceError,
 )
-
-KEY = b"0123456789abcdef"
 
 
 def pool_state(pool):

@@ -18,7 +18,7 @@ import pytest
 
 msgspec = pytest.importorskip("msgspec")
 
-from steps import compute
+from helpers import KEY, compute
 
 import kvblocks
 from kvblocks import BlockManager, BlockPool, hash_blocks
@@ -35,7 +35,6 @@ from kvblocks.events import (
     encode_batch,
 )
 
-KEY = b"0123456789abcdef"
 M64 = (1 << 64) - 1
 
 W1 = bytes.fromhex(

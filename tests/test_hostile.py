@@ -16,6 +16,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import KEY
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -25,7 +26,6 @@ from kvblocks.testing import ReferenceManager, ReferencePool, same_error
 from kvblocks.testing import strategies as ks
 from kvblocks.testing.reference import hashes_of, scalar_of, seq_id_of, seq_ids_of, tokens_of
 
-KEY = b"kvblocks-hostile"
 LIVE = ("a", 1, "s", 2**70)  # "s" is swapped out; 1 is a fork of "a"
 OTHER = ("zz", 99, "new")
 CONVERT = {

@@ -14,6 +14,7 @@
 
 import numpy as np
 import pytest
+from helpers import KEY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -32,7 +33,6 @@ from kvblocks import (
     ops,
 )
 
-KEY = b"kvblocks-meta-k!"
 PREFIXES = [list(range(1, 40)), [1, 2, 3, 4, 9, 9, 9, 9] * 4, [7] * 30]
 FIELDS = (
     "slot_mapping",
@@ -128,6 +128,22 @@ def assert_buffers_unchanged(buf, snap):
 # ---------------------------------------------------------------------------------------------
 # the state machine
 # ---------------------------------------------------------------------------------------------
+
+
+# preconditions of the machine's rules, named
+def has_sequences(machine) -> bool:
+    return len(machine.mgr) > 0
+
+
+def has_resident(machine) -> bool:
+    """Some sequence is on the device (not swapped out)."""
+    return any(not machine.mgr.is_swapped(s) for s in machine.mgr.seq_ids())
+
+
+def can_swap(machine) -> bool:
+    return len(machine.mgr) > 0 and machine.mgr.host_pool is not None
+
+
 class MetadataMachine(RuleBasedStateMachine):
     """Random manager histories; every metadata step is checked against the reference."""
 
@@ -175,14 +191,14 @@ class MetadataMachine(RuleBasedStateMachine):
         tokens = PREFIXES[prefix][:cut] + tail
         self._try(lambda: self.mgr.add(sid, tokens))
 
-    @precondition(lambda self: any(not self.mgr.is_swapped(s) for s in self.mgr.seq_ids()))
+    @precondition(has_resident)
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 50), min_size=1, max_size=7))
     def append(self, data, tokens):
         live = self.resident()
         sid = data.draw(st.sampled_from(live))
         self._try(lambda: self.mgr.append(sid, tokens))
 
-    @precondition(lambda self: any(not self.mgr.is_swapped(s) for s in self.mgr.seq_ids()))
+    @precondition(has_resident)
     @rule(data=st.data())
     def append_batch(self, data):
         live = self.resident()
@@ -190,34 +206,34 @@ class MetadataMachine(RuleBasedStateMachine):
         toks = data.draw(st.lists(st.integers(0, 50), min_size=len(ids), max_size=len(ids)))
         self._try(lambda: self.mgr.append_batch(ids, toks))
 
-    @precondition(lambda self: any(not self.mgr.is_swapped(s) for s in self.mgr.seq_ids()))
+    @precondition(has_resident)
     @rule(data=st.data())
     def fork(self, data):
         live = self.resident()
         self.next_id += 1
         self._try(lambda: self.mgr.fork(data.draw(st.sampled_from(live)), self.next_id))
 
-    @precondition(lambda self: any(not self.mgr.is_swapped(s) for s in self.mgr.seq_ids()))
+    @precondition(has_resident)
     @rule(data=st.data(), n=st.integers(1, 6))
     def reserve(self, data, n):
         live = self.resident()
         sid = data.draw(st.sampled_from(live))
         self._try(lambda: self.mgr.reserve(sid, n))
 
-    @precondition(lambda self: any(not self.mgr.is_swapped(s) for s in self.mgr.seq_ids()))
+    @precondition(has_resident)
     @rule(data=st.data())
     def truncate(self, data):
         live = self.resident()
         sid = data.draw(st.sampled_from(live))
         self.mgr.truncate(sid, data.draw(st.integers(0, self.mgr.num_tokens(sid))))
 
-    @precondition(lambda self: len(self.mgr) > 0)
+    @precondition(has_sequences)
     @rule(data=st.data())
     def free(self, data):
         live = self.live()
         self.mgr.free(data.draw(st.sampled_from(live)))
 
-    @precondition(lambda self: len(self.mgr) > 0 and self.mgr.host_pool is not None)
+    @precondition(can_swap)
     @rule(data=st.data())
     def swap(self, data):
         live = self.live()
@@ -238,7 +254,7 @@ class MetadataMachine(RuleBasedStateMachine):
             q.append(data.draw(st.integers(lo, max(lo, min(self.mgr.num_tokens(s), 12)))))
         return ids, q
 
-    @precondition(lambda self: any(not self.mgr.is_swapped(s) for s in self.mgr.seq_ids()))
+    @precondition(has_resident)
     @rule(data=st.data(), use_batch=st.booleans())
     def metadata_fresh(self, data, use_batch):
         ids, q = self._draw_batch(data, 8)
@@ -246,7 +262,7 @@ class MetadataMachine(RuleBasedStateMachine):
         meta = self.mgr.metadata(seq_arg, np.array(q, dtype=np.int32))
         assert_meta_equal(meta, reference_metadata(self.mgr, ids, q), self.bs)
 
-    @precondition(lambda self: any(not self.mgr.is_swapped(s) for s in self.mgr.seq_ids()))
+    @precondition(has_resident)
     @rule(data=st.data())
     def metadata_into_buffers(self, data):
         ids, q = self._draw_batch(data, self.max_batch)
@@ -272,7 +288,7 @@ class MetadataMachine(RuleBasedStateMachine):
         assert (self.buf.slot_mapping[sum(q) :] == -1).all()
         assert snapshot_manager(self.mgr)[0] == before  # tables untouched (blocks may be cached)
 
-    @precondition(lambda self: any(not self.mgr.is_swapped(s) for s in self.mgr.seq_ids()))
+    @precondition(has_resident)
     @rule(
         data=st.data(),
         kind=st.sampled_from(

@@ -3,7 +3,7 @@ atomic lookup-and-pin, first-block-wins, reset, stats and KV events."""
 
 import numpy as np
 import pytest
-from steps import compute
+from helpers import KEY, compute
 
 import kvblocks
 from kvblocks import (
@@ -15,8 +15,6 @@ from kvblocks import (
     hash_blocks,
 )
 from kvblocks._core import siphash128
-
-KEY = b"0123456789abcdef"
 
 
 def as_int(h):

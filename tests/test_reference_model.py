@@ -10,6 +10,7 @@ reference did not change either.
 """
 
 import numpy as np
+from helpers import KEY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -26,7 +27,6 @@ import kvblocks
 from kvblocks import BlockManager, KVBlocksError
 from kvblocks.testing import ReferenceManager, same_error, strategies
 
-KEY = b"kvblocks-test-k!"
 # few distinct prefixes so that prompts share blocks and the cache gets hits
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12]
 TOKENS = st.integers(0, 50)
@@ -315,9 +315,8 @@ TestReferenceMachine = ReferenceMachine.TestCase
 def test_workload_prefix_hits_match_the_reference(workload):
     """Requests of a serving workload admitted, computed and finished in order: the core and
     the executable specification agree on every prefix hit and block table."""
-    key = b"kvblocks-test-k!"
-    real = BlockManager(64, 4, hash_key=key)
-    spec = ReferenceManager(64, 4, hash_key=key)
+    real = BlockManager(64, 4, hash_key=KEY)
+    spec = ReferenceManager(64, 4, hash_key=KEY)
     for i, req in enumerate(workload):
         for m in (real, spec):
             cached = m.add(i, req["prompt"])

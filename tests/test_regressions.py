@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from steps import compute
+from helpers import compute
 
 import kvblocks
 from kvblocks import (

@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import KEY
 
 import kvblocks
 from kvblocks import (
@@ -26,7 +27,6 @@ from kvblocks import (
     ops,
 )
 
-KEY = b"kvblocks-test-k!"
 BS = 4
 
 
