@@ -197,6 +197,9 @@ cdef class BlockManager:
         n = len(<list>ids)
         if cnp.PyArray_DIM(self._buf, 0) < n:
             self._buf = new_i32(max(n, 2 * cnp.PyArray_DIM(self._buf, 0)))
+            # that allocation may have run other threads: the caller's list may have changed
+            if len(<list>ids) != n:
+                raise InvalidArgumentError("seq_ids changed size during the call")
         slots = <int32_t *>cnp.PyArray_DATA(self._buf)
         cdef int32_t *imap = <int32_t *>cnp.PyArray_DATA(self._imap)
         cdef Py_ssize_t ilen = cnp.PyArray_DIM(self._imap, 0)
@@ -210,7 +213,9 @@ cdef class BlockManager:
                 if not overflow and 0 <= v < ilen and imap[v]:
                     slots[i] = imap[v] - 1
                     continue
-            o = PyDict_GetItem(self._slots, sid)
+            elif type(sid) is not str:  # normalized in phase 1: only another thread did this
+                raise InvalidArgumentError("seq_ids changed during the call")
+            o = PyDict_GetItem(self._slots, sid)  # exact keys: no Python code runs
             if o is NULL:
                 raise UnknownSequenceError(f"unknown sequence {sid!r}")
             slots[i] = <int32_t><object>o
