@@ -433,26 +433,40 @@ int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n) {
     return need_for(m, s, n);
 }
 
+static int cmp_i32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+KVB_INLINE int64_t add_sat(int64_t a, int64_t b) { /* both >= 0; never fits beyond */
+    return b > INT64_MAX - a ? INT64_MAX : a + b;
+}
+
 /* Exact blocks for n tokens each: the k batch members writing into one shared block b make
- * min(k, users(b) - 1) copies. Out of line: only asked when the fast upper bound does not
- * fit. Uses ref-count-sized scratch. */
+ * min(k, users(b) - 1) copies (sequential appends: the last user writes in place). Out of
+ * line: only asked when the fast upper bound does not fit. Scratch is O(batch): the shared
+ * write blocks are sorted and counted in runs. */
 KVB_NOINLINE static int exact_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count,
                                          int64_t n, int64_t *need_out) {
-    kvb_pool_t *p = m->pool;
-    int32_t *writers = calloc((size_t)p->num_blocks, sizeof *writers);
-    if (!writers) return KVB_ENOMEM;
-    int64_t need = 0;
+    int32_t *shared = malloc((size_t)(count ? count : 1) * sizeof *shared);
+    if (!shared) return KVB_ENOMEM;
+    int64_t need = 0, nshared = 0;
     for (int64_t i = 0; i < count; i++) {
         const kvb_seq_t *s = &m->seqs[slots[i]];
         int64_t grow = blocks_after(m, s, n) - s->nblocks;
-        if (grow > 0) need = grow > INT64_MAX - 1 - need ? INT64_MAX - 1 : need + grow;
+        if (grow > 0) need = add_sat(need, grow);
         int64_t w = blk_of(m, s->ntokens);
-        if (w < s->nblocks) {
-            int32_t b = s->blocks[w];
-            if (users(m, b) - 1 > writers[b]++) need++;
-        }
+        if (w < s->nblocks && users(m, s->blocks[w]) > 1) shared[nshared++] = s->blocks[w];
     }
-    free(writers);
+    qsort(shared, (size_t)nshared, sizeof *shared, cmp_i32);
+    for (int64_t i = 0; i < nshared;) {
+        int64_t j = i;
+        while (j < nshared && shared[j] == shared[i]) j++;
+        int64_t k = j - i, copies = users(m, shared[i]) - 1;
+        need = add_sat(need, k < copies ? k : copies);
+        i = j;
+    }
+    free(shared);
     *need_out = need;
     return KVB_OK;
 }
@@ -466,8 +480,7 @@ int kvb_mgr_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_
         kvb_seq_t *s;
         int rc = get_seq(m, slots[i], 0, &s);
         if (rc) { m->err_a = i; return rc; }
-        int64_t one = need_for(m, s, n);
-        need = one > INT64_MAX - need ? INT64_MAX : need + one; /* saturates: never fits */
+        need = add_sat(need, need_for(m, s, n)); /* saturates: never fits */
     }
     if (n > 0 && need > m->pool->num_free) return exact_batch_need(m, slots, count, n, need_out);
     *need_out = need;
