@@ -114,6 +114,7 @@ typedef struct {               /* struct-of-arrays event log, grown on demand */
     kvb_hash_t *hash;          /* [cap] block hash (STORED, REMOVED) */
     kvb_hash_t *parent;        /* [cap] parent hash (STORED); 0: a chain's first block */
     int32_t *block;            /* [cap] block id */
+    uint8_t *group;            /* [cap] KV cache group of the block (pool->gid) */
     int64_t *tok_off;          /* [cap] offset of the block's tokens in tokens[], -1 if none */
     int64_t ntok, tok_cap;     /* token ids recorded, capacity */
     int32_t *tokens;           /* [tok_cap] token ids of stored blocks */
@@ -143,6 +144,7 @@ typedef struct {
     int32_t *next;             /* [num_blocks] free-list link toward tail, KVB_NONE at tail */
     kvb_hash_t *hash;          /* [num_blocks] block hash, valid iff flags & KVB_F_CACHED */
     uint8_t *flags;            /* [num_blocks] KVB_F_* bits */
+    uint8_t *gid;              /* [num_blocks] KV cache group a cached block belongs to */
     int32_t *table;            /* [table_mask+1] open addressing slots: block id or KVB_NONE */
     uint64_t table_mask;       /* table size - 1; size is a power of two >= 2 * num_blocks */
     int caching;               /* prefix caching enabled */
@@ -208,7 +210,16 @@ typedef struct {
     uint32_t stamp;            /* last append_batch call that touched it (duplicate check) */
     int32_t next_free;         /* free-slot stack link */
     int32_t swapped;           /* blocks refer to the host pool (swap_out) */
+    int32_t lo;                /* blocks[0..lo) were released (window / chunk groups): 0 */
 } kvb_seq_t;
+
+/* KV cache group kinds: a manager is one group; groups.c runs several over one pool. */
+enum {
+    KVB_G_FULL = 0,    /* every position attends to all earlier ones */
+    KVB_G_WINDOW = 1,  /* position p attends to [p - span + 1, p] (sliding window) */
+    KVB_G_CHUNK = 2,   /* position p attends to [p - p % span, p] (chunked local) */
+    KVB_G_STATE = 3,   /* span blocks per sequence whatever its length (recurrent state) */
+};
 
 typedef struct {
     kvb_pool_t *pool;          /* device pool (not owned) */
@@ -220,6 +231,12 @@ typedef struct {
     int32_t nseqs, scap;       /* live sequences, capacity */
     int32_t free_slot;         /* head of the free-slot stack, KVB_NONE if empty */
     uint32_t stamp;            /* append_batch call counter */
+    int32_t kind;              /* KVB_G_* */
+    int64_t span;              /* window (WINDOW), chunk (CHUNK) or blocks (STATE); 0 (FULL) */
+    uint8_t gidx;              /* group index (events) */
+    int caching;               /* the pool caches and the kind can be cached (not STATE) */
+    uint8_t *hit;              /* [hitcap] add's scratch: which leading blocks are cached */
+    int64_t hitcap;
     int64_t *copies;           /* [2 * ccap] pending (src, dst) copy-on-write pairs; each
                                 * holds one reference on src until drained or dropped */
     int64_t ncopies, ccap;     /* pairs pending, capacity */
@@ -276,8 +293,70 @@ int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
  * swap_out writes nblocks (device, host) pairs; a block that is the destination of a pending
  * copy is read from that copy's source. swap_in re-shares computed full blocks still cached
  * on the device and writes *npairs (host, device) pairs for the others. */
-int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out);
+int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs);
 int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs);
+
+/* ---- KV cache groups (table.c, groups.c) ------------------------------------------------ */
+/* Make m a group of the given kind (after kvb_mgr_init, before any sequence): span is the
+ * window, chunk or state blocks (> 0; ignored for FULL); key is the group's hash key. */
+int kvb_mgr_set_kind(kvb_mgr_t *m, int32_t kind, int64_t span, uint8_t gidx);
+/* First position the next step's queries can read in a window / chunk group (0 otherwise):
+ * the step's first query is q0 = min(ncomputed, ntokens - 1, qstart) (qstart: INT64_MAX when
+ * unknown); a window reads [q0 - span + 1, ...], a chunk [q0 - q0 % span, ...]. */
+int64_t kvb_mgr_first_needed(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t qstart);
+/* Blocks appending n tokens to slot would return to the free pool through window release. */
+int64_t kvb_mgr_release_gain(const kvb_mgr_t *m, int32_t slot, int64_t n);
+
+/* add, in phases, for groups.c (kvb_mgr_add runs them for one group):
+ * prepare: hashes of the prompt in the next free slot (not yet live) and, in ok[0..kmax],
+ * which hit lengths k (full blocks reused) this group can serve: entries it cannot serve are
+ * cleared (the caller sets all to 1 first; kmax = (n - 1) / block_size, 0 for n == 0). */
+int kvb_mgr_add_prepare(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                        size_t salt_len, uint8_t *ok, int64_t kmax);
+/* blocks a prepared add with k hits takes from the free pool */
+int64_t kvb_mgr_add_need(const kvb_mgr_t *m, int64_t n, int64_t k);
+/* pin: take the slot, pin the k hits; fill: allocate the rest (after every group pinned). */
+void kvb_mgr_add_pin(kvb_mgr_t *m, const int32_t *tokens, int64_t n, int64_t k, int stats,
+                     int recompute, int32_t *slot_out);
+void kvb_mgr_add_fill(kvb_mgr_t *m, int32_t slot);
+/* Append validation alone (unknown, swapped, n < 0, computed tokens without draft slots). */
+int kvb_mgr_append_check(kvb_mgr_t *m, int32_t slot, int64_t n, int computed);
+/* Truncate validation alone (KVB_EINVAL, KVB_ESTATE when it would need released blocks). */
+int kvb_mgr_truncate_check(kvb_mgr_t *m, int32_t slot, int64_t ntokens);
+/* Release what no query can read any more before a step (metadata / schedule). */
+void kvb_mgr_step_release(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens, int64_t B);
+
+/* Hash key of group gidx (out = key for group 0). */
+void kvb_group_key(const uint8_t key[16], uint8_t gidx, uint8_t out[16]);
+
+/* Several groups over one pool: g[0..G) share the pool, slots stay equal across groups.
+ * Every call validates and counts blocks for all groups before any mutation; errors are
+ * reported in g[0]'s err fields. */
+int kvb_grp_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
+                const uint8_t *salt, size_t salt_len, int recompute, int32_t *slot_out,
+                int64_t *cached_out);
+int kvb_grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
+                  const uint8_t *salt, size_t salt_len, int64_t *cached_out, int64_t *need_out);
+int kvb_grp_append(kvb_mgr_t *const *g, int32_t G, int32_t slot, const int32_t *tokens,
+                   int64_t n, int computed);
+int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
+                         const int32_t *tokens, int64_t n);
+int kvb_grp_reserve(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t n);
+int kvb_grp_truncate(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t ntokens);
+int kvb_grp_fork(kvb_mgr_t *const *g, int32_t G, int32_t parent, int32_t *child_out);
+int kvb_grp_free(kvb_mgr_t *const *g, int32_t G, int32_t slot);
+int64_t kvb_grp_blocks_needed(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t n);
+int kvb_grp_batch_need(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, int64_t count,
+                       int64_t n, int64_t *need_out);
+int kvb_grp_swap_out(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pairs_out,
+                     int64_t *npairs);
+int kvb_grp_swap_in(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pairs_out,
+                    int64_t *npairs);
+int kvb_grp_schedule(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
+                     const int32_t *qlens, const int32_t *drafts, int64_t B, int apply);
+int kvb_grp_check(kvb_mgr_t *const *g, int32_t G);
+/* check of one group's tables adding its references into refs / hrefs (pool sized) */
+int kvb_mgr_check_tables(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs);
 
 /* Attention metadata (meta.c). For sequences slots[0..B), the last qlens[i] committed tokens
  * are computed this step. Output arrays are caller-provided with the capacities given. */

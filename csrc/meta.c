@@ -14,6 +14,10 @@
  * CSR offset did not move. In a decode step most tables only grow, so most of the
  * O(total blocks) copying is skipped.
  * Validation covers every sequence and capacity before the first byte is written.
+ *
+ * KV cache groups: m is one group. A window or chunk group first releases what this step's
+ * queries cannot read (their entries read the null block 0; kernels apply the window); a
+ * state group's row is its fixed state blocks and its query tokens have no slot (-1).
  */
 #include <string.h>
 
@@ -22,6 +26,7 @@
 int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                      const int32_t *drafts, int64_t B, kvb_meta_t *out) {
     int32_t bs = m->block_size;
+    int state = m->kind == KVB_G_STATE;
     KVB_CLEAR_ERR(m);
     int64_t ntok = 0, nidx = 0;
     for (int64_t i = 0; i < B; i++) {
@@ -37,7 +42,7 @@ int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
             return KVB_EINVAL;
         }
         int64_t d = drafts ? drafts[i] : 0;
-        int64_t nb = blocks_for(m, s->ntokens + d);
+        int64_t nb = state ? s->nblocks : blocks_for(m, s->ntokens + d);
         if (d < 0 || nb > s->nblocks) { m->err_a = i; m->err_b = d; return KVB_ESTATE; }
         if (out->block_tables && nb > out->max_blocks) {
             m->err_a = nb; m->err_b = out->max_blocks; m->err_what = "block_tables";
@@ -55,6 +60,7 @@ int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
         return KVB_ERANGE;
     }
 
+    kvb_mgr_step_release(m, slots, qlens, B); /* before the tables are written */
     int64_t t = 0, k = 0;
     int64_t *rc = out->row_cache;
     int64_t valid = rc ? out->valid_rows : 0;
@@ -62,7 +68,8 @@ int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
     out->kv_indptr[0] = 0;
     for (int64_t i = 0; i < B; i++) {
         const kvb_seq_t *s = &m->seqs[slots[i]];
-        int64_t L = s->ntokens + (drafts ? drafts[i] : 0), nb = blocks_for(m, L);
+        int64_t L = s->ntokens + (drafts ? drafts[i] : 0);
+        int64_t nb = state ? s->nblocks : blocks_for(m, L);
         int64_t start = s->ntokens - qlens[i];
         const int32_t *blocks = s->blocks;
         /* entries [0, same_bt) of the block-table row and [0, same_kv) of the kv_indices
@@ -78,6 +85,9 @@ int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
         }
         /* slot mapping: walk block by block, no division per token */
         int64_t pos = start;
+        if (state) { /* no per-token slots: the kernel updates the state blocks */
+            for (; pos < L; pos++) out->slot_mapping[t++] = -1;
+        }
         while (pos < L) {
             int64_t blk = blk_of(m, pos), off = off_in(m, pos);
             int64_t run = bs - off;
@@ -106,7 +116,7 @@ int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
         out->seq_lens[i] = (int32_t)L;
         out->qo_indptr[i + 1] = (int32_t)t;
         out->kv_indptr[i + 1] = (int32_t)k;
-        out->kv_last_page_len[i] = (int32_t)(nb ? L - (nb - 1) * bs : 0);
+        out->kv_last_page_len[i] = (int32_t)(state ? bs : nb ? L - (nb - 1) * bs : 0);
     }
     for (int64_t j = t; j < out->cap_tokens; j++) out->slot_mapping[j] = -1;
     out->n_tokens = t;

@@ -74,8 +74,9 @@ int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching) {
     p->next = malloc(n * sizeof *p->next);
     p->hash = malloc(n * sizeof *p->hash);
     p->flags = calloc(n, sizeof *p->flags);
+    p->gid = calloc(n, sizeof *p->gid);
     p->table = malloc(tsize * sizeof *p->table);
-    if (!p->ref_count || !p->prev || !p->next || !p->hash || !p->flags || !p->table) {
+    if (!p->ref_count || !p->prev || !p->next || !p->hash || !p->flags || !p->gid || !p->table) {
         kvb_pool_destroy(p);
         return KVB_ENOMEM;
     }
@@ -101,7 +102,7 @@ int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching) {
 
 void kvb_pool_destroy(kvb_pool_t *p) {
     free(p->ref_count); free(p->prev); free(p->next); free(p->hash); free(p->flags);
-    free(p->table);
+    free(p->gid); free(p->table);
     kvb_events_destroy(&p->events);
     memset(p, 0, sizeof *p);
 }
@@ -109,7 +110,7 @@ void kvb_pool_destroy(kvb_pool_t *p) {
 size_t kvb_pool_bytes(const kvb_pool_t *p) {
     size_t n = (size_t)p->num_blocks;
     return n * (sizeof *p->ref_count + sizeof *p->prev + sizeof *p->next + sizeof *p->hash +
-                sizeof *p->flags) +
+                sizeof *p->flags + sizeof *p->gid) +
            (size_t)(p->table_mask + 1) * sizeof *p->table + sizeof *p;
 }
 

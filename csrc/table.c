@@ -82,6 +82,10 @@ static uint32_t next_stamp(kvb_mgr_t *m) {
     return stamp;
 }
 
+KVB_INLINE int64_t add_sat(int64_t a, int64_t b) { /* both >= 0; never fits beyond */
+    return b > INT64_MAX - a ? INT64_MAX : a + b;
+}
+
 /* ---- pending copy-on-write pairs -------------------------------------------------------- *
  * A pair (src, dst) is queued when a write makes a private copy of a shared partial block.
  * Until take_copies() drains it, the pair holds one reference on src (flag COPY_SRC), so src
@@ -176,7 +180,7 @@ static int64_t blocks_after(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t n) {
 
 /* Blocks taking n more written tokens would cost: growth plus copy-on-write of block w. */
 static int64_t need_for(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t n) {
-    if (n <= 0) return 0;
+    if (n <= 0 || m->kind == KVB_G_STATE) return 0;
     int64_t grow = blocks_after(m, s, n) - s->nblocks;
     if (grow < 0) grow = 0;
     int64_t w = blk_of(m, s->ntokens);
@@ -208,18 +212,21 @@ static void cache_blocks(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t to) {
     kvb_pool_t *p = m->pool;
     for (int64_t i = from; i < to; i++) {
         int32_t b = s->blocks[i];
-        if (!(p->flags[b] & KVB_F_CACHED))
+        if (!(p->flags[b] & KVB_F_CACHED)) {
+            p->gid[b] = m->gidx;
             kvb_cache_put(p, b, &s->hashes[i], i ? &s->hashes[i - 1] : NULL, /* 1st: nil */
                           s->tokens + i * m->block_size, m->block_size);
+        }
     }
 }
 
 /* Tokens [old, ncomputed) became computed: cache the blocks that are now fully computed. */
 static void computed_to(kvb_mgr_t *m, kvb_seq_t *s, int64_t ncomputed) {
+    if (m->kind == KVB_G_STATE) { s->ncomputed = ncomputed; return; }
     int64_t from = blk_of(m, s->ncomputed), to = blk_of(m, ncomputed);
     s->ncomputed = ncomputed;
     for (int64_t i = from; i < to; i++) m->pool->flags[s->blocks[i]] |= KVB_F_WRITTEN;
-    if (m->pool->caching) cache_blocks(m, s, from, to);
+    if (m->caching) cache_blocks(m, s, from, to);
 }
 
 /* Hash the blocks that became full (from block nhashed to ntokens / bs). They enter the
@@ -233,11 +240,72 @@ static void hash_new_blocks(kvb_mgr_t *m, kvb_seq_t *s) {
     s->nhashed = (int32_t)full;
 }
 
+/* ---- window release (KVB_G_WINDOW, KVB_G_CHUNK) ------------------------------------------ *
+ * The next step's first query is q0 = min(ncomputed, ntokens - 1): the first uncomputed
+ * token, or the newest one when all are computed (a step may recompute it). A step that
+ * recomputes from qstart < q0 starts there. A window group's query at q0 reads [q0 - W + 1,
+ * q0], a chunk group's [q0 - q0 % C, q0]; whole blocks below that are released: their table
+ * entries become the null block 0 (s->lo counts them) and their references are dropped, so a
+ * cached one stays evictable for prefix reuse. Release runs when a sequence moves on (append,
+ * append_batch, a step), before that call allocates, so the blocks the previous step read are
+ * reused only by calls after it. */
+static int64_t needed_from(const kvb_mgr_t *m, int64_t ncomputed, int64_t ntokens,
+                           int64_t qstart) {
+    if (m->kind != KVB_G_WINDOW && m->kind != KVB_G_CHUNK) return 0;
+    int64_t q0 = ncomputed < ntokens - 1 ? ncomputed : ntokens - 1;
+    if (qstart < q0) q0 = qstart;
+    if (q0 <= 0) return 0;
+    if (m->kind == KVB_G_WINDOW) return q0 - m->span + 1 > 0 ? q0 - m->span + 1 : 0;
+    return q0 - q0 % m->span;
+}
+
+int64_t kvb_mgr_first_needed(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t qstart) {
+    return needed_from(m, s->ncomputed, s->ntokens, qstart);
+}
+
+/* Release blocks [lo, upto) of a resident sequence. */
+static void release_front(kvb_mgr_t *m, kvb_seq_t *s, int64_t upto) {
+    if (upto <= s->lo) return;
+    KVB_ASSERT(upto <= s->nblocks && !s->swapped);
+    for (int32_t j = s->lo; j < upto; j++) {
+        int32_t b = s->blocks[j];
+        s->blocks[j] = KVB_NULL_BLOCK;
+        kvb_pool_release(m->pool, b);
+    }
+    s->lo = (int32_t)upto;
+    s->tver++;
+    if (KVB_UNLIKELY(m->ncopies)) drop_dead_copies(m);
+}
+
+/* Release what a sequence about to hold ntokens committed tokens no longer needs. */
+KVB_INLINE void release_for(kvb_mgr_t *m, kvb_seq_t *s, int64_t ntokens, int64_t qstart) {
+    if (m->kind == KVB_G_WINDOW || m->kind == KVB_G_CHUNK)
+        release_front(m, s, blk_of(m, needed_from(m, s->ncomputed, ntokens, qstart)));
+}
+
+int64_t kvb_mgr_release_gain(const kvb_mgr_t *m, int32_t slot, int64_t n) {
+    const kvb_seq_t *s = live_seq(m, slot);
+    if (!s || s->swapped || n <= 0 || (m->kind != KVB_G_WINDOW && m->kind != KVB_G_CHUNK))
+        return 0;
+    int64_t upto = blk_of(m, needed_from(m, s->ncomputed, add_sat(s->ntokens, n), INT64_MAX));
+    int64_t gain = 0;
+    for (int64_t j = s->lo; j < upto; j++) gain += m->pool->ref_count[s->blocks[j]] == 1;
+    return gain;
+}
+
+void kvb_mgr_step_release(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens, int64_t B) {
+    if (m->kind != KVB_G_WINDOW && m->kind != KVB_G_CHUNK) return;
+    for (int64_t i = 0; i < B; i++) {
+        kvb_seq_t *s = &m->seqs[slots[i]];
+        release_for(m, s, s->ntokens, s->ntokens - qlens[i]);
+    }
+}
+
 /* Capacity for up to n more tokens (and the blocks and hashes they may need). */
 static int reserve_capacity(kvb_mgr_t *m, kvb_seq_t *s, int64_t n, int64_t extra_blocks) {
     if (ensure_tokens(s, s->ntokens + n)) return KVB_ENOMEM;
     if (ensure_blocks(s, s->nblocks + extra_blocks)) return KVB_ENOMEM;
-    if (m->pool->caching && ensure_hashes(s, blk_of(m, s->ntokens + n) + 1)) return KVB_ENOMEM;
+    if (m->caching && ensure_hashes(s, blk_of(m, s->ntokens + n) + 1)) return KVB_ENOMEM;
     /* ccap counts int64 entries: room for one more (src, dst) pair */
     return kvb_grow((void **)&m->copies, &m->ccap, 2 * (m->ncopies + 1), sizeof *m->copies);
 }
@@ -257,6 +325,20 @@ int kvb_mgr_init(kvb_mgr_t *m, kvb_pool_t *pool, kvb_pool_t *host, int32_t block
     }
     memcpy(m->key, key, 16);
     m->free_slot = KVB_NONE;
+    m->kind = KVB_G_FULL;
+    m->caching = pool->caching;
+    return KVB_OK;
+}
+
+int kvb_mgr_set_kind(kvb_mgr_t *m, int32_t kind, int64_t span, uint8_t gidx) {
+    KVB_CLEAR_ERR(m);
+    if (kind < KVB_G_FULL || kind > KVB_G_STATE) { m->err_b = kind; return KVB_EINVAL; }
+    if (kind != KVB_G_FULL && (span < 1 || span > INT32_MAX)) { m->err_b = span; return KVB_EINVAL; }
+    if (m->nseqs) return KVB_ESTATE;
+    m->kind = kind;
+    m->span = kind == KVB_G_FULL ? 0 : span;
+    m->gidx = gidx;
+    m->caching = m->pool->caching && kind != KVB_G_STATE;
     return KVB_OK;
 }
 
@@ -268,6 +350,7 @@ void kvb_mgr_destroy(kvb_mgr_t *m) {
     }
     free(m->seqs);
     free(m->copies);
+    free(m->hit);
     memset(m, 0, sizeof *m);
 }
 
@@ -300,59 +383,132 @@ static void take_slot(kvb_mgr_t *m, int32_t slot) {
     s->drafted = 0;
     s->nhashed = 0;
     s->swapped = 0;
+    s->lo = 0;
     m->nseqs++;
 }
 
-/* ---- add -------------------------------------------------------------------------------- */
-int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out) {
+/* ---- add -------------------------------------------------------------------------------- *
+ * In phases, so that groups.c can run them over several groups of one pool: prepare (hash,
+ * find which hit lengths this group can serve), count, pin every group's hits, then allocate
+ * (pinning first keeps one group's allocation from evicting another group's hits).
+ * A hit of k full blocks means tokens [0, k * bs) are reused and computed; the step after
+ * computes from position k * bs, so a group must hold the blocks that query reads: all k in a
+ * full group, those from needed_from(k * bs) in a window or chunk group (the ones below are
+ * null entries), none in a state group (no state snapshots: no hits). */
+
+/* Blocks a table of n tokens takes in this group. */
+KVB_INLINE int64_t table_blocks(const kvb_mgr_t *m, int64_t n) {
+    return m->kind == KVB_G_STATE ? m->span : blocks_for(m, n);
+}
+
+/* First block a k-block hit needs (the entries below it stay null). */
+KVB_INLINE int64_t hit_lo(const kvb_mgr_t *m, int64_t n, int64_t k) {
+    return k ? blk_of(m, needed_from(m, k * m->block_size, n, INT64_MAX)) : 0;
+}
+
+int kvb_mgr_add_prepare(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                        size_t salt_len, uint8_t *ok, int64_t kmax) {
     kvb_pool_t *p = m->pool;
     KVB_CLEAR_ERR(m);
     if (n < 0) { m->err_b = n; return KVB_EINVAL; }
-    int64_t total = blocks_for(m, n), full = blk_of(m, n);
+    int64_t total = table_blocks(m, n), full = blk_of(m, n);
     if (total >= p->num_blocks) return out_of_blocks(m, total, p->num_free);
     int32_t slot;
     if (new_slot(m, &slot)) return KVB_ENOMEM;
     kvb_seq_t *s = &m->seqs[slot];
-    if (ensure_tokens(s, n) || ensure_blocks(s, total) ||
-        (p->caching && ensure_hashes(s, full + 1)))
+    if (ensure_tokens(s, n) || ensure_blocks(s, total > full ? total : full) ||
+        (m->caching && ensure_hashes(s, full + 1)))
         return KVB_ENOMEM;
-
-    int64_t hits = 0, pinned_from_free = 0;
-    if (p->caching) {
-        kvb_hash_root(m->key, salt, salt_len, &s->root);
-        kvb_hash_chain(m->key, &s->root, tokens, full, m->block_size, s->hashes);
-        int64_t max_hits = n > 0 ? blk_of(m, n - 1) : 0; /* at least one token is computed */
-        hits = kvb_cache_match(p, s->hashes, full < max_hits ? full : max_hits, s->blocks);
-        for (int64_t i = 0; i < hits; i++) pinned_from_free += p->ref_count[s->blocks[i]] == 0;
+    int64_t K = n > 0 ? blk_of(m, n - 1) : 0; /* at least one token is computed */
+    if (K > full) K = full;
+    if (kmax < K) K = kmax;
+    if (!m->caching) { /* no hits */
+        for (int64_t k = 1; k <= kmax; k++) ok[k] = 0;
+        return KVB_OK;
     }
-    int64_t need = total - hits;
-    if (need > p->num_free - pinned_from_free)
-        return out_of_blocks(m, need, p->num_free - pinned_from_free);
+    kvb_hash_root(m->key, salt, salt_len, &s->root);
+    kvb_hash_chain(m->key, &s->root, tokens, full, m->block_size, s->hashes);
+    if (m->kind == KVB_G_FULL) {
+        int64_t run = kvb_cache_match(p, s->hashes, K, s->blocks);
+        for (int64_t k = run + 1; k <= kmax; k++) ok[k] = 0;
+        return KVB_OK;
+    }
+    /* window / chunk: a hit of k blocks needs blocks [hit_lo(k), k) cached */
+    if (kvb_grow((void **)&m->hit, &m->hitcap, K + 1, sizeof *m->hit)) return KVB_ENOMEM;
+    int64_t trail = 0; /* cached blocks ending at block k - 1 */
+    for (int64_t k = 1; k <= K; k++) {
+        int32_t b = kvb_cache_find(p, &s->hashes[k - 1]);
+        s->blocks[k - 1] = b == KVB_NONE ? 0 : b;
+        trail = b == KVB_NONE ? 0 : trail + 1;
+        if (trail < k - hit_lo(m, n, k)) ok[k] = 0;
+    }
+    for (int64_t k = K + 1; k <= kmax; k++) ok[k] = 0;
+    return KVB_OK;
+}
 
-    /* mutate: pin the hits first so that allocation cannot evict them */
+int64_t kvb_mgr_add_need(const kvb_mgr_t *m, int64_t n, int64_t k) {
+    const kvb_seq_t *s = &m->seqs[m->free_slot];
+    int64_t need = table_blocks(m, n) - (m->kind == KVB_G_STATE ? 0 : k);
+    for (int64_t j = hit_lo(m, n, k); j < k && m->kind != KVB_G_STATE; j++)
+        need += m->pool->ref_count[s->blocks[j]] == 0; /* pinning an evictable hit */
+    return need;
+}
+
+void kvb_mgr_add_pin(kvb_mgr_t *m, const int32_t *tokens, int64_t n, int64_t k, int stats,
+                     int recompute, int32_t *slot_out) {
+    kvb_pool_t *p = m->pool;
+    int32_t slot = m->free_slot;
+    kvb_seq_t *s = &m->seqs[slot];
+    int64_t full = blk_of(m, n);
+    if (m->kind == KVB_G_STATE) k = 0;
     take_slot(m, slot);
-    kvb_pool_pin(p, s->blocks, hits);
-    KVB_MUST(kvb_pool_allocate(p, (int32_t)need, s->blocks + hits));
-    s->nblocks = (int32_t)total;
+    s->lo = (int32_t)hit_lo(m, n, k);
+    for (int64_t j = 0; j < s->lo; j++) s->blocks[j] = KVB_NULL_BLOCK;
+    kvb_pool_pin(p, s->blocks + s->lo, k - s->lo);
+    s->nblocks = (int32_t)k;
     kvb_copy(s->tokens, tokens, (size_t)n * sizeof *tokens);
     s->ntokens = n;
-    s->ncomputed = hits * m->block_size; /* the rest enters the cache once computed */
-    if (p->caching) {
-        s->nhashed = (int32_t)full;
+    s->ncomputed = k * m->block_size; /* the rest enters the cache once computed */
+    if (m->caching) s->nhashed = (int32_t)full;
+    if (stats && p->caching) {
         p->stats.queries++;
         p->stats.query_blocks += (uint64_t)full;
-        p->stats.hit_blocks += (uint64_t)hits;
+        p->stats.hit_blocks += (uint64_t)k;
         if (recompute) {
             p->stats.recompute_query_tokens += (uint64_t)n;
-            p->stats.recompute_hit_tokens += (uint64_t)(hits * m->block_size);
+            p->stats.recompute_hit_tokens += (uint64_t)(k * m->block_size);
         } else {
             p->stats.query_tokens += (uint64_t)n;
-            p->stats.hit_tokens += (uint64_t)(hits * m->block_size);
+            p->stats.hit_tokens += (uint64_t)(k * m->block_size);
         }
     }
     *slot_out = slot;
-    *cached_out = hits * m->block_size;
+}
+
+void kvb_mgr_add_fill(kvb_mgr_t *m, int32_t slot) {
+    kvb_seq_t *s = &m->seqs[slot];
+    int64_t total = table_blocks(m, s->ntokens);
+    KVB_MUST(kvb_pool_allocate(m->pool, (int32_t)(total - s->nblocks), s->blocks + s->nblocks));
+    s->nblocks = (int32_t)total;
+}
+
+int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out) {
+    uint8_t small[64];
+    int64_t K = n > 0 ? blk_of(m, n - 1) : 0;
+    uint8_t *ok = K < 64 ? small : malloc((size_t)K + 1);
+    if (!ok) return KVB_ENOMEM;
+    memset(ok, 1, (size_t)K + 1);
+    int rc = kvb_mgr_add_prepare(m, tokens, n, salt, salt_len, ok, K);
+    int64_t k = K;
+    while (k > 0 && !ok[k]) k--;
+    if (ok != small) free(ok);
+    if (rc) return rc;
+    int64_t need = kvb_mgr_add_need(m, n, k);
+    if (need > m->pool->num_free) return out_of_blocks(m, need, m->pool->num_free);
+    kvb_mgr_add_pin(m, tokens, n, k, 1, recompute, slot_out);
+    kvb_mgr_add_fill(m, *slot_out);
+    *cached_out = m->seqs[*slot_out].ncomputed;
     return KVB_OK;
 }
 
@@ -371,8 +527,13 @@ static void grow_table(kvb_mgr_t *m, kvb_seq_t *s, int64_t n) {
 static int make_room(kvb_mgr_t *m, kvb_seq_t *s, int64_t n, int64_t tokens) {
     if (n < 0) { m->err_b = n; return KVB_EINVAL; }
     if (n == 0) return KVB_OK;
+    if (m->kind == KVB_G_STATE) { /* the state blocks do not grow */
+        if (n > max_tokens(m)) return out_of_blocks(m, INT64_MAX, m->pool->num_free);
+        return ensure_tokens(s, s->ntokens + tokens) ? KVB_ENOMEM : KVB_OK;
+    }
     if (n > max_tokens(m)) return out_of_blocks(m, blocks_for(m, max_tokens(m)) + 1,
                                                 m->pool->num_free);
+    if (tokens) release_for(m, s, s->ntokens + n, INT64_MAX); /* append: moving on */
     int64_t need = need_for(m, s, n);
     if (need > m->pool->num_free) return out_of_blocks(m, need, m->pool->num_free);
     if (reserve_capacity(m, s, tokens, need)) return KVB_ENOMEM;
@@ -381,22 +542,30 @@ static int make_room(kvb_mgr_t *m, kvb_seq_t *s, int64_t n, int64_t tokens) {
     return KVB_OK;
 }
 
-int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n, int computed) {
+int kvb_mgr_append_check(kvb_mgr_t *m, int32_t slot, int64_t n, int computed) {
     kvb_seq_t *s;
     KVB_CLEAR_ERR(m);
     int rc = get_seq(m, slot, 0, &s);
     if (rc) return rc;
+    if (n < 0) { m->err_b = n; return KVB_EINVAL; }
     if (computed && n > 0 && (s->ncomputed != s->ntokens || n > s->drafted - s->ntokens)) {
         m->err_a = s->drafted > s->ntokens ? s->drafted - s->ntokens : 0;
         m->err_b = n;
         m->err_what = "computed tokens must fill draft slots the last step scheduled";
         return KVB_ESTATE;
     }
+    return KVB_OK;
+}
+
+int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n, int computed) {
+    int rc = kvb_mgr_append_check(m, slot, n, computed);
+    if (rc) return rc;
+    kvb_seq_t *s = &m->seqs[slot];
     rc = make_room(m, s, n, n);
     if (rc || n == 0) return rc;
     memcpy(s->tokens + s->ntokens, tokens, (size_t)n * sizeof *tokens);
     s->ntokens += n;
-    if (m->pool->caching) hash_new_blocks(m, s);
+    if (m->caching) hash_new_blocks(m, s);
     if (computed) computed_to(m, s, s->ntokens);
     else s->drafted = 0;
     return KVB_OK;
@@ -414,8 +583,8 @@ int kvb_mgr_reserve(kvb_mgr_t *m, int32_t slot, int64_t n) {
  * out of the free pool all the same). hits_out[i] is the cached block for block i or 0. */
 static int64_t swap_in_need(const kvb_mgr_t *m, const kvb_seq_t *s, int32_t *hits_out) {
     const kvb_pool_t *p = m->pool;
-    int64_t need = 0, ncached = p->caching ? blk_of(m, s->ncomputed) : 0;
-    for (int32_t i = 0; i < s->nblocks; i++) {
+    int64_t need = 0, ncached = m->caching ? blk_of(m, s->ncomputed) : 0;
+    for (int32_t i = s->lo; i < s->nblocks; i++) {
         int32_t b = i < ncached ? kvb_cache_find(p, &s->hashes[i]) : KVB_NONE;
         if (hits_out) hits_out[i] = b == KVB_NONE ? 0 : b;
         need += b == KVB_NONE || p->ref_count[b] == 0;
@@ -427,7 +596,7 @@ int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n) {
     const kvb_seq_t *s = live_seq(m, slot);
     if (!s) return KVB_EUNKNOWN;
     if (s->swapped) {
-        int64_t grow = blocks_after(m, s, n) - s->nblocks;
+        int64_t grow = m->kind == KVB_G_STATE ? 0 : blocks_after(m, s, n) - s->nblocks;
         return swap_in_need(m, s, NULL) + (grow > 0 ? grow : 0);
     }
     return need_for(m, s, n);
@@ -438,9 +607,6 @@ static int cmp_i32(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-KVB_INLINE int64_t add_sat(int64_t a, int64_t b) { /* both >= 0; never fits beyond */
-    return b > INT64_MAX - a ? INT64_MAX : a + b;
-}
 
 /* Exact blocks for n tokens each: the k batch members writing into one shared block b make
  * min(k, users(b) - 1) copies (sequential appends: the last user writes in place). Out of
@@ -504,11 +670,24 @@ int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *toke
         int64_t w = blk_of(m, s->ntokens);
         if (w >= s->nblocks || p->ref_count[s->blocks[w]] > 1) need++; /* upper bound */
         if (KVB_UNLIKELY(s->ntokens + 1 > s->tcap || s->nblocks + 1 > s->bcap ||
-                         (p->caching && w + 1 > s->hcap))) {
+                         (m->caching && w + 1 > s->hcap))) {
             if (reserve_capacity(m, s, 1, 1)) return KVB_ENOMEM;
         }
     }
     m->err_a = m->err_b = 0;
+    if (m->kind == KVB_G_STATE) { /* tokens only: the state blocks do not grow */
+        for (int64_t i = 0; i < n; i++) {
+            kvb_seq_t *s = &m->seqs[slots[i]];
+            s->tokens[s->ntokens++] = tokens[i];
+            s->drafted = 0;
+        }
+        return KVB_OK;
+    }
+    if (m->kind != KVB_G_FULL) /* window / chunk: release before allocating */
+        for (int64_t i = 0; i < n; i++) {
+            kvb_seq_t *s = &m->seqs[slots[i]];
+            release_for(m, s, s->ntokens + 1, INT64_MAX);
+        }
     if (KVB_UNLIKELY(need > p->num_free)) {
         if (exact_batch_need(m, slots, n, 1, &need)) return KVB_ENOMEM;
         if (need > p->num_free) return out_of_blocks(m, need, p->num_free);
@@ -530,7 +709,7 @@ int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *toke
         s->tokens[t] = tokens[i];
         s->ntokens = t + 1;
         s->drafted = 0;
-        if (off_in(m, t + 1) == 0 && p->caching) hash_new_blocks(m, s);
+        if (off_in(m, t + 1) == 0 && m->caching) hash_new_blocks(m, s);
     }
     return KVB_OK;
 }
@@ -539,6 +718,7 @@ int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *toke
 int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                      const int32_t *drafts, int64_t B, int apply) {
     if (apply) {
+        kvb_mgr_step_release(m, slots, qlens, B);
         for (int64_t i = 0; i < B; i++) {
             kvb_seq_t *s = &m->seqs[slots[i]];
             computed_to(m, s, s->ntokens);
@@ -564,8 +744,14 @@ int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
             m->err_b = s->ntokens - q - s->ncomputed;
             return KVB_EGAP;
         }
+        if (s->lo && blk_of(m, needed_from(m, s->ncomputed, s->ntokens, s->ntokens - q)) < s->lo) {
+            m->err_b = slots[i];
+            m->err_what = "the query reads positions whose blocks were released (window)";
+            return KVB_ESTATE;
+        }
         m->err_b = d;
         if (d < 0) return KVB_EINVAL;
+        if (m->kind == KVB_G_STATE) continue;
         if (blocks_for(m, s->ntokens + d) > s->nblocks) {
             m->err_what = "draft slots must be reserved first (reserve)";
             return KVB_ESTATE;
@@ -588,13 +774,15 @@ int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
 /* ---- truncate / fork / free ------------------------------------------------------------- */
 static void release_tail(kvb_mgr_t *m, kvb_seq_t *s, int32_t keep) {
     kvb_pool_t *p = s->swapped ? m->host : m->pool;
-    for (int32_t i = s->nblocks - 1; i >= keep; i--) kvb_pool_release(p, s->blocks[i]);
+    int32_t stop = keep > s->lo ? keep : s->lo; /* entries below lo are null */
+    for (int32_t i = s->nblocks - 1; i >= stop; i--) kvb_pool_release(p, s->blocks[i]);
     if (keep < s->nblocks) s->tver++;
     s->nblocks = keep;
+    if (s->lo > keep) s->lo = keep;
     if (KVB_UNLIKELY(m->ncopies) && p == m->pool) drop_dead_copies(m);
 }
 
-int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens) {
+int kvb_mgr_truncate_check(kvb_mgr_t *m, int32_t slot, int64_t ntokens) {
     kvb_seq_t *s;
     KVB_CLEAR_ERR(m);
     int rc = get_seq(m, slot, 0, &s);
@@ -604,7 +792,25 @@ int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens) {
         m->err_b = ntokens;
         return KVB_EINVAL;
     }
-    release_tail(m, s, (int32_t)blocks_for(m, ntokens));
+    int64_t nc = s->ncomputed < ntokens ? s->ncomputed : ntokens;
+    if (m->kind == KVB_G_STATE && ntokens < s->ncomputed) {
+        m->err_a = s->ncomputed;
+        m->err_what = "a recurrent state cannot drop computed tokens";
+        return KVB_ESTATE;
+    }
+    if (s->lo && (ntokens == 0 || blk_of(m, needed_from(m, nc, ntokens, INT64_MAX)) < s->lo)) {
+        m->err_a = (int64_t)s->lo * m->block_size;
+        m->err_what = "the shorter sequence would read positions whose blocks were released";
+        return KVB_ESTATE;
+    }
+    return KVB_OK;
+}
+
+int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens) {
+    int rc = kvb_mgr_truncate_check(m, slot, ntokens);
+    if (rc) return rc;
+    kvb_seq_t *s = &m->seqs[slot];
+    if (m->kind != KVB_G_STATE) release_tail(m, s, (int32_t)blocks_for(m, ntokens));
     s->ntokens = ntokens;
     if (s->ncomputed > ntokens) s->ncomputed = ntokens;
     s->drafted = 0;
@@ -621,11 +827,25 @@ int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out) {
     if (new_slot(m, &slot)) return KVB_ENOMEM;
     ps = &m->seqs[parent]; /* new_slot may have moved the array */
     kvb_seq_t *s = &m->seqs[slot];
-    int64_t nb = blocks_for(m, ps->ntokens);
+    int64_t nb = table_blocks(m, ps->ntokens);
     if (ensure_tokens(s, ps->ntokens) || ensure_blocks(s, nb) ||
         ensure_hashes(s, ps->nhashed + 1))
         return KVB_ENOMEM;
-    for (int64_t i = 0; i < nb; i++) /* ref counts stay far below INT32_MAX: one per table */
+    if (m->kind == KVB_G_STATE) { /* the child's state is copied now: it diverges next step */
+        if (nb > m->pool->num_free) return out_of_blocks(m, nb, m->pool->num_free);
+        if (kvb_grow((void **)&m->copies, &m->ccap, 2 * (m->ncopies + nb), sizeof *m->copies))
+            return KVB_ENOMEM;
+        take_slot(m, slot);
+        KVB_MUST(kvb_pool_allocate(m->pool, (int32_t)nb, s->blocks));
+        for (int64_t i = 0; i < nb; i++) queue_copy(m, ps->blocks[i], s->blocks[i]);
+        kvb_copy(s->tokens, ps->tokens, (size_t)ps->ntokens * sizeof *s->tokens);
+        s->ntokens = ps->ntokens;
+        s->ncomputed = ps->ncomputed;
+        s->nblocks = (int32_t)nb;
+        *child_out = slot;
+        return KVB_OK;
+    }
+    for (int64_t i = ps->lo; i < nb; i++) /* ref counts stay far below INT32_MAX */
         if (m->pool->ref_count[ps->blocks[i]] == INT32_MAX) return KVB_ENOMEM;
     take_slot(m, slot);
     kvb_copy(s->tokens, ps->tokens, (size_t)ps->ntokens * sizeof *s->tokens);
@@ -636,7 +856,8 @@ int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out) {
     s->nblocks = (int32_t)nb;
     s->nhashed = ps->nhashed;
     s->root = ps->root;
-    for (int64_t i = 0; i < nb; i++) m->pool->ref_count[s->blocks[i]]++; /* all referenced */
+    s->lo = ps->lo;
+    for (int64_t i = s->lo; i < nb; i++) m->pool->ref_count[s->blocks[i]]++; /* referenced */
     *child_out = slot;
     return KVB_OK;
 }
@@ -660,26 +881,27 @@ int kvb_mgr_free(kvb_mgr_t *m, int32_t slot) {
 }
 
 /* ---- swap ------------------------------------------------------------------------------- */
-int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out) {
+int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs) {
     kvb_seq_t *s;
     KVB_CLEAR_ERR(m);
     int rc = get_seq(m, slot, 0, &s);
     if (rc) return rc;
     if (!m->host) return KVB_ESTATE;
     kvb_pool_t *p = m->pool, *h = m->host;
-    int32_t nb = s->nblocks;
+    int32_t lo = s->lo, nb = s->nblocks - lo; /* released entries stay null */
     if (nb > h->num_free) return out_of_blocks(m, nb, h->num_free);
     int32_t *fresh = malloc((size_t)(nb ? nb : 1) * sizeof *fresh);
     if (!fresh) return KVB_ENOMEM;
     KVB_MUST(kvb_pool_allocate(h, nb, fresh));
     for (int32_t i = 0; i < nb; i++) {
-        int32_t b = s->blocks[i]; /* a pending copy's destination reads from its source */
+        int32_t b = s->blocks[lo + i]; /* a pending copy's destination reads its source */
         pairs_out[2 * i] = (p->flags[b] & KVB_F_COPY_DST) ? pending_src(m, b) : b;
         pairs_out[2 * i + 1] = fresh[i];
     }
-    for (int32_t i = nb - 1; i >= 0; i--) kvb_pool_release(p, s->blocks[i]);
-    kvb_copy(s->blocks, fresh, (size_t)nb * sizeof *fresh);
+    for (int32_t i = s->nblocks - 1; i >= lo; i--) kvb_pool_release(p, s->blocks[i]);
+    kvb_copy(s->blocks + lo, fresh, (size_t)nb * sizeof *fresh);
     free(fresh);
+    *npairs = nb;
     s->tver++;
     s->swapped = 1;
     s->drafted = 0;
@@ -700,10 +922,11 @@ int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npa
     int64_t need = swap_in_need(m, s, dev);
     if (need > p->num_free) { free(dev); return out_of_blocks(m, need, p->num_free); }
     int64_t k = 0;
-    for (int32_t i = 0; i < nb; i++) { /* pin every hit before allocating the rest */
+    for (int32_t i = 0; i < s->lo; i++) dev[i] = KVB_NULL_BLOCK;
+    for (int32_t i = s->lo; i < nb; i++) { /* pin every hit before allocating the rest */
         if (dev[i]) kvb_pool_pin(p, &dev[i], 1);
     }
-    for (int32_t i = 0; i < nb; i++) {
+    for (int32_t i = s->lo; i < nb; i++) {
         if (!dev[i]) {
             KVB_MUST(kvb_pool_allocate(p, 1, &dev[i]));
             pairs_out[2 * k] = s->blocks[i];
@@ -711,14 +934,15 @@ int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npa
             k++;
         }
     }
-    for (int32_t i = nb - 1; i >= 0; i--) kvb_pool_release(m->host, s->blocks[i]);
+    for (int32_t i = nb - 1; i >= s->lo; i--) kvb_pool_release(m->host, s->blocks[i]);
     kvb_copy(s->blocks, dev, (size_t)nb * sizeof *dev);
     free(dev);
     s->tver++;
     s->swapped = 0;
-    for (int64_t i = 0; i < blk_of(m, s->ncomputed); i++) /* written by the swap pairs */
+    int64_t ncomp = m->kind == KVB_G_STATE ? 0 : blk_of(m, s->ncomputed);
+    for (int64_t i = s->lo; i < ncomp; i++) /* written by the swap pairs */
         p->flags[s->blocks[i]] |= KVB_F_WRITTEN;
-    if (p->caching) cache_blocks(m, s, 0, blk_of(m, s->ncomputed)); /* serve hits again */
+    if (m->caching) cache_blocks(m, s, s->lo, ncomp); /* serve hits again */
     *npairs = k;
     return KVB_OK;
 }
@@ -727,22 +951,13 @@ int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npa
 #define MFAIL(what, item) do { m->err_what = (what); m->err_a = i; m->err_b = (item); \
                                rc = KVB_ECORRUPT; goto done; } while (0)
 
-int kvb_mgr_check(kvb_mgr_t *m) {
+/* One group's tables: every invariant that involves only this manager, and its references
+ * (tables, pending-copy holds) added into refs (device) and hrefs (host, may be NULL). */
+int kvb_mgr_check_tables(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
     kvb_pool_t *p = m->pool;
-    int rc = kvb_pool_check(p);
-    if (rc) { m->err_what = p->err_what; m->err_a = p->err_a; m->err_b = p->err_b; return rc; }
-    if (m->host && (rc = kvb_pool_check(m->host))) {
-        m->err_what = m->host->err_what; m->err_a = m->host->err_a; m->err_b = m->host->err_b;
-        return rc;
-    }
-    KVB_CLEAR_ERR(m);
+    int rc;
     int64_t i = 0;
-    int32_t *refs = calloc((size_t)p->num_blocks, sizeof *refs);
-    int32_t *hrefs = m->host ? calloc((size_t)m->host->num_blocks, sizeof *hrefs) : NULL;
-    if (!refs || (m->host && !hrefs)) {
-        free(refs); free(hrefs);
-        return KVB_ENOMEM;
-    }
+    KVB_CLEAR_ERR(m);
     int64_t live = 0, nfree = 0;
     for (i = 0; i < m->scap; i++) {
         const kvb_seq_t *s = &m->seqs[i];
@@ -751,18 +966,26 @@ int kvb_mgr_check(kvb_mgr_t *m) {
         const kvb_pool_t *sp = s->swapped ? m->host : p;
         int32_t *r = s->swapped ? hrefs : refs;
         if (s->swapped && !m->host) MFAIL("swapped sequence without a host pool", 0);
-        if (s->nblocks < blocks_for(m, s->ntokens) || s->nblocks > s->bcap)
+        if (s->nblocks > s->bcap || (m->kind == KVB_G_STATE ? s->nblocks != m->span
+                                                             : s->nblocks < blocks_for(m, s->ntokens)))
             MFAIL("table shorter than its tokens or beyond capacity", s->nblocks);
         if (s->ntokens > s->tcap) MFAIL("tokens beyond capacity", s->ntokens);
         if (s->ncomputed < 0 || s->ncomputed > s->ntokens)
             MFAIL("computed tokens outside [0, committed]", s->ncomputed);
-        for (int32_t j = 0; j < s->nblocks; j++) {
+        if (s->lo < 0 || s->lo > s->nblocks ||
+            (s->lo && m->kind != KVB_G_WINDOW && m->kind != KVB_G_CHUNK))
+            MFAIL("released blocks outside a window or chunk group's table", s->lo);
+        if (s->lo && blk_of(m, needed_from(m, s->ncomputed, s->ntokens, INT64_MAX)) < s->lo)
+            MFAIL("a block the next query reads was released", s->lo);
+        for (int32_t j = 0; j < s->lo; j++)
+            if (s->blocks[j] != KVB_NULL_BLOCK) MFAIL("released entry is not the null block", j);
+        for (int32_t j = s->lo; j < s->nblocks; j++) {
             int32_t b = s->blocks[j];
             if (b <= 0 || b >= sp->num_blocks) MFAIL("table holds an out-of-range block", b);
             r[b]++;
         }
         int64_t full = blk_of(m, s->ntokens);
-        if (s->nhashed != (p->caching ? full : 0)) MFAIL("hashes known != full blocks", s->nhashed);
+        if (s->nhashed != (m->caching ? full : 0)) MFAIL("hashes known != full blocks", s->nhashed);
         for (int32_t j = 0; j < s->nhashed; j++) {
             kvb_hash_t h;
             kvb_hash_chain(m->key, j ? &s->hashes[j - 1] : &s->root,
@@ -770,12 +993,12 @@ int kvb_mgr_check(kvb_mgr_t *m) {
             if (h.lo != s->hashes[j].lo || h.hi != s->hashes[j].hi)
                 MFAIL("block hash does not match its tokens", j);
             int32_t b = s->blocks[j]; /* a cached full block holds this very content */
-            if (!s->swapped && (p->flags[b] & KVB_F_CACHED) &&
-                (p->hash[b].lo != h.lo || p->hash[b].hi != h.hi))
-                MFAIL("cached full block registered under another hash", b);
+            if (j >= s->lo && !s->swapped && (p->flags[b] & KVB_F_CACHED) &&
+                (p->hash[b].lo != h.lo || p->hash[b].hi != h.hi || p->gid[b] != m->gidx))
+                MFAIL("cached full block registered under another hash or group", b);
         }
         /* blocks past the write block are private */
-        for (int64_t j = blk_of(m, s->ntokens) + 1; j < s->nblocks; j++)
+        for (int64_t j = blk_of(m, s->ntokens) + 1; m->kind != KVB_G_STATE && j < s->nblocks; j++)
             if (s->swapped ? sp->ref_count[s->blocks[j]] != 1 : users(m, s->blocks[j]) != 1)
                 MFAIL("reserved block is shared", s->blocks[j]);
     }
@@ -798,25 +1021,56 @@ int kvb_mgr_check(kvb_mgr_t *m) {
             MFAIL("pending copy destination not flagged, also a source, or free", dst);
         refs[src]++; /* the hold */
     }
-    i = 0;
-    for (int32_t b = 1; b < p->num_blocks; b++) {
-        if (refs[b] != p->ref_count[b]) MFAIL("ref count != references held", b);
-        if ((p->flags[b] & (KVB_F_COPY_SRC | KVB_F_COPY_DST)) && !m->ncopies)
-            MFAIL("copy flag without a pending copy", b);
-    }
     /* no prefix hit can read an unwritten slot: a cached block is flagged written (pool
      * check), and a block is flagged written only once computed; a sequence's computed full
      * blocks are all flagged (a copy destination once its pending copy runs) */
     for (i = 0; i < m->scap; i++) {
         const kvb_seq_t *s = &m->seqs[i];
-        if (!(s->gen & 1u) || s->swapped) continue;
-        for (int64_t j = 0; j < blk_of(m, s->ncomputed); j++) {
+        if (!(s->gen & 1u) || s->swapped || m->kind == KVB_G_STATE) continue;
+        for (int64_t j = s->lo; j < blk_of(m, s->ncomputed); j++) {
             int32_t b = s->blocks[j];
             if (!(p->flags[b] & (KVB_F_WRITTEN | KVB_F_COPY_DST)))
                 MFAIL("computed full block not flagged written", b);
         }
     }
-    i = 0;
+    rc = KVB_OK;
+done:
+    return rc;
+}
+
+/* Pools first, then every group's tables; the ref counts must equal the sum of what all
+ * groups hold. */
+int kvb_grp_check(kvb_mgr_t *const *g, int32_t G) {
+    kvb_mgr_t *m = g[0];
+    kvb_pool_t *p = m->pool;
+    int rc = kvb_pool_check(p);
+    if (rc) { m->err_what = p->err_what; m->err_a = p->err_a; m->err_b = p->err_b; return rc; }
+    if (m->host && (rc = kvb_pool_check(m->host))) {
+        m->err_what = m->host->err_what; m->err_a = m->host->err_a; m->err_b = m->host->err_b;
+        return rc;
+    }
+    KVB_CLEAR_ERR(m);
+    int32_t *refs = calloc((size_t)p->num_blocks, sizeof *refs);
+    int32_t *hrefs = m->host ? calloc((size_t)m->host->num_blocks, sizeof *hrefs) : NULL;
+    if (!refs || (m->host && !hrefs)) {
+        free(refs); free(hrefs);
+        return KVB_ENOMEM;
+    }
+    int64_t ncopies = 0, i = 0;
+    for (int32_t k = 0; k < G; k++) {
+        ncopies += g[k]->ncopies;
+        if ((rc = kvb_mgr_check_tables(g[k], refs, hrefs))) {
+            if (k) { m->err_what = g[k]->err_what; m->err_a = g[k]->err_a; m->err_b = g[k]->err_b; }
+            goto done;
+        }
+        if (g[k]->nseqs != m->nseqs || g[k]->free_slot != m->free_slot)
+            MFAIL("groups disagree on the live sequences", k);
+    }
+    for (int32_t b = 1; b < p->num_blocks; b++) {
+        if (refs[b] != p->ref_count[b]) MFAIL("ref count != references held", b);
+        if ((p->flags[b] & (KVB_F_COPY_SRC | KVB_F_COPY_DST)) && !ncopies)
+            MFAIL("copy flag without a pending copy", b);
+    }
     if (m->host)
         for (int32_t b = 1; b < m->host->num_blocks; b++)
             if (hrefs[b] != m->host->ref_count[b]) MFAIL("host ref count != references held", b);
@@ -827,14 +1081,20 @@ done:
     return rc;
 }
 
+int kvb_mgr_check(kvb_mgr_t *m) {
+    return kvb_grp_check(&m, 1);
+}
+
 /* ---- admission probe -------------------------------------------------------------------- */
 int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
                   size_t salt_len, int64_t *cached_out, int64_t *need_out) {
     kvb_pool_t *p = m->pool;
     KVB_CLEAR_ERR(m);
     if (n < 0) { m->err_b = n; return KVB_EINVAL; }
+    if (m->kind != KVB_G_FULL) return kvb_grp_probe(&m, 1, tokens, n, salt, salt_len,
+                                                    cached_out, need_out);
     int64_t total = blocks_for(m, n), hits = 0, pinned_from_free = 0;
-    if (p->caching && n > 1) {
+    if (m->caching && n > 1) {
         int64_t max_hits = blk_of(m, n - 1);
         kvb_hash_t h, parent;
         kvb_hash_root(m->key, salt, salt_len, &parent);

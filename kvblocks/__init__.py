@@ -30,12 +30,14 @@ from .errors import (
     UnknownSequenceError,
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
+from .groups import KVGroup
 from .layout import KVLayout
 from .metadata import AttentionMetadata
 from .stats import CacheStats
 from .storage import KVCache
 
 __all__ = [
+    "KVGroup",
     "AllBlocksCleared",
     "AttentionMetadata",
     "BlockManager",

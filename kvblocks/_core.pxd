@@ -44,6 +44,7 @@ cdef extern from "kvblocks.h" nogil:
         kvb_hash_t *hash
         kvb_hash_t *parent
         int32_t *block
+        uint8_t *group
         int64_t *tok_off
         int64_t ntok, tok_cap
         int32_t *tokens
@@ -57,6 +58,7 @@ cdef extern from "kvblocks.h" nogil:
         int32_t *next
         kvb_hash_t *hash
         uint8_t *flags
+        uint8_t *gid
         int32_t *table
         uint64_t table_mask
         int caching, record_events
@@ -91,9 +93,17 @@ cdef extern from "kvblocks.h" nogil:
         int32_t nhashed, hcap
         kvb_hash_t root
         uint32_t gen, stamp
-        int32_t next_free, swapped
+        int32_t next_free, swapped, lo
+
+    enum:
+        KVB_G_FULL
+        KVB_G_WINDOW
+        KVB_G_CHUNK
+        KVB_G_STATE
 
     ctypedef struct kvb_mgr_t:
+        int32_t kind
+        int64_t span
         kvb_pool_t *pool
         kvb_pool_t *host
         int32_t block_size
@@ -126,8 +136,35 @@ cdef extern from "kvblocks.h" nogil:
                       size_t salt_len, int64_t *cached_out, int64_t *need_out)
     int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                          const int32_t *drafts, int64_t B, int apply)
-    int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out)
+    int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs)
     int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs)
+
+    int kvb_mgr_set_kind(kvb_mgr_t *m, int32_t kind, int64_t span, uint8_t gidx)
+    void kvb_group_key(const uint8_t *key, uint8_t gidx, uint8_t *out)
+    int kvb_grp_add(kvb_mgr_t **g, int32_t G, const int32_t *tokens, int64_t n,
+                    const uint8_t *salt, size_t salt_len, int recompute, int32_t *slot_out,
+                    int64_t *cached_out)
+    int kvb_grp_probe(kvb_mgr_t **g, int32_t G, const int32_t *tokens, int64_t n,
+                      const uint8_t *salt, size_t salt_len, int64_t *cached_out,
+                      int64_t *need_out)
+    int kvb_grp_append(kvb_mgr_t **g, int32_t G, int32_t slot, const int32_t *tokens,
+                       int64_t n, int computed)
+    int kvb_grp_append_batch(kvb_mgr_t **g, int32_t G, const int32_t *slots,
+                             const int32_t *tokens, int64_t n)
+    int kvb_grp_reserve(kvb_mgr_t **g, int32_t G, int32_t slot, int64_t n)
+    int kvb_grp_truncate(kvb_mgr_t **g, int32_t G, int32_t slot, int64_t ntokens)
+    int kvb_grp_fork(kvb_mgr_t **g, int32_t G, int32_t parent, int32_t *child_out)
+    int kvb_grp_free(kvb_mgr_t **g, int32_t G, int32_t slot)
+    int64_t kvb_grp_blocks_needed(kvb_mgr_t **g, int32_t G, int32_t slot, int64_t n)
+    int kvb_grp_batch_need(kvb_mgr_t **g, int32_t G, const int32_t *slots, int64_t count,
+                           int64_t n, int64_t *need_out)
+    int kvb_grp_swap_out(kvb_mgr_t **g, int32_t G, int32_t slot, int64_t *pairs_out,
+                         int64_t *npairs)
+    int kvb_grp_swap_in(kvb_mgr_t **g, int32_t G, int32_t slot, int64_t *pairs_out,
+                        int64_t *npairs)
+    int kvb_grp_schedule(kvb_mgr_t **g, int32_t G, const int32_t *slots,
+                         const int32_t *qlens, const int32_t *drafts, int64_t B, int apply)
+    int kvb_grp_check(kvb_mgr_t **g, int32_t G)
 
     ctypedef struct kvb_meta_t:
         int64_t *slot_mapping
@@ -149,6 +186,8 @@ cdef extern from "kvblocks.h" nogil:
 
 cdef class BlockPool:
     cdef kvb_pool_t p
+    cdef object _groups
+    cdef int64_t _in_group(self, cnp.ndarray ids, int64_t k, uint8_t g)
     cdef bytes _key
     cdef object _block_size
     cdef bint _initialized
@@ -156,6 +195,11 @@ cdef class BlockPool:
 
 cdef class BlockManager:
     cdef kvb_mgr_t m
+    cdef kvb_mgr_t *gx
+    cdef kvb_mgr_t **gp
+    cdef int32_t ng
+    cdef readonly tuple groups
+    cdef list _gowners
     cdef readonly BlockPool pool
     cdef readonly BlockPool host_pool
     cdef double _watermark
@@ -176,8 +220,13 @@ cdef class BlockManager:
     cdef _register(self, object seq_id, int32_t slot)
     cdef _unregister(self, object seq_id, int32_t slot)
     cdef int64_t _field(self, object seq_id, int which) except? -1
-    cdef object _copy_out(self, object seq_id, int which)
+    cdef object _copy_out(self, object seq_id, int which, int32_t group=*)
     cdef int _check_step(self, cnp.ndarray slots, cnp.ndarray q, object d, Py_ssize_t B,
-                         str what) except -1
+                         str what, int32_t group) except -1
     cdef object _fill_meta(self, object out, int32_t *slots, int32_t *q, int32_t *d,
-                           Py_ssize_t B)
+                           Py_ssize_t B, int32_t g)
+    cdef _init_groups(self, tuple gs, bytes key)
+    cdef int64_t _table_blocks(self, int64_t n)
+    cdef int32_t _group(self, object group) except -1
+    cdef int64_t _held(self, int32_t slot)
+    cdef int64_t _ncopies(self)

@@ -35,6 +35,7 @@ from kvblocks.errors import (
     UnknownSequenceError,
 )
 from kvblocks.events.types import AllBlocksCleared, BlockRemoved, BlockStored, coalesce
+from kvblocks.groups import KVGroup
 from kvblocks.metadata import AttentionMetadata
 from kvblocks.stats import CacheStats
 
@@ -54,12 +55,14 @@ def default_hash_key():
     return _DEFAULT_KEY
 
 
-def hash_blocks(token_ids, block_size, *, parent=None, salt=None, key=None):
+def hash_blocks(token_ids, block_size, *, parent=None, salt=None, key=None, group=0):
     """Chained 128-bit keyed hashes of the full blocks of ``token_ids``.
 
     ``h[i] = SipHash128_key(h[i-1] || tokens of block i)``; ``h[-1]`` is ``parent`` when given,
     else the root of ``salt`` (different salts never share a hash). Returns an ``(n, 2)``
-    uint64 array of ``[lo, hi]`` halves; a trailing partial block is not hashed.
+    uint64 array of ``[lo, hi]`` halves; a trailing partial block is not hashed. ``group``
+    (a KV cache group index, see KVGroup) hashes under that group's key, as a BlockManager
+    with groups does: identical tokens in two groups never share a block.
 
     >>> import kvblocks
     >>> h = kvblocks.hash_blocks(list(range(40)), 16, key=b"0123456789abcdef")
@@ -71,6 +74,11 @@ def hash_blocks(token_ids, block_size, *, parent=None, salt=None, key=None):
     """
     cdef int32_t bs = <int32_t>as_int(block_size, "block_size", 1, INT32_MAX)
     cdef bytes k = as_key(key)
+    cdef uint8_t gkey[16]
+    cdef int64_t g = as_int(group, "group", 0, 254)
+    if g:
+        kvb_group_key(<const uint8_t *>k, <uint8_t>g, gkey)
+        k = gkey[:16]
     cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
     cdef int64_t n = cnp.PyArray_DIM(toks, 0) // bs
     cdef cnp.ndarray out = np.empty((n, 2), dtype=np.uint64)

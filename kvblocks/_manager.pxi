@@ -5,7 +5,7 @@
 # respect to other threads and refusing re-entry from a callback), validates and mutates in C.
 from cpython.pythread cimport PyThread_get_thread_ident
 from libc.stdio cimport fprintf, stderr
-from libc.stdlib cimport abort
+from libc.stdlib cimport abort, calloc, free
 
 
 cdef extern from "<sched.h>" nogil:
@@ -69,7 +69,7 @@ cdef class BlockManager:
 
     def __cinit__(self, num_blocks, block_size, *, bint enable_prefix_caching=True,
                   watermark=0.0, num_host_blocks=0, hash_key=None,
-                  bint enable_kv_events=False):
+                  bint enable_kv_events=False, groups=None):
         cdef int32_t bs = <int32_t>as_int(block_size, "block_size", 1, INT32_MAX)
         cdef int32_t nb = <int32_t>as_int(num_blocks, "num_blocks", 2, INT32_MAX - 1)
         cdef int64_t nh = as_int(num_host_blocks, "num_host_blocks", 0, INT32_MAX - 1)
@@ -82,6 +82,7 @@ cdef class BlockManager:
         wm = float(watermark)
         if not 0.0 <= wm < 1.0:  # also refuses nan
             raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}")
+        gs = _group_tuple(groups)
         self.pool = BlockPool(nb, enable_prefix_caching=enable_prefix_caching,
                               hash_key=hash_key, enable_kv_events=enable_kv_events,
                               block_size=bs)
@@ -95,14 +96,44 @@ cdef class BlockManager:
         if rc:
             raise_code(rc, "BlockManager", 0, bs)
         self._initialized = True
+        self._init_groups(gs, key)
         self._slots = {}
         self._ids = []
         self._buf = np.empty(64, dtype=np.int32)
         self._imap = np.zeros(64, dtype=np.int32)
 
+    cdef _init_groups(self, tuple gs, bytes key):
+        """One manager per group over the pool: self.m is group 0, self.gx the others."""
+        cdef Py_ssize_t G = len(gs), j
+        cdef uint8_t gkey[16]
+        cdef kvb_mgr_t *m
+        self.groups = gs
+        self._gowners = [self] + [object() for j in range(1, G)]  # metadata row caches
+        self.ng = <int32_t>G
+        self.gp = <kvb_mgr_t **>calloc(G, sizeof(kvb_mgr_t *))
+        self.gx = <kvb_mgr_t *>calloc(G - 1, sizeof(kvb_mgr_t)) if G > 1 else NULL
+        if self.gp is NULL or (G > 1 and self.gx is NULL):
+            raise MemoryError()
+        self.gp[0] = &self.m
+        for j in range(1, G):
+            kvb_group_key(<const uint8_t *>key, <uint8_t>j, gkey)
+            kvb_mgr_init(&self.gx[j - 1], self.m.pool, self.m.host, self.m.block_size, gkey)
+            self.gp[j] = &self.gx[j - 1]
+        for j in range(G):
+            m = self.gp[j]
+            rc = kvb_mgr_set_kind(m, (<object>gs[j]).code, (<object>gs[j]).span, <uint8_t>j)
+            if rc:
+                raise_code(rc, f"groups[{j}]", 0, m.err_b)
+        self.pool._groups = gs
+
     def __dealloc__(self):
+        cdef int32_t j
         if self._initialized:
             kvb_mgr_destroy(&self.m)
+            for j in range(1, self.ng):
+                kvb_mgr_destroy(&self.gx[j - 1])
+        free(self.gx)
+        free(self.gp)
 
     def __reduce__(self):
         raise TypeError("BlockManager cannot be pickled")
@@ -131,7 +162,7 @@ cdef class BlockManager:
 
     cdef void _leave(self) noexcept:
         cdef const char *what
-        if KVB_DEBUG_LEVEL >= 2 and kvb_mgr_check(&self.m):  # expensive debug level
+        if KVB_DEBUG_LEVEL >= 2 and kvb_grp_check(self.gp, self.ng):  # expensive debug level
             what = self.m.err_what
             if what is NULL:
                 what = "unnamed"
@@ -296,8 +327,16 @@ cdef class BlockManager:
 
         Conservative: prefix-cache hits are not counted (``can_add_prompt`` counts them).
         """
-        need = self.blocks_for_tokens(num_tokens)
+        need = self._table_blocks(as_int(num_tokens, "num_tokens", 0, INT64_MAX))
         return self.pool.p.num_free - need >= self._watermark_blocks
+
+    cdef int64_t _table_blocks(self, int64_t n):
+        """Blocks a new table of n tokens takes in all groups together."""
+        cdef int32_t j
+        cdef int64_t total = 0, b = (n - 1) // self.m.block_size + 1 if n else 0
+        for j in range(self.ng):
+            total += self.gp[j].span if self.gp[j].kind == KVB_G_STATE else b
+        return total
 
     def probe(self, token_ids, *, salt=None):
         """What ``add(seq, token_ids, salt=salt)`` would find now, without pinning anything
@@ -309,8 +348,10 @@ cdef class BlockManager:
         cdef int64_t cached = 0, need = 0
         self._enter()
         try:
-            rc = kvb_mgr_probe(&self.m, i32_data(toks), cnp.PyArray_DIM(toks, 0),
-                               <const uint8_t *>s, len(s), &cached, &need)
+            rc = (kvb_mgr_probe(&self.m, i32_data(toks), cnp.PyArray_DIM(toks, 0),
+                                <const uint8_t *>s, len(s), &cached, &need) if self.ng == 1 else
+                  kvb_grp_probe(self.gp, self.ng, i32_data(toks), cnp.PyArray_DIM(toks, 0),
+                                <const uint8_t *>s, len(s), &cached, &need))
             if rc:
                 self._err(rc, "probe")
         finally:
@@ -330,7 +371,7 @@ cdef class BlockManager:
         cdef int64_t k = as_int(n, "n", 0, INT64_MAX)
         self._enter()
         try:
-            return kvb_mgr_blocks_needed(&self.m, self._slot(seq_id), k)
+            return kvb_grp_blocks_needed(self.gp, self.ng, self._slot(seq_id), k)
         finally:
             self._leave()
 
@@ -348,7 +389,7 @@ cdef class BlockManager:
         self._enter()
         try:
             arr = self._slots_of(ids, &count)
-            rc = kvb_mgr_batch_need(&self.m, i32_data(arr), count, k, &need)
+            rc = kvb_grp_batch_need(self.gp, self.ng, i32_data(arr), count, k, &need)
             if rc == KVB_ESWAPPED:
                 return False
             if rc:
@@ -365,7 +406,7 @@ cdef class BlockManager:
         try:
             s = &self.m.seqs[self._slot(seq_id)]
             return (self.host_pool is not None and not s.swapped
-                    and s.nblocks <= self.host_pool.p.num_free)
+                    and self._held(self._slot(seq_id)) <= self.host_pool.p.num_free)
         finally:
             self._leave()
 
@@ -379,7 +420,7 @@ cdef class BlockManager:
             s = &self.m.seqs[self._slot(seq_id)]
             if not s.swapped:
                 return False
-            need = kvb_mgr_blocks_needed(&self.m, self._slot(seq_id), 0)
+            need = kvb_grp_blocks_needed(self.gp, self.ng, self._slot(seq_id), 0)
             return self.pool.p.num_free - need >= self._watermark_blocks
         finally:
             self._leave()
@@ -410,8 +451,10 @@ cdef class BlockManager:
         try:
             if seq_id in self._slots:
                 raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
-            rc = kvb_mgr_add(&self.m, i32_data(toks), n, <const uint8_t *>s, len(s), recompute,
-                             &slot, &cached)
+            rc = (kvb_mgr_add(&self.m, i32_data(toks), n, <const uint8_t *>s, len(s),
+                              recompute, &slot, &cached) if self.ng == 1 else
+                  kvb_grp_add(self.gp, self.ng, i32_data(toks), n, <const uint8_t *>s, len(s),
+                              recompute, &slot, &cached))
             if rc:
                 self._err(rc, f"add({seq_id!r}, {n} tokens)")
             self._register(seq_id, slot)
@@ -430,7 +473,10 @@ cdef class BlockManager:
         cdef Py_ssize_t n = cnp.PyArray_DIM(toks, 0)
         self._enter()
         try:
-            rc = kvb_mgr_append(&self.m, self._slot(seq_id), i32_data(toks), n, computed)
+            rc = (kvb_mgr_append(&self.m, self._slot(seq_id), i32_data(toks), n, computed)
+                  if self.ng == 1 else
+                  kvb_grp_append(self.gp, self.ng, self._slot(seq_id), i32_data(toks), n,
+                                 computed))
             if rc:
                 self._err(rc, f"append({seq_id!r}, {n} tokens)")
         finally:
@@ -453,7 +499,9 @@ cdef class BlockManager:
                     f"append_batch: {n} sequences but {cnp.PyArray_DIM(toks, 0)} tokens")
             if n == 0:
                 return
-            rc = kvb_mgr_append_batch(&self.m, i32_data(slots), i32_data(toks), n)
+            rc = (kvb_mgr_append_batch(&self.m, i32_data(slots), i32_data(toks), n)
+                  if self.ng == 1 else
+                  kvb_grp_append_batch(self.gp, self.ng, i32_data(slots), i32_data(toks), n))
             if rc:
                 self._err(rc, f"append_batch({n} sequences)")
         finally:
@@ -493,7 +541,8 @@ cdef class BlockManager:
         cdef int64_t k = as_int(n, "n", 0, INT64_MAX)
         self._enter()
         try:
-            rc = kvb_mgr_reserve(&self.m, self._slot(seq_id), k)
+            rc = (kvb_mgr_reserve(&self.m, self._slot(seq_id), k) if self.ng == 1 else
+                  kvb_grp_reserve(self.gp, self.ng, self._slot(seq_id), k))
             if rc:
                 self._err(rc, f"reserve({seq_id!r}, {k})")
         finally:
@@ -506,7 +555,7 @@ cdef class BlockManager:
         cdef int64_t k = as_int(num_tokens, "num_tokens", 0, INT64_MAX)
         self._enter()
         try:
-            rc = kvb_mgr_truncate(&self.m, self._slot(seq_id), k)
+            rc = kvb_grp_truncate(self.gp, self.ng, self._slot(seq_id), k)
             if rc == KVB_EINVAL:
                 raise InvalidArgumentError(
                     f"truncate({seq_id!r}, {k}): must be in [0, {self.m.err_a}]")
@@ -526,7 +575,7 @@ cdef class BlockManager:
             pslot = self._slot(parent_id)
             if child_id in self._slots:
                 raise DuplicateSequenceError(f"sequence {child_id!r} already exists")
-            rc = kvb_mgr_fork(&self.m, pslot, &slot)
+            rc = kvb_grp_fork(self.gp, self.ng, pslot, &slot)
             if rc:
                 self._err(rc, f"fork({parent_id!r}, {child_id!r})")
             self._register(child_id, slot)
@@ -540,7 +589,7 @@ cdef class BlockManager:
         self._enter()
         try:
             slot = self._slot(seq_id)
-            rc = kvb_mgr_free(&self.m, slot)
+            rc = kvb_grp_free(self.gp, self.ng, slot)
             if rc:
                 self._err(rc, f"free({seq_id!r})")
             self._unregister(seq_id, slot)
@@ -550,17 +599,40 @@ cdef class BlockManager:
     # -- queries --------------------------------------------------------------------------------
     # Queries copy out under the call guard: allocating the result may run a garbage-collector
     # callback (another thread, or code that frees or adds sequences and moves the slots).
-    def block_table(self, seq_id):
-        """Physical block ids in logical order (an int32 copy). For a swapped-out sequence
-        these are host-pool ids (see ``is_swapped``)."""
-        return self._copy_out(seq_id, 0)
+    def block_table(self, seq_id, group=0):
+        """Physical block ids in logical order (an int32 copy) of one KV cache group. For a
+        swapped-out sequence these are host-pool ids (see ``is_swapped``). Entries whose blocks
+        a sliding-window or chunked-local group released read the null block 0."""
+        return self._copy_out(seq_id, 0, self._group(group))
+
+    cdef int32_t _group(self, object group) except -1:
+        return <int32_t>as_int(group, "group", 0, self.ng - 1)
+
+    cdef int64_t _held(self, int32_t slot):
+        """Blocks a sequence holds in all groups (released entries excluded)."""
+        cdef int32_t j
+        cdef int64_t n = 0
+        for j in range(self.ng):
+            n += self.gp[j].seqs[slot].nblocks - self.gp[j].seqs[slot].lo
+        return n
+
+    def blocks_in_use(self, seq_id):
+        """Distinct blocks the sequence holds now, all groups together (released entries of
+        window groups excluded; shared blocks count once per sequence holding them)."""
+        seq_id = norm_id(seq_id)
+        self._enter()
+        try:
+            return self._held(self._slot(seq_id))
+        finally:
+            self._leave()
 
     def num_tokens(self, seq_id):
         """Committed tokens."""
         return self._field(seq_id, 0)
 
     def num_computed(self, seq_id):
-        """Leading tokens whose K/V are written (or promised by the last metadata call)."""
+        """Leading tokens whose K/V are written (or promised by the last metadata call), in
+        every group (with several groups, the least of them)."""
         return self._field(seq_id, 1)
 
     def token_ids(self, seq_id):
@@ -577,24 +649,32 @@ cdef class BlockManager:
     cdef int64_t _field(self, object seq_id, int which) except? -1:
         seq_id = norm_id(seq_id)
         cdef kvb_seq_t *s
+        cdef int32_t j, slot
+        cdef int64_t nc
         self._enter()
         try:
-            s = &self.m.seqs[self._slot(seq_id)]
-            return s.ntokens if which == 0 else (s.ncomputed if which == 1 else s.swapped)
+            slot = self._slot(seq_id)
+            s = &self.m.seqs[slot]
+            if which == 1:
+                nc = s.ncomputed
+                for j in range(1, self.ng):
+                    nc = min(nc, self.gp[j].seqs[slot].ncomputed)
+                return nc
+            return s.ntokens if which == 0 else s.swapped
         finally:
             self._leave()
 
-    cdef object _copy_out(self, object seq_id, int which):
+    cdef object _copy_out(self, object seq_id, int which, int32_t group=0):
         """A copy of a sequence's block table (0), tokens (1) or hashes (2)."""
         seq_id = norm_id(seq_id)
         cdef kvb_seq_t *s
         cdef Py_ssize_t n
         self._enter()
         try:
-            s = &self.m.seqs[self._slot(seq_id)]
+            s = &self.gp[group].seqs[self._slot(seq_id)]
             n = s.nblocks if which == 0 else (s.ntokens if which == 1 else s.nhashed)
             out = np.empty((n, 2), dtype=np.uint64) if which == 2 else new_i32(n)
-            s = &self.m.seqs[self._slot(seq_id)]  # guarded: still the same sequence
+            s = &self.gp[group].seqs[self._slot(seq_id)]  # guarded: the same sequence
             if n:
                 memcpy(cnp.PyArray_DATA(<cnp.ndarray>out),
                        s.blocks if which == 0 else (<void *>s.tokens if which == 1
@@ -607,7 +687,14 @@ cdef class BlockManager:
     @property
     def num_pending_copies(self):
         """Copy-on-write copies queued and not yet drained by take_copies()."""
-        return self.m.ncopies
+        return self._ncopies()
+
+    cdef int64_t _ncopies(self):
+        cdef int32_t j
+        cdef int64_t n = 0
+        for j in range(self.ng):
+            n += self.gp[j].ncopies
+        return n
 
     def take_copies(self):
         """Drain the pending (src, dst) block copies from copy-on-write: int64 [n, 2].
@@ -617,10 +704,14 @@ cdef class BlockManager:
         Sources stay allocated until drained; a copy whose dst block is released first
         (free, truncate, swap_out) is dropped: nothing will read that block.
         """
+        cdef int32_t j
+        cdef int64_t k = 0
         self._enter()
         try:
-            out = np.empty((self.m.ncopies, 2), dtype=np.int64)
-            kvb_mgr_take_copies(&self.m, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out))
+            out = np.empty((self._ncopies(), 2), dtype=np.int64)
+            for j in range(self.ng):  # every group's pairs; block ids are pool-wide
+                k += kvb_mgr_take_copies(self.gp[j],
+                                         <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out) + 2 * k)
             return out
         finally:
             self._leave()
@@ -634,17 +725,19 @@ cdef class BlockManager:
         seq_id = norm_id(seq_id)
         if self.host_pool is None:
             raise InvalidStateError("swap_out: no host pool (num_host_blocks=0)")
+        cdef int64_t npairs = 0
         self._enter()
         try:
             slot = self._slot(seq_id)
-            out = np.empty((self.m.seqs[slot].nblocks, 2), dtype=np.int64)
-            rc = kvb_mgr_swap_out(&self.m, slot, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out))
+            out = np.empty((self._held(slot), 2), dtype=np.int64)
+            rc = kvb_grp_swap_out(self.gp, self.ng, slot,
+                                  <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out), &npairs)
             if rc == KVB_EOUTOFBLOCKS:
                 raise OutOfBlocksError(f"swap_out({seq_id!r}): need {self.m.err_a} host "
                                        f"blocks, {self.m.err_b} free")
             if rc:
                 self._err(rc, f"swap_out({seq_id!r})")
-            return out
+            return out[:npairs]
         finally:
             self._leave()
 
@@ -661,9 +754,9 @@ cdef class BlockManager:
             slot = self._slot(seq_id)
             if not self.m.seqs[slot].swapped:
                 raise InvalidStateError(f"swap_in: sequence {seq_id!r} is not swapped out")
-            out = np.empty((self.m.seqs[slot].nblocks, 2), dtype=np.int64)
-            rc = kvb_mgr_swap_in(&self.m, slot, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out),
-                                 &npairs)
+            out = np.empty((self._held(slot), 2), dtype=np.int64)
+            rc = kvb_grp_swap_in(self.gp, self.ng, slot,
+                                 <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out), &npairs)
             if rc:
                 self._err(rc, f"swap_in({seq_id!r})")
             return out[:npairs]
@@ -690,22 +783,29 @@ cdef class BlockManager:
         self._enter()
         try:
             slots = self._slots_of(ids, &B)
-            self._check_step(slots, q_arr, d_arr, B, "schedule")
-            kvb_mgr_schedule(&self.m, i32_data(slots), i32_data(q_arr),
+            self._check_step(slots, q_arr, d_arr, B, "schedule", -1)
+            kvb_grp_schedule(self.gp, self.ng, i32_data(slots), i32_data(q_arr),
                              i32_data(d_arr) if d_arr is not None else NULL, B, 1)
         finally:
             self._leave()
 
     cdef int _check_step(self, cnp.ndarray slots, cnp.ndarray q, object d, Py_ssize_t B,
-                         str what) except -1:
+                         str what, int32_t group) except -1:
+        """Validate a step for one group (group >= 0) or all (-1); copies pending in any
+        group refuse it."""
         if cnp.PyArray_DIM(q, 0) != B:
             raise InvalidArgumentError(f"{what}: {B} sequences but {cnp.PyArray_DIM(q, 0)} "
                                        f"query_lens")
         if d is not None and cnp.PyArray_DIM(<cnp.ndarray>d, 0) != B:
             raise InvalidArgumentError(f"{what}: {B} sequences but "
                                        f"{cnp.PyArray_DIM(<cnp.ndarray>d, 0)} draft_lens")
-        rc = kvb_mgr_schedule(&self.m, i32_data(slots), i32_data(q),
-                              i32_data(<cnp.ndarray>d) if d is not None else NULL, B, 0)
+        if self.ng > 1 and self._ncopies():
+            raise_code(KVB_EPENDING, what, self._ncopies(), 0)
+        rc = (kvb_grp_schedule(self.gp, self.ng, i32_data(slots), i32_data(q),
+                               i32_data(<cnp.ndarray>d) if d is not None else NULL, B, 0)
+              if group < 0 else
+              kvb_mgr_schedule(self.gp[group], i32_data(slots), i32_data(q),
+                               i32_data(<cnp.ndarray>d) if d is not None else NULL, B, 0))
         if rc == KVB_EINVAL:
             raise InvalidArgumentError(
                 f"{what}: query_lens[{self.m.err_a}] / draft_lens[{self.m.err_a}] = "
@@ -717,7 +817,7 @@ cdef class BlockManager:
             self._err(rc, what)
         return 0
 
-    def metadata(self, seq_ids, query_lens, *, draft_lens=None, out=None):
+    def metadata(self, seq_ids, query_lens, *, draft_lens=None, out=None, group=0):
         """Attention metadata for one forward step, built natively; it also declares the
         step (see ``schedule``): the forward right after must write the K/V of the last
         ``query_lens[i]`` committed tokens of each sequence (and of ``draft_lens[i]`` draft
@@ -727,7 +827,13 @@ cdef class BlockManager:
         method returned for it) the arrays are written into its fixed buffers (CUDA-graph
         friendly) and views of the used part are returned; otherwise fresh arrays are
         allocated. Raises InvalidStateError while copy-on-write copies are pending.
+
+        With KV cache groups, ``group`` selects the group whose tables are built, and the step
+        is declared for that group: build the metadata of every group each step (or call
+        ``schedule`` once). Block tables keep null entries where a window group released
+        blocks; the kernel applies the window.
         """
+        cdef int32_t g = self._group(group)
         cdef cnp.ndarray q_arr = as_int32(query_lens, "query_lens")
         cdef cnp.ndarray d_arr = as_int32(draft_lens, "draft_lens") if draft_lens is not None \
             else None
@@ -745,28 +851,29 @@ cdef class BlockManager:
         self._enter()
         try:
             slots = self._slots_of(ids, &B)
-            self._check_step(slots, q_arr, d_arr, B, "metadata")
+            self._check_step(slots, q_arr, d_arr, B, "metadata", g)
             sl = i32_data(slots)
             if out is None:  # fresh buffers of the exact size (Python code runs, guarded)
                 for i in range(B):
-                    s = &self.m.seqs[sl[i]]
+                    s = &self.gp[g].seqs[sl[i]]
                     L = s.ntokens + ((<int32_t *>cnp.PyArray_DATA(d_arr))[i]
                                      if d_arr is not None else 0)
-                    nb = (L + self.m.block_size - 1) // self.m.block_size
+                    nb = (s.nblocks if self.gp[g].kind == KVB_G_STATE
+                          else (L + self.m.block_size - 1) // self.m.block_size)
                     nidx += nb
                     maxb = nb if nb > maxb else maxb
                     ntok += q[i] + (L - s.ntokens)
                 out = AttentionMetadata.allocate(max(B, 1), ntok, max(nidx, 1), max(maxb, 1))
             meta = self._fill_meta(out, sl, q, i32_data(d_arr) if d_arr is not None else NULL,
-                                   B)
-            kvb_mgr_schedule(&self.m, sl, q, i32_data(d_arr) if d_arr is not None else NULL,
-                             B, 1)
+                                   B, g)
+            kvb_mgr_schedule(self.gp[g], sl, q,
+                             i32_data(d_arr) if d_arr is not None else NULL, B, 1)
             return meta
         finally:
             self._leave()
 
     cdef object _fill_meta(self, object out, int32_t *slots, int32_t *q, int32_t *d,
-                           Py_ssize_t B):
+                           Py_ssize_t B, int32_t g):
         """Validate the buffers of ``out``, run the native builder into them and return an
         AttentionMetadata of views over the used part."""
         cdef kvb_meta_t meta
@@ -785,7 +892,7 @@ cdef class BlockManager:
         if bt is not None:
             meta.block_tables = <int32_t *>buf_ptr(bt, cnp.NPY_INT32, 2, B, "block_tables")
             meta.max_blocks = <int32_t>cnp.PyArray_DIM(<cnp.ndarray>bt, 1)
-        rows, valid = out.row_cache(self)
+        rows, valid = out.row_cache(self._gowners[g])
         if rows is not None:
             if not (cnp.PyArray_Check(rows) and cnp.PyArray_TYPE(<cnp.ndarray>rows) ==
                     cnp.NPY_INT64 and cnp.PyArray_ISCARRAY(<cnp.ndarray>rows)):
@@ -794,11 +901,11 @@ cdef class BlockManager:
             meta.cap_rows = cnp.PyArray_DIM(<cnp.ndarray>rows, 0) // 4
             # first use, or another manager's buffers: start afresh
             meta.valid_rows = valid
-        rc = kvb_mgr_metadata(&self.m, slots, q, d, B, &meta)
+        rc = kvb_mgr_metadata(self.gp[g], slots, q, d, B, &meta)
         if rc:
-            self._err(rc, "metadata")
+            self._err(rc if g == 0 else _copy_err(&self.m, self.gp[g], rc), "metadata")
         if rows is not None:
-            out.remember_rows(self, meta.valid_rows)
+            out.remember_rows(self._gowners[g], meta.valid_rows)
         cdef Py_ssize_t nt = meta.n_tokens, ni = meta.n_indices
         res = AttentionMetadata(sm[:nt], bt[:B] if bt is not None else None, sl[:B],
                                 qo[:B + 1], kvp[:B + 1], kvi[:ni], last[:B], nt, B)
@@ -810,9 +917,37 @@ cdef class BlockManager:
         nobody computed); raises CorruptionError naming the broken invariant."""
         self._enter()
         try:
-            rc = kvb_mgr_check(&self.m)
+            rc = kvb_grp_check(self.gp, self.ng)
             if rc:
                 raise_code(rc, "BlockManager.check", self.m.err_a, self.m.err_b,
                            self.m.err_what)
         finally:
             self._leave()
+
+
+cdef int _copy_err(kvb_mgr_t *dst, kvb_mgr_t *src, int rc) noexcept:
+    dst.err_a = src.err_a
+    dst.err_b = src.err_b
+    dst.err_what = src.err_what
+    return rc
+
+
+cdef tuple _group_tuple(object groups):
+    """The groups argument of BlockManager as a tuple of KVGroup (default: one full group)."""
+    if groups is None:
+        return (KVGroup("full"),)
+    if isinstance(groups, (str, bytes, KVGroup)):
+        raise InvalidTypeError("groups must be a sequence of KVGroup")
+    try:
+        gs = tuple(groups)
+    except TypeError:
+        raise InvalidTypeError(f"groups must be a sequence of KVGroup, got "
+                               f"{type(groups).__name__}") from None
+    if not gs:
+        raise InvalidArgumentError("groups must hold at least one KVGroup")
+    if len(gs) > 255:
+        raise InvalidArgumentError(f"at most 255 groups, got {len(gs)}")
+    for g in gs:
+        if type(g) is not KVGroup:
+            raise InvalidTypeError(f"groups must hold KVGroup, got {type(g).__name__}")
+    return gs

@@ -211,7 +211,7 @@ cdef class BlockPool:
             raise_code(rc, "BlockPool.check", self.p.err_a, self.p.err_b, self.p.err_what)
 
     # -- prefix cache -------------------------------------------------------------------------
-    def cache(self, ids, hashes, *, parent=None, token_ids=None):
+    def cache(self, ids, hashes, *, parent=None, token_ids=None, group=0):
         """Register referenced full blocks under their hashes (from hash_blocks).
 
         Call it once the blocks' K/V are written: a cached block serves prefix hits at once.
@@ -219,9 +219,11 @@ cdef class BlockPool:
         Returns how many entries were added. ``parent`` (None for the first block of a
         sequence) and ``token_ids`` (the blocks' tokens, concatenated) only feed the
         BlockStored event; while events are recorded ``token_ids`` is required, since
-        routers drop a BlockStored without its tokens.
+        routers drop a BlockStored without its tokens. ``group`` is the KV cache group the
+        blocks belong to (hash them with ``hash_blocks(..., group=group)``); events carry it.
         """
         cdef cnp.ndarray v = as_int32(ids, "ids")
+        cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
         cdef uint64_t[:, ::1] h = as_hashes(hashes)
         cdef Py_ssize_t n = cnp.PyArray_DIM(v, 0)
         if h.shape[0] != n:
@@ -248,6 +250,12 @@ cdef class BlockPool:
             bs = cnp.PyArray_DIM(toks, 0) // n
             tp = i32_data(toks)
         cdef int64_t stored = 0
+        cdef Py_ssize_t i
+        cdef int32_t b
+        for i in range(n):  # the group of the blocks about to be cached (events)
+            b = i32_data(v)[i]
+            if 0 < b < self.p.num_blocks and not (self.p.flags[b] & KVB_F_CACHED):
+                self.p.gid[b] = g
         cdef int rc = kvb_cache_insert(&self.p, i32_data(v),
                                        <kvb_hash_t *>&h[0, 0] if n else NULL, n, ppar, tp, bs,
                                        &stored)
@@ -255,24 +263,38 @@ cdef class BlockPool:
             raise_code(rc, "cache", self.p.err_a, self.p.err_b)
         return stored
 
-    def lookup(self, hashes):
-        """Ids of the longest cached prefix of ``hashes`` (int32), NOT pinned."""
+    def lookup(self, hashes, *, group=0):
+        """Ids of the longest cached prefix of ``hashes`` (int32), NOT pinned; only blocks
+        cached for KV cache group ``group`` count."""
         cdef uint64_t[:, ::1] h = as_hashes(hashes)
+        cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
         cdef Py_ssize_t n = h.shape[0]
         cdef cnp.ndarray out = new_i32(n)
         cdef int64_t k = kvb_cache_lookup(&self.p, <kvb_hash_t *>&h[0, 0] if n else NULL, n,
                                           i32_data(out))
-        return out[:k]
+        return out[:self._in_group(out, k, g)]
 
-    def lookup_and_pin(self, hashes):
+    def lookup_and_pin(self, hashes, *, group=0):
         """Like lookup, and takes one reference to each hit in the same step (no window in
         which a hit can be evicted). Release them with free()."""
         cdef uint64_t[:, ::1] h = as_hashes(hashes)
+        cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
         cdef Py_ssize_t n = h.shape[0]
         cdef cnp.ndarray out = new_i32(n)
         cdef int64_t k = kvb_pool_lookup_pin(&self.p, <kvb_hash_t *>&h[0, 0] if n else NULL,
                                              n, i32_data(out))
-        return out[:k]
+        cdef int64_t keep = self._in_group(out, k, g)
+        if keep < k:  # hits of another group: not this group's prefix, unpin them
+            kvb_pool_free(&self.p, i32_data(out) + keep, k - keep)
+        return out[:keep]
+
+    cdef int64_t _in_group(self, cnp.ndarray ids, int64_t k, uint8_t g):
+        """Leading hits among ids[:k] that are cached for group g."""
+        cdef int64_t i
+        for i in range(k):
+            if self.p.gid[i32_data(ids)[i]] != g:
+                return i
+        return k
 
     def reset_prefix_cache(self):
         """Drop every cache entry. Only when no cached block is referenced (else raises)."""
@@ -329,12 +351,20 @@ cdef class BlockPool:
             kind = ev.kind[i]
             if kind == KVB_EV_STORED:
                 toks = [ev.tokens[j] for j in range(off, end)] if off >= 0 else []
+                g = ev.group[i]
+                spec = self._groups[g] if self._groups is not None and g < len(self._groups) \
+                    else None
                 raw[i] = BlockStored(block_hashes=[hash_int(ev.hash[i])],
                                      parent_block_hash=hash_int(ev.parent[i]) or None,
                                      token_ids=toks,
-                                     block_size=len(toks) if toks else self._block_size)
+                                     block_size=len(toks) if toks else self._block_size,
+                                     group_idx=g,
+                                     kv_cache_spec_kind=(spec.spec_kind if spec is not None
+                                                         else "full_attention"),
+                                     kv_cache_spec_sliding_window=(
+                                         spec.window if spec is not None else None))
             elif kind == KVB_EV_REMOVED:
-                raw[i] = BlockRemoved(block_hashes=[hash_int(ev.hash[i])])
+                raw[i] = BlockRemoved(block_hashes=[hash_int(ev.hash[i])], group_idx=ev.group[i])
             else:
                 raw[i] = AllBlocksCleared()
             if off >= 0:

@@ -29,7 +29,9 @@ class BlockStored:
 
     ``token_ids`` holds exactly ``len(block_hashes) * block_size`` tokens. ``lora_name`` and
     ``lora_id`` name the adapter the blocks were computed with (None: the base model);
-    ``group_idx`` is the KV cache group (0 while kvblocks has one group).
+    ``group_idx`` is the KV cache group; ``kv_cache_spec_kind`` its kind in vLLM's terms
+    (``"full_attention"``, ``"sliding_window"``, ``"chunked_local_attention"``, ``"mamba"``)
+    and ``kv_cache_spec_sliding_window`` its window (None unless a sliding window).
     """
 
     block_hashes: List[int]
@@ -40,6 +42,8 @@ class BlockStored:
     medium: Optional[str] = "GPU"
     lora_name: Optional[str] = None
     group_idx: int = 0
+    kv_cache_spec_kind: Optional[str] = "full_attention"
+    kv_cache_spec_sliding_window: Optional[int] = None
 
 
 @dataclass
@@ -92,6 +96,8 @@ def coalesce(events: Sequence[AnyEvent]) -> List[AnyEvent]:
                     ev.medium,
                     ev.lora_name,
                     ev.group_idx,
+                    ev.kv_cache_spec_kind,
+                    ev.kv_cache_spec_sliding_window,
                 )
             )
         elif isinstance(ev, BlockRemoved):

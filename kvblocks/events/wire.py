@@ -21,7 +21,8 @@ parent by comparing them). ``hash_int="unsigned"`` (vLLM's value, msgpack ``cf``
 or ``"signed"`` (the same 64 bits as an int64, for consumers that only read int64).
 
 Fields written for a text-only full-attention model, as vLLM 0.34 does: ``extra_keys`` one nil
-per block, ``group_idx`` from the event (0), ``kv_cache_spec_kind`` ``"full_attention"``.
+per block, ``group_idx``, ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` from the
+event (``0``, ``"full_attention"`` and nil for a model with one full-attention group).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ HASH_INTS = ("unsigned", "signed")
 
 _M64 = (1 << 64) - 1
 _S64 = 1 << 63
-_KIND = "full_attention"
 
 _WireHash = Union[bytes, int]  # vLLM's ExternalBlockHash
 
@@ -186,7 +186,8 @@ def to_wire(events: Sequence[Any], fmt: str = "map", hash_int: str = "unsigned")
                         ev.lora_name,
                         [None] * n,
                         ev.group_idx,
-                        _KIND,
+                        ev.kv_cache_spec_kind,
+                        ev.kv_cache_spec_sliding_window,
                     )
                 )
             elif t is BlockRemoved:

@@ -1,0 +1,280 @@
+/* groups.c -- KV cache groups: several managers (one per group of layers, table.c) over one
+ * pool, driven in lock step so that a sequence has the same slot in every group.
+ *
+ * Each entry point validates in every group and counts the blocks all groups take together
+ * before the first group mutates, so a failed call changes nothing (window release aside: it
+ * drops only blocks no query can read, see table.c). Errors are reported in g[0]'s fields.
+ * One group (the default) never comes here: BlockManager calls table.c directly.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static int fail_from(kvb_mgr_t *const *g, int32_t k, int rc) {
+    if (k) {
+        g[0]->err_a = g[k]->err_a;
+        g[0]->err_b = g[k]->err_b;
+        g[0]->err_what = g[k]->err_what;
+    }
+    return rc;
+}
+
+static int out_of_blocks(kvb_mgr_t *m, int64_t need, int64_t have) {
+    m->err_a = need;
+    m->err_b = have;
+    m->err_what = NULL;
+    return KVB_EOUTOFBLOCKS;
+}
+
+KVB_INLINE int64_t add_sat(int64_t a, int64_t b) {
+    return b > INT64_MAX - a ? INT64_MAX : a + b;
+}
+
+/* The hash key of group gidx: the manager's key for group 0, a key derived from it for the
+ * others, so that identical tokens in two groups never share a cache entry. */
+void kvb_group_key(const uint8_t key[16], uint8_t gidx, uint8_t out[16]) {
+    if (!gidx) { memcpy(out, key, 16); return; }
+    uint8_t msg[16] = "kvblocks:group:";
+    msg[15] = gidx;
+    kvb_hash_t h;
+    kvb_siphash128(key, msg, sizeof msg, &h);
+    memcpy(out, &h.lo, 8);
+    memcpy(out + 8, &h.hi, 8);
+}
+
+/* ---- add and probe: the longest prefix every group can serve ---------------------------- */
+static int prepare_all(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
+                       const uint8_t *salt, size_t salt_len, int64_t *k_out, int64_t *need_out) {
+    kvb_mgr_t *m = g[0];
+    KVB_CLEAR_ERR(m);
+    if (n < 0) { m->err_b = n; return KVB_EINVAL; }
+    int64_t K = n > 0 ? blk_of(m, n - 1) : 0;
+    uint8_t *ok = malloc((size_t)K + 1);
+    if (!ok) return KVB_ENOMEM;
+    memset(ok, 1, (size_t)K + 1);
+    for (int32_t j = 0; j < G; j++) {
+        int rc = kvb_mgr_add_prepare(g[j], tokens, n, salt, salt_len, ok, K);
+        if (rc) { free(ok); return fail_from(g, j, rc); }
+    }
+    int64_t k = K;
+    while (k > 0 && !ok[k]) k--;
+    free(ok);
+    int64_t need = 0;
+    for (int32_t j = 0; j < G; j++) need = add_sat(need, kvb_mgr_add_need(g[j], n, k));
+    *k_out = k;
+    *need_out = need;
+    return KVB_OK;
+}
+
+int kvb_grp_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
+                const uint8_t *salt, size_t salt_len, int recompute, int32_t *slot_out,
+                int64_t *cached_out) {
+    int64_t k, need;
+    int rc = prepare_all(g, G, tokens, n, salt, salt_len, &k, &need);
+    if (rc) return rc;
+    kvb_pool_t *p = g[0]->pool;
+    if (need > p->num_free) return out_of_blocks(g[0], need, p->num_free);
+    int32_t slot = 0;
+    for (int32_t j = 0; j < G; j++) { /* every group pins its hits before any allocates */
+        int32_t sj;
+        kvb_mgr_add_pin(g[j], tokens, n, k, j == 0, recompute, &sj);
+        KVB_ASSERT(j == 0 || sj == slot);
+        slot = sj;
+    }
+    for (int32_t j = 0; j < G; j++) kvb_mgr_add_fill(g[j], slot);
+    *slot_out = slot;
+    *cached_out = k * g[0]->block_size;
+    return KVB_OK;
+}
+
+int kvb_grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
+                  const uint8_t *salt, size_t salt_len, int64_t *cached_out, int64_t *need_out) {
+    int64_t k, need;
+    int rc = prepare_all(g, G, tokens, n, salt, salt_len, &k, &need);
+    if (rc) return rc;
+    *cached_out = k * g[0]->block_size;
+    *need_out = need;
+    return KVB_OK;
+}
+
+/* ---- growth ----------------------------------------------------------------------------- */
+int kvb_grp_append(kvb_mgr_t *const *g, int32_t G, int32_t slot, const int32_t *tokens,
+                   int64_t n, int computed) {
+    int64_t need = 0;
+    for (int32_t j = 0; j < G; j++) {
+        int rc = kvb_mgr_append_check(g[j], slot, n, computed);
+        if (rc) return fail_from(g, j, rc);
+        need = add_sat(need, kvb_mgr_blocks_needed(g[j], slot, n));
+        need -= kvb_mgr_release_gain(g[j], slot, n);
+    }
+    kvb_pool_t *p = g[0]->pool;
+    if (need > p->num_free) return out_of_blocks(g[0], need, p->num_free);
+    for (int32_t j = 0; j < G; j++) {
+        int rc = kvb_mgr_append(g[j], slot, tokens, n, computed);
+        if (rc) return fail_from(g, j, rc); /* only from the first group (same state) */
+    }
+    return KVB_OK;
+}
+
+int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
+                         const int32_t *tokens, int64_t n) {
+    kvb_pool_t *p = g[0]->pool;
+    int64_t growing = 0;
+    for (int32_t j = 0; j < G; j++) growing += g[j]->kind != KVB_G_STATE;
+    /* one token takes at most one block per sequence and growing group (new block or one
+     * copy-on-write copy); only when that bound does not fit count exactly */
+    if (n > p->num_free / (growing ? growing : 1)) {
+        int64_t need = 0;
+        for (int32_t j = 0; j < G; j++) {
+            int64_t nj = 0;
+            int rc = kvb_mgr_batch_need(g[j], slots, n, 1, &nj);
+            if (rc) return fail_from(g, j, rc);
+            need = add_sat(need, nj);
+            for (int64_t i = 0; i < n; i++) need -= kvb_mgr_release_gain(g[j], slots[i], 1);
+        }
+        if (need > p->num_free) return out_of_blocks(g[0], need, p->num_free);
+    }
+    for (int32_t j = 0; j < G; j++) {
+        int rc = kvb_mgr_append_batch(g[j], slots, tokens, n);
+        if (rc) return fail_from(g, j, rc); /* validation fails in the first group */
+    }
+    return KVB_OK;
+}
+
+int kvb_grp_reserve(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t n) {
+    int64_t need = 0;
+    for (int32_t j = 0; j < G; j++) {
+        int rc = kvb_mgr_append_check(g[j], slot, n, 0);
+        if (rc) return fail_from(g, j, rc);
+        need = add_sat(need, kvb_mgr_blocks_needed(g[j], slot, n));
+    }
+    kvb_pool_t *p = g[0]->pool;
+    if (need > p->num_free) return out_of_blocks(g[0], need, p->num_free);
+    for (int32_t j = 0; j < G; j++) {
+        int rc = kvb_mgr_reserve(g[j], slot, n);
+        if (rc) return fail_from(g, j, rc);
+    }
+    return KVB_OK;
+}
+
+int64_t kvb_grp_blocks_needed(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t n) {
+    int64_t need = 0;
+    for (int32_t j = 0; j < G; j++) {
+        int64_t nj = kvb_mgr_blocks_needed(g[j], slot, n);
+        if (nj < 0) return nj;
+        need = add_sat(need, nj);
+    }
+    return need;
+}
+
+int kvb_grp_batch_need(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, int64_t count,
+                       int64_t n, int64_t *need_out) {
+    int64_t need = 0;
+    for (int32_t j = 0; j < G; j++) {
+        int64_t nj = 0;
+        int rc = kvb_mgr_batch_need(g[j], slots, count, n, &nj);
+        if (rc) return fail_from(g, j, rc);
+        need = add_sat(need, nj);
+    }
+    *need_out = need;
+    return KVB_OK;
+}
+
+/* ---- truncate, fork, free --------------------------------------------------------------- */
+int kvb_grp_truncate(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t ntokens) {
+    for (int32_t j = 0; j < G; j++) {
+        int rc = kvb_mgr_truncate_check(g[j], slot, ntokens);
+        if (rc) return fail_from(g, j, rc);
+    }
+    for (int32_t j = 0; j < G; j++) KVB_MUST(kvb_mgr_truncate(g[j], slot, ntokens));
+    return KVB_OK;
+}
+
+int kvb_grp_fork(kvb_mgr_t *const *g, int32_t G, int32_t parent, int32_t *child_out) {
+    kvb_mgr_t *m = g[0];
+    KVB_CLEAR_ERR(m);
+    const kvb_seq_t *ps = live_seq(m, parent);
+    m->err_b = parent;
+    if (!ps) return KVB_EUNKNOWN;
+    if (ps->swapped) return KVB_ESWAPPED;
+    int64_t need = 0; /* state groups copy the state at once */
+    for (int32_t j = 0; j < G; j++) if (g[j]->kind == KVB_G_STATE) need += g[j]->span;
+    if (need > m->pool->num_free) return out_of_blocks(m, need, m->pool->num_free);
+    int32_t slot = 0;
+    for (int32_t j = 0; j < G; j++) {
+        int32_t sj;
+        int rc = kvb_mgr_fork(g[j], parent, &sj);
+        if (rc) return fail_from(g, j, rc); /* ENOMEM only, before the first mutation */
+        KVB_ASSERT(j == 0 || sj == slot);
+        slot = sj;
+    }
+    *child_out = slot;
+    return KVB_OK;
+}
+
+int kvb_grp_free(kvb_mgr_t *const *g, int32_t G, int32_t slot) {
+    for (int32_t j = 0; j < G; j++) {
+        int rc = kvb_mgr_free(g[j], slot);
+        if (rc) return fail_from(g, j, rc);
+    }
+    return KVB_OK;
+}
+
+/* ---- swap: pairs of all groups, group after group --------------------------------------- */
+int kvb_grp_swap_out(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pairs_out,
+                     int64_t *npairs) {
+    kvb_mgr_t *m = g[0];
+    KVB_CLEAR_ERR(m);
+    const kvb_seq_t *s = live_seq(m, slot);
+    m->err_b = slot;
+    if (!s) return KVB_EUNKNOWN;
+    if (s->swapped) return KVB_ESWAPPED;
+    if (!m->host) return KVB_ESTATE;
+    int64_t need = 0;
+    for (int32_t j = 0; j < G; j++) {
+        const kvb_seq_t *sj = &g[j]->seqs[slot];
+        need += sj->nblocks - sj->lo;
+    }
+    if (need > m->host->num_free) return out_of_blocks(m, need, m->host->num_free);
+    int64_t k = 0;
+    for (int32_t j = 0; j < G; j++) {
+        int64_t nj = 0;
+        int rc = kvb_mgr_swap_out(g[j], slot, pairs_out + 2 * k, &nj);
+        if (rc) return fail_from(g, j, rc);
+        k += nj;
+    }
+    *npairs = k;
+    return KVB_OK;
+}
+
+int kvb_grp_swap_in(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pairs_out,
+                    int64_t *npairs) {
+    kvb_mgr_t *m = g[0];
+    KVB_CLEAR_ERR(m);
+    const kvb_seq_t *s = live_seq(m, slot);
+    m->err_b = slot;
+    if (!s) return KVB_EUNKNOWN;
+    if (!m->host || !s->swapped) return KVB_ESTATE;
+    int64_t need = kvb_grp_blocks_needed(g, G, slot, 0);
+    if (need > m->pool->num_free) return out_of_blocks(m, need, m->pool->num_free);
+    int64_t k = 0;
+    for (int32_t j = 0; j < G; j++) {
+        int64_t nj = 0;
+        int rc = kvb_mgr_swap_in(g[j], slot, pairs_out + 2 * k, &nj);
+        if (rc) return fail_from(g, j, rc);
+        k += nj;
+    }
+    *npairs = k;
+    return KVB_OK;
+}
+
+/* ---- the step ---------------------------------------------------------------------------- */
+int kvb_grp_schedule(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
+                     const int32_t *qlens, const int32_t *drafts, int64_t B, int apply) {
+    for (int32_t j = 0; j < G; j++) {
+        int rc = kvb_mgr_schedule(g[j], slots, qlens, drafts, B, apply);
+        if (rc) return fail_from(g, j, rc);
+    }
+    return KVB_OK;
+}

@@ -1,0 +1,135 @@
+"""KV cache groups for hybrid models: layers that attend differently keep separate tables.
+
+A model whose layers do not all use full attention (gpt-oss, Gemma 2/3, Mistral with a sliding
+window, Llama 4's chunked local attention, Qwen3-Next / Jamba linear-attention state) gives
+``BlockManager(groups=...)`` one :class:`KVGroup` per kind of layer. Every group shares the pool
+and the block size; each sequence keeps one block table per group.
+
+>>> from kvblocks import BlockManager, KVGroup
+>>> mgr = BlockManager(64, 4, groups=(KVGroup("full"), KVGroup("sliding_window", window=8)))
+>>> mgr.add("a", list(range(20)))
+0
+>>> mgr.schedule(["a"], [20])              # the step computes the prompt
+>>> mgr.append("a", [7])                    # moving on releases what the window left behind
+>>> mgr.block_table("a", group=1).tolist()  # the next query (position 20) reads [13, 20]
+[0, 0, 0, 9, 10, 12]
+>>> mgr.blocks_in_use("a")
+9
+
+See docs/hybrid-models.md for the exact release rule and prefix caching across groups.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
+
+__all__ = ["KVGroup", "KINDS"]
+
+#: kind -> (the size argument it takes, vLLM's ``kv_cache_spec_kind`` for KV events)
+KINDS = {
+    "full": (None, "full_attention"),
+    "sliding_window": ("window", "sliding_window"),
+    "chunked_local": ("chunk", "chunked_local_attention"),
+    "state": ("blocks", "mamba"),
+}
+_CODES = {"full": 0, "sliding_window": 1, "chunked_local": 2, "state": 3}
+_LIMIT = 2**31 - 1
+
+
+def _size(name: str, value: object) -> int:
+    if type(value) is bool or not isinstance(value, int):
+        raise InvalidTypeError(f"KVGroup: {name} must be an int, got {type(value).__name__}")
+    if not 1 <= value <= _LIMIT:
+        raise InvalidArgumentError(f"KVGroup: {name} must be in [1, {_LIMIT}], got {value}")
+    return int(value)
+
+
+class KVGroup:
+    """One KV cache group: the layers of a model that attend the same way.
+
+    - ``KVGroup("full")``: every position attends to all earlier ones.
+    - ``KVGroup("sliding_window", window=W)``: position p attends to ``[p - W + 1, p]``.
+    - ``KVGroup("chunked_local", chunk=C)``: position p attends to ``[p - p % C, p]``.
+    - ``KVGroup("state", blocks=S)``: S blocks per sequence whatever its length (recurrent
+      or linear-attention state); no per-token slots and no prefix hits.
+
+    >>> KVGroup("sliding_window", window=128)
+    KVGroup('sliding_window', window=128)
+    >>> KVGroup("sliding_window", window=0)
+    Traceback (most recent call last):
+    ...
+    kvblocks.errors.InvalidArgumentError: KVGroup: window must be in [1, 2147483647], got 0
+    """
+
+    __slots__ = ("kind", "window", "chunk", "blocks")
+
+    kind: str
+    window: Optional[int]
+    chunk: Optional[int]
+    blocks: Optional[int]
+
+    def __init__(
+        self,
+        kind: str = "full",
+        *,
+        window: Optional[int] = None,
+        chunk: Optional[int] = None,
+        blocks: Optional[int] = None,
+    ) -> None:
+        if type(kind) is not str:
+            raise InvalidTypeError(f"KVGroup: kind must be a str, got {type(kind).__name__}")
+        if kind not in KINDS:
+            raise InvalidArgumentError(
+                f"KVGroup: unknown kind {kind!r} (one of {', '.join(sorted(KINDS))})"
+            )
+        given = {"window": window, "chunk": chunk, "blocks": blocks}
+        wanted = KINDS[kind][0]
+        for name, value in given.items():
+            if name != wanted and value is not None:
+                raise InvalidArgumentError(f"KVGroup({kind!r}) takes no {name}")
+        if wanted is not None and given[wanted] is None:
+            raise InvalidArgumentError(f"KVGroup({kind!r}) needs {wanted}=")
+        object.__setattr__(self, "kind", kind)
+        for name in given:
+            v = given[name]
+            object.__setattr__(self, name, None if v is None else _size(name, v))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("KVGroup is immutable")
+
+    @property
+    def code(self) -> int:
+        """The core's kind code."""
+        return _CODES[self.kind]
+
+    @property
+    def span(self) -> int:
+        """The window, chunk or state blocks (0 for full attention)."""
+        return self.window or self.chunk or self.blocks or 0
+
+    @property
+    def spec_kind(self) -> str:
+        """vLLM's ``kv_cache_spec_kind`` of this group (KV events)."""
+        return KINDS[self.kind][1]
+
+    def _key(self) -> tuple:
+        return (self.kind, self.window, self.chunk, self.blocks)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVGroup) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        arg = KINDS[self.kind][0]
+        return f"KVGroup({self.kind!r}" + (f", {arg}={self.span})" if arg else ")")
+
+    def __reduce__(self):
+        return (_rebuild, (self.kind, self.window, self.chunk, self.blocks))
+
+
+def _rebuild(kind, window, chunk, blocks):
+    return KVGroup(kind, window=window, chunk=chunk, blocks=blocks)
