@@ -185,8 +185,11 @@ def sweep(
 
 
 def cheapest(points: List[PlanPoint], target_ttft_p99_s: float) -> PlanPoint:
-    """Fewest GPUs, then least host memory, among the points meeting the target."""
-    ok = [p for p in points if p.meets]
+    """Fewest GPUs, then least host memory, among the points meeting the target (TTFT p99
+    at most ``target_ttft_p99_s``, nothing rejected); SimulationError naming the closest
+    point when none does."""
+    target = limits.TTFT_P99.check_float(target_ttft_p99_s)
+    ok = [p for p in points if p.ttft_p99_s is not None and p.ttft_p99_s <= target and not p.rejected]
     if ok:
         return min(ok, key=lambda p: (p.gpus, p.host_mem_gib))
     timed = [p for p in points if p.ttft_p99_s is not None]
@@ -195,7 +198,7 @@ def cheapest(points: List[PlanPoint], target_ttft_p99_s: float) -> PlanPoint:
     c = min(timed, key=lambda p: (p.ttft_p99_s, p.gpus, p.host_mem_gib))
     assert c.ttft_p99_s is not None
     raise SimulationError(
-        f"no configuration in range meets TTFT p99 <= {target_ttft_p99_s:g} s; closest: "
+        f"no configuration in range meets TTFT p99 <= {target:g} s; closest: "
         f"{_name(c)} with TTFT p99 {c.ttft_p99_s:.3f} s"
         + (f" ({c.rejected} rejected)" if c.rejected else "")
         + "; widen --replicas or --host-cache"
