@@ -19,11 +19,16 @@ from kvblocks.sim import (
     SchedulerConfig,
     SimulationError,
     TimeModel,
+    capacity,
+    cluster,
+    cluster_report,
     get_model,
+    hosttier,
     load_workload,
+    prefixindex,
+    routers,
     simulate_paged,
 )
-from kvblocks.sim import capacity, cluster, cluster_report, hosttier, prefixindex, routers
 from kvblocks.sim.capacity import PlanPoint, cheapest, parse_counts, parse_sizes, sweep
 from kvblocks.sim.cluster import CLUSTER_HASH_KEY, Cluster, simulate_cluster
 from kvblocks.sim.prefixindex import HOST_CREDIT, PrefixIndex
@@ -267,7 +272,9 @@ def test_transfer_time_and_host_sizing():
 
 
 def _pt(gpus: int, host: float, p99: float, meets: bool) -> PlanPoint:
-    return PlanPoint(gpus, host / max(gpus, 1), gpus, host, 0.1, None, p99 / 2, p99, 100.0, 0, meets)
+    return PlanPoint(
+        gpus, host / max(gpus, 1), gpus, host, 0.1, None, p99 / 2, p99, 100.0, 0, meets
+    )
 
 
 def test_cheapest_is_fewest_gpus_then_least_host_memory():
@@ -396,8 +403,18 @@ def test_host_cache_without_core_support_is_one_line(capsys):
 def test_plan_trace_prints_curve_and_cheapest_json(capsys, tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text(
-        "".join(json.dumps({"timestamp": 0, "input_length": 1500, "output_length": 4,
-                            "hash_ids": [i, 100 + i, 200 + i]}) + "\n" for i in range(16))  # fmt: skip
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": 0,
+                    "input_length": 1500,
+                    "output_length": 4,
+                    "hash_ids": [i, 100 + i, 200 + i],
+                }
+            )
+            + "\n"
+            for i in range(16)
+        )  # fmt: skip
     )
     args = ("plan", "--trace", str(trace), "--replicas", "1-3", "--num-blocks", "2000",
             "--router", "least_loaded", "--no-progress")  # fmt: skip
@@ -418,8 +435,18 @@ def test_plan_progress_bar_and_plot(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     trace = tmp_path / "t.jsonl"
     trace.write_text(
-        "".join(json.dumps({"timestamp": 10 * i, "input_length": 600, "output_length": 2,
-                            "hash_ids": [0, i + 1]}) + "\n" for i in range(8))  # fmt: skip
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": 10 * i,
+                    "input_length": 600,
+                    "output_length": 2,
+                    "hash_ids": [0, i + 1],
+                }
+            )
+            + "\n"
+            for i in range(8)
+        )  # fmt: skip
     )
     png = tmp_path / "plan.png"
     rc, out, err = run_main(capsys, "plan", "--trace", str(trace), "--replicas", "1,2",

@@ -86,7 +86,7 @@ class CapacityPlan:
 
 def parse_counts(text: str, flag: str) -> List[int]:
     """``"1-4,8"`` -> ``[1, 2, 3, 4, 8]`` (sorted, unique; each within ``limits.REPLICAS``)."""
-    out = set()
+    out: set = set()
     for part in str(text).split(","):
         part = part.strip()
         lo_s, sep, hi_s = part.partition("-")
@@ -106,7 +106,7 @@ def parse_counts(text: str, flag: str) -> List[int]:
 
 def parse_sizes(text: str, flag: str) -> List[float]:
     """``"0,64,256"`` -> ``[0.0, 64.0, 256.0]`` GiB (each within ``limits.HOST_CACHE``)."""
-    out = set()
+    out: set = set()
     for part in str(text).split(","):
         try:
             out.add(float(limits.HOST_CACHE.parse(part.strip())))
@@ -189,7 +189,9 @@ def cheapest(points: List[PlanPoint], target_ttft_p99_s: float) -> PlanPoint:
     at most ``target_ttft_p99_s``, nothing rejected); SimulationError naming the closest
     point when none does."""
     target = limits.TTFT_P99.check_float(target_ttft_p99_s)
-    ok = [p for p in points if p.ttft_p99_s is not None and p.ttft_p99_s <= target and not p.rejected]
+    ok = [
+        p for p in points if p.ttft_p99_s is not None and p.ttft_p99_s <= target and not p.rejected
+    ]
     if ok:
         return min(ok, key=lambda p: (p.gpus, p.host_mem_gib))
     timed = [p for p in points if p.ttft_p99_s is not None]

@@ -291,7 +291,9 @@ def _engine(args: argparse.Namespace, model: ModelSpec, host_cache_gib: float = 
         preemption=preemption,
         host_blocks=bill.host_blocks,
         block_bytes=bill.block_bytes,
-        host_cache_blocks=host_cache_blocks(host_cache_gib, bill.block_bytes) if host_cache_gib else 0,
+        host_cache_blocks=host_cache_blocks(host_cache_gib, bill.block_bytes)
+        if host_cache_gib
+        else 0,
     )
     cfg.validate()
     return bill, cfg, tm
@@ -418,8 +420,15 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _plan_trace(args: argparse.Namespace) -> int:
     """``plan --trace FILE --ttft-p99 S``: simulate the range, print the curve and the answer."""
-    from .capacity import (CapacityPlan, capacity_json, cheapest, format_capacity, parse_counts,
-                           parse_sizes, sweep)  # fmt: skip
+    from .capacity import (
+        CapacityPlan,
+        capacity_json,
+        cheapest,
+        format_capacity,
+        parse_counts,
+        parse_sizes,  # fmt: skip
+        sweep,
+    )
     from .progress import ProgressBar
     from .routers import ROUTERS
     from .workload import load_workload

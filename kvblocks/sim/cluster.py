@@ -197,7 +197,14 @@ def _aggregate(
     merged = Recorder(first.arrival, first.capacity_slots * len(engines), first.output_tokens)
     for i, e in enumerate(engines):
         m = owner == i
-        for name in ("admit", "first_token", "finish", "prompt_tokens", "cached_tokens", "rejected"):
+        for name in (
+            "admit",
+            "first_token",
+            "finish",
+            "prompt_tokens",
+            "cached_tokens",
+            "rejected",
+        ):
             getattr(merged, name)[m] = getattr(e.rec, name)[m]
     out = merged.summary()
     for k in _MEAN_KEYS:

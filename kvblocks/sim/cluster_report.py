@@ -63,11 +63,15 @@ def format_cluster(
                 out.append(f"{tl:<27}{tf(s.get(tk)):>24}")
     out.append("")
     out.append("per replica (KV usage is time-weighted over its busy steps)")
-    out.append("".join(f"{t:<{w}}" if k == 0 else f"{t:>{w}}" for k, (t, w, _) in enumerate(_REPLICA_COLS)))
+    out.append(
+        "".join(f"{t:<{w}}" if k == 0 else f"{t:>{w}}" for k, (t, w, _) in enumerate(_REPLICA_COLS))
+    )
     for i, rs in enumerate(res.replicas):
         out.append(
-            "".join(f"{f(i, rs):<{w}}" if k == 0 else f"{f(i, rs):>{w}}"
-                    for k, (_, w, f) in enumerate(_REPLICA_COLS))  # fmt: skip
+            "".join(
+                f"{f(i, rs):<{w}}" if k == 0 else f"{f(i, rs):>{w}}"
+                for k, (_, w, f) in enumerate(_REPLICA_COLS)
+            )  # fmt: skip
         )
     out.append("")
     out.append(

@@ -143,8 +143,7 @@ class PrefixAware(Router):
         blocks = -(-prompt_len // bs)
         over = self.index.overlap(hashes)
         return [
-            w * (q + prompt_len - o * bs) / bs + u + blocks - o
-            for (q, u), o in zip(loads, over)
+            w * (q + prompt_len - o * bs) / bs + u + blocks - o for (q, u), o in zip(loads, over)
         ]
 
     def describe(self) -> Dict[str, Any]:
@@ -174,4 +173,5 @@ def make_router(
 
 def prompt_hashes(tokens: np.ndarray, block_size: int, key: bytes) -> List[int]:
     """The 64-bit wire values of a prompt's full-block hashes (what the index is keyed by)."""
-    return hash_blocks(tokens, block_size, key=key)[:, 0].tolist()  # type: ignore[no-any-return]
+    out: List[int] = hash_blocks(tokens, block_size, key=key)[:, 0].tolist()
+    return out

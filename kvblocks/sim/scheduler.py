@@ -190,6 +190,9 @@ class PagedEngine:
             **host_manager_kwargs(cfg),
         )
         self.host_tier = cfg.host_cache_blocks > 0
+        # the host tier's drains (a build without the tier has none; host_manager_kwargs refused)
+        self._take_onloads: Any = getattr(self.mgr, "take_onloads", None)
+        self._take_offloads: Any = getattr(self.mgr, "take_offloads", None)
         self.pool = self.mgr.pool
         self.usable = self.pool.num_blocks - 1  # blocks a sequence can get (not the null block)
         reqs = workload.requests
@@ -434,7 +437,7 @@ class PagedEngine:
         kv_read = int(ctx.sum()) if n_dec else 0
         moved = swapped_blocks
         if self.host_tier:  # offloads, then onloads, serialized before the forward pass
-            off = len(self._timed(self.mgr.take_offloads))
+            off = len(self._timed(self._take_offloads))
             self.offload_blocks += off
             moved += off + self._step_onloads
             self._step_onloads = 0
@@ -524,7 +527,7 @@ class PagedEngine:
             self.alloc_s += _perf() - t0
         host = 0
         if self.host_tier:  # the prefix's host part comes back as (host, device) copies
-            onl = len(self._timed(self.mgr.take_onloads))
+            onl = len(self._timed(self._take_onloads))
             self._step_onloads += onl
             self.onload_blocks += onl
             host = min(cached, onl * self.cfg.block_size)
