@@ -309,7 +309,9 @@ def test_every_numeric_flag_has_a_limit():
     assert (
         ("simulate", "--gpu-mem") in flags
         and ("plan", "--seed") in flags
-        and len(flags) == 2 * 9 + 11 + 3
+        # shared, simulate, plan; cluster: simulate --replicas --overlap-weight --host-cache
+        # --pcie-gbps, plan --limit --time-scale --ttft-p99 --pcie-gbps
+        and len(flags) == 2 * 9 + 11 + 3 + 4 + 4
     )
 
 

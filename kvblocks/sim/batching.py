@@ -31,7 +31,8 @@ class SchedulerConfig:
     token_budget: int = 8192  # tokens per step (max_num_batched_tokens)
     preemption: str = "recompute"  # or "swap"
     host_blocks: int = 0  # swap space in blocks
-    block_bytes: int = 0  # bytes per block (swap time)
+    block_bytes: int = 0  # bytes per block (swap and host-tier transfer time)
+    host_cache_blocks: int = 0  # host prefix-cache tier in blocks (0: none; needs the core's tier)
 
     def validate(self) -> None:
         if self.preemption not in ("recompute", "swap"):
@@ -41,6 +42,8 @@ class SchedulerConfig:
         limits.WATERMARK.check(self.watermark)
         limits.MAX_NUM_SEQS.check(self.max_num_seqs)
         limits.TOKEN_BUDGET.check(self.token_budget)
+        if self.host_cache_blocks < 0:
+            raise SimulationError(f"host_cache_blocks must be >= 0, got {self.host_cache_blocks}")
 
 
 class StepBudget:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any, Dict, List
 
 from . import limits as L
 from .errors import SimulationError
@@ -100,6 +101,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    from .hosttier import DEFAULT_PCIE_GBPS
+    from .routers import ROUTERS
+
+    g = p.add_argument_group("cluster and host tier")
+    g.add_argument("--replicas", type=L.REPLICAS.parse, default=1, metavar="N",
+                   help="engines, each with its own BlockManager, behind --router (1)")  # fmt: skip
+    g.add_argument("--router", choices=list(ROUTERS), default=None,
+                   help="how arrivals are routed (round_robin; see docs/simulator.md)")  # fmt: skip
+    g.add_argument("--overlap-weight", type=L.OVERLAP_WEIGHT.parse, metavar="W",
+                   help="prefix_aware: weight of prefill blocks against load (Dynamo's 1.0)")  # fmt: skip
+    g.add_argument("--host-cache", type=L.HOST_CACHE.parse, default=0.0, metavar="GiB",
+                   help="host-memory prefix-cache tier per replica (needs the core's host tier)")  # fmt: skip
+    g.add_argument("--pcie-gbps", type=L.PCIE_GBPS.parse, default=DEFAULT_PCIE_GBPS, metavar="GB/s",
+                   help=f"host <-> device bandwidth for swaps and host-tier copies ({DEFAULT_PCIE_GBPS:g}, "
+                   "PCIe Gen4 x16 effective)")  # fmt: skip
+
+
 def add_commands(sub: "argparse._SubParsersAction") -> None:
     """Add ``simulate`` and ``plan`` to the subcommands of the ``kvblocks`` parser."""
     sim = sub.add_parser(
@@ -160,6 +179,7 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--max-model-len", type=L.MAX_MODEL_LEN.parse, metavar="N",
                    help="contiguous baseline reservation per sequence (default: longest request)")  # fmt: skip
     g.add_argument("--no-contiguous", action="store_true", help="skip the contiguous baseline")
+    _add_cluster_args(sim)
     g = sim.add_argument_group("time model (defaults derived from the model, H100-class GPU)")
     g.add_argument("--step-overhead-ms", type=L.STEP_OVERHEAD_MS.parse, help="fixed cost per step")
     g.add_argument("--prefill-us", type=L.PREFILL_US.parse, help="cost per prefill token")
@@ -194,12 +214,8 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_args(plan)
-    plan.add_argument(
-        "--prompt-len", required=True, metavar="DIST", help="prompt length distribution"
-    )
-    plan.add_argument(
-        "--output-len", required=True, metavar="DIST", help="output length distribution"
-    )
+    plan.add_argument("--prompt-len", metavar="DIST", help="prompt length distribution")
+    plan.add_argument("--output-len", metavar="DIST", help="output length distribution")
     plan.add_argument(
         "--max-len",
         type=L.MAX_LEN.parse,
@@ -211,6 +227,27 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
     )
     plan.add_argument("--seed", type=L.SEED.parse, default=0, help="random seed (0)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    g = plan.add_argument_group("cluster plan (simulates the trace on every configuration)")
+    g.add_argument("--trace", metavar="FILE", help="Mooncake JSONL, kvblocks JSONL or Azure CSV")
+    g.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure", "kvblocks"],
+                   help="trace format")  # fmt: skip
+    g.add_argument("--limit", type=L.LIMIT.parse, metavar="N", help="plan on the first N requests")
+    g.add_argument("--time-scale", type=L.TIME_SCALE.parse, default=1.0, metavar="F",
+                   help="multiply arrival times by F")  # fmt: skip
+    g.add_argument("--ttft-p99", type=L.TTFT_P99.parse, metavar="SECONDS",
+                   help="target: time to first token, 99th percentile")  # fmt: skip
+    g.add_argument("--replicas", default="1-8", metavar="LIST",
+                   help="replica counts to simulate, e.g. 1-8 or 2,4,8 (1-8)")  # fmt: skip
+    g.add_argument("--host-cache", default="0", metavar="GiB,...",
+                   help="host-cache sizes per replica to simulate (0; >0 needs the host tier)")  # fmt: skip
+    g.add_argument("--router", default="prefix_aware", metavar="NAME",
+                   help="round_robin, least_loaded or prefix_aware (prefix_aware)")  # fmt: skip
+    g.add_argument("--pcie-gbps", type=L.PCIE_GBPS.parse, default=None, metavar="GB/s",
+                   help="host <-> device bandwidth (25)")  # fmt: skip
+    g.add_argument("--plot", metavar="FILE", help="draw the curve (PNG/SVG/PDF; needs matplotlib)")
+    g.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="progress bar on stderr")  # fmt: skip
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:
@@ -222,43 +259,82 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     return get_model(args.model or DEFAULT_MODEL).with_kv_dtype(args.dtype)
 
 
-def _simulate(args: argparse.Namespace) -> int:
+def _engine(args: argparse.Namespace, model: ModelSpec, host_cache_gib: float = 0.0) -> Any:
+    """The memory bill, the scheduler config and the time model the flags ask for."""
+    from dataclasses import replace
+
     from .batching import SchedulerConfig
+    from .hosttier import DEFAULT_PCIE_GBPS, host_cache_blocks
+    from .timing import TimeModel
+
+    preemption = getattr(args, "preemption", "recompute")
+    host_mem = getattr(args, "host_mem", None)
+    host = host_mem if host_mem is not None else (DEFAULT_SWAP_GIB if preemption == "swap" else 0.0)
+    bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks, host,
+                       max_blocks=L.MAX_SIM_BLOCKS)  # fmt: skip
+    tm = TimeModel.for_model(
+        model,
+        getattr(args, "step_overhead_ms", None),
+        getattr(args, "prefill_us", None),
+        getattr(args, "decode_us", None),
+        getattr(args, "kv_read_ns", None),
+    )
+    pcie = args.pcie_gbps if args.pcie_gbps is not None else DEFAULT_PCIE_GBPS
+    tm = replace(tm, swap_bytes_per_s=pcie * 1e9)
+    cfg = SchedulerConfig(
+        num_blocks=bill.num_blocks,
+        block_size=bill.block_size,
+        enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
+        watermark=getattr(args, "watermark", 0.01),
+        max_num_seqs=getattr(args, "max_num_seqs", 256),
+        token_budget=getattr(args, "token_budget", 8192),
+        preemption=preemption,
+        host_blocks=bill.host_blocks,
+        block_bytes=bill.block_bytes,
+        host_cache_blocks=host_cache_blocks(host_cache_gib, bill.block_bytes)
+        if host_cache_gib
+        else 0,
+    )
+    cfg.validate()
+    return bill, cfg, tm
+
+
+def _engine_desc(cfg: Any, tm: Any) -> str:
+    return (
+        f"continuous batching, {cfg.token_budget:,} tokens/step, <= {cfg.max_num_seqs} seqs, watermark "
+        f"{cfg.watermark:g}, prefix caching {'on' if cfg.enable_prefix_caching else 'off'}, "
+        f"preemption by {cfg.preemption}; step = {tm.step_overhead_s * 1e3:.2f} ms + "
+        f"{tm.prefill_s_per_token * 1e6:.1f} us/prefill tok + {tm.decode_s_per_token * 1e6:.1f} us/decode tok + "
+        f"{tm.kv_read_s_per_token * 1e9:.1f} ns/KV tok read"
+    )
+
+
+def _check_host_tier(gib: float) -> None:
+    from .hosttier import HOST_TIER_MISSING, host_tier_available
+
+    if gib > 0 and not host_tier_available():
+        raise SimulationError(HOST_TIER_MISSING)
+
+
+def _simulate(args: argparse.Namespace) -> int:
     from .contiguous import simulate_contiguous
     from .progress import ProgressBar
     from .report import format_simulation, simulation_json
     from .scheduler import simulate_paged
-    from .timing import TimeModel
     from .workload import load_workload
 
+    _check_host_tier(args.host_cache)
+    if args.overlap_weight is not None and args.router != "prefix_aware":
+        raise SimulationError("--overlap-weight applies to --router prefix_aware only")
     model = _model(args)
-    host = (
-        args.host_mem
-        if args.host_mem is not None
-        else (DEFAULT_SWAP_GIB if args.preemption == "swap" else 0.0)
-    )
-    bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks, host,
-                       max_blocks=L.MAX_SIM_BLOCKS)  # fmt: skip
-    tm = TimeModel.for_model(
-        model, args.step_overhead_ms, args.prefill_us, args.decode_us, args.kv_read_ns
-    )
+    bill, cfg, tm = _engine(args, model, args.host_cache)
     workload = load_workload(args.trace, args.format, args.limit)
     if args.time_scale != 1.0:
         workload = workload.scaled(args.time_scale)
     wstats = workload.stats()
-    cfg = SchedulerConfig(
-        num_blocks=bill.num_blocks,
-        block_size=bill.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        watermark=args.watermark,
-        max_num_seqs=args.max_num_seqs,
-        token_budget=args.token_budget,
-        preemption=args.preemption,
-        host_blocks=bill.host_blocks,
-        block_bytes=bill.block_bytes,
-    )
-    cfg.validate()
     show = args.progress if args.progress is not None else sys.stderr.isatty()
+    if args.replicas > 1 or args.router is not None or args.host_cache > 0:
+        return _simulate_cluster(args, model, bill, cfg, tm, workload, wstats, show)
     bar = ProgressBar("simulate", len(workload)) if show else None
     try:
         paged = simulate_paged(workload, cfg, tm, progress=bar)
@@ -274,13 +350,7 @@ def _simulate(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    desc = (
-        f"continuous batching, {cfg.token_budget:,} tokens/step, <= {cfg.max_num_seqs} seqs, watermark "
-        f"{cfg.watermark:g}, prefix caching {'on' if cfg.enable_prefix_caching else 'off'}, "
-        f"preemption by {cfg.preemption}; step = {tm.step_overhead_s * 1e3:.2f} ms + "
-        f"{tm.prefill_s_per_token * 1e6:.1f} us/prefill tok + {tm.decode_s_per_token * 1e6:.1f} us/decode tok + "
-        f"{tm.kv_read_s_per_token * 1e9:.1f} ns/KV tok read"
-    )
+    desc = _engine_desc(cfg, tm)
     if args.plot:
         from .plot import plot_results
 
@@ -296,13 +366,125 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate_cluster(args: argparse.Namespace, model: ModelSpec, bill: Any, cfg: Any, tm: Any,
+                      workload: Any, wstats: Dict[str, float], show: bool) -> int:  # fmt: skip
+    """``simulate --replicas N --router R``: the cluster replay and its report (no contiguous
+    baseline: it models one engine)."""
+    from .cluster import simulate_cluster
+    from .cluster_report import cluster_json, format_cluster
+    from .progress import ProgressBar
+
+    router = args.router or "round_robin"
+    bar = ProgressBar(f"simulate x{args.replicas}", len(workload)) if show else None
+    try:
+        res = simulate_cluster(workload, cfg, tm, args.replicas, router, args.overlap_weight, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    host_desc = None
+    if args.host_cache:
+        host_desc = (f"host cache {args.host_cache:g} GiB ({cfg.host_cache_blocks:,} blocks), "
+                     f"PCIe {args.pcie_gbps:g} GB/s")  # fmt: skip
+    if args.plot:
+        from .plot import plot_results
+
+        plot_results([res.paged], args.plot,
+                     title=f"{workload.name} on {model.name}: replica 0 of {args.replicas}")  # fmt: skip
+    if args.json:
+        config = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+        cluster = {"host_cache_gib": args.host_cache, "pcie_gbps": args.pcie_gbps}
+        print(cluster_json(workload.name, wstats, bill, config, tm.as_dict(), res, cluster))
+    else:
+        print(format_cluster(workload.name, wstats, bill, _engine_desc(cfg, tm), res, host_desc))
+        if args.plot:
+            print(f"plot written to {args.plot} (replica 0)")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
+    if args.trace is not None or args.ttft_p99 is not None:
+        return _plan_trace(args)
+    if args.prompt_len is None or args.output_len is None:
+        raise SimulationError(
+            "the following arguments are required: --prompt-len, --output-len "
+            "(or --trace FILE --ttft-p99 SECONDS for a cluster plan)"
+        )
     model = _model(args)
     bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks)
     prompt = parse_dist(args.prompt_len, "--prompt-len")
     output = parse_dist(args.output_len, "--output-len")
     plan = make_plan(bill, prompt, output, args.max_len, args.samples, args.seed)
     print(plan_json(plan) if args.json else format_plan(plan))
+    return 0
+
+
+def _plan_trace(args: argparse.Namespace) -> int:
+    """``plan --trace FILE --ttft-p99 S``: simulate the range, print the curve and the answer."""
+    from .capacity import (
+        CapacityPlan,
+        capacity_json,
+        cheapest,
+        format_capacity,
+        parse_counts,
+        parse_sizes,  # fmt: skip
+        sweep,
+    )
+    from .progress import ProgressBar
+    from .routers import ROUTERS
+    from .workload import load_workload
+
+    if args.trace is None or args.ttft_p99 is None:
+        raise SimulationError("a cluster plan needs both --trace FILE and --ttft-p99 SECONDS")
+    if args.prompt_len is not None or args.output_len is not None:
+        raise SimulationError("--prompt-len/--output-len and --trace are different plans; give one")
+    if args.router not in ROUTERS:
+        raise SimulationError(f"--router must be one of {', '.join(ROUTERS)}; got {args.router!r}")
+    counts = parse_counts(args.replicas, "--replicas")
+    sizes = parse_sizes(args.host_cache, "--host-cache")
+    for g in sizes:
+        _check_host_tier(g)
+    model = _model(args)
+    bill, cfg, tm = _engine(args, model)
+    workload = load_workload(args.trace, args.format, args.limit)
+    if args.time_scale != 1.0:
+        workload = workload.scaled(args.time_scale)
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    total = len(counts) * len(sizes)
+    labels = [(n, g) for n in counts for g in sizes]
+    bars: List[ProgressBar] = []
+
+    def replay_bar(k: int) -> Any:
+        if not show:
+            return None
+        n, g = labels[k]
+        host = f" +{g:g}G" if g else ""
+        bars.append(ProgressBar(f"plan {k + 1}/{total}: {n} GPU{host}", len(workload)))
+        return bars[-1]
+
+    def done(k: int, _total: int) -> None:
+        if bars:
+            bars[-1].close()
+
+    points = sweep(workload, cfg, tm, args.ttft_p99, counts, sizes, args.router, done, replay_bar)
+    best = cheapest(points, args.ttft_p99)
+    plan = CapacityPlan(args.ttft_p99, args.router, points, best)
+    if args.plot:
+        from .plot import plot_capacity
+
+        plot_capacity(points, args.ttft_p99, args.plot,
+                      title=f"{workload.name} on {model.name}, {args.gpu_mem:g} GiB per GPU")  # fmt: skip
+    if args.json:
+        extra = {"workload": dict(workload.stats(), name=workload.name), "memory": bill.as_dict()}
+        print(capacity_json(plan, extra))
+    else:
+        header = [
+            f"workload  {workload.name}: {len(workload):,} requests",
+            f"replica   {model.name} on {args.gpu_mem:g} GiB: {bill.num_blocks:,} blocks x "
+            f"{bill.block_size} tokens",
+        ]
+        print(format_capacity(plan, header))
+        if args.plot:
+            print(f"plot written to {args.plot}")
     return 0
 
 

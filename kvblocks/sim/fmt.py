@@ -17,9 +17,11 @@ def fmt_bytes(n: float) -> str:
 
 
 def json_safe(v: Any) -> Any:
-    """``v`` with every NaN or infinite float (in nested dicts too) replaced by None (JSON null)."""
+    """``v`` with every NaN or infinite float (in nested dicts and lists too) replaced by None (JSON null)."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dict):
         return {k: json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
     return v

@@ -139,6 +139,13 @@ PREFILL_US = Limit("--prefill-us", float, 0.0, MAX_STEP_COST, hi_open=True)
 DECODE_US = Limit("--decode-us", float, 0.0, MAX_STEP_COST, hi_open=True)
 KV_READ_NS = Limit("--kv-read-ns", float, 0.0, MAX_STEP_COST, hi_open=True)
 
+# cluster (simulate and plan)
+REPLICAS = Limit("--replicas", int, 1, 1024)
+OVERLAP_WEIGHT = Limit("--overlap-weight", float, 0.0, 1e6)
+HOST_CACHE = Limit("--host-cache", float, 0.0, MAX_GIB, unit="of GiB")
+PCIE_GBPS = Limit("--pcie-gbps", float, 0.0, 1e6, lo_open=True, unit="of GB/s")
+TTFT_P99 = Limit("--ttft-p99", float, 0.0, 1e9, lo_open=True, unit="of seconds")
+
 # plan
 MAX_LEN = Limit("--max-len", int, 1, 2 * MAX_TOKENS)
 SAMPLES = Limit("--samples", int, 1, 10_000_000)

@@ -77,22 +77,29 @@ class Recorder:
             self._peak_running = running
         self.steps += steps
 
-    def summary(self) -> Dict[str, object]:
-        """The numbers of the report table (seconds, fractions, counts)."""
-        done = np.isfinite(self.finish)
-        start = float(self.arrival.min()) if self.arrival.size else 0.0
-        end = float(np.nanmax(self.finish)) if done.any() else start
+    def summary(self, mask: Optional[np.ndarray] = None) -> Dict[str, Any]:
+        """The numbers of the report table (seconds, fractions, counts).
+
+        ``mask`` (bool per request) restricts the request figures to some requests (a
+        cluster replica's own); the per-step figures are the recorder's in any case."""
+        sel = slice(None) if mask is None else mask
+        arrival = self.arrival[sel]
+        admit, first, finish = self.admit[sel], self.first_token[sel], self.finish[sel]
+        prompt_tokens, cached_tokens = self.prompt_tokens[sel], self.cached_tokens[sel]
+        done = np.isfinite(finish)
+        start = float(arrival.min()) if arrival.size else 0.0
+        end = float(np.nanmax(finish)) if done.any() else start
         makespan = max(end - start, 0.0)
         busy = self._busy or 1.0
-        out_tokens = int(self.output_tokens[done].sum())
-        prompt = int(self.prompt_tokens.sum())
-        queue = self.admit - self.arrival
-        ttft = self.first_token - self.arrival
-        e2e = self.finish - self.arrival
-        res: Dict[str, object] = {
-            "requests": int(self.arrival.size),
+        out_tokens = int(self.output_tokens[sel][done].sum())
+        prompt = int(prompt_tokens.sum())
+        queue = admit - arrival
+        ttft = first - arrival
+        e2e = finish - arrival
+        res: Dict[str, Any] = {
+            "requests": int(arrival.size),
             "completed": int(done.sum()),
-            "rejected": int(self.rejected.sum()),
+            "rejected": int(self.rejected[sel].sum()),
             "steps": int(self.steps),
             "makespan_s": makespan,
             "peak_kv_usage": self._peak_used / self.capacity_slots,
@@ -100,9 +107,9 @@ class Recorder:
             "peak_concurrency": int(self._peak_running),
             "mean_concurrency": self._w_running / busy,
             "internal_fragmentation": (self._w_waste / self._w_used) if self._w_used else 0.0,
-            "prefix_hit_rate": (float(self.cached_tokens.sum()) / prompt) if prompt else 0.0,
+            "prefix_hit_rate": (float(cached_tokens.sum()) / prompt) if prompt else 0.0,
             "prompt_tokens": prompt,
-            "cached_tokens": int(self.cached_tokens.sum()),
+            "cached_tokens": int(cached_tokens.sum()),
             "output_tokens": out_tokens,
             "throughput_tok_s": out_tokens / makespan if makespan > 0 else 0.0,
             "throughput_req_s": int(done.sum()) / makespan if makespan > 0 else 0.0,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from .errors import SimulationError
 from .metrics import SimResult
 
-__all__ = ["plot_results"]
+__all__ = ["plot_results", "plot_capacity"]
 
 
 def plot_results(results: Sequence[SimResult], path: str, title: str = "") -> None:
@@ -40,6 +40,45 @@ def plot_results(results: Sequence[SimResult], path: str, title: str = "") -> No
     ax2.set_ylabel("sequences")
     ax2.set_xlabel("simulated time (s)")
     ax2.legend(loc="upper right", fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except (OSError, ValueError) as e:
+        raise SimulationError(f"cannot write plot {path}: {e}") from None
+    finally:
+        plt.close(fig)
+
+
+def plot_capacity(points: Sequence[Any], target_s: float, path: str, title: str = "") -> None:
+    """``kvblocks plan --trace ... --plot FILE``: TTFT p50/p99 and hit rate against GPUs, one
+    line per host-cache size, with the target as a horizontal line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SimulationError("--plot needs matplotlib: pip install 'kvblocks[plot]'") from None
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    sizes = sorted({p.host_cache_gib for p in points})
+    for n, g in enumerate(sizes):
+        pts = sorted((p for p in points if p.host_cache_gib == g), key=lambda p: p.gpus)
+        xs = [p.gpus for p in pts]
+        label = f"host cache {g:g} GiB/replica" if g else "no host cache"
+        color = f"C{n}"
+        ax1.plot(xs, [p.ttft_p99_s for p in pts], marker="o", color=color, label=f"{label}: p99")
+        ax1.plot(xs, [p.ttft_p50_s for p in pts], marker=".", linestyle="--", color=color,
+                 label=f"{label}: p50")  # fmt: skip
+        ax2.plot(xs, [100.0 * p.hit_rate for p in pts], marker="o", color=color, label=label)
+    ax1.axhline(target_s, color="k", linewidth=0.8, linestyle=":", label="target p99")
+    ax1.set_yscale("log")
+    ax1.set_ylabel("time to first token (s)")
+    ax1.legend(loc="upper right", fontsize=8)
+    ax2.set_ylabel("prefix hit rate (%)")
+    ax2.set_xlabel("GPUs (replicas)")
+    ax2.legend(loc="lower right", fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

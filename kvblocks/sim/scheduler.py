@@ -33,6 +33,13 @@ done, then :meth:`PagedEngine.result` checks the pool and returns the :class:`Si
 cluster simulator can run several engines side by side through ``submit``, ``now``, ``idle``
 and ``step``. :func:`simulate_paged` is ``PagedEngine(workload, cfg, tm).run(progress)``.
 
+A cluster (:mod:`kvblocks.sim.cluster`) reads two load figures a real router gets from an
+engine's metrics: ``queued_tokens`` (prompt tokens waiting or still to prefill) and
+``blocks_in_use`` (blocks referenced by running sequences); with ``enable_kv_events=True`` it
+drains ``pool.take_events()`` after every step. With a host tier (``cfg.host_cache_blocks``,
+:mod:`kvblocks.sim.hosttier`) the step also waits for its PCIe copies (``take_onloads`` /
+``take_offloads``), and the report splits the prefix hits by tier.
+
 A request of prompt length P and output length O holds P + O - 1 tokens at its end (the last
 token is returned, never fed back). Time inside ``BlockManager`` calls is measured
 (``allocator_s``).
@@ -42,13 +49,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable, Deque, List, Optional, TypeVar
+from typing import Any, Callable, Deque, Dict, List, Optional, TypeVar
 
 import numpy as np
 
 from .. import BlockManager, OutOfBlocksError
 from .batching import SchedulerConfig, StepBudget
 from .errors import SimulationError
+from .hosttier import host_manager_kwargs, host_stats_dict
 from .metrics import Recorder, SimResult
 from .progress import Progress, ProgressThrottle
 from .timing import TimeModel
@@ -154,7 +162,15 @@ class PagedEngine:
     the recorder and the counters of the report.
     """
 
-    def __init__(self, workload: Workload, cfg: SchedulerConfig, tm: TimeModel) -> None:
+    def __init__(
+        self,
+        workload: Workload,
+        cfg: SchedulerConfig,
+        tm: TimeModel,
+        *,
+        enable_kv_events: bool = False,
+        hash_key: Optional[bytes] = None,
+    ) -> None:
         cfg.validate()
         self.wall0 = _perf()
         if cfg.preemption == "swap" and cfg.host_blocks <= 0:
@@ -169,8 +185,14 @@ class PagedEngine:
             cfg.block_size,
             enable_prefix_caching=cfg.enable_prefix_caching,
             watermark=cfg.watermark,
-            num_host_blocks=cfg.host_blocks if cfg.preemption == "swap" else 0,
+            hash_key=hash_key,
+            enable_kv_events=enable_kv_events,
+            **host_manager_kwargs(cfg),
         )
+        self.host_tier = cfg.host_cache_blocks > 0
+        # the host tier's drains (a build without the tier has none; host_manager_kwargs refused)
+        self._take_onloads: Any = getattr(self.mgr, "take_onloads", None)
+        self._take_offloads: Any = getattr(self.mgr, "take_offloads", None)
         self.pool = self.mgr.pool
         self.usable = self.pool.num_blocks - 1  # blocks a sequence can get (not the null block)
         reqs = workload.requests
@@ -191,6 +213,7 @@ class PagedEngine:
         self.decoding = _Decoding()  # running sequences past their prefill
         self.forked_live = 0  # live sequences of requests with n > 1 (copy-on-write possible)
         self.next_uid = 0
+        self.waiting_tokens = 0  # tokens of the sequences in ``waiting`` (to add, then compute)
         # counters of the report
         self.alloc_s = 0.0  # seconds inside BlockManager calls
         self.preempt_recompute = 0
@@ -199,6 +222,10 @@ class PagedEngine:
         self.swapped_blocks = 0  # blocks moved either way
         self.readds = 0  # re-admissions after recompute preemption
         self.readd_cached = 0  # their tokens served by the prefix cache
+        self.host_hit_tokens = 0  # first-admission prompt tokens served from the host tier
+        self.onload_blocks = 0  # host -> device copies (whole replay)
+        self.offload_blocks = 0  # device -> host copies (whole replay)
+        self._step_onloads = 0  # host -> device copies the current step waits for
 
     # ----------------------------------------------------------------------------- driving
 
@@ -207,9 +234,20 @@ class PagedEngine:
         """Nothing to run, queued or swapped out."""
         return not self.running and not self.waiting and not self.swapped
 
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens not computed yet: queued sequences' and running prefills' rest."""
+        return self.waiting_tokens + sum(s.prefill_left for s in self.prefilling)
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Device blocks referenced by sequences (cached evictable blocks are free)."""
+        return self.usable - self.pool.num_free
+
     def submit(self, req: Request) -> None:
         """A request arrives (its first sample queues; siblings fork after its prefill)."""
         self.waiting.append(_Seq(self.next_uid, req, 0))
+        self.waiting_tokens += req.prompt_len
         self.next_uid += 1
 
     def step(self) -> float:
@@ -271,6 +309,7 @@ class PagedEngine:
                 "recompute_readds": self.readds,
                 "recompute_cached_tokens": self.readd_cached,
                 "cow_copies": self.cow_copies,
+                **self._host_counters(),
                 "swapped_blocks": self.swapped_blocks,
                 "blocks_in_use_at_end": int(leaked),
                 "cached_blocks_at_end": int(self.pool.num_cached),
@@ -285,6 +324,21 @@ class PagedEngine:
                 f"internal error: {leaked} blocks still referenced after the replay"
             )
         return SimResult("paged", self.rec.summary(), self.rec)
+
+    def _host_counters(self) -> Dict[str, Any]:
+        """Per-tier hits and PCIe copies (only with a host tier)."""
+        if not self.host_tier:
+            return {}
+        prompt = int(self.rec.prompt_tokens.sum())
+        cached = int(self.rec.cached_tokens.sum())
+        return {
+            "prefix_hit_rate_device": (cached - self.host_hit_tokens) / prompt if prompt else 0.0,
+            "prefix_hit_rate_host": self.host_hit_tokens / prompt if prompt else 0.0,
+            "host_hit_tokens": self.host_hit_tokens,
+            "onload_blocks": self.onload_blocks,
+            "offload_blocks": self.offload_blocks,
+            "host_stats": host_stats_dict(self.mgr),
+        }
 
     # ----------------------------------------------------------------------------- the phases
 
@@ -352,11 +406,11 @@ class PagedEngine:
                 break
             if not self._add(s):
                 if not self.running and not self.swapped:
-                    self.waiting.popleft()  # cannot fit even in an empty cache
+                    self._pop_waiting()  # cannot fit even in an empty cache
                     self._reject(s)
                     continue
                 break
-            self.waiting.popleft()
+            self._pop_waiting()
             self.running.append(s)
             seats += 1 + s.forks
             self.prefilling.append(s)
@@ -381,7 +435,13 @@ class PagedEngine:
         bs = self.cfg.block_size
         ctx = self.decoding.ctx
         kv_read = int(ctx.sum()) if n_dec else 0
-        dt = self.tm.step(prefill_tokens, n_dec, kv_read, swapped_blocks * self.cfg.block_bytes)
+        moved = swapped_blocks
+        if self.host_tier:  # offloads, then onloads, serialized before the forward pass
+            off = len(self._timed(self._take_offloads))
+            self.offload_blocks += off
+            moved += off + self._step_onloads
+            self._step_onloads = 0
+        dt = self.tm.step(prefill_tokens, n_dec, kv_read, moved * self.cfg.block_bytes)
         waste = int(((-ctx) % bs).sum()) if n_dec else 0
         for s in self.prefilling:
             waste += -s.ctx % bs
@@ -430,6 +490,10 @@ class PagedEngine:
 
     # ----------------------------------------------------------------------------- helpers
 
+    def _pop_waiting(self) -> None:
+        s = self.waiting.popleft()
+        self.waiting_tokens -= s.prompt_len + s.gen
+
     def _timed(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)``, its wall time (exception or not) added to ``alloc_s``."""
         t0 = _perf()
@@ -461,10 +525,17 @@ class PagedEngine:
             return False
         finally:
             self.alloc_s += _perf() - t0
+        host = 0
+        if self.host_tier:  # the prefix's host part comes back as (host, device) copies
+            onl = len(self._timed(self._take_onloads))
+            self._step_onloads += onl
+            self.onload_blocks += onl
+            host = min(cached, onl * self.cfg.block_size)
         if first:
             rec.admit[i] = self.now
             rec.prompt_tokens[i] = ntok
             rec.cached_tokens[i] = cached
+            self.host_hit_tokens += host
         else:
             self.readds += 1
             self.readd_cached += cached
@@ -504,6 +575,7 @@ class PagedEngine:
         self._timed(self.mgr.free, victim.uid)
         victim.prefill_left = 0
         self.waiting.appendleft(victim)
+        self.waiting_tokens += victim.prompt_len + victim.gen
         self.preempt_recompute += 1
         return idx
 

@@ -14,7 +14,8 @@ Defaults are first-order numbers for one H100-SXM-class GPU (989 dense bf16 TFLO
   peak (attention FLOPs of long prompts are ignored);
 * ``kv_read_cost``: a decoding token's attention reads every cached token of its sequence
   once: ``KV bytes per token`` at 80% of HBM bandwidth;
-* swap: 25 GB/s (PCIe 5 x16 in practice).
+* swap and host-tier copies: 25 GB/s, effective PCIe Gen4 x16 (``--pcie-gbps``; see
+  :mod:`kvblocks.sim.hosttier`).
 
 Every constant is overridable from the command line; the point is the memory bill, and this
 model only has to rank schedules sensibly.
