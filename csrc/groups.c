@@ -222,6 +222,21 @@ int kvb_grp_free(kvb_mgr_t *const *g, int32_t G, int32_t slot) {
 }
 
 /* ---- swap: pairs of all groups, group after group --------------------------------------- */
+typedef int (*swap_fn)(kvb_mgr_t *, int32_t, int64_t *, int64_t *);
+
+static int each_group_pairs(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pairs_out,
+                            int64_t *npairs, swap_fn swap) {
+    int64_t k = 0;
+    for (int32_t j = 0; j < G; j++) {
+        int64_t nj = 0;
+        int rc = swap(g[j], slot, pairs_out + 2 * k, &nj);
+        if (rc) return fail_from(g, j, rc); /* counted beforehand: the first group only */
+        k += nj;
+    }
+    *npairs = k;
+    return KVB_OK;
+}
+
 int kvb_grp_swap_out(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pairs_out,
                      int64_t *npairs) {
     kvb_mgr_t *m = g[0];
@@ -237,15 +252,7 @@ int kvb_grp_swap_out(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pair
         need += sj->nblocks - sj->lo;
     }
     if (need > m->host->num_free) return out_of_blocks(m, need, m->host->num_free);
-    int64_t k = 0;
-    for (int32_t j = 0; j < G; j++) {
-        int64_t nj = 0;
-        int rc = kvb_mgr_swap_out(g[j], slot, pairs_out + 2 * k, &nj);
-        if (rc) return fail_from(g, j, rc);
-        k += nj;
-    }
-    *npairs = k;
-    return KVB_OK;
+    return each_group_pairs(g, G, slot, pairs_out, npairs, kvb_mgr_swap_out);
 }
 
 int kvb_grp_swap_in(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pairs_out,
@@ -258,15 +265,7 @@ int kvb_grp_swap_in(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pairs
     if (!m->host || !s->swapped) return KVB_ESTATE;
     int64_t need = kvb_grp_blocks_needed(g, G, slot, 0);
     if (need > m->pool->num_free) return out_of_blocks(m, need, m->pool->num_free);
-    int64_t k = 0;
-    for (int32_t j = 0; j < G; j++) {
-        int64_t nj = 0;
-        int rc = kvb_mgr_swap_in(g[j], slot, pairs_out + 2 * k, &nj);
-        if (rc) return fail_from(g, j, rc);
-        k += nj;
-    }
-    *npairs = k;
-    return KVB_OK;
+    return each_group_pairs(g, G, slot, pairs_out, npairs, kvb_mgr_swap_in);
 }
 
 /* ---- the step ---------------------------------------------------------------------------- */

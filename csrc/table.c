@@ -401,9 +401,13 @@ KVB_INLINE int64_t table_blocks(const kvb_mgr_t *m, int64_t n) {
     return m->kind == KVB_G_STATE ? m->span : blocks_for(m, n);
 }
 
-/* First block a k-block hit needs (the entries below it stay null). */
+/* First block a k-block hit needs (the entries below it stay null): what the query at k * bs
+ * reads, and at least block k - 1, whose cached chained hash proves the prefix was computed
+ * (a chunk boundary or a window of one reads none of the prefix). */
 KVB_INLINE int64_t hit_lo(const kvb_mgr_t *m, int64_t n, int64_t k) {
-    return k ? blk_of(m, needed_from(m, k * m->block_size, n, INT64_MAX)) : 0;
+    if (!k) return 0;
+    int64_t lo = blk_of(m, needed_from(m, k * m->block_size, n, INT64_MAX));
+    return lo < k - 1 ? lo : k - 1;
 }
 
 int kvb_mgr_add_prepare(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,

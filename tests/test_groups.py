@@ -1,0 +1,221 @@
+"""KV cache groups: the release boundary, prefix hits across groups, state groups, bad input."""
+
+import numpy as np
+import pytest
+
+from kvblocks import BlockManager, KVGroup
+from kvblocks.errors import (
+    InvalidArgumentError,
+    InvalidStateError,
+    InvalidTypeError,
+    OutOfBlocksError,
+)
+
+BS = 4
+
+
+def swa(w):
+    return (KVGroup("full"), KVGroup("sliding_window", window=w))
+
+
+def model_lo(ncomputed, ntokens, window):
+    """Released leading blocks per the documented rule (docs: the next query q0)."""
+    q0 = min(ncomputed, ntokens - 1)
+    return max(0, q0 - window + 1) // BS
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("prompt", range(1, 2 * BS + 1))
+def test_release_boundary_every_offset(window, prompt):
+    mgr = BlockManager(128, BS, groups=swa(window))
+    mgr.add("s", list(range(prompt)))
+    mgr.schedule(["s"], [prompt])
+    for t in range(3 * BS):
+        n = prompt + t + 1
+        mgr.append("s", [t])
+        table = mgr.block_table("s", group=1)
+        lo = model_lo(n - 1, n, window)
+        assert (table[:lo] == 0).all() and (table[lo:] > 0).all(), (n, table)
+        # the full group never releases
+        assert (mgr.block_table("s", group=0) > 0).all()
+        mgr.metadata(["s"], [1], group=0)
+        mgr.metadata(["s"], [1], group=1)
+        mgr.check()
+    mgr.free("s")
+    mgr.check()
+    assert mgr.pool.num_free == 127
+
+
+def test_no_hit_without_a_cached_block():
+    """Regression: a chunk boundary (or a window of one) reads none of the prefix, which once
+    let add() claim a hit of blocks nothing had computed."""
+    for g in (KVGroup("chunked_local", chunk=8), KVGroup("sliding_window", window=1)):
+        mgr = BlockManager(64, BS, groups=(g,))
+        assert mgr.add("s", list(range(16))) == 0
+        assert (mgr.block_table("s") > 0).all()
+        assert mgr.probe(list(range(16)))[0] == 0
+        mgr.check()
+
+
+def test_chunked_local_releases_previous_chunks():
+    mgr = BlockManager(64, BS, groups=(KVGroup("chunked_local", chunk=8),))
+    mgr.add("s", list(range(16)))
+    mgr.schedule(["s"], [16])
+    mgr.append("s", [1])  # the query at 16 starts a chunk: blocks 0..3 are unreadable
+    assert mgr.block_table("s").tolist()[:4] == [0, 0, 0, 0]
+    mgr.check()
+
+
+def test_prefill_chunks_keep_what_the_step_reads():
+    mgr = BlockManager(64, BS, groups=swa(4))
+    mgr.add("s", list(range(8)))
+    mgr.schedule(["s"], [8])  # first chunk: positions 0..7
+    mgr.append("s", list(range(8, 20)))  # the rest of the prompt
+    assert (mgr.block_table("s", group=1)[1:] > 0).all()
+    meta = mgr.metadata(["s"], [12], group=1)  # the chunk from 8 reads from 5 on
+    assert meta.block_tables[0].tolist()[:1] == [0]
+    assert (meta.block_tables[0][1:5] > 0).all()
+    mgr.check()
+
+
+def test_truncate_and_recompute_into_released_blocks_refused():
+    mgr = BlockManager(64, BS, groups=swa(4))
+    mgr.add("s", list(range(16)))
+    mgr.schedule(["s"], [16])
+    mgr.append("s", [1])
+    before = mgr.block_table("s", group=1).tolist()
+    with pytest.raises(InvalidStateError):
+        mgr.truncate("s", 2)
+    with pytest.raises(InvalidStateError):
+        mgr.metadata(["s"], [17], group=1)
+    assert mgr.block_table("s", group=1).tolist() == before
+    assert mgr.num_tokens("s") == 17
+    mgr.truncate("s", 16)  # still inside the window
+    mgr.check()
+
+
+def test_prefix_hits_need_every_group():
+    mgr = BlockManager(256, BS, groups=swa(8))
+    prompt = list(range(40))
+    mgr.add("a", prompt)
+    mgr.schedule(["a"], [40])
+    mgr.free("a")
+    assert mgr.add("b", prompt + [99]) == 40
+    # the window group pins only what the query at 40 reads: [33, 40]
+    assert mgr.block_table("b", group=1).tolist()[:8] == [0] * 8
+    mgr.check()
+    mgr.free("b")
+    # evict the window group's needed blocks: hits fall back to what both groups hold
+    mgr2 = BlockManager(256, BS, groups=swa(8))
+    mgr2.add("a", prompt)
+    mgr2.schedule(["a"], [40])
+    assert mgr2.add("c", prompt[:12] + [7] * 30) == 12
+    mgr2.check()
+
+
+def test_identical_tokens_in_two_groups_never_share():
+    mgr = BlockManager(64, BS, groups=(KVGroup("full"), KVGroup("full")))
+    mgr.add("a", list(range(9)))
+    mgr.schedule(["a"], [9])
+    t0, t1 = mgr.block_table("a", group=0), mgr.block_table("a", group=1)
+    assert not set(t0.tolist()) & set(t1.tolist())
+    assert not set(map(tuple, mgr.block_hashes("a").tolist())) & set()  # hashes exist
+    mgr.check()
+
+
+def test_events_carry_group_kind_and_window():
+    mgr = BlockManager(64, BS, groups=swa(8), enable_kv_events=True)
+    mgr.add("a", list(range(9)))
+    mgr.schedule(["a"], [9])
+    evs = mgr.pool.take_events()
+    kinds = {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in evs}
+    assert kinds == {(0, "full_attention", None), (1, "sliding_window", 8)}
+
+
+def test_state_group_fork_copies_and_refuses_truncate():
+    mgr = BlockManager(64, BS, groups=(KVGroup("full"), KVGroup("state", blocks=2)))
+    mgr.add("a", list(range(6)))
+    assert len(mgr.block_table("a", group=1)) == 2
+    mgr.schedule(["a"], [6])
+    mgr.append("a", [1] * 10)  # the state does not grow
+    assert len(mgr.block_table("a", group=1)) == 2
+    mgr.fork("a", "b")
+    pairs = mgr.take_copies().tolist()
+    assert [p[0] for p in pairs] == mgr.block_table("a", group=1).tolist()
+    assert [p[1] for p in pairs] == mgr.block_table("b", group=1).tolist()
+    with pytest.raises(InvalidStateError):
+        mgr.truncate("a", 2)
+    meta = mgr.metadata(["a"], [10], group=1)
+    assert (meta.slot_mapping == -1).all()
+    mgr.check()
+
+
+def test_swap_round_trip_with_released_entries():
+    mgr = BlockManager(64, BS, groups=swa(4), num_host_blocks=64)
+    mgr.add("s", list(range(16)))
+    mgr.schedule(["s"], [16])
+    mgr.append("s", [1])
+    held = mgr.blocks_in_use("s")
+    out = mgr.swap_out("s")
+    assert len(out) == held
+    back = mgr.swap_in("s")
+    assert len(back) <= held
+    assert mgr.block_table("s", group=1).tolist()[:3] == [0, 0, 0]
+    mgr.check()
+
+
+def test_out_of_blocks_changes_nothing():
+    mgr = BlockManager(8, BS, groups=swa(4))
+    with pytest.raises(OutOfBlocksError):
+        mgr.add("s", list(range(16)))  # 4 + 4 blocks > 7
+    assert len(mgr) == 0 and mgr.pool.num_free == 7
+    mgr.check()
+
+
+@pytest.mark.parametrize(
+    "make, exc",
+    [
+        (lambda: KVGroup("dense"), InvalidArgumentError),
+        (lambda: KVGroup("sliding_window", window=0), InvalidArgumentError),
+        (lambda: KVGroup("sliding_window", window=-3), InvalidArgumentError),
+        (lambda: KVGroup("sliding_window", window=2.0), InvalidTypeError),
+        (lambda: KVGroup("sliding_window", window=True), InvalidTypeError),
+        (lambda: KVGroup("sliding_window"), InvalidArgumentError),
+        (lambda: KVGroup("chunked_local", chunk=0), InvalidArgumentError),
+        (lambda: KVGroup("state", blocks=0), InvalidArgumentError),
+        (lambda: KVGroup("full", window=4), InvalidArgumentError),
+        (lambda: KVGroup(3), InvalidTypeError),
+        (lambda: BlockManager(8, BS, groups=()), InvalidArgumentError),
+        (lambda: BlockManager(8, BS, groups=[object()]), InvalidTypeError),
+        (lambda: BlockManager(8, BS, groups=KVGroup("full")), InvalidTypeError),
+        (lambda: BlockManager(8, BS, groups=[KVGroup("full")] * 256), InvalidArgumentError),
+    ],
+)
+def test_bad_groups(make, exc):
+    with pytest.raises(exc):
+        make()
+
+
+def test_group_index_out_of_range():
+    mgr = BlockManager(16, BS, groups=swa(4))
+    mgr.add("s", [1, 2, 3])
+    for bad in (2, -1):
+        with pytest.raises(InvalidArgumentError):
+            mgr.block_table("s", group=bad)
+        with pytest.raises(InvalidArgumentError):
+            mgr.metadata(["s"], [3], group=bad)
+    with pytest.raises(InvalidTypeError):
+        mgr.block_table("s", group=1.0)
+    assert mgr.num_computed("s") == 0
+    mgr.check()
+
+
+def test_kvgroup_is_immutable_and_hashable():
+    g = KVGroup("sliding_window", window=8)
+    with pytest.raises(AttributeError):
+        g.window = 9
+    assert g == KVGroup("sliding_window", window=8) and len({g, KVGroup("full")}) == 2
+    assert np.int64(0) == 0  # numpy scalars are accepted as group indices below
+    mgr = BlockManager(16, BS, groups=(g,))
+    mgr.add("s", [1])
+    assert mgr.block_table("s", group=np.int64(0)).tolist() == [1]
