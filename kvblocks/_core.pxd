@@ -187,6 +187,12 @@ cdef class BlockPool:
     cdef bytes _key
     cdef object _block_size
     cdef bint _initialized
+    cdef int32_t _algo
+    cdef str _seed
+    cdef bytes _none_hash
+    cdef list _lora_names
+    cdef dict _lora_tags
+    cdef int32_t _lora_tag(self, object name) except -1
 
 
 cdef class BlockManager:
