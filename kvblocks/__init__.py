@@ -9,6 +9,7 @@ __version__ = "0.1.0"  # the one version source: pyproject.toml reads it ([tool.
 
 from . import ops
 from ._core import (
+    HASH_ALGOS,
     BlockManager,
     BlockPool,
     SeqBatch,
@@ -36,6 +37,7 @@ from .stats import CacheStats
 from .storage import KVCache
 
 __all__ = [
+    "HASH_ALGOS",
     "AllBlocksCleared",
     "AttentionMetadata",
     "BlockManager",
