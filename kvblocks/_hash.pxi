@@ -73,14 +73,14 @@ cdef bytes chain_context(int32_t algo, object salt, object lora_name):
     and SGLang mode the salt's tagged bytes, prefixed by the adapter name when there is one
     (so adapters never share blocks); in the vLLM modes the CBOR of vLLM's extra keys."""
     lora = as_lora(lora_name)
-    cdef bytes s, l, out
+    cdef bytes s, ln, out
     cdef int64_t n
     if not is_vllm(algo):
         s = as_salt(salt)
         if lora is None:
             return s  # as before the modes: SipHash hashes are unchanged
-        l = _utf8(lora, "lora_name")
-        return b"L" + len(l).to_bytes(4, "little") + l + s
+        ln = _utf8(lora, "lora_name")
+        return b"L" + len(ln).to_bytes(4, "little") + ln + s
     if salt is not None and not isinstance(salt, str):
         raise InvalidTypeError(f"salt must be a str in {HASH_ALGOS[algo]!r} mode (vLLM's "
                                f"cache_salt), got {type(salt).__name__}")
@@ -90,11 +90,11 @@ cdef bytes chain_context(int32_t algo, object salt, object lora_name):
             "kvblocks does not take; use hash_algo='vllm_sha256_cbor_v030' (vLLM's untagged "
             "(lora_name,) extra key) or leave lora_name None")
     s = _utf8(salt, "salt") if salt is not None else None
-    l = _utf8(lora, "lora_name") if lora is not None else None
+    ln = _utf8(lora, "lora_name") if lora is not None else None
     n = kvb_vllm_context(algo, <const uint8_t *>s if s is not None else NULL,
                          len(s) if s is not None else 0,
-                         <const uint8_t *>l if l is not None else NULL,
-                         len(l) if l is not None else 0, NULL, 0)
+                         <const uint8_t *>ln if ln is not None else NULL,
+                         len(ln) if ln is not None else 0, NULL, 0)
     if n < 0:
         raise_code(<int>n, "hash context", 0, 0)
     if n == 0:
@@ -102,8 +102,8 @@ cdef bytes chain_context(int32_t algo, object salt, object lora_name):
     out = bytes(n)
     kvb_vllm_context(algo, <const uint8_t *>s if s is not None else NULL,
                      len(s) if s is not None else 0,
-                     <const uint8_t *>l if l is not None else NULL,
-                     len(l) if l is not None else 0, <uint8_t *><const char *>out, n)
+                     <const uint8_t *>ln if ln is not None else NULL,
+                     len(ln) if ln is not None else 0, <uint8_t *><const char *>out, n)
     return out
 
 

@@ -66,8 +66,9 @@ def ref_vllm(tokens, bs, seed, extra_keys):
     """vLLM: sha256(cbor((parent or NONE_HASH, tuple(tokens), extra_keys(i))))."""
     parent, out = hashlib.sha256(cbor(seed)).digest(), []
     for i in range(len(tokens) // bs):
-        parent = hashlib.sha256(cbor((parent, tuple(tokens[i * bs : (i + 1) * bs]),
-                                      extra_keys(i)))).digest()
+        parent = hashlib.sha256(
+            cbor((parent, tuple(tokens[i * bs : (i + 1) * bs]), extra_keys(i)))
+        ).digest()
         out.append(parent)
     return out
 
@@ -94,11 +95,13 @@ def test_h1_vllm_capture():
     base = hash_blocks(toks, bs, algo="vllm_sha256_cbor_v030", seed=seed)
     assert wire(base) == H1["block_hashes"]
     assert wire(hash_blocks(toks, bs, algo="vllm_sha256_cbor", seed=seed)) == H1["block_hashes"]
-    lora = hash_blocks(toks, bs, algo="vllm_sha256_cbor_v030", seed=seed,
-                       lora_name=H1["lora_name"])
+    lora = hash_blocks(toks, bs, algo="vllm_sha256_cbor_v030", seed=seed, lora_name=H1["lora_name"])
     assert wire(lora) == H1["lora_block_hashes"]
-    assert H1["block_hashes"][:3] == [17705339885301241772, 13360521540053240825,
-                                      1652464311825922890]
+    assert H1["block_hashes"][:3] == [
+        17705339885301241772,
+        13360521540053240825,
+        1652464311825922890,
+    ]
     assert H1["lora_block_hashes"][-1] == 8548534288577952324
 
 
@@ -118,28 +121,39 @@ def test_h2_vllm_hashing_py():
     """vLLM 0.34 hashing.py: NONE_HASH, the CBOR of block 0, digests and wire values."""
     none = bytes.fromhex(NONE_HASH_DEFAULT)
     assert hashlib.sha256(cbor("vllm-none-hash")).digest() == none
-    hs, dg = hash_blocks(range(32), 16, algo="vllm_sha256_cbor", seed="vllm-none-hash",
-                         digests=True)
+    hs, dg = hash_blocks(
+        range(32), 16, algo="vllm_sha256_cbor", seed="vllm-none-hash", digests=True
+    )
     assert dg.shape == (2, 32) and dg.dtype == np.uint8
     block0 = bytes.fromhex("835820" + NONE_HASH_DEFAULT + "90000102030405060708090a0b0c0d0e0ff6")
     assert dg[0].tobytes() == hashlib.sha256(block0).digest()
-    assert dg[0].tobytes().hex().startswith("dc918a88") and dg[0].tobytes().hex().endswith("06ac0749")
-    assert dg[1].tobytes().hex().startswith("c300ec27") and dg[1].tobytes().hex().endswith("ef84ef0c")
+    assert dg[0].tobytes().hex().startswith("dc918a88") and dg[0].tobytes().hex().endswith(
+        "06ac0749"
+    )
+    assert dg[1].tobytes().hex().startswith("c300ec27") and dg[1].tobytes().hex().endswith(
+        "ef84ef0c"
+    )
     assert wire(hs) == [2233398808101521225, 17911472383915781900]
     # the 128 bits kept are the digest's last 16 bytes, read big-endian
-    assert [kvblocks.hash_to_int(h) for h in hs] == [int.from_bytes(d[16:].tobytes(), "big")
-                                                     for d in dg]
+    assert [kvblocks.hash_to_int(h) for h in hs] == [
+        int.from_bytes(d[16:].tobytes(), "big") for d in dg
+    ]
 
 
 def test_h2_cache_salt_tagged_and_untagged():
     kw = dict(seed="vllm-none-hash", salt="tenant-a")
     assert wire(hash_blocks(range(32), 16, algo="vllm_sha256_cbor", **kw)) == [
-        1072837495201822809, 8035883249497252415]
+        1072837495201822809,
+        8035883249497252415,
+    ]
     assert wire(hash_blocks(range(32), 16, algo="vllm_sha256_cbor_v030", **kw)) == [
-        10721593076989655162, 8778033878522207248]
+        10721593076989655162,
+        8778033878522207248,
+    ]
     # vLLM ignores an empty cache_salt (falsy)
-    assert wire(hash_blocks(range(32), 16, algo="vllm_sha256_cbor", seed="vllm-none-hash",
-                            salt="")) == [2233398808101521225, 17911472383915781900]
+    assert wire(
+        hash_blocks(range(32), 16, algo="vllm_sha256_cbor", seed="vllm-none-hash", salt="")
+    ) == [2233398808101521225, 17911472383915781900]
 
 
 def test_h3_sglang_router_goldens():
@@ -148,7 +162,11 @@ def test_h3_sglang_router_goldens():
 
     assert sg([1, 2, 3, 4], 4) == [-3488128144981237669]
     assert sg([10, 20, 30, 40, 50, 60, 70, 80], 2) == [
-        978178666101069530, -895308556211281782, -8033692805846017938, 835415944263129316]
+        978178666101069530,
+        -895308556211281782,
+        -8033692805846017938,
+        835415944263129316,
+    ]
     # [1..5], bs 4: the router also hashes the trailing partial page, chained on page 0's
     # full digest; here as a one-token block after parent=
     _, dg = hash_blocks([1, 2, 3, 4], 4, algo="sglang_sha256", digests=True)
@@ -161,21 +179,30 @@ def sg_tail(parent):
 
 
 # -- the reference agrees on any tokens (CBOR widths, negative ids, block sizes) -------------
-token = st.one_of(st.integers(0, 30), st.integers(-(2**31), 2**31 - 1),
-                  st.sampled_from([23, 24, 255, 256, 65535, 65536, 2**31 - 1, -1, -24, -25]))
+token = st.one_of(
+    st.integers(0, 30),
+    st.integers(-(2**31), 2**31 - 1),
+    st.sampled_from([23, 24, 255, 256, 65535, 65536, 2**31 - 1, -1, -24, -25]),
+)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(token, max_size=80), st.integers(1, 30), st.sampled_from(["", "t", "x" * 30]),
-       st.sampled_from([None, "A", "adapter-" + "z" * 40]), st.text(max_size=8))
+@given(
+    st.lists(token, max_size=80),
+    st.integers(1, 30),
+    st.sampled_from(["", "t", "x" * 30]),
+    st.sampled_from([None, "A", "adapter-" + "z" * 40]),
+    st.text(max_size=8),
+)
 def test_modes_match_the_reference(tokens, bs, salt, lora, seed):
-    tagged = hash_blocks(tokens, bs, algo="vllm_sha256_cbor", seed=seed, salt=salt,
-                         digests=True)[1]
-    want = ref_vllm(tokens, bs, seed, lambda i: (("cache_salt", salt),) if salt and i == 0
-                    else None)
+    tagged = hash_blocks(tokens, bs, algo="vllm_sha256_cbor", seed=seed, salt=salt, digests=True)[1]
+    want = ref_vllm(
+        tokens, bs, seed, lambda i: (("cache_salt", salt),) if salt and i == 0 else None
+    )
     assert [d.tobytes() for d in tagged] == want
-    untagged = hash_blocks(tokens, bs, algo="vllm_sha256_cbor_v030", seed=seed, salt=salt,
-                           lora_name=lora, digests=True)[1]
+    untagged = hash_blocks(
+        tokens, bs, algo="vllm_sha256_cbor_v030", seed=seed, salt=salt, lora_name=lora, digests=True
+    )[1]
 
     def keys(i):
         k = ([lora] if lora else []) + ([salt] if salt and i == 0 else [])
@@ -187,9 +214,13 @@ def test_modes_match_the_reference(tokens, bs, salt, lora, seed):
 
 
 # -- chains continue however they are grown ----------------------------------------------------
-MODES = [("siphash", {}), ("vllm_sha256_cbor", {"salt": "t"}),
-         ("vllm_sha256_cbor_v030", {"salt": "t", "lora_name": "Alice"}),
-         ("sglang_sha256", {}), ("sglang_sha256", {"salt": "t", "lora_name": "B"})]
+MODES = [
+    ("siphash", {}),
+    ("vllm_sha256_cbor", {"salt": "t"}),
+    ("vllm_sha256_cbor_v030", {"salt": "t", "lora_name": "Alice"}),
+    ("sglang_sha256", {}),
+    ("sglang_sha256", {"salt": "t", "lora_name": "B"}),
+]
 
 
 @pytest.mark.parametrize("algo,kw", MODES)
@@ -213,8 +244,9 @@ def test_chain_continues_across_append_fork_truncate_and_parent(algo, kw):
         assert np.array_equal(mgr.block_hashes(s), whole), s
     mgr.check()
     # parent=: the rest of the chain from block 4's digest
-    hs, dg = mgr.pool.hash_blocks(toks, lora_name=kw.get("lora_name"), salt=kw.get("salt"),
-                                  digests=True)
+    hs, dg = mgr.pool.hash_blocks(
+        toks, lora_name=kw.get("lora_name"), salt=kw.get("salt"), digests=True
+    )
     tail = mgr.pool.hash_blocks(toks[20:], parent=dg[4], lora_name=kw.get("lora_name"))
     assert np.array_equal(tail, whole[5:])
 
@@ -242,8 +274,10 @@ def test_siphash_unchanged_by_the_modes():
     assert np.array_equal(h, hash_blocks(range(8), 4, key=KEY, salt="s", algo="siphash"))
     # a LoRA adapter isolates like a salt, and differs from the same text as a salt
     assert not np.array_equal(h, hash_blocks(range(8), 4, key=KEY, salt="s", lora_name="s"))
-    assert not np.array_equal(hash_blocks(range(8), 4, key=KEY, lora_name="s"),
-                              hash_blocks(range(8), 4, key=KEY, salt="s"))
+    assert not np.array_equal(
+        hash_blocks(range(8), 4, key=KEY, lora_name="s"),
+        hash_blocks(range(8), 4, key=KEY, salt="s"),
+    )
     hs, dg = hash_blocks(range(8), 4, key=KEY, digests=True)
     assert dg.shape == (2, 16)
     assert np.array_equal(hash_blocks(range(4, 8), 4, key=KEY, parent=dg[0].tobytes()), hs[1:])
@@ -255,8 +289,9 @@ def test_events_carry_vllm_hashes_and_lora_name_on_the_wire():
     from kvblocks.events import encode_batch
 
     toks = H1["token_ids"]
-    mgr = BlockManager(64, 16, hash_algo="vllm_sha256_cbor_v030", hash_seed="42",
-                       enable_kv_events=True)
+    mgr = BlockManager(
+        64, 16, hash_algo="vllm_sha256_cbor_v030", hash_seed="42", enable_kv_events=True
+    )
     mgr.add("alice", toks[:300], lora_name="Alice")
     compute(mgr, "alice")
     _, (st1,), _ = msgspec.msgpack.decode(encode_batch(mgr.pool.take_events(), ts=1.0))
@@ -276,8 +311,12 @@ def test_events_carry_vllm_hashes_and_lora_name_on_the_wire():
     # a removal names the wire hash it was stored under
     mgr.free("base")
     mgr.add("evict", list(range(1000, 1000 + 16 * 30)))
-    removed = [h for e in mgr.pool.take_events() if isinstance(e, kvblocks.BlockRemoved)
-               for h in e.block_hashes]
+    removed = [
+        h
+        for e in mgr.pool.take_events()
+        if isinstance(e, kvblocks.BlockRemoved)
+        for h in e.block_hashes
+    ]
     assert set(h & M64 for h in removed) <= set(H1["block_hashes"]) and removed
 
 
@@ -288,15 +327,21 @@ def test_sglang_events_are_the_routers_int64():
     mgr = BlockManager(16, 2, hash_algo="sglang_sha256", enable_kv_events=True)
     mgr.add("a", [10, 20, 30, 40, 50, 60, 70, 80, 90])
     compute(mgr, "a")
-    _, (stored,), _ = msgspec.msgpack.decode(encode_batch(mgr.pool.take_events(), ts=0.0,
-                                                          hash_int="signed"))
-    assert stored["block_hashes"] == [978178666101069530, -895308556211281782,
-                                      -8033692805846017938, 835415944263129316]
+    _, (stored,), _ = msgspec.msgpack.decode(
+        encode_batch(mgr.pool.take_events(), ts=0.0, hash_int="signed")
+    )
+    assert stored["block_hashes"] == [
+        978178666101069530,
+        -895308556211281782,
+        -8033692805846017938,
+        835415944263129316,
+    ]
 
 
 def test_pool_cache_lora_name_reaches_the_event():
-    pool = BlockPool(8, block_size=4, hash_algo="vllm_sha256_cbor_v030", hash_seed="42",
-                     enable_kv_events=True)
+    pool = BlockPool(
+        8, block_size=4, hash_algo="vllm_sha256_cbor_v030", hash_seed="42", enable_kv_events=True
+    )
     ids = pool.allocate(2)
     h = pool.hash_blocks(range(8), lora_name="L")
     pool.cache(ids, h, token_ids=list(range(8)), lora_name="L")
@@ -355,12 +400,15 @@ def test_parent_must_be_the_full_digest_in_256_bit_modes():
         hash_blocks(range(4), 4, parent=dg[0].tobytes())
 
 
-@pytest.mark.parametrize("call", [
-    lambda m: m.add("x", range(9), lora_name=""),
-    lambda m: m.add("x", range(9), salt=b"bytes"),
-    lambda m: m.add("x", range(9), lora_name=7),
-    lambda m: m.probe(range(9), salt=3),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.add("x", range(9), lora_name=""),
+        lambda m: m.add("x", range(9), salt=b"bytes"),
+        lambda m: m.add("x", range(9), lora_name=7),
+        lambda m: m.probe(range(9), salt=3),
+    ],
+)
 def test_failed_calls_change_nothing(call):
     mgr = BlockManager(16, 4, hash_algo="vllm_sha256_cbor_v030", enable_kv_events=True)
     mgr.add("a", range(9), lora_name="A")

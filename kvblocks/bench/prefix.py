@@ -7,7 +7,7 @@ the bundled pure-Python pool (SHA-256 block hashes, a dict from hash to block,
 from __future__ import annotations
 
 import hashlib
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -47,24 +47,25 @@ def _hash_modes() -> List[Op]:
     lst = toks.tolist()
     n = PROMPT // BS
     ops = []
+    py_sglang: Callable[[], object] = lambda: _py_sglang(toks, BS)
+    py_vllm: Callable[[], object] = lambda: sha256_block_hashes(lst, BS)
     for algo in HASH_ALGOS[1:]:
-        kw = {"seed": "0"} if algo.startswith("vllm") else {}
+        seed = "0" if algo.startswith("vllm") else None
+
+        def ours(a: str = algo, s: Optional[str] = seed) -> object:
+            return hash_blocks(toks, BS, algo=a, seed=s)
+
         if algo == "sglang_sha256":
-            py = ("python", lambda: _py_sglang(toks, BS))
-            note = "python: hashlib.sha256(parent digest + tokens.tobytes()) per page"
+            py, note = py_sglang, "python: hashlib.sha256(parent digest + tokens) per page"
         else:
-            py = ("python", lambda: sha256_block_hashes(lst, BS))
-            note = "python: SHA-256 of pickled (parent, tokens, None), vLLM's default hash"
+            py, note = py_vllm, "python: SHA-256 of pickled (parent, tokens, None) (vLLM)"
         ops.append(
             Op(
                 f"hash_blocks/32k/{algo}",
                 f"hash a {PROMPT:,}-token prompt, {algo}",
                 "block",
                 n,
-                [
-                    Case("kvblocks", lambda a=algo, k=kw: hash_blocks(toks, BS, algo=a, **k)),
-                    Case(py[0], py[1]),
-                ],
+                [Case("kvblocks", ours), Case("python", py)],
                 note=note,
             )
         )
