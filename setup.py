@@ -25,6 +25,8 @@ PRELOAD = os.environ.get("KVBLOCKS_SANITIZE", "") == "preload"
 
 C_SOURCES = [
     "csrc/hash.c",
+    "csrc/sha256.c",
+    "csrc/chain.c",
     "csrc/events.c",
     "csrc/pool.c",
     "csrc/cache.c",

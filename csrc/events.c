@@ -22,6 +22,7 @@ int kvb_events_reserve(kvb_events_t *ev, int64_t n_events, int64_t n_tokens) {
         c = ev->cap; if (kvb_grow((void **)&ev->block, &c, need, sizeof *ev->block)) return KVB_ENOMEM;
         c = ev->cap; if (kvb_grow((void **)&ev->group, &c, need, sizeof *ev->group)) return KVB_ENOMEM;
         c = ev->cap; if (kvb_grow((void **)&ev->tok_off, &c, need, sizeof *ev->tok_off)) return KVB_ENOMEM;
+        c = ev->cap; if (kvb_grow((void **)&ev->tag, &c, need, sizeof *ev->tag)) return KVB_ENOMEM;
         ev->cap = c;
     }
     return kvb_grow((void **)&ev->tokens, &ev->tok_cap, ev->ntok + n_tokens, sizeof *ev->tokens);
@@ -30,8 +31,8 @@ int kvb_events_reserve(kvb_events_t *ev, int64_t n_events, int64_t n_tokens) {
 void kvb_events_clear(kvb_events_t *ev) { ev->n = 0; ev->ntok = 0; }
 
 void kvb_events_destroy(kvb_events_t *ev) {
-    free(ev->kind); free(ev->hash); free(ev->parent); free(ev->block); free(ev->group); free(ev->tok_off);
-    free(ev->tokens);
+    free(ev->kind); free(ev->hash); free(ev->parent); free(ev->block); free(ev->group);
+    free(ev->tok_off); free(ev->tokens); free(ev->tag);
     memset(ev, 0, sizeof *ev);
 }
 
@@ -49,6 +50,7 @@ void kvb_pool_record(kvb_pool_t *p, int kind, int32_t b, const kvb_hash_t *h,
     ev->kind[i] = (uint8_t)kind;
     ev->block[i] = b;
     ev->group[i] = b > 0 && b < p->num_blocks ? p->gid[b] : 0;
+    ev->tag[i] = kind == KVB_EV_STORED ? ev->cur_tag : 0;
     if (h) ev->hash[i] = *h; else ev->hash[i].lo = ev->hash[i].hi = 0;
     if (parent) ev->parent[i] = *parent; else ev->parent[i].lo = ev->parent[i].hi = 0;
     if (tokens) {

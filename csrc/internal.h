@@ -62,4 +62,14 @@ void kvb_cache_clear(kvb_pool_t *p);              /* drop every entry (free list
 int kvb_cache_put(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const kvb_hash_t *parent,
                   const int32_t *tokens, int32_t block_size); /* 1 stored, 0 hash present */
 
+/* chain.c: a sequence's hash chain in the manager's mode (see there) */
+int kvb_chain_begin(const kvb_mgr_t *m, kvb_seq_t *s, const uint8_t *ctx, size_t ctx_len);
+int kvb_chain_reserve(const kvb_mgr_t *m, kvb_seq_t *s, int64_t nblocks); /* ext capacity */
+void kvb_chain_hash(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens, int64_t from,
+                    int64_t to); /* hashes[from..to) from the tokens of those blocks */
+void kvb_chain_block(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t j, kvb_hash_t *out);
+int kvb_chain_fork(const kvb_mgr_t *m, kvb_seq_t *child, const kvb_seq_t *parent);
+void kvb_chain_destroy(kvb_seq_t *s);
+int kvb_chain_probe(const kvb_mgr_t *m, const uint8_t *ctx, size_t ctx_len, kvb_hasher_t *hs);
+
 #endif

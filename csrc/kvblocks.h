@@ -7,7 +7,8 @@
  *               an optional event log. Block 0 is the reserved null block.
  *   kvb_mgr_t   the sequence-level manager: one block table (and token ids) per sequence
  *               slot on top of a pool; fork, copy-on-write, truncate, batched decode step.
- *   hashing     keyed SipHash-2-4 with 128-bit output, chained per full block.
+ *   hashing     keyed SipHash-2-4 with 128-bit output, chained per full block (default), or
+ *               the block hashes of vLLM (sha256_cbor) or the SGLang router (sha256).
  *
  * Conventions: every function that can fail returns 0 or a negative KVB_E* code, validates
  * everything first and mutates only after validation succeeded (all-or-nothing). Nothing
@@ -91,6 +92,75 @@ void kvb_hash_root(const uint8_t key[16], const uint8_t *salt, size_t salt_len, 
 void kvb_hash_chain(const uint8_t key[16], const kvb_hash_t *parent, const int32_t *tokens,
                     int64_t n_blocks, int32_t block_size, kvb_hash_t *out);
 
+/* Hash modes. SipHash is kvblocks' own keyed hash (the default); the others reproduce another
+ * engine's block hashes byte for byte, for routers that index blocks by those hashes. */
+enum {
+    KVB_HASH_SIPHASH = 0,          /* keyed SipHash-2-4-128 (above) */
+    KVB_HASH_VLLM_SHA256_CBOR = 1, /* vLLM >= 0.31: sha256(cbor((parent, tokens, extra keys))),
+                                    * tagged extra keys (("cache_salt", salt),) on block 0 */
+    KVB_HASH_VLLM_SHA256_CBOR_V030 = 2, /* the same with vLLM 0.11.1-0.30's untagged extra
+                                    * keys: (lora_name, salt) on block 0, (lora_name,) after */
+    KVB_HASH_SGLANG_SHA256 = 3,    /* SGLang router: sha256(parent digest || tokens as LE u32) */
+};
+#define KVB_HASH_NMODES 4
+
+/* A block's full digest. h: the 128 bits kvblocks keys a block on (prefix cache, events);
+ * x: the rest of a 256-bit digest, needed only to continue a chain (0 for SipHash). The byte
+ * split is chosen per mode so that h.lo is the 64-bit value the mode's routers carry on the
+ * wire: vLLM digest bytes 24..31 big-endian (h = bytes 16..31), SGLang bytes 0..7 (h = bytes
+ * 0..15, lo first). */
+typedef struct { kvb_hash_t h, x; } kvb_digest_t;
+
+typedef struct {               /* how one chain hashes: mode, key, start, extra keys */
+    int32_t algo;              /* KVB_HASH_* */
+    int32_t has_start;         /* 0: block 0 chains on nothing (SGLang without salt) */
+    kvb_digest_t start;        /* block 0's parent: SipHash root, vLLM NONE_HASH, SGLang salt */
+    const uint8_t *key;        /* [16] SipHash key */
+    const uint8_t *extra0;     /* vLLM: CBOR of block 0's extra keys (f6: None) */
+    const uint8_t *extra;      /* vLLM: CBOR of every later block's extra keys */
+    int32_t extra0_len, extra_len; /* their bytes */
+} kvb_hasher_t;
+
+/* A hasher from a chain context ctx (the `salt` argument of kvb_mgr_add and kvb_mgr_probe):
+ *   SipHash  any bytes, folded into the root (kvb_hash_root);
+ *   vLLM     empty (no extra keys) or what kvb_vllm_context wrote; none_hash: NONE_HASH;
+ *   SGLang   empty (the router's own chain) or any bytes, hashed into a start digest.
+ * The hasher points into key, none_hash and ctx. KVB_EINVAL for an unknown mode or a
+ * malformed vLLM context. */
+int kvb_hasher_init(kvb_hasher_t *hs, int32_t algo, const uint8_t key[16],
+                    const uint8_t none_hash[32], const uint8_t *ctx, size_t ctx_len);
+/* n full blocks of block_size tokens, the first being block `first` of its chain; parent is
+ * the digest of block first - 1, NULL at a chain's start (then first must be 0). Writes n
+ * hashes to out_h and, when out_x is not NULL, their digests' other halves to out_x. */
+void kvb_hash_blocks(const kvb_hasher_t *hs, const kvb_digest_t *parent, int64_t first,
+                     const int32_t *tokens, int64_t n, int32_t block_size, kvb_hash_t *out_h,
+                     kvb_hash_t *out_x);
+/* Bytes of a mode's digest (16 for SipHash, else 32) and the conversions to and from them. */
+int kvb_digest_size(int32_t algo);
+void kvb_digest_to_bytes(int32_t algo, const kvb_digest_t *d, uint8_t *out);
+void kvb_digest_from_bytes(int32_t algo, const uint8_t *in, kvb_digest_t *d);
+/* vLLM's NONE_HASH: sha256 of the CBOR text string seed (UTF-8, seed_len bytes). */
+void kvb_vllm_none_hash(const uint8_t *seed, size_t seed_len, uint8_t out[32]);
+/* The chain context of a vLLM mode for a cache salt and a LoRA adapter name (UTF-8; NULL:
+ * none; an empty salt is no salt, as in vLLM): CBOR of block 0's extra keys and of the later
+ * blocks'. Writes at most cap bytes to out (may be NULL) and returns the bytes needed, or
+ * KVB_EINVAL (mode not vLLM, or a LoRA name in the tagged mode, whose key holds the adapter's
+ * path). */
+int64_t kvb_vllm_context(int32_t algo, const uint8_t *salt, size_t salt_len,
+                         const uint8_t *lora, size_t lora_len, uint8_t *out, size_t cap);
+
+/* SHA-256 (sha256.c), streaming. */
+typedef struct {
+    uint32_t state[8];         /* chaining value */
+    uint64_t nbytes;           /* message bytes so far */
+    uint8_t buf[64];           /* partial block */
+    uint32_t fill;             /* bytes in buf, < 64 */
+} kvb_sha256_t;
+void kvb_sha256_init(kvb_sha256_t *s);
+void kvb_sha256_update(kvb_sha256_t *s, const void *data, size_t len);
+void kvb_sha256_final(kvb_sha256_t *s, uint8_t out[32]);
+void kvb_sha256(const void *data, size_t len, uint8_t out[32]);
+
 /* ---- stats and events (pool.c) ---------------------------------------------------------- */
 typedef struct {
     uint64_t queries;          /* prefix-cache lookups (calls) */
@@ -118,6 +188,8 @@ typedef struct {               /* struct-of-arrays event log, grown on demand */
     int64_t *tok_off;          /* [cap] offset of the block's tokens in tokens[], -1 if none */
     int64_t ntok, tok_cap;     /* token ids recorded, capacity */
     int32_t *tokens;           /* [tok_cap] token ids of stored blocks */
+    int32_t *tag;              /* [cap] adapter tag of a stored block (0: none) */
+    int32_t cur_tag;           /* tag recorded with the next stored blocks (set by table.c) */
     int64_t max_pending;       /* events kept undrained at most; later ones are dropped */
     uint64_t dropped;          /* events dropped since creation (log full or out of memory) */
 } kvb_events_t;
@@ -193,6 +265,16 @@ void kvb_events_clear(kvb_events_t *ev);
 void kvb_events_destroy(kvb_events_t *ev);
 
 /* ---- manager (table.c) ------------------------------------------------------------------ */
+typedef struct {               /* per-sequence hash chain state beside hashes[] (chain.c) */
+    kvb_digest_t start;        /* block 0's parent (start.h == root) */
+    int32_t has_start;         /* 0: block 0 chains on nothing (SGLang without salt) */
+    int32_t tag;               /* adapter tag the events of its stored blocks carry (0: none) */
+    kvb_hash_t *ext;           /* [ecap] digests' other halves of hashes[] (256-bit modes) */
+    int64_t ecap;              /* capacity of ext */
+    uint8_t *ctx;              /* [ctx_cap] the chain context given at add (vLLM extra keys) */
+    int64_t ctx_len, ctx_cap;  /* its bytes, capacity */
+} kvb_chain_t;
+
 typedef struct {
     int32_t *blocks;           /* [bcap] block table: physical ids in logical order */
     int32_t nblocks, bcap;     /* blocks held (committed + reserved), capacity */
@@ -205,6 +287,7 @@ typedef struct {
     int64_t drafted;           /* positions < drafted were scheduled as draft slots since the
                                 * last commit: append(computed=1) may commit up to here */
     kvb_hash_t root;           /* chain seed (salt folded in) */
+    kvb_chain_t chain;         /* the rest of the hash chain's state (chain.c) */
     uint32_t gen;              /* bumped when the slot is freed; odd = live */
     uint32_t tver;             /* bumped when an existing table entry changes (not on growth) */
     uint32_t stamp;            /* last append_batch call that touched it (duplicate check) */
@@ -227,6 +310,8 @@ typedef struct {
     int32_t block_size;        /* tokens per block, >= 1 */
     int32_t bs_shift;          /* log2(block_size) when a power of two, else -1 */
     uint8_t key[16];           /* hash key */
+    int32_t hash_algo;         /* KVB_HASH_* mode of the block hashes (kvb_mgr_set_hash) */
+    uint8_t none_hash[32];     /* vLLM modes: NONE_HASH, block 0's parent */
     kvb_seq_t *seqs;           /* [scap] sequence slots */
     int32_t nseqs, scap;       /* live sequences, capacity */
     int32_t free_slot;         /* head of the free-slot stack, KVB_NONE if empty */
@@ -246,6 +331,8 @@ typedef struct {
 
 int kvb_mgr_init(kvb_mgr_t *m, kvb_pool_t *pool, kvb_pool_t *host, int32_t block_size,
                  const uint8_t key[16]);
+/* The hash mode (chain.c); only while no sequence is live. KVB_EINVAL: unknown mode. */
+int kvb_mgr_set_hash(kvb_mgr_t *m, int32_t algo, const uint8_t none_hash[32]);
 void kvb_mgr_destroy(kvb_mgr_t *m);
 
 /* Add a prompt of n tokens in a new slot (*slot_out): its longest cached prefix (at most

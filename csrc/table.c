@@ -59,12 +59,12 @@ static int ensure_blocks(kvb_seq_t *s, int64_t need) {
     s->bcap = (int32_t)cap;
     return rc;
 }
-static int ensure_hashes(kvb_seq_t *s, int64_t need) {
+static int ensure_hashes(const kvb_mgr_t *m, kvb_seq_t *s, int64_t need) {
     int64_t cap = s->hcap;
     if (need > INT32_MAX) return KVB_ENOMEM;
     int rc = kvb_grow((void **)&s->hashes, &cap, need, sizeof *s->hashes);
     s->hcap = (int32_t)cap;
-    return rc;
+    return rc ? rc : kvb_chain_reserve(m, s, need);
 }
 
 KVB_NOINLINE static int out_of_blocks(kvb_mgr_t *m, int64_t need, int64_t have) {
@@ -210,6 +210,7 @@ static void make_writable(kvb_mgr_t *m, kvb_seq_t *s) {
 /* Register full blocks [from, to) of s, whose hashes are known, in the prefix cache. */
 static void cache_blocks(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t to) {
     kvb_pool_t *p = m->pool;
+    p->events.cur_tag = s->chain.tag;
     for (int64_t i = from; i < to; i++) {
         int32_t b = s->blocks[i];
         if (!(p->flags[b] & KVB_F_CACHED)) {
@@ -218,6 +219,7 @@ static void cache_blocks(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t to) {
                           s->tokens + i * m->block_size, m->block_size);
         }
     }
+    p->events.cur_tag = 0;
 }
 
 /* Tokens [old, ncomputed) became computed: cache the blocks that are now fully computed. */
@@ -234,9 +236,7 @@ static void computed_to(kvb_mgr_t *m, kvb_seq_t *s, int64_t ncomputed) {
 static void hash_new_blocks(kvb_mgr_t *m, kvb_seq_t *s) {
     int64_t full = blk_of(m, s->ntokens);
     int64_t from = s->nhashed;
-    kvb_hash_chain(m->key, from ? &s->hashes[from - 1] : &s->root,
-                   s->tokens + from * m->block_size, full - from, m->block_size,
-                   s->hashes + from);
+    kvb_chain_hash(m, s, s->tokens + from * m->block_size, from, full);
     s->nhashed = (int32_t)full;
 }
 
@@ -305,7 +305,7 @@ void kvb_mgr_step_release(kvb_mgr_t *m, const int32_t *slots, const int32_t *qle
 static int reserve_capacity(kvb_mgr_t *m, kvb_seq_t *s, int64_t n, int64_t extra_blocks) {
     if (ensure_tokens(s, s->ntokens + n)) return KVB_ENOMEM;
     if (ensure_blocks(s, s->nblocks + extra_blocks)) return KVB_ENOMEM;
-    if (m->caching && ensure_hashes(s, blk_of(m, s->ntokens + n) + 1)) return KVB_ENOMEM;
+    if (m->caching && ensure_hashes(m, s, blk_of(m, s->ntokens + n) + 1)) return KVB_ENOMEM;
     /* ccap counts int64 entries: room for one more (src, dst) pair */
     return kvb_grow((void **)&m->copies, &m->ccap, 2 * (m->ncopies + 1), sizeof *m->copies);
 }
@@ -347,6 +347,7 @@ void kvb_mgr_destroy(kvb_mgr_t *m) {
         free(m->seqs[i].blocks);
         free(m->seqs[i].tokens);
         free(m->seqs[i].hashes);
+        kvb_chain_destroy(&m->seqs[i]);
     }
     free(m->seqs);
     free(m->copies);
@@ -421,7 +422,7 @@ int kvb_mgr_add_prepare(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const ui
     if (new_slot(m, &slot)) return KVB_ENOMEM;
     kvb_seq_t *s = &m->seqs[slot];
     if (ensure_tokens(s, n) || ensure_blocks(s, total > full ? total : full) ||
-        (m->caching && ensure_hashes(s, full + 1)))
+        (m->caching && ensure_hashes(m, s, full + 1)))
         return KVB_ENOMEM;
     int64_t K = n > 0 ? blk_of(m, n - 1) : 0; /* at least one token is computed */
     if (K > full) K = full;
@@ -430,8 +431,9 @@ int kvb_mgr_add_prepare(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const ui
         for (int64_t k = 1; k <= kmax; k++) ok[k] = 0;
         return KVB_OK;
     }
-    kvb_hash_root(m->key, salt, salt_len, &s->root);
-    kvb_hash_chain(m->key, &s->root, tokens, full, m->block_size, s->hashes);
+    int rc = kvb_chain_begin(m, s, salt, salt_len);
+    if (rc) return rc;
+    kvb_chain_hash(m, s, tokens, 0, full);
     if (m->kind == KVB_G_FULL) {
         int64_t run = kvb_cache_match(p, s->hashes, K, s->blocks);
         for (int64_t k = run + 1; k <= kmax; k++) ok[k] = 0;
@@ -833,7 +835,7 @@ int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out) {
     kvb_seq_t *s = &m->seqs[slot];
     int64_t nb = table_blocks(m, ps->ntokens);
     if (ensure_tokens(s, ps->ntokens) || ensure_blocks(s, nb) ||
-        ensure_hashes(s, ps->nhashed + 1))
+        ensure_hashes(m, s, ps->nhashed + 1) || kvb_chain_fork(m, s, ps))
         return KVB_ENOMEM;
     if (m->kind == KVB_G_STATE) { /* the child's state is copied now: it diverges next step */
         if (nb > m->pool->num_free) return out_of_blocks(m, nb, m->pool->num_free);
@@ -992,8 +994,7 @@ int kvb_mgr_check_tables(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
         if (s->nhashed != (m->caching ? full : 0)) MFAIL("hashes known != full blocks", s->nhashed);
         for (int32_t j = 0; j < s->nhashed; j++) {
             kvb_hash_t h;
-            kvb_hash_chain(m->key, j ? &s->hashes[j - 1] : &s->root,
-                           s->tokens + (int64_t)j * m->block_size, 1, m->block_size, &h);
+            kvb_chain_block(m, s, j, &h);
             if (h.lo != s->hashes[j].lo || h.hi != s->hashes[j].hi)
                 MFAIL("block hash does not match its tokens", j);
             int32_t b = s->blocks[j]; /* a cached full block holds this very content */
@@ -1100,14 +1101,17 @@ int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t 
     int64_t total = blocks_for(m, n), hits = 0, pinned_from_free = 0;
     if (m->caching && n > 1) {
         int64_t max_hits = blk_of(m, n - 1);
-        kvb_hash_t h, parent;
-        kvb_hash_root(m->key, salt, salt_len, &parent);
+        kvb_hasher_t hs;
+        kvb_digest_t d, parent;
+        int rc = kvb_chain_probe(m, salt, salt_len, &hs);
+        if (rc) return rc;
         for (; hits < max_hits; hits++) { /* hash block by block: stop at the first miss */
-            kvb_hash_chain(m->key, &parent, tokens + hits * m->block_size, 1, m->block_size, &h);
-            int32_t b = kvb_cache_find(p, &h);
+            kvb_hash_blocks(&hs, hits ? &parent : NULL, hits, tokens + hits * m->block_size,
+                            1, m->block_size, &d.h, &d.x);
+            int32_t b = kvb_cache_find(p, &d.h);
             if (b == KVB_NONE) break;
             pinned_from_free += p->ref_count[b] == 0;
-            parent = h;
+            parent = d;
         }
     }
     *cached_out = hits * m->block_size;

@@ -9,6 +9,7 @@ __version__ = "0.1.0"  # the one version source: pyproject.toml reads it ([tool.
 
 from . import ops
 from ._core import (
+    HASH_ALGOS,
     BlockManager,
     BlockPool,
     SeqBatch,
@@ -37,6 +38,7 @@ from .stats import CacheStats
 from .storage import KVCache
 
 __all__ = [
+    "HASH_ALGOS",
     "KVGroup",
     "AllBlocksCleared",
     "AttentionMetadata",

@@ -33,6 +33,33 @@ cdef extern from "kvblocks.h" nogil:
     void kvb_hash_chain(const uint8_t *key, const kvb_hash_t *parent, const int32_t *tokens,
                         int64_t n_blocks, int32_t block_size, kvb_hash_t *out)
 
+    enum:
+        KVB_HASH_SIPHASH
+        KVB_HASH_VLLM_SHA256_CBOR
+        KVB_HASH_VLLM_SHA256_CBOR_V030
+        KVB_HASH_SGLANG_SHA256
+
+    ctypedef struct kvb_digest_t:
+        kvb_hash_t h
+        kvb_hash_t x
+
+    ctypedef struct kvb_hasher_t:
+        int32_t algo, has_start
+        kvb_digest_t start
+
+    int kvb_hasher_init(kvb_hasher_t *hs, int32_t algo, const uint8_t *key,
+                        const uint8_t *none_hash, const uint8_t *ctx, size_t ctx_len)
+    void kvb_hash_blocks(const kvb_hasher_t *hs, const kvb_digest_t *parent, int64_t first,
+                         const int32_t *tokens, int64_t n, int32_t block_size, kvb_hash_t *out_h,
+                         kvb_hash_t *out_x)
+    int kvb_digest_size(int32_t algo)
+    void kvb_digest_to_bytes(int32_t algo, const kvb_digest_t *d, uint8_t *out)
+    void kvb_digest_from_bytes(int32_t algo, const uint8_t *inp, kvb_digest_t *d)
+    void kvb_vllm_none_hash(const uint8_t *seed, size_t seed_len, uint8_t *out)
+    int64_t kvb_vllm_context(int32_t algo, const uint8_t *salt, size_t salt_len,
+                             const uint8_t *lora, size_t lora_len, uint8_t *out, size_t cap)
+    void kvb_sha256(const void *data, size_t len, uint8_t *out)
+
     ctypedef struct kvb_stats_t:
         uint64_t queries, query_blocks, hit_blocks, query_tokens, hit_tokens
         uint64_t recompute_query_tokens, recompute_hit_tokens
@@ -48,6 +75,8 @@ cdef extern from "kvblocks.h" nogil:
         int64_t *tok_off
         int64_t ntok, tok_cap
         int32_t *tokens
+        int32_t *tag
+        int32_t cur_tag
         int64_t max_pending
         uint64_t dropped
 
@@ -83,6 +112,9 @@ cdef extern from "kvblocks.h" nogil:
     int kvb_pool_reset_cache(kvb_pool_t *p)
     void kvb_events_clear(kvb_events_t *ev)
 
+    ctypedef struct kvb_chain_t:
+        int32_t tag
+
     ctypedef struct kvb_seq_t:
         int32_t *blocks
         int32_t nblocks, bcap
@@ -92,6 +124,7 @@ cdef extern from "kvblocks.h" nogil:
         kvb_hash_t *hashes
         int32_t nhashed, hcap
         kvb_hash_t root
+        kvb_chain_t chain
         uint32_t gen, stamp
         int32_t next_free, swapped, lo
 
@@ -108,6 +141,7 @@ cdef extern from "kvblocks.h" nogil:
         kvb_pool_t *host
         int32_t block_size
         uint8_t key[16]
+        int32_t hash_algo
         kvb_seq_t *seqs
         int32_t nseqs, scap
         int64_t *copies
@@ -118,6 +152,7 @@ cdef extern from "kvblocks.h" nogil:
     int kvb_mgr_init(kvb_mgr_t *m, kvb_pool_t *pool, kvb_pool_t *host, int32_t block_size,
                      const uint8_t *key)
     void kvb_mgr_destroy(kvb_mgr_t *m)
+    int kvb_mgr_set_hash(kvb_mgr_t *m, int32_t algo, const uint8_t *none_hash)
     int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
                     size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out)
     int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n,
@@ -191,6 +226,12 @@ cdef class BlockPool:
     cdef bytes _key
     cdef object _block_size
     cdef bint _initialized
+    cdef int32_t _algo
+    cdef str _seed
+    cdef bytes _none_hash
+    cdef list _lora_names
+    cdef dict _lora_tags
+    cdef int32_t _lora_tag(self, object name) except -1
 
 
 cdef class BlockManager:

@@ -46,6 +46,7 @@ BUILD_DEBUG_LEVEL = KVB_DEBUG_LEVEL  # 0 release, 1 assertions, 2 full check aft
 cdef Py_ssize_t _IMAP_LIMIT = 1 << 16  # int ids below this also get an array slot map
 
 include "_convert.pxi"
+include "_hash.pxi"
 include "_pool.pxi"
 include "_manager.pxi"
 
@@ -55,14 +56,39 @@ def default_hash_key():
     return _DEFAULT_KEY
 
 
-def hash_blocks(token_ids, block_size, *, parent=None, salt=None, key=None, group=0):
-    """Chained 128-bit keyed hashes of the full blocks of ``token_ids``.
+def hash_blocks(token_ids, block_size, *, parent=None, salt=None, key=None, algo="siphash",
+                seed=None, lora_name=None, bint digests=False, group=0):
+    """Chained hashes of the full blocks of ``token_ids``, in one of the hash modes.
 
-    ``h[i] = SipHash128_key(h[i-1] || tokens of block i)``; ``h[-1]`` is ``parent`` when given,
-    else the root of ``salt`` (different salts never share a hash). Returns an ``(n, 2)``
-    uint64 array of ``[lo, hi]`` halves; a trailing partial block is not hashed. ``group``
-    (a KV cache group index, see KVGroup) hashes under that group's key, as a BlockManager
-    with groups does: identical tokens in two groups never share a block.
+    Returns an ``(n, 2)`` uint64 array of ``[lo, hi]`` 128-bit hashes (a trailing partial
+    block is not hashed); with ``digests=True``, ``(hashes, digests)`` where ``digests`` is
+    ``(n, 16)`` (SipHash) or ``(n, 32)`` uint8: each block's full digest, the ``parent`` to
+    continue the chain with. ``parent`` continues a chain after that block (no salt then:
+    the salt enters block 0 only); otherwise the chain starts under ``salt`` and
+    ``lora_name`` (the adapter, isolating like a salt; on every block).
+
+    Modes (``algo``):
+
+    - ``"siphash"`` (default): ``h[i] = SipHash128_key(h[i-1] || tokens of block i)`` under
+      the secret 16-byte ``key``; ``h[-1]`` is the root of salt and adapter.
+    - ``"vllm_sha256_cbor"``: vLLM's ``sha256_cbor`` block hash (vLLM >= 0.31), the salt as
+      vLLM's ``("cache_salt", salt)`` extra key on block 0; ``seed`` is vLLM's NONE_HASH seed
+      (None: PYTHONHASHSEED if set, else ``"vllm-none-hash"``). No ``lora_name``: vLLM >=
+      0.31 hashes the adapter's path.
+    - ``"vllm_sha256_cbor_v030"``: the same with vLLM 0.11.1-0.30's untagged extra keys
+      (``(lora_name, salt)`` on block 0, ``(lora_name,)`` after).
+    - ``"sglang_sha256"``: the SGLang router's page hash, sha256 of the previous page's
+      digest and the tokens as little-endian uint32. A salt or adapter starts the chain
+      from a digest of them (the router has neither, so such chains never match it).
+
+    In the 256-bit modes the 128 bits kept are the digest's half that holds the router's
+    wire value: ``int(h) & (2**64 - 1)`` is what vLLM (last 8 bytes) or SGLang (first 8
+    bytes) publishes, which is what ``kvblocks.events.encode_batch`` sends.
+
+    ``group`` (a KV cache group index, see KVGroup) hashes under that group's key, as a
+    BlockManager with groups does, so identical tokens in two groups never share a block.
+    Only the siphash mode has per-group keys (the 256-bit modes are engines' own hashes,
+    which key a group's blocks by (hash, group) outside the hash).
 
     >>> import kvblocks
     >>> h = kvblocks.hash_blocks(list(range(40)), 16, key=b"0123456789abcdef")
@@ -71,31 +97,62 @@ def hash_blocks(token_ids, block_size, *, parent=None, salt=None, key=None, grou
     >>> h2 = kvblocks.hash_blocks(list(range(16, 32)), 16, parent=h[0], key=b"0123456789abcdef")
     >>> bool((h2[0] == h[1]).all())
     True
+    >>> v, d = kvblocks.hash_blocks(list(range(32)), 16, algo="vllm_sha256_cbor",
+    ...                             seed="vllm-none-hash", digests=True)
+    >>> [int(lo) for lo in v[:, 0]]  # vLLM's wire values
+    [2233398808101521225, 17911472383915781900]
+    >>> w = kvblocks.hash_blocks(list(range(16, 32)), 16, algo="vllm_sha256_cbor",
+    ...                          seed="vllm-none-hash", parent=d[0])
+    >>> bool((w[0] == v[1]).all())
+    True
     """
+    cdef int32_t a = as_algo(algo)
     cdef int32_t bs = <int32_t>as_int(block_size, "block_size", 1, INT32_MAX)
+    if key is not None and a != KVB_HASH_SIPHASH:
+        raise InvalidArgumentError(f"key applies to the siphash mode only, not {algo!r}")
     cdef bytes k = as_key(key)
+    cdef bytes none = none_hash_of(a, effective_seed(a, seed))
     cdef uint8_t gkey[16]
     cdef int64_t g = as_int(group, "group", 0, 254)
     if g:
+        if a != KVB_HASH_SIPHASH:
+            raise InvalidArgumentError(f"group={g} needs the siphash mode, not {algo!r}")
         kvb_group_key(<const uint8_t *>k, <uint8_t>g, gkey)
         k = gkey[:16]
     cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
     cdef int64_t n = cnp.PyArray_DIM(toks, 0) // bs
     cdef cnp.ndarray out = np.empty((n, 2), dtype=np.uint64)
-    cdef kvb_hash_t root
-    cdef bytes s
+    cdef int size = kvb_digest_size(a)
+    cdef cnp.ndarray dig
+    cdef cnp.ndarray ext = np.empty((n, 2), dtype=np.uint64)
+    cdef kvb_digest_t par, dg
+    cdef kvb_hasher_t hs
+    cdef bytes ctx
+    cdef int64_t i
     if parent is not None:
         if salt is not None:
             raise InvalidArgumentError("give either parent or salt: the salt only enters "
                                        "the first block of a chain")
-        root = _parent_hash(parent)
+        par = parent_digest(a, parent)
+        ctx = chain_context(a, None, lora_name)
     else:
-        s = as_salt(salt)
-        kvb_hash_root(<const uint8_t *>k, <const uint8_t *>s, len(s), &root)
+        ctx = chain_context(a, salt, lora_name)
+    rc = kvb_hasher_init(&hs, a, <const uint8_t *>k, <const uint8_t *>none,
+                         <const uint8_t *>ctx, len(ctx))
+    if rc:
+        raise_code(rc, "hash_blocks", 0, a)
     if n:
-        kvb_hash_chain(<const uint8_t *>k, &root, i32_data(toks), n, bs,
-                       <kvb_hash_t *>cnp.PyArray_DATA(out))
-    return out
+        kvb_hash_blocks(&hs, &par if parent is not None else NULL, 1 if parent is not None else 0,
+                        i32_data(toks), n, bs, <kvb_hash_t *>cnp.PyArray_DATA(out),
+                        <kvb_hash_t *>cnp.PyArray_DATA(ext))
+    if not digests:
+        return out
+    dig = np.empty((n, size), dtype=np.uint8)
+    for i in range(n):
+        dg.h = (<kvb_hash_t *>cnp.PyArray_DATA(out))[i]
+        dg.x = (<kvb_hash_t *>cnp.PyArray_DATA(ext))[i]
+        kvb_digest_to_bytes(a, &dg, <uint8_t *>cnp.PyArray_DATA(dig) + i * size)
+    return out, dig
 
 
 cdef kvb_hash_t _parent_hash(object parent) except *:

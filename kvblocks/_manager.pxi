@@ -44,6 +44,10 @@ cdef class BlockManager:
     - ``num_host_blocks``: host (CPU) blocks for ``swap_out``, including the host pool's own
       null block 0; 0 disables swapping.
     - ``hash_key``: 16-byte key of the block hashes (per-process random when None).
+    - ``hash_algo``: the block hash mode, ``"siphash"`` (default, keyed), or the hashes of
+      another engine for routers that index by them: ``"vllm_sha256_cbor"``,
+      ``"vllm_sha256_cbor_v030"``, ``"sglang_sha256"`` (see ``kvblocks.hash_blocks``);
+      ``hash_seed`` is vLLM's NONE_HASH seed in the vLLM modes.
 
     Sequence ids are ``int`` or ``str`` (numpy integers count as ints; bools and floats are
     refused). Each public call is atomic with respect to other threads; calling the manager
@@ -69,7 +73,8 @@ cdef class BlockManager:
 
     def __cinit__(self, num_blocks, block_size, *, bint enable_prefix_caching=True,
                   watermark=0.0, num_host_blocks=0, hash_key=None,
-                  bint enable_kv_events=False, groups=None):
+                  bint enable_kv_events=False, groups=None, hash_algo="siphash",
+                  hash_seed=None):
         cdef int32_t bs = <int32_t>as_int(block_size, "block_size", 1, INT32_MAX)
         cdef int32_t nb = <int32_t>as_int(num_blocks, "num_blocks", 2, INT32_MAX - 1)
         cdef int64_t nh = as_int(num_host_blocks, "num_host_blocks", 0, INT32_MAX - 1)
@@ -85,7 +90,11 @@ cdef class BlockManager:
         gs = _group_tuple(groups)
         self.pool = BlockPool(nb, enable_prefix_caching=enable_prefix_caching,
                               hash_key=hash_key, enable_kv_events=enable_kv_events,
-                              block_size=bs)
+                              block_size=bs, hash_algo=hash_algo, hash_seed=hash_seed)
+        if len(gs) > 1 and self.pool._algo != KVB_HASH_SIPHASH:
+            raise InvalidArgumentError(
+                f"hash_algo={hash_algo!r} with {len(gs)} KV cache groups: only the siphash "
+                "mode keys each group's blocks apart (vLLM keys them by (hash, group))")
         self.host_pool = (BlockPool(nh, enable_prefix_caching=False) if nh else None)
         self._watermark = wm
         self._watermark_blocks = <int64_t>math.ceil(wm * (nb - 1))
@@ -97,6 +106,11 @@ cdef class BlockManager:
             raise_code(rc, "BlockManager", 0, bs)
         self._initialized = True
         self._init_groups(gs, key)
+        for j in range(self.ng):
+            rc = kvb_mgr_set_hash(self.gp[j], self.pool._algo,
+                                  <const uint8_t *><const char *>self.pool._none_hash)
+            if rc:
+                raise_code(rc, "BlockManager", 0, self.pool._algo)
         self._slots = {}
         self._ids = []
         self._buf = np.empty(64, dtype=np.int32)
@@ -338,13 +352,13 @@ cdef class BlockManager:
             total += self.gp[j].span if self.gp[j].kind == KVB_G_STATE else b
         return total
 
-    def probe(self, token_ids, *, salt=None):
-        """What ``add(seq, token_ids, salt=salt)`` would find now, without pinning anything
-        or counting stats: ``(cached_tokens, blocks_needed)``. Chunked prefill sizes its first
-        chunk from ``cached_tokens``; ``blocks_needed`` counts evictable hits, which pinning
-        takes out of the free pool."""
+    def probe(self, token_ids, *, salt=None, lora_name=None):
+        """What ``add(seq, token_ids, salt=salt, lora_name=lora_name)`` would find now,
+        without pinning anything or counting stats: ``(cached_tokens, blocks_needed)``.
+        Chunked prefill sizes its first chunk from ``cached_tokens``; ``blocks_needed``
+        counts evictable hits, which pinning takes out of the free pool."""
         cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
-        cdef bytes s = as_salt(salt)
+        cdef bytes s = chain_context(self.m.hash_algo, salt, lora_name)
         cdef int64_t cached = 0, need = 0
         self._enter()
         try:
@@ -358,10 +372,10 @@ cdef class BlockManager:
             self._leave()
         return cached, need
 
-    def can_add_prompt(self, token_ids, *, salt=None):
+    def can_add_prompt(self, token_ids, *, salt=None, lora_name=None):
         """Whether ``add`` of this prompt fits now while keeping the watermark free,
         counting its prefix-cache hits (nothing is pinned)."""
-        cached, need = self.probe(token_ids, salt=salt)
+        cached, need = self.probe(token_ids, salt=salt, lora_name=lora_name)
         return self.pool.p.num_free - need >= self._watermark_blocks
 
     def blocks_needed(self, seq_id, n=1):
@@ -430,21 +444,24 @@ cdef class BlockManager:
         return self.pool.p.num_free
 
     # -- sequence lifecycle -------------------------------------------------------------------
-    def add(self, seq_id, token_ids, *, salt=None, bint recompute=False):
+    def add(self, seq_id, token_ids, *, salt=None, lora_name=None, bint recompute=False):
         """Allocate a block table for a prompt; reuse cached full blocks.
 
         Returns how many prompt tokens are already in the cache (and computed): a multiple
         of block_size, at most ``len(token_ids) - 1`` so that at least one token is computed.
         The rest is computed by the steps whose ``metadata`` covers it; only then do its full
         blocks enter the prefix cache. ``salt`` (str or bytes: tenant, LoRA adapter, ...)
-        isolates the cache: different salts never share. ``recompute=True`` marks the
+        isolates the cache: different salts never share. ``lora_name`` names the LoRA adapter
+        the sequence runs with: it isolates like a salt (in the vLLM modes as vLLM's LoRA
+        extra key) and the KV events of its blocks carry it. ``recompute=True`` marks the
         re-admission of a sequence preempted by ``free``: its hits (often its own blocks)
         are counted in ``stats.recompute_hit_tokens``, not as prefix reuse.
         """
         seq_id = norm_id(seq_id)
         cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
-        cdef bytes s = as_salt(salt)
-        cdef int32_t slot
+        cdef bytes s = chain_context(self.m.hash_algo, salt, lora_name)
+        cdef int32_t tag = self.pool._lora_tag(as_lora(lora_name))
+        cdef int32_t slot, j
         cdef int64_t cached
         cdef Py_ssize_t n = cnp.PyArray_DIM(toks, 0)
         self._enter()
@@ -457,6 +474,8 @@ cdef class BlockManager:
                               recompute, &slot, &cached))
             if rc:
                 self._err(rc, f"add({seq_id!r}, {n} tokens)")
+            for j in range(self.ng):
+                self.gp[j].seqs[slot].chain.tag = tag
             self._register(seq_id, slot)
             return cached
         finally:

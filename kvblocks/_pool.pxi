@@ -61,9 +61,18 @@ cdef class BlockPool:
     """
 
     def __cinit__(self, num_blocks, *, bint enable_prefix_caching=True, hash_key=None,
-                  bint enable_kv_events=False, block_size=None):
+                  bint enable_kv_events=False, block_size=None, hash_algo="siphash",
+                  hash_seed=None):
         cdef int32_t nb = <int32_t>as_int(num_blocks, "num_blocks (block 0 is the null block)",
                                           2, INT32_MAX - 1)
+        self._algo = as_algo(hash_algo)
+        if hash_key is not None and self._algo != KVB_HASH_SIPHASH:
+            raise InvalidArgumentError(f"hash_key applies to the siphash mode only, not "
+                                       f"{hash_algo!r}")
+        self._seed = effective_seed(self._algo, hash_seed)
+        self._none_hash = none_hash_of(self._algo, self._seed)
+        self._lora_names = [None]
+        self._lora_tags = {}
         self._key = as_key(hash_key)
         self._block_size = (None if block_size is None else
                             as_int(block_size, "block_size", 1, INT32_MAX))
@@ -123,6 +132,47 @@ cdef class BlockPool:
     def hash_key(self):
         """The 16-byte key of the block hashes this pool is used with."""
         return self._key
+
+    @property
+    def hash_algo(self):
+        """The hash mode of this pool's block hashes (see ``kvblocks.hash_blocks``)."""
+        return HASH_ALGOS[self._algo]
+
+    @property
+    def hash_seed(self):
+        """vLLM's NONE_HASH seed in the vLLM modes (the one given, else PYTHONHASHSEED at
+        creation, else "vllm-none-hash"); None in the other modes."""
+        return self._seed
+
+    def hash_blocks(self, token_ids, *, parent=None, salt=None, lora_name=None,
+                    bint digests=False):
+        """``kvblocks.hash_blocks`` in this pool's mode, key, seed and block size.
+
+        >>> from kvblocks import BlockPool
+        >>> pool = BlockPool(8, block_size=4, hash_algo="sglang_sha256")
+        >>> int(pool.hash_blocks([1, 2, 3, 4])[0, 0]) - (1 << 64)  # the router's int64
+        -3488128144981237669
+        """
+        if self._block_size is None:
+            raise InvalidStateError("hash_blocks: this pool has no block_size (give "
+                                    "BlockPool(..., block_size=) or use kvblocks.hash_blocks)")
+        return hash_blocks(token_ids, self._block_size, parent=parent, salt=salt,
+                           key=self._key if self._algo == KVB_HASH_SIPHASH else None,
+                           algo=HASH_ALGOS[self._algo], seed=self._seed,
+                           lora_name=lora_name, digests=digests)
+
+    cdef int32_t _lora_tag(self, object name) except -1:
+        """The event tag of an adapter name (0: None), registered on first use."""
+        if name is None:
+            return 0
+        cdef object t = self._lora_tags.get(name)
+        if t is None:
+            if len(self._lora_names) >= INT32_MAX:
+                raise InvalidArgumentError("too many distinct LoRA adapter names")
+            t = len(self._lora_names)
+            self._lora_names.append(name)
+            self._lora_tags[name] = t
+        return <int32_t>t
 
     @property
     def metadata_bytes(self):
@@ -211,17 +261,20 @@ cdef class BlockPool:
             raise_code(rc, "BlockPool.check", self.p.err_a, self.p.err_b, self.p.err_what)
 
     # -- prefix cache -------------------------------------------------------------------------
-    def cache(self, ids, hashes, *, parent=None, token_ids=None, group=0):
+    def cache(self, ids, hashes, *, parent=None, token_ids=None, lora_name=None,
+              group=0):
         """Register referenced full blocks under their hashes (from hash_blocks).
 
         Call it once the blocks' K/V are written: a cached block serves prefix hits at once.
         A hash that is already cached keeps its first block; the newcomer stays uncached.
         Returns how many entries were added. ``parent`` (None for the first block of a
-        sequence) and ``token_ids`` (the blocks' tokens, concatenated) only feed the
-        BlockStored event; while events are recorded ``token_ids`` is required, since
-        routers drop a BlockStored without its tokens. ``group`` is the KV cache group the
-        blocks belong to (hash them with ``hash_blocks(..., group=group)``); events carry it.
+        sequence), ``token_ids`` (the blocks' tokens, concatenated) and ``lora_name`` (the
+        adapter they were computed with) only feed the BlockStored event; while events are
+        recorded ``token_ids`` is required, since routers drop a BlockStored without its
+        tokens. ``group`` is the KV cache group the blocks belong to (hash them with
+        ``hash_blocks(..., group=group)``); events carry it.
         """
+        lora = as_lora(lora_name)
         cdef cnp.ndarray v = as_int32(ids, "ids")
         cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
         cdef uint64_t[:, ::1] h = as_hashes(hashes)
@@ -256,9 +309,11 @@ cdef class BlockPool:
             b = i32_data(v)[i]
             if 0 < b < self.p.num_blocks and not (self.p.flags[b] & KVB_F_CACHED):
                 self.p.gid[b] = g
+        self.p.events.cur_tag = self._lora_tag(lora)
         cdef int rc = kvb_cache_insert(&self.p, i32_data(v),
                                        <kvb_hash_t *>&h[0, 0] if n else NULL, n, ppar, tp, bs,
                                        &stored)
+        self.p.events.cur_tag = 0
         if rc:
             raise_code(rc, "cache", self.p.err_a, self.p.err_b)
         return stored
@@ -362,7 +417,8 @@ cdef class BlockPool:
                                      kv_cache_spec_kind=(spec.spec_kind if spec is not None
                                                          else "full_attention"),
                                      kv_cache_spec_sliding_window=(
-                                         spec.window if spec is not None else None))
+                                         spec.window if spec is not None else None),
+                                     lora_name=self._lora_names[ev.tag[i]])
             elif kind == KVB_EV_REMOVED:
                 raw[i] = BlockRemoved(block_hashes=[hash_int(ev.hash[i])], group_idx=ev.group[i])
             else:

@@ -159,6 +159,9 @@ def test_all_suites_json_to_stdout():
     prefix = {o["id"]: o for o in doc["suites"]["prefix"]["ops"]}
     assert set(prefix) == {
         "hash_blocks/32k",
+        "hash_blocks/32k/vllm_sha256_cbor",
+        "hash_blocks/32k/vllm_sha256_cbor_v030",
+        "hash_blocks/32k/sglang_sha256",
         "lookup/2048",
         "lookup_and_pin/2048",
         "allocate_evicting/128",

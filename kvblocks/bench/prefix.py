@@ -1,15 +1,17 @@
-"""Suite ``prefix``: hashing a 32K-token prompt, lookup and lookup-and-pin of 2,048 cached
-blocks, and allocation that evicts cached blocks. Baseline: the bundled pure-Python pool
-(SHA-256 block hashes, a dict from hash to block, :mod:`.pybaseline`).
+"""Suite ``prefix``: hashing a 32K-token prompt (in each hash mode), lookup and
+lookup-and-pin of 2,048 cached blocks, and allocation that evicts cached blocks. Baseline:
+the bundled pure-Python pool (SHA-256 block hashes, a dict from hash to block,
+:mod:`.pybaseline`).
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
+import hashlib
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from .._core import BlockPool, hash_blocks
+from .._core import HASH_ALGOS, BlockPool, hash_blocks
 from .pybaseline import PyBlockPool, sha256_block_hashes
 from .timing import Case, Op, Settings
 
@@ -36,6 +38,47 @@ def _hash() -> Op:
         ],
         note="kvblocks: keyed SipHash-128; python: SHA-256 of pickled (parent, tokens)",
     )
+
+
+def _hash_modes() -> List[Op]:
+    """ns per block of each hash mode over the same prompt, against Python doing the same
+    (vLLM's own hashing is Python: SHA-256 of each block's serialized tuple)."""
+    toks = np.random.default_rng(0).integers(0, 128000, PROMPT, dtype=np.int32)
+    lst = toks.tolist()
+    n = PROMPT // BS
+    ops = []
+    py_sglang: Callable[[], object] = lambda: _py_sglang(toks, BS)
+    py_vllm: Callable[[], object] = lambda: sha256_block_hashes(lst, BS)
+    for algo in HASH_ALGOS[1:]:
+        seed = "0" if algo.startswith("vllm") else None
+
+        def ours(a: str = algo, s: Optional[str] = seed) -> object:
+            return hash_blocks(toks, BS, algo=a, seed=s)
+
+        if algo == "sglang_sha256":
+            py, note = py_sglang, "python: hashlib.sha256(parent digest + tokens) per page"
+        else:
+            py, note = py_vllm, "python: SHA-256 of pickled (parent, tokens, None) (vLLM)"
+        ops.append(
+            Op(
+                f"hash_blocks/32k/{algo}",
+                f"hash a {PROMPT:,}-token prompt, {algo}",
+                "block",
+                n,
+                [Case("kvblocks", ours), Case("python", py)],
+                note=note,
+            )
+        )
+    return ops
+
+
+def _py_sglang(toks: np.ndarray, bs: int) -> list:
+    raw = toks.astype("<u4").tobytes()
+    out, parent = [], b""
+    for i in range(len(toks) // bs):
+        parent = hashlib.sha256(parent + raw[4 * i * bs : 4 * (i + 1) * bs]).digest()
+        out.append(parent)
+    return out
 
 
 def _lookup() -> List[Op]:
@@ -164,4 +207,4 @@ def _evict() -> List[Op]:
 
 
 def build(s: Settings, vllm=None) -> Tuple[List[Op], dict]:
-    return [_hash()] + _lookup() + _evict(), {}
+    return [_hash()] + _hash_modes() + _lookup() + _evict(), {}
