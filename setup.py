@@ -30,6 +30,7 @@ C_SOURCES = [
     "csrc/cache.c",
     "csrc/table.c",
     "csrc/meta.c",
+    "csrc/rows.c",
 ]
 
 compile_args = ["-std=c11"] if sys.platform != "win32" else []

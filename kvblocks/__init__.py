@@ -32,6 +32,7 @@ from .errors import (
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
 from .layout import KVLayout
 from .metadata import AttentionMetadata
+from .rows import RowIndices
 from .stats import CacheStats
 from .storage import KVCache
 
@@ -54,6 +55,7 @@ __all__ = [
     "KVLayout",
     "NotSupportedError",
     "OutOfBlocksError",
+    "RowIndices",
     "SeqBatch",
     "UnknownSequenceError",
     "default_hash_key",
