@@ -125,6 +125,12 @@ class RowIndices:
 
         return {
             name: torch.from_numpy(getattr(self, name))
-            for name in ("read_index", "write_index", "read_offsets", "write_offsets", "block_tables")
+            for name in (
+                "read_index",
+                "write_index",
+                "read_offsets",
+                "write_offsets",
+                "block_tables",
+            )
             if getattr(self, name) is not None
         }

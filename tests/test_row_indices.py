@@ -70,8 +70,9 @@ def test_rows_match_the_layout_model(lens, bs, pages, off_pages, data):
         mgr.reserve(i, d)
     q = [data.draw(st.integers(n - mgr.num_computed(i), n)) for i, n in zip(ids, lens)]
     ref = model_rows(mgr, ids, q, drafts, stride, offset)
-    rows = mgr.row_indices(ids, q, stride=stride, offset=offset, draft_lens=drafts,
-                           block_tables=True)
+    rows = mgr.row_indices(
+        ids, q, stride=stride, offset=offset, draft_lens=drafts, block_tables=True
+    )
     assert_rows(rows, ref)
     # the step is declared: every committed token is computed
     assert all(mgr.num_computed(i) == n for i, n in zip(ids, lens))
@@ -126,10 +127,14 @@ def test_empty_batch():
 
 
 def snapshot(mgr):
-    return {
-        s: (mgr.block_table(s).tolist(), mgr.num_tokens(s), mgr.num_computed(s))
-        for s in mgr.seq_ids()
-    }, mgr.pool.ref_counts().tolist(), mgr.pool.num_cached
+    return (
+        {
+            s: (mgr.block_table(s).tolist(), mgr.num_tokens(s), mgr.num_computed(s))
+            for s in mgr.seq_ids()
+        },
+        mgr.pool.ref_counts().tolist(),
+        mgr.pool.num_cached,
+    )
 
 
 def test_hostile_inputs_change_nothing():
@@ -151,13 +156,23 @@ def test_hostile_inputs_change_nothing():
         (InvalidTypeError, dict(stride=4, out=object())),
         (InvalidArgumentError, dict(stride=4, out=buf)),  # 14 rows do not fit
         (InvalidArgumentError, dict(stride=4, block_tables=True, max_blocks=1)),
-        (InvalidTypeError, dict(stride=4, out=RowIndices([0] * 20, None, buf.read_offsets,
-                                                         buf.write_offsets))),
-        (InvalidTypeError, dict(stride=4, out=RowIndices(np.zeros(20, np.int32), None,
-                                                         buf.read_offsets,
-                                                         buf.write_offsets))),
-        (InvalidArgumentError, dict(stride=4, out=RowIndices(None, None, np.zeros(2, np.int32),
-                                                             np.zeros(3, np.int32)))),
+        (
+            InvalidTypeError,
+            dict(stride=4, out=RowIndices([0] * 20, None, buf.read_offsets, buf.write_offsets)),
+        ),
+        (
+            InvalidTypeError,
+            dict(
+                stride=4,
+                out=RowIndices(np.zeros(20, np.int32), None, buf.read_offsets, buf.write_offsets),
+            ),
+        ),
+        (
+            InvalidArgumentError,
+            dict(
+                stride=4, out=RowIndices(None, None, np.zeros(2, np.int32), np.zeros(3, np.int32))
+            ),
+        ),
         (InvalidStateError, dict(stride=4, draft_lens=[4, 0])),  # draft slots not reserved
         (InvalidArgumentError, dict(stride=4, draft_lens=[0])),
     ]

@@ -15,8 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kvblocks.errors import InvalidStateError, NotSupportedError  # noqa: E402
-from kvblocks.integrations import transformers_cb  # noqa: E402
-from kvblocks.integrations import transformers_cb_step  # noqa: E402
+from kvblocks.integrations import transformers_cb, transformers_cb_step  # noqa: E402
 
 if transformers_cb._IMPORT_PROBLEM is not None:  # pragma: no cover - depends on the environment
     pytest.skip(transformers_cb._IMPORT_PROBLEM, allow_module_level=True)
@@ -96,7 +95,9 @@ def native(request):
 
 
 def _alloc_class(native):
-    return transformers_cb_step.KVBlocksStepAllocator if native else transformers_cb.KVBlocksAllocator
+    return (
+        transformers_cb_step.KVBlocksStepAllocator if native else transformers_cb.KVBlocksAllocator
+    )
 
 
 def _check_stage(kb, native):

@@ -543,6 +543,7 @@ def enabled(
         raise NotSupportedError(_IMPORT_PROBLEM)
     kb = KVBlocksCB(enable_prefix_caching, hash_key, enable_kv_events, native_step)
     from . import transformers_cb_step as step
+
     with _LOCK:
         if _ACTIVE is not None:
             raise InvalidStateError(
@@ -555,7 +556,7 @@ def enabled(
         table[SLIDING_ATTENTION] = _RecordingRefusal(kb)  # type: ignore[assignment]
         _cb_cache.ATTN_TYPE_TO_ALLOCATOR = table
         _cb_cache.CachePool = KVBlocksCachePool  # type: ignore[misc]  # the seam
-        step.ContinuousBatchingIOs.prepare_batch_tensors = step.prepare_batch_tensors
+        step.ContinuousBatchingIOs.prepare_batch_tensors = step.prepare_batch_tensors  # type: ignore[method-assign]  # the step seam
         _ACTIVE = kb
     raised = False
     try:
@@ -566,7 +567,7 @@ def enabled(
     finally:
         with _LOCK:
             _cb_cache.ATTN_TYPE_TO_ALLOCATOR, _cb_cache.CachePool = saved  # type: ignore[misc]
-            step.ContinuousBatchingIOs.prepare_batch_tensors = saved_prepare
+            step.ContinuousBatchingIOs.prepare_batch_tensors = saved_prepare  # type: ignore[method-assign]
             _ACTIVE = None
         if not raised and kb.build_error is not None:
             raise kb.build_error

@@ -288,7 +288,9 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
         return stage.numpy(), stage
 
 
-_ORIGINAL_PREPARE = ContinuousBatchingIOs.prepare_batch_tensors if ContinuousBatchingIOs else None
+_ORIGINAL_PREPARE: Any = (
+    ContinuousBatchingIOs.prepare_batch_tensors if ContinuousBatchingIOs is not None else None
+)
 
 
 def _step_allocator(cache: Any) -> Optional[KVBlocksStepAllocator]:
