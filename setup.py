@@ -33,6 +33,7 @@ C_SOURCES = [
     "csrc/table.c",
     "csrc/meta.c",
     "csrc/groups.c",
+    "csrc/rows.c",
 ]
 
 compile_args = ["-std=c11"] if sys.platform != "win32" else []

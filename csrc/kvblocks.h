@@ -470,6 +470,28 @@ typedef struct {
 int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                      const int32_t *drafts, int64_t B, kvb_meta_t *out);
 
+/* Per-token row indices of a step (rows.c), for a cache laid out as rows: token p of a sequence
+ * is row blocks[p / block_size] * stride + offset + p % block_size. Same step model and
+ * validation as kvb_mgr_metadata; NULL read_index / write_index / block_tables are skipped. */
+typedef struct {
+    int64_t *read_index;       /* [cap_read] rows of every context token, sequence by sequence */
+    int64_t *write_index;      /* [cap_write] rows of every query token */
+    int32_t *read_offsets;     /* [B + 1] CSR offsets into read_index */
+    int32_t *write_offsets;    /* [B + 1] CSR offsets into write_index */
+    int32_t *block_tables;     /* [B * max_blocks] (block * stride + offset) / block_size,
+                                * padded with the null block's entry; or NULL */
+    int64_t cap_read;          /* capacity of read_index */
+    int64_t cap_write;         /* capacity of write_index */
+    int32_t max_blocks;        /* row width of block_tables */
+    int64_t stride;            /* rows from one block's first row to the next's, >= block_size */
+    int64_t offset;            /* rows added to every index, >= 0 */
+    int64_t n_read;            /* out: read rows written */
+    int64_t n_write;           /* out: write rows written */
+} kvb_rows_t;
+
+int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                 const int32_t *drafts, int64_t B, kvb_rows_t *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -34,6 +34,7 @@ from .events import AllBlocksCleared, BlockRemoved, BlockStored
 from .groups import KVGroup
 from .layout import KVLayout
 from .metadata import AttentionMetadata
+from .rows import RowIndices
 from .stats import CacheStats
 from .storage import KVCache
 
@@ -58,6 +59,7 @@ __all__ = [
     "KVLayout",
     "NotSupportedError",
     "OutOfBlocksError",
+    "RowIndices",
     "SeqBatch",
     "UnknownSequenceError",
     "default_hash_key",

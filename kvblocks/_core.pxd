@@ -218,6 +218,20 @@ cdef extern from "kvblocks.h" nogil:
     int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                          const int32_t *drafts, int64_t B, kvb_meta_t *out)
 
+    ctypedef struct kvb_rows_t:
+        int64_t *read_index
+        int64_t *write_index
+        int32_t *read_offsets
+        int32_t *write_offsets
+        int32_t *block_tables
+        int64_t cap_read, cap_write
+        int32_t max_blocks
+        int64_t stride, offset
+        int64_t n_read, n_write
+
+    int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                     const int32_t *drafts, int64_t B, kvb_rows_t *out)
+
 
 cdef class BlockPool:
     cdef kvb_pool_t p

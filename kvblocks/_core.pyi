@@ -8,6 +8,7 @@ import numpy.typing as npt
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
 from .groups import KVGroup
 from .metadata import AttentionMetadata
+from .rows import RowIndices
 from .stats import CacheStats
 
 SeqId = Union[int, str]
@@ -164,3 +165,7 @@ class BlockManager:
                  out: Optional[AttentionMetadata] = ...,
                  group: int = ...) -> AttentionMetadata: ...
     def check(self) -> None: ...
+    def row_indices(self, seq_ids: SeqIds, query_lens: IntArray, *, stride: int,
+                    offset: int = ..., draft_lens: Optional[IntArray] = ...,
+                    block_tables: bool = ..., max_blocks: Optional[int] = ...,
+                    out: Optional[RowIndices] = ...) -> RowIndices: ...

@@ -37,6 +37,7 @@ from kvblocks.errors import (
 from kvblocks.events.types import AllBlocksCleared, BlockRemoved, BlockStored, coalesce
 from kvblocks.groups import KVGroup
 from kvblocks.metadata import AttentionMetadata
+from kvblocks.rows import RowIndices
 from kvblocks.stats import CacheStats
 
 cnp.import_array()

@@ -943,6 +943,110 @@ cdef class BlockManager:
         finally:
             self._leave()
 
+    # -- row indices (csrc/rows.c) --------------------------------------------------------------
+    def row_indices(self, seq_ids, query_lens, *, stride, offset=0, draft_lens=None,
+                    bint block_tables=False, max_blocks=None, out=None, group=0):
+        """Per-token cache rows of one step, built natively; it also declares the step, as
+        ``metadata`` does (the forward right after writes the K/V of the last
+        ``query_lens[i]`` committed tokens and of ``draft_lens[i]`` reserved draft slots).
+
+        Token ``p`` of a sequence is row ``table[p // block_size] * stride + offset +
+        p % block_size`` (``stride >= block_size``). Returns a :class:`RowIndices`:
+        ``read_index`` (every context row), ``write_index`` (the query rows), their int32 CSR
+        offsets, and with ``block_tables=True`` a page table of ``(block * stride + offset) //
+        block_size`` entries (``max_blocks`` columns, default the longest table), padded with
+        the null block's entry. With ``out`` (a RowIndices, e.g. from ``RowIndices.allocate``
+        or over views of an engine's own index storage) the rows are written into its buffers
+        and views of the used part are returned; its fields left None are not built.
+
+        Raises InvalidArgumentError for a bad geometry or a buffer too small, and what
+        ``metadata`` raises for the batch (pending copies, gaps, swapped or unknown sequences);
+        a failed call writes nothing and declares nothing.
+
+        With KV cache groups, ``group`` selects the group whose rows are built and declares
+        the step for that group, as ``metadata(group=)`` does; positions a window group
+        released map to the null block's rows (mask them, as the window does). A state
+        group has no per-token rows: InvalidArgumentError.
+        """
+        cdef int32_t g = self._group(group)
+        if self.gp[g].kind == KVB_G_STATE:
+            raise InvalidArgumentError(f"row_indices: group {g} is a state group, which has "
+                                       f"no per-token rows")
+        cdef int64_t st = as_int(stride, "stride", 1, INT64_MAX)
+        cdef int64_t off = as_int(offset, "offset", 0, INT64_MAX)
+        cdef int64_t width = -1
+        if max_blocks is not None:
+            width = as_int(max_blocks, "max_blocks", 0, INT32_MAX)
+        cdef cnp.ndarray q_arr = as_int32(query_lens, "query_lens")
+        cdef cnp.ndarray d_arr = as_int32(draft_lens, "draft_lens") if draft_lens is not None \
+            else None
+        if out is not None and not isinstance(out, RowIndices):
+            raise InvalidTypeError(f"row_indices: out must be a RowIndices, got "
+                                   f"{type(out).__name__}")
+        ids = self._id_list(seq_ids)
+        cdef kvb_rows_t r
+        memset(&r, 0, sizeof(r))
+        r.stride = st
+        r.offset = off
+        cdef Py_ssize_t B, i
+        cdef int64_t nread = 0, nwrite = 0, nb, maxb = 0, L
+        cdef kvb_seq_t *s
+        cdef int32_t *sl
+        cdef int32_t *q = i32_data(q_arr)
+        cdef int32_t *d = i32_data(d_arr) if d_arr is not None else NULL
+        self._enter()
+        try:
+            slots = self._slots_of(ids, &B)
+            self._check_step(slots, q_arr, d_arr, B, "row_indices", g)
+            sl = i32_data(slots)
+            if out is None:  # exact sizes (Python code runs, guarded)
+                for i in range(B):
+                    s = &self.gp[g].seqs[sl[i]]
+                    L = s.ntokens + (d[i] if d is not NULL else 0)
+                    nb = (L + self.m.block_size - 1) // self.m.block_size
+                    maxb = nb if nb > maxb else maxb
+                    nread += L
+                    nwrite += q[i] + (L - s.ntokens)
+                out = RowIndices(np.empty(nread, dtype=np.int64),
+                                 np.empty(nwrite, dtype=np.int64),
+                                 new_i32(B + 1), new_i32(B + 1),
+                                 np.empty((B, width if width >= 0 else maxb), dtype=np.int32)
+                                 if block_tables else None)
+            ri, wi, ro, wo, bt = (out.read_index, out.write_index, out.read_offsets,
+                                  out.write_offsets, out.block_tables)
+            r.read_offsets = <int32_t *>_rows_buf(ro, cnp.NPY_INT32, 1, B + 1, "read_offsets")
+            r.write_offsets = <int32_t *>_rows_buf(wo, cnp.NPY_INT32, 1, B + 1,
+                                                   "write_offsets")
+            if ri is not None:
+                r.read_index = <int64_t *>_rows_buf(ri, cnp.NPY_INT64, 1, 0, "read_index")
+                r.cap_read = cnp.PyArray_DIM(<cnp.ndarray>ri, 0)
+            if wi is not None:
+                r.write_index = <int64_t *>_rows_buf(wi, cnp.NPY_INT64, 1, 0, "write_index")
+                r.cap_write = cnp.PyArray_DIM(<cnp.ndarray>wi, 0)
+            if bt is not None:
+                r.block_tables = <int32_t *>_rows_buf(bt, cnp.NPY_INT32, 2, B, "block_tables")
+                r.max_blocks = <int32_t>cnp.PyArray_DIM(<cnp.ndarray>bt, 1)
+            rc = kvb_mgr_rows(self.gp[g], sl, q, d, B, &r)
+            if rc and g:
+                _copy_err(&self.m, self.gp[g], rc)
+            if rc == KVB_EINVAL and self.m.err_what is not NULL:
+                raise InvalidArgumentError(
+                    f"row_indices: {self.m.err_what.decode()} (stride={st}, offset={off}, "
+                    f"block_size={self.m.block_size})")
+            if rc == KVB_ERANGE:
+                raise InvalidArgumentError(
+                    f"row_indices: buffer {self.m.err_what.decode()} holds {self.m.err_b}, "
+                    f"the step needs {self.m.err_a}")
+            if rc:
+                self._err(rc, "row_indices")
+            kvb_mgr_schedule(self.gp[g], sl, q, d, B, 1)
+            return RowIndices(ri[:r.n_read] if ri is not None else None,
+                              wi[:r.n_write] if wi is not None else None,
+                              ro[:B + 1], wo[:B + 1],
+                              bt[:B] if bt is not None else None, r.n_read, r.n_write, B)
+        finally:
+            self._leave()
+
 
 cdef int _copy_err(kvb_mgr_t *dst, kvb_mgr_t *src, int rc) noexcept:
     dst.err_a = src.err_a
@@ -970,3 +1074,21 @@ cdef tuple _group_tuple(object groups):
         if type(g) is not KVGroup:
             raise InvalidTypeError(f"groups must hold KVGroup, got {type(g).__name__}")
     return gs
+
+
+cdef void *_rows_buf(object arr, int typenum, int ndim, Py_ssize_t rows,
+                     str name) except NULL:
+    """Data pointer of a writable C-contiguous buffer of row_indices' ``out``."""
+    if not cnp.PyArray_Check(arr):
+        raise InvalidTypeError(f"row_indices: out.{name} must be a numpy array, got "
+                               f"{type(arr).__name__}")
+    cdef cnp.ndarray a = <cnp.ndarray>arr
+    if (cnp.PyArray_TYPE(a) != typenum or cnp.PyArray_NDIM(a) != ndim
+            or not cnp.PyArray_ISCARRAY(a)):
+        want = "int64" if typenum == cnp.NPY_INT64 else "int32"
+        raise InvalidTypeError(f"row_indices: out.{name} must be a writable C-contiguous "
+                               f"{ndim}-D {want} array, got {arr.dtype} {arr.shape}")
+    if cnp.PyArray_DIM(a, 0) < rows:
+        raise InvalidArgumentError(f"row_indices: out.{name} holds {cnp.PyArray_DIM(a, 0)} "
+                                   f"rows, the batch needs {rows}")
+    return cnp.PyArray_DATA(a)

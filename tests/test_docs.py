@@ -11,6 +11,7 @@ import kvblocks._core
 import kvblocks.layout
 import kvblocks.metadata
 import kvblocks.ops
+import kvblocks.rows
 import kvblocks.storage
 import kvblocks.testing.readback
 import kvblocks.testing.reference
@@ -24,6 +25,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
         kvblocks._core,
         kvblocks.metadata,
         kvblocks.ops,
+        kvblocks.rows,
         kvblocks.layout,
         kvblocks.storage,
         kvblocks.testing.readback,

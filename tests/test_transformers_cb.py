@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kvblocks.errors import InvalidStateError, NotSupportedError  # noqa: E402
-from kvblocks.integrations import transformers_cb  # noqa: E402
+from kvblocks.integrations import transformers_cb, transformers_cb_step  # noqa: E402
 
 if transformers_cb._IMPORT_PROBLEM is not None:  # pragma: no cover - depends on the environment
     pytest.skip(transformers_cb._IMPORT_PROBLEM, allow_module_level=True)
@@ -88,6 +88,23 @@ def _assert_clean(kb):
     assert kb.blocks_in_use == 0, f"{kb.blocks_in_use} blocks leaked"
 
 
+@pytest.fixture(params=[True, False], ids=["native_step", "stage1"])
+def native(request):
+    """Stage 2 (kvblocks builds the step's indices natively) and stage 1 (allocation only)."""
+    return request.param
+
+
+def _alloc_class(native):
+    return (
+        transformers_cb_step.KVBlocksStepAllocator if native else transformers_cb.KVBlocksAllocator
+    )
+
+
+def _check_stage(kb, native):
+    """Stage 2 built every step's indices natively; stage 1 none."""
+    assert (kb.steps > 0) is native and (kb.block_manager is not None) is native
+
+
 @pytest.fixture(scope="module")
 def reference(llama):
     """transformers' own continuous batching on the prompts, roomy cache."""
@@ -98,8 +115,8 @@ def reference(llama):
 
 
 @pytest.mark.parametrize("prefix", [True, False])
-def test_same_tokens_as_transformers_cb(llama, reference, prefix):
-    with transformers_cb.enabled(enable_prefix_caching=prefix) as kb:
+def test_same_tokens_as_transformers_cb(llama, reference, prefix, native):
+    with transformers_cb.enabled(enable_prefix_caching=prefix, native_step=native) as kb:
         out = _tokens(_run(llama, PROMPTS))
     assert out == reference
     assert kb.manager is not None and kb.manager.enable_prefix_caching is prefix
@@ -108,6 +125,7 @@ def test_same_tokens_as_transformers_cb(llama, reference, prefix):
         assert kb.hit_tokens == kb.stats.hit_blocks * PAGE
     else:
         assert kb.stats.hit_blocks == 0 and kb.manager.num_cached == 0
+    _check_stage(kb, native)
     _assert_clean(kb)
 
 
@@ -124,32 +142,43 @@ def test_same_tokens_as_per_prompt_generate(llama, reference):
         assert ref[0, len(prompt) :].tolist() == toks
 
 
-def test_paged_eager_and_second_family():
-    """``paged|eager`` attention on Llama, and Qwen2 (another family), against transformers' CB."""
-    for model in (_tiny("llama", attn="paged|eager"), _tiny("qwen2")):
+def test_paged_eager_and_second_family(native):
+    """``paged|eager`` attention on Llama, and Qwen2 (another family), against transformers' CB
+    and against per-prompt greedy ``generate`` (sdpa)."""
+    sdpa = {"llama": _tiny("llama"), "qwen2": _tiny("qwen2")}
+    for family, model in (("llama", _tiny("llama", attn="paged|eager")), ("qwen2", sdpa["qwen2"])):
         ref = _tokens(_run(model, PROMPTS[:4]))
-        with transformers_cb.enabled() as kb:
-            assert _tokens(_run(model, PROMPTS[:4])) == ref
+        with transformers_cb.enabled(native_step=native) as kb:
+            out = _tokens(_run(model, PROMPTS[:4]))
+        assert out == ref
+        for prompt, toks in zip(PROMPTS[:4:3], out[::3]):
+            ids = torch.tensor([prompt])
+            greedy = sdpa[family].generate(
+                ids, attention_mask=torch.ones_like(ids), generation_config=_gen()
+            )
+            assert greedy[0, len(prompt) :].tolist() == toks
         assert kb.stats.hit_blocks > 0
+        _check_stage(kb, native)
         _assert_clean(kb)
 
 
-def test_block_ids_flow_unchanged_and_trash_reserved(llama):
+def test_block_ids_flow_unchanged_and_trash_reserved(llama, native):
     """kvblocks' ids are transformers' block ids: the trash sectors' blocks are held, never handed
     out, and every id in a block table is a block kvblocks allocated."""
     seen = []
-    orig = transformers_cb.KVBlocksAllocator.allocate_cache_to_request
+    cls = _alloc_class(native)
+    orig = cls.allocate_cache_to_request
 
     def spy(self, request_id, past_length, query_length):
         orig(self, request_id, past_length, query_length)
         seen.append((self.kv.ref_counts().copy(), list(self.block_table[request_id])))
 
-    transformers_cb.KVBlocksAllocator.allocate_cache_to_request = spy
+    cls.allocate_cache_to_request = spy
     try:
-        with transformers_cb.enabled() as kb:
+        with transformers_cb.enabled(native_step=native) as kb:
             _run(llama, PROMPTS[:3])
     finally:
-        transformers_cb.KVBlocksAllocator.allocate_cache_to_request = orig
+        cls.allocate_cache_to_request = orig
     pool = kb.cache_pool
     trash = pool.num_reserved_sectors * pool.blocks_per_sector[0]
     assert kb.reserved_blocks == trash - 1  # kvblocks' null block 0 is the first trash block
@@ -162,13 +191,13 @@ def test_block_ids_flow_unchanged_and_trash_reserved(llama):
 # --- prefix cache, pressure, forks, cancel ----------------------------------------------------
 
 
-def test_prefix_hits_under_pressure_lazy_eviction(llama, reference):
+def test_prefix_hits_under_pressure_lazy_eviction(llama, reference, native):
     """Few blocks: kvblocks evicts cached blocks one at a time, when an allocation needs them
     (transformers drops them all at once), and the tokens stay the same."""
     cbc = _cbc(num_blocks=20)
     ref = _tokens(_run(llama, PROMPTS, cbc=cbc))
     assert ref == reference
-    with transformers_cb.enabled() as kb:
+    with transformers_cb.enabled(native_step=native) as kb:
         out = _tokens(_run(llama, PROMPTS, cbc=cbc))
     assert out == reference
     assert kb.stats.evictions > 0 and kb.stats.hit_blocks > 0
@@ -176,15 +205,20 @@ def test_prefix_hits_under_pressure_lazy_eviction(llama, reference):
     _assert_clean(kb)
 
 
-def test_identical_prompts_in_one_step_held_once(llama, reference):
-    """Two requests computing the same blocks in one step: the second one's copies are replaced by
-    the first one's cached blocks (transformers de-duplicates the same way)."""
+def test_identical_prompts_in_one_step_held_once(llama, reference, native):
+    """Two requests computing the same blocks in one step. Stage 1: the second one's copies are
+    replaced by the first one's cached blocks (transformers de-duplicates the same way). Stage 2:
+    kvblocks keeps the first entry of a hash, the second request's blocks stay uncached."""
     prompts = [PROMPTS[0], PROMPTS[0][:-1] + [99]]
     ref = _tokens(_run(llama, prompts, cbc=_cbc(max_batch_tokens=128)))
-    with transformers_cb.enabled() as kb:
+    with transformers_cb.enabled(native_step=native) as kb:
         out = _tokens(_run(llama, prompts, cbc=_cbc(max_batch_tokens=128)))
     assert out == ref and out[0] == reference[0]
-    assert kb.deduplicated == len(SYSTEM) // PAGE and kb.stats.hit_blocks == 0
+    assert kb.deduplicated == (0 if native else len(SYSTEM) // PAGE)
+    assert kb.stats.hit_blocks == 0
+    if native:  # each request's computed full blocks, the shared 9 pages once
+        full, shared = (len(SYSTEM) + 3 + 8 - 1) // PAGE, len(SYSTEM) // PAGE
+        assert kb.manager.num_cached == 2 * full - shared
     _assert_clean(kb)
 
 
@@ -196,9 +230,9 @@ def test_allow_block_sharing_false_means_no_prefix_cache(llama, reference):
     _assert_clean(kb)
 
 
-def test_prefix_hits_across_calls_persistent_manager(llama, reference):
+def test_prefix_hits_across_calls_persistent_manager(llama, reference, native):
     """With a persistent manager, the second ``generate_batch`` hits blocks the first computed."""
-    with transformers_cb.enabled() as kb:
+    with transformers_cb.enabled(native_step=native) as kb:
         first = _tokens(_run(llama, PROMPTS[:1]))
         out = llama.generate_batch(
             PROMPTS[1:3],
@@ -224,24 +258,25 @@ def test_prefix_hits_across_calls_persistent_manager(llama, reference):
     _assert_clean(kb)
 
 
-def test_num_return_sequences_forks(llama, reference):
+def test_num_return_sequences_forks(llama, reference, native):
     # sampling with top_k=1 is deterministic: every child repeats the greedy tokens
     gen = _gen(num_return_sequences=3, do_sample=True, top_k=1)
     ref = _run(llama, PROMPTS[:2], gen=gen)
     increfs = []
-    orig = transformers_cb.KVBlocksAllocator.fork_blocks
+    cls = _alloc_class(native)
+    orig = cls.fork_blocks
 
     def spy(self, src, dst, past_length):
         pair = orig(self, src, dst, past_length)
         increfs.append(len(self.block_table[dst]) - len(pair[1]))
         return pair
 
-    transformers_cb.KVBlocksAllocator.fork_blocks = spy
+    cls.fork_blocks = spy
     try:
-        with transformers_cb.enabled() as kb:
+        with transformers_cb.enabled(native_step=native) as kb:
             out = _run(llama, PROMPTS[:2], gen=gen)
     finally:
-        transformers_cb.KVBlocksAllocator.fork_blocks = orig
+        cls.fork_blocks = orig
     assert out == ref and len(out) == 6
     assert sorted(out.values()) == sorted(reference[:2] * 3)
     assert len(increfs) == 4 and all(n > 0 for n in increfs)  # children share full blocks
@@ -257,9 +292,9 @@ def _wait(cond, timeout=10.0):
     return cond()
 
 
-def test_manager_api_and_cancel(llama, reference):
+def test_manager_api_and_cancel(llama, reference, native):
     """init_continuous_batching / start / add_request / get_result / cancel_request / stop."""
-    with transformers_cb.enabled() as kb:
+    with transformers_cb.enabled(native_step=native) as kb:
         mgr = llama.init_continuous_batching(
             generation_config=_gen(), continuous_batching_config=_cbc()
         )
@@ -286,16 +321,22 @@ def test_manager_api_and_cancel(llama, reference):
 
 def test_restores_transformers_classes_also_on_error(llama):
     saved = (cb_cache.ATTN_TYPE_TO_ALLOCATOR, cb_cache.CachePool)
-    with transformers_cb.enabled():
-        assert cb_cache.CachePool is transformers_cb.KVBlocksCachePool
-        table = cb_cache.ATTN_TYPE_TO_ALLOCATOR
-        assert table["full_attention"] is transformers_cb.KVBlocksAllocator
+    io_cls = transformers_cb_step.ContinuousBatchingIOs
+    saved_prepare = io_cls.prepare_batch_tensors
+    for native in (True, False):
+        with transformers_cb.enabled(native_step=native):
+            assert cb_cache.CachePool is transformers_cb.KVBlocksCachePool
+            table = cb_cache.ATTN_TYPE_TO_ALLOCATOR
+            assert table["full_attention"] is _alloc_class(native)
+            assert io_cls.prepare_batch_tensors is transformers_cb_step.prepare_batch_tensors
+        assert io_cls.prepare_batch_tensors is saved_prepare
     assert (cb_cache.ATTN_TYPE_TO_ALLOCATOR, cb_cache.CachePool) == saved
     assert cb_cache.ATTN_TYPE_TO_ALLOCATOR is saved[0]
     with pytest.raises(ZeroDivisionError):
         with transformers_cb.enabled():
             raise ZeroDivisionError("the body raised")
     assert cb_cache.ATTN_TYPE_TO_ALLOCATOR is saved[0] and cb_cache.CachePool is saved[1]
+    assert io_cls.prepare_batch_tensors is saved_prepare
     # a cache built after the block is transformers' own
     mgr = llama.init_continuous_batching(
         generation_config=_gen(), continuous_batching_config=_cbc()

@@ -54,7 +54,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from .. import BlockPool, hash_blocks
+from .. import BlockManager, BlockPool, hash_blocks
 from ..errors import InvalidStateError, NotSupportedError
 from ..stats import CacheStats
 
@@ -128,8 +128,15 @@ class KVBlocksCB:
     first), ``stats`` its :class:`kvblocks.CacheStats`, ``pools`` every pool built in the block.
     """
 
-    def __init__(self, enable_prefix_caching: bool, hash_key: Any, enable_kv_events: bool) -> None:
+    def __init__(
+        self,
+        enable_prefix_caching: bool,
+        hash_key: Any,
+        enable_kv_events: bool,
+        native_step: bool = True,
+    ) -> None:
         self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.native_step = bool(native_step)
         self.hash_key = hash_key
         self.enable_kv_events = bool(enable_kv_events)
         self.pools: List["KVBlocksCachePool"] = []
@@ -145,6 +152,19 @@ class KVBlocksCB:
         """The kvblocks :class:`BlockPool` behind the last cache built."""
         p = self.cache_pool
         return None if p is None else p.kv
+
+    @property
+    def block_manager(self) -> Optional[BlockManager]:
+        """The :class:`kvblocks.BlockManager` holding the block tables of the last cache built
+        (stage 2, ``native_step=True``); None with ``native_step=False`` or before a cache."""
+        p = self.cache_pool
+        return None if p is None else p.mgr
+
+    @property
+    def steps(self) -> int:
+        """Steps of the last cache whose index tensors kvblocks built natively."""
+        p = self.cache_pool
+        return 0 if p is None else sum(getattr(a, "steps", 0) for a in p.allocators)
 
     @property
     def stats(self) -> CacheStats:
@@ -237,6 +257,9 @@ class KVBlocksCachePool(CachePool):
             )
         self.kb = kb
         self.kv: Optional[BlockPool] = None
+        self.mgr: Optional[BlockManager] = None  # stage 2: the block tables' manager
+        self.page_size = 0  # tokens per block, set by the allocator before the pool is built
+        self.sharing = True  # transformers' allow_block_sharing (stage 2 reads it)
         self.reserved = np.empty(0, dtype=np.int32)
         self.allocators: List["KVBlocksAllocator"] = []
         super().__init__(num_sectors, num_allocators, num_reserved_sectors)
@@ -262,10 +285,20 @@ class KVBlocksCachePool(CachePool):
         }
         if kb.hash_key is not None:
             kwargs["hash_key"] = kb.hash_key
-        kv = BlockPool(num_blocks, **kwargs)
         # the trash sectors' blocks keep transformers' ids: hold them (block 0 is kvblocks' null)
         n_trash = self.num_reserved_sectors * blocks_per_sector
-        reserved = kv.allocate(n_trash - 1) if n_trash > 1 else np.empty(0, dtype=np.int32)
+        if kb.native_step:  # stage 2: block tables in a BlockManager, trash held by a sequence
+            from .transformers_cb_step import TRASH_SEQ
+
+            kwargs["enable_prefix_caching"] = kb.enable_prefix_caching and self.sharing
+            mgr = BlockManager(num_blocks, self.page_size, **kwargs)
+            mgr.add(TRASH_SEQ, [])
+            mgr.reserve(TRASH_SEQ, (n_trash - 1) * self.page_size)
+            kv, reserved = mgr.pool, mgr.block_table(TRASH_SEQ)
+            self.mgr = mgr
+        else:
+            kv = BlockPool(num_blocks, **kwargs)
+            reserved = kv.allocate(n_trash - 1) if n_trash > 1 else np.empty(0, dtype=np.int32)
         if not np.array_equal(reserved, np.arange(1, n_trash, dtype=np.int32)):
             raise InvalidStateError("kvblocks did not hand out the trash blocks first")
         self.kv, self.reserved = kv, reserved
@@ -300,6 +333,10 @@ class KVBlocksCachePool(CachePool):
         if kv is None:
             return
         kv.check()
+        if self.mgr is not None:
+            self.mgr.check()
+            if self.mgr.num_pending_copies:  # their sources hold a reference until drained
+                return
         expected = np.zeros(kv.num_blocks, dtype=np.int64)
         expected[self.reserved] += 1
         for alloc in self.allocators:
@@ -477,7 +514,11 @@ _ACTIVE: Optional[KVBlocksCB] = None
 
 @contextlib.contextmanager
 def enabled(
-    enable_prefix_caching: bool = True, *, hash_key: Any = None, enable_kv_events: bool = False
+    enable_prefix_caching: bool = True,
+    *,
+    hash_key: Any = None,
+    enable_kv_events: bool = False,
+    native_step: bool = True,
 ) -> Iterator[KVBlocksCB]:
     """Inside the ``with`` block, every transformers continuous-batching cache built allocates its
     blocks through kvblocks; transformers' own classes are restored on exit, also on an error.
@@ -489,23 +530,33 @@ def enabled(
     :class:`InvalidStateError` when nested. If a cache build was refused inside the block (a
     sliding-window model), leaving the block raises that error, even where transformers only
     logged it in its generation thread.
+
+    ``native_step`` (default) is stage 2: a :class:`kvblocks.BlockManager` holds the block
+    tables and each step's ``read_index`` / ``write_index`` (or decode block table) come from
+    one native ``row_indices`` call instead of transformers' per-request Python loop (see
+    :mod:`kvblocks.integrations.transformers_cb_step`). ``native_step=False`` is stage 1:
+    kvblocks hands out, shares, caches and frees the blocks; transformers builds the indices.
     """
     global _ACTIVE
     check_version()
     if _IMPORT_PROBLEM is not None:  # pragma: no cover - version patched after import
         raise NotSupportedError(_IMPORT_PROBLEM)
-    kb = KVBlocksCB(enable_prefix_caching, hash_key, enable_kv_events)
+    kb = KVBlocksCB(enable_prefix_caching, hash_key, enable_kv_events, native_step)
+    from . import transformers_cb_step as step
+
     with _LOCK:
         if _ACTIVE is not None:
             raise InvalidStateError(
                 "transformers_cb.enabled() is already active (contexts do not nest)"
             )
         saved = (_cb_cache.ATTN_TYPE_TO_ALLOCATOR, _cb_cache.CachePool)
+        saved_prepare = step.ContinuousBatchingIOs.prepare_batch_tensors
         table = dict(saved[0])
-        table[FULL_ATTENTION] = KVBlocksAllocator
+        table[FULL_ATTENTION] = step.KVBlocksStepAllocator if native_step else KVBlocksAllocator
         table[SLIDING_ATTENTION] = _RecordingRefusal(kb)  # type: ignore[assignment]
         _cb_cache.ATTN_TYPE_TO_ALLOCATOR = table
         _cb_cache.CachePool = KVBlocksCachePool  # type: ignore[misc]  # the seam
+        step.ContinuousBatchingIOs.prepare_batch_tensors = step.prepare_batch_tensors  # type: ignore[method-assign]  # the step seam
         _ACTIVE = kb
     raised = False
     try:
@@ -516,6 +567,7 @@ def enabled(
     finally:
         with _LOCK:
             _cb_cache.ATTN_TYPE_TO_ALLOCATOR, _cb_cache.CachePool = saved  # type: ignore[misc]
+            step.ContinuousBatchingIOs.prepare_batch_tensors = saved_prepare  # type: ignore[method-assign]
             _ACTIVE = None
         if not raised and kb.build_error is not None:
             raise kb.build_error
