@@ -29,6 +29,7 @@ C_SOURCES = [
     "csrc/pool.c",
     "csrc/cache.c",
     "csrc/table.c",
+    "csrc/tier.c",
     "csrc/meta.c",
 ]
 

@@ -268,6 +268,7 @@ void kvb_mgr_destroy(kvb_mgr_t *m) {
     }
     free(m->seqs);
     free(m->copies);
+    if (m->pool && m->pool->tier) kvb_tier_destroy(m->pool);
     memset(m, 0, sizeof *m);
 }
 
@@ -318,13 +319,18 @@ int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *s
         (p->caching && ensure_hashes(s, full + 1)))
         return KVB_ENOMEM;
 
-    int64_t hits = 0, pinned_from_free = 0;
+    int64_t hits = 0, hhits = 0, pinned_from_free = 0;
     if (p->caching) {
         kvb_hash_root(m->key, salt, salt_len, &s->root);
         kvb_hash_chain(m->key, &s->root, tokens, full, m->block_size, s->hashes);
         int64_t max_hits = n > 0 ? blk_of(m, n - 1) : 0; /* at least one token is computed */
-        hits = kvb_cache_match(p, s->hashes, full < max_hits ? full : max_hits, s->blocks);
+        if (max_hits > full) max_hits = full;
+        hits = kvb_cache_match(p, s->hashes, max_hits, s->blocks);
         for (int64_t i = 0; i < hits; i++) pinned_from_free += p->ref_count[s->blocks[i]] == 0;
+        if (p->tier) { /* the prefix continues on the host (tier.c): fresh blocks + onloads */
+            hhits = kvb_tier_match(p->tier, s->hashes + hits, max_hits - hits);
+            if (hhits < 0) return KVB_ENOMEM;
+        }
     }
     int64_t need = total - hits;
     if (need > p->num_free - pinned_from_free)
@@ -333,22 +339,29 @@ int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *s
     /* mutate: pin the hits first so that allocation cannot evict them */
     take_slot(m, slot);
     kvb_pool_pin(p, s->blocks, hits);
+    if (hhits) kvb_pool_pin(m->host, p->tier->scratch, hhits); /* before demotions need room */
     KVB_MUST(kvb_pool_allocate(p, (int32_t)need, s->blocks + hits));
     s->nblocks = (int32_t)total;
     kvb_copy(s->tokens, tokens, (size_t)n * sizeof *tokens);
     s->ntokens = n;
+    if (hhits) {
+        kvb_tier_onload(m, s, hits, hhits);
+        if (recompute) p->tier->stats.recompute_hit_tokens += (uint64_t)(hhits * m->block_size);
+        else p->tier->stats.hit_tokens += (uint64_t)(hhits * m->block_size);
+    }
+    hits += hhits; /* device and host hits alike are computed; per-tier stats apart */
     s->ncomputed = hits * m->block_size; /* the rest enters the cache once computed */
     if (p->caching) {
         s->nhashed = (int32_t)full;
         p->stats.queries++;
         p->stats.query_blocks += (uint64_t)full;
-        p->stats.hit_blocks += (uint64_t)hits;
+        p->stats.hit_blocks += (uint64_t)(hits - hhits); /* the device tier's */
         if (recompute) {
             p->stats.recompute_query_tokens += (uint64_t)n;
-            p->stats.recompute_hit_tokens += (uint64_t)(hits * m->block_size);
+            p->stats.recompute_hit_tokens += (uint64_t)((hits - hhits) * m->block_size);
         } else {
             p->stats.query_tokens += (uint64_t)n;
-            p->stats.hit_tokens += (uint64_t)(hits * m->block_size);
+            p->stats.hit_tokens += (uint64_t)((hits - hhits) * m->block_size);
         }
     }
     *slot_out = slot;
@@ -539,6 +552,7 @@ int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *toke
 int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                      const int32_t *drafts, int64_t B, int apply) {
     if (apply) {
+        if (m->pool->tier) kvb_tier_settle(m->pool->tier); /* the drain ran */
         for (int64_t i = 0; i < B; i++) {
             kvb_seq_t *s = &m->seqs[slots[i]];
             computed_to(m, s, s->ntokens);
@@ -548,6 +562,11 @@ int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
     }
     KVB_CLEAR_ERR(m);
     if (m->ncopies) { m->err_a = m->ncopies; return KVB_EPENDING; }
+    if (KVB_UNLIKELY(m->pool->tier && (m->pool->tier->noff || m->pool->tier->non))) {
+        m->err_a = m->pool->tier->noff + m->pool->tier->non;
+        m->err_what = "host-tier offloads or onloads are pending (take_offloads, take_onloads)";
+        return KVB_EPENDING;
+    }
     uint32_t stamp = next_stamp(m);
     for (int64_t i = 0; i < B; i++) {
         kvb_seq_t *s = live_seq(m, slots[i]);
@@ -588,7 +607,10 @@ int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
 /* ---- truncate / fork / free ------------------------------------------------------------- */
 static void release_tail(kvb_mgr_t *m, kvb_seq_t *s, int32_t keep) {
     kvb_pool_t *p = s->swapped ? m->host : m->pool;
-    for (int32_t i = s->nblocks - 1; i >= keep; i--) kvb_pool_release(p, s->blocks[i]);
+    if (s->swapped) /* tail first; with a host tier held until the next drain (tier.c) */
+        for (int32_t i = s->nblocks - 1; i >= keep; i--) kvb_tier_release_host(m, &s->blocks[i], 1);
+    else
+        for (int32_t i = s->nblocks - 1; i >= keep; i--) kvb_pool_release(p, s->blocks[i]);
     if (keep < s->nblocks) s->tver++;
     s->nblocks = keep;
     if (KVB_UNLIKELY(m->ncopies) && p == m->pool) drop_dead_copies(m);
@@ -709,9 +731,10 @@ int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npa
             pairs_out[2 * k] = s->blocks[i];
             pairs_out[2 * k + 1] = dev[i];
             k++;
+            if (p->tier) kvb_tier_inflight(p->tier, dev[i]); /* filled by the swap pair */
         }
     }
-    for (int32_t i = nb - 1; i >= 0; i--) kvb_pool_release(m->host, s->blocks[i]);
+    for (int32_t i = nb - 1; i >= 0; i--) kvb_tier_release_host(m, &s->blocks[i], 1);
     kvb_copy(s->blocks, dev, (size_t)nb * sizeof *dev);
     free(dev);
     s->tver++;
@@ -799,6 +822,7 @@ int kvb_mgr_check(kvb_mgr_t *m) {
         refs[src]++; /* the hold */
     }
     i = 0;
+    if ((rc = kvb_tier_check(m, refs, hrefs))) goto done; /* host tier holds (tier.c) */
     for (int32_t b = 1; b < p->num_blocks; b++) {
         if (refs[b] != p->ref_count[b]) MFAIL("ref count != references held", b);
         if ((p->flags[b] & (KVB_F_COPY_SRC | KVB_F_COPY_DST)) && !m->ncopies)
@@ -838,11 +862,15 @@ int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t 
         int64_t max_hits = blk_of(m, n - 1);
         kvb_hash_t h, parent;
         kvb_hash_root(m->key, salt, salt_len, &parent);
+        int host = 0; /* 1 once the device prefix ended: it continues on the host tier */
         for (; hits < max_hits; hits++) { /* hash block by block: stop at the first miss */
             kvb_hash_chain(m->key, &parent, tokens + hits * m->block_size, 1, m->block_size, &h);
-            int32_t b = kvb_cache_find(p, &h);
-            if (b == KVB_NONE) break;
-            pinned_from_free += p->ref_count[b] == 0;
+            int32_t b = host ? KVB_NONE : kvb_cache_find(p, &h);
+            if (b == KVB_NONE) {
+                if (!p->tier || kvb_cache_find(p->tier->host, &h) == KVB_NONE) break;
+                host = 1; /* a host hit takes a fresh device block all the same */
+            }
+            pinned_from_free += b == KVB_NONE || p->ref_count[b] == 0;
             parent = h;
         }
     }

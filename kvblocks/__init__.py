@@ -32,7 +32,7 @@ from .errors import (
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
 from .layout import KVLayout
 from .metadata import AttentionMetadata
-from .stats import CacheStats
+from .stats import CacheStats, HostStats
 from .storage import KVCache
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "CorruptionError",
     "DeviceError",
     "DuplicateSequenceError",
+    "HostStats",
     "InvalidArgumentError",
     "InvalidStateError",
     "InvalidTypeError",

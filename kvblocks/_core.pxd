@@ -50,6 +50,15 @@ cdef extern from "kvblocks.h" nogil:
         int64_t max_pending
         uint64_t dropped
 
+    ctypedef struct kvb_tier_stats_t:
+        uint64_t hit_blocks, hit_tokens, recompute_hit_tokens, demotions, offloads, onloads
+        uint64_t dropped
+
+    ctypedef struct kvb_tier_t:
+        int write_through
+        int64_t noff, non
+        kvb_tier_stats_t stats
+
     ctypedef struct kvb_pool_t:
         int32_t num_blocks, num_free, num_cached, num_evictable, free_head, free_tail
         int32_t *ref_count
@@ -64,6 +73,7 @@ cdef extern from "kvblocks.h" nogil:
         kvb_events_t events
         int64_t err_a, err_b
         const char *err_what
+        kvb_tier_t *tier
 
     int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching)
     void kvb_pool_destroy(kvb_pool_t *p)
@@ -129,6 +139,10 @@ cdef extern from "kvblocks.h" nogil:
     int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out)
     int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs)
 
+    int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through)
+    int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out)
+    int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n)
+
     ctypedef struct kvb_meta_t:
         int64_t *slot_mapping
         int32_t *block_tables
@@ -152,6 +166,7 @@ cdef class BlockPool:
     cdef bytes _key
     cdef object _block_size
     cdef bint _initialized
+    cdef str _medium
 
 
 cdef class BlockManager:

@@ -36,7 +36,7 @@ from kvblocks.errors import (
 )
 from kvblocks.events.types import AllBlocksCleared, BlockRemoved, BlockStored, coalesce
 from kvblocks.metadata import AttentionMetadata
-from kvblocks.stats import CacheStats
+from kvblocks.stats import CacheStats, HostStats
 
 cnp.import_array()
 

@@ -71,6 +71,7 @@ cdef class BlockPool:
         if rc:
             raise_code(rc, "BlockPool", 0, num_blocks)
         self.p.record_events = enable_kv_events
+        self._medium = "GPU"
         self._initialized = True
 
     def __dealloc__(self):
@@ -303,6 +304,12 @@ cdef class BlockPool:
         return self._block_size
 
     @property
+    def medium(self):
+        """Where the blocks live, as KV events name it: ``"GPU"``, or ``"CPU"`` for a
+        BlockManager's host pool."""
+        return self._medium
+
+    @property
     def stats(self):
         """Counters since creation: a CacheStats (also readable like a dict)."""
         s = self.p.stats
@@ -332,9 +339,10 @@ cdef class BlockPool:
                 raw[i] = BlockStored(block_hashes=[hash_int(ev.hash[i])],
                                      parent_block_hash=hash_int(ev.parent[i]) or None,
                                      token_ids=toks,
-                                     block_size=len(toks) if toks else self._block_size)
+                                     block_size=len(toks) if toks else self._block_size,
+                                     medium=self._medium)
             elif kind == KVB_EV_REMOVED:
-                raw[i] = BlockRemoved(block_hashes=[hash_int(ev.hash[i])])
+                raw[i] = BlockRemoved(block_hashes=[hash_int(ev.hash[i])], medium=self._medium)
             else:
                 raw[i] = AllBlocksCleared()
             if off >= 0:
