@@ -9,16 +9,16 @@ from helpers import KEY
 import kvblocks._core
 from kvblocks import (
     BlockManager,
-    CorruptionError,
     BlockRemoved,
     BlockStored,
+    CorruptionError,
     HostStats,
     InvalidArgumentError,
     InvalidStateError,
     InvalidTypeError,
     OutOfBlocksError,
+    ops,
 )
-from kvblocks import ops
 from kvblocks.events import encode_batch
 from kvblocks.testing import EngineMachine, KVReadback
 
