@@ -31,6 +31,7 @@ C_SOURCES = [
     "csrc/pool.c",
     "csrc/cache.c",
     "csrc/table.c",
+    "csrc/tier.c",
     "csrc/meta.c",
     "csrc/groups.c",
     "csrc/rows.c",

@@ -76,6 +76,7 @@ int kvb_cache_put(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const kvb_hash_
     p->stats.stored++;
     if (p->record_events)
         kvb_pool_record(p, KVB_EV_STORED, b, h, parent, tokens, tokens ? block_size : 0);
+    if (KVB_UNLIKELY(p->tier != NULL)) kvb_tier_stored(p, b, parent, tokens); /* tier.c */
     return 1;
 }
 

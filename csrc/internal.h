@@ -71,5 +71,21 @@ void kvb_chain_block(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t j, kvb_hash
 int kvb_chain_fork(const kvb_mgr_t *m, kvb_seq_t *child, const kvb_seq_t *parent);
 void kvb_chain_destroy(kvb_seq_t *s);
 int kvb_chain_probe(const kvb_mgr_t *m, const uint8_t *ctx, size_t ctx_len, kvb_hasher_t *hs);
+/* tier.c: hooks of the host tier, each called only where pool->tier is set */
+void kvb_tier_demote(kvb_pool_t *p, int32_t b);  /* b's cached entry is being evicted */
+/* b just entered the cache: its parent and tokens are kept for the host's events, and with
+ * write-through it is copied to the host at once */
+void kvb_tier_stored(kvb_pool_t *p, int32_t b, const kvb_hash_t *parent, const int32_t *tokens);
+/* Host hits continuing a device prefix: hashes[0..n) matched on the host, ids into
+ * t->scratch; returns the count, or KVB_ENOMEM. Capacity for as many onloads is reserved. */
+int64_t kvb_tier_match(kvb_tier_t *t, const kvb_hash_t *hashes, int64_t n);
+/* Queue onloads for blocks [from, from + n) of s (host ids in t->scratch, pinned already). */
+void kvb_tier_onload(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t n);
+void kvb_tier_settle(kvb_tier_t *t);             /* a drain started: clear in-flight flags,
+                                                  * release deferred host blocks */
+void kvb_tier_release_host(kvb_mgr_t *m, const int32_t *ids, int64_t n); /* a swapped
+                                                  * sequence's host blocks: deferred or freed */
+void kvb_tier_inflight(kvb_tier_t *t, int32_t b); /* b's content arrives with the drain */
+void kvb_tier_destroy(kvb_pool_t *p);            /* free p->tier and detach it */
 
 #endif

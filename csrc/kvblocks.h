@@ -203,6 +203,11 @@ typedef struct {               /* struct-of-arrays event log, grown on demand */
 #define KVB_F_WRITTEN 32u      /* every slot's K/V is written (a full block a step computed, or
                                 * one registered through BlockPool.cache); cleared when the
                                 * block is handed out again or rewritten. Cached => written. */
+#define KVB_F_INFLIGHT 64u     /* device block whose content arrives with a pair of the coming
+                                * drain (swap-in or onload destination): never an offload source
+                                * before that drain starts (tier.c) */
+
+struct kvb_tier;               /* the host tier of a device pool (tier.c) */
 
 typedef struct {
     int32_t num_blocks;        /* total, including the null block 0 */
@@ -225,6 +230,8 @@ typedef struct {
     kvb_events_t events;       /* pending events (drained by the caller) */
     int64_t err_a, err_b;      /* detail of the last error: need/have, or index/value */
     const char *err_what;      /* name of the failed invariant (check) or NULL */
+    struct kvb_tier *tier;     /* host tier that evicted entries demote to, or NULL (owned by
+                                * the manager that attached it) */
 } kvb_pool_t;
 
 int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching);
@@ -491,6 +498,61 @@ typedef struct {
 
 int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                  const int32_t *drafts, int64_t B, kvb_rows_t *out);
+/* ---- host tier (tier.c) ------------------------------------------------------------------ *
+ * The host pool as a second prefix-cache tier below the device pool. Evicting a cached device
+ * block demotes it: a host block (LRU among evictable host entries) takes its hash and a
+ * (device, host) offload is queued. add() continues a device prefix on the host: fresh device
+ * blocks and (host, device) onloads. Pending pairs hold their host blocks (and an onload its
+ * device block) until drained. Drain order: take_offloads, take_onloads, swap pairs, copies. */
+typedef struct {
+    uint64_t hit_blocks;       /* blocks add() served from the host (onloads queued) */
+    uint64_t hit_tokens;       /* their tokens, first admissions */
+    uint64_t recompute_hit_tokens; /* their tokens, re-admissions of preempted sequences */
+    uint64_t demotions;        /* evicted device entries kept on the host (copied or present) */
+    uint64_t offloads;         /* (device, host) copies queued: demotions and write-through */
+    uint64_t onloads;          /* (host, device) copies queued */
+    uint64_t dropped;          /* evicted device entries lost: no host block free, content in
+                                * flight, or no memory for the queue */
+} kvb_tier_stats_t;
+
+typedef struct kvb_tier {
+    kvb_pool_t *pool;          /* device pool (not owned); pool->tier points back here */
+    kvb_pool_t *host;          /* host pool, caching on (not owned) */
+    int write_through;         /* copy each newly cached device block to the host at once */
+    int64_t *off;              /* [2 * offcap] pending (device, host) offloads; each holds one
+                                * reference on its host block */
+    int64_t noff, offcap;      /* pairs pending, capacity (int64 pairs) */
+    int64_t *on;               /* [2 * oncap] pending (host, device) onloads; each holds one
+                                * reference on both blocks */
+    int64_t non, oncap;        /* pairs pending, capacity (int64 pairs) */
+    int32_t *inflight;         /* [pool->num_blocks] device blocks flagged KVB_F_INFLIGHT */
+    int64_t ninflight;         /* entries used */
+    int32_t *deferred;         /* [host->num_blocks] host blocks released by swapped sequences
+                                * (swap_in, free): held until the next drain starts, so no
+                                * offload of this drain writes a block a swap pair reads */
+    int64_t ndeferred;         /* entries used */
+    int32_t block_size;        /* tokens per block */
+    kvb_hash_t *parent;        /* [pool->num_blocks] parent hash of each cached device block
+                                * (0: a chain's first), for the host's BlockStored events */
+    int32_t *tokens;           /* [pool->num_blocks * block_size] its token ids, valid where
+                                * has_tokens (the host's events carry them) */
+    uint8_t *has_tokens;       /* [pool->num_blocks] 1 when tokens were given at caching */
+    int32_t *scratch;          /* [scap] host hits of one add */
+    int64_t scap;              /* capacity */
+    kvb_tier_stats_t stats;    /* counters since creation */
+} kvb_tier_t;
+
+/* Attach a host tier to m (its host pool must cache); freed by kvb_mgr_destroy. */
+int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through);
+/* Drain the pending offloads (2 * n int64 into out); releases their host holds and starts the
+ * drain (in-flight flags and deferred host blocks are settled). Returns n. */
+int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out);
+/* Drain the pending onloads; KVB_EPENDING while offloads are pending (err_a: how many).
+ * *n gets the pairs written. */
+int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n);
+/* Verify m's tier (holds, flags, counts; none flagged without one); refs / hrefs (device, host)
+ * get the references its pairs and deferred blocks hold. Detail in m->err_*. */
+int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs);
 
 #ifdef __cplusplus
 }

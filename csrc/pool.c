@@ -130,6 +130,7 @@ int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out) {
         uint8_t f = p->flags[b];
         p->flags[b] = f & (uint8_t)~(KVB_F_FREE | KVB_F_WRITTEN);
         if (KVB_UNLIKELY(f & KVB_F_CACHED)) { /* lazy eviction: the entry goes now */
+            if (p->tier) kvb_tier_demote(p, b); /* ...down to the host tier (tier.c) */
             kvb_cache_forget(p, b);
             p->num_evictable--;
             p->stats.evictions++;

@@ -352,6 +352,7 @@ void kvb_mgr_destroy(kvb_mgr_t *m) {
     free(m->seqs);
     free(m->copies);
     free(m->hit);
+    if (m->pool && m->pool->tier) kvb_tier_destroy(m->pool);
     memset(m, 0, sizeof *m);
 }
 
@@ -512,9 +513,23 @@ int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *s
     if (rc) return rc;
     int64_t need = kvb_mgr_add_need(m, n, k);
     if (need > m->pool->num_free) return out_of_blocks(m, need, m->pool->num_free);
+    kvb_tier_t *t = m->pool->tier; /* a single full group only (the manager refuses more) */
+    int64_t hh = 0;
+    if (t && m->caching && k < K) { /* the prefix continues on the host: fresh blocks + onloads */
+        hh = kvb_tier_match(t, m->seqs[m->free_slot].hashes + k, K - k);
+        if (hh < 0) return KVB_ENOMEM;
+    }
     kvb_mgr_add_pin(m, tokens, n, k, 1, recompute, slot_out);
+    if (hh) kvb_pool_pin(m->host, t->scratch, hh); /* before demotions need room */
     kvb_mgr_add_fill(m, *slot_out);
-    *cached_out = m->seqs[*slot_out].ncomputed;
+    kvb_seq_t *s = &m->seqs[*slot_out];
+    if (hh) { /* host hits are computed like device ones; counted in the tier's stats */
+        kvb_tier_onload(m, s, k, hh);
+        if (recompute) t->stats.recompute_hit_tokens += (uint64_t)(hh * m->block_size);
+        else t->stats.hit_tokens += (uint64_t)(hh * m->block_size);
+        s->ncomputed += hh * m->block_size;
+    }
+    *cached_out = s->ncomputed;
     return KVB_OK;
 }
 
@@ -725,6 +740,7 @@ int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                      const int32_t *drafts, int64_t B, int apply) {
     if (apply) {
         kvb_mgr_step_release(m, slots, qlens, B);
+        if (m->pool->tier) kvb_tier_settle(m->pool->tier); /* the drain ran */
         for (int64_t i = 0; i < B; i++) {
             kvb_seq_t *s = &m->seqs[slots[i]];
             computed_to(m, s, s->ntokens);
@@ -734,6 +750,11 @@ int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
     }
     KVB_CLEAR_ERR(m);
     if (m->ncopies) { m->err_a = m->ncopies; return KVB_EPENDING; }
+    if (KVB_UNLIKELY(m->pool->tier && (m->pool->tier->noff || m->pool->tier->non))) {
+        m->err_a = m->pool->tier->noff + m->pool->tier->non;
+        m->err_what = "host-tier offloads or onloads are pending (take_offloads, take_onloads)";
+        return KVB_EPENDING;
+    }
     uint32_t stamp = next_stamp(m);
     for (int64_t i = 0; i < B; i++) {
         kvb_seq_t *s = live_seq(m, slots[i]);
@@ -781,7 +802,10 @@ int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
 static void release_tail(kvb_mgr_t *m, kvb_seq_t *s, int32_t keep) {
     kvb_pool_t *p = s->swapped ? m->host : m->pool;
     int32_t stop = keep > s->lo ? keep : s->lo; /* entries below lo are null */
-    for (int32_t i = s->nblocks - 1; i >= stop; i--) kvb_pool_release(p, s->blocks[i]);
+    if (s->swapped) /* tail first; with a host tier held until the next drain (tier.c) */
+        for (int32_t i = s->nblocks - 1; i >= stop; i--) kvb_tier_release_host(m, &s->blocks[i], 1);
+    else
+        for (int32_t i = s->nblocks - 1; i >= stop; i--) kvb_pool_release(p, s->blocks[i]);
     if (keep < s->nblocks) s->tver++;
     s->nblocks = keep;
     if (s->lo > keep) s->lo = keep;
@@ -938,9 +962,10 @@ int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npa
             pairs_out[2 * k] = s->blocks[i];
             pairs_out[2 * k + 1] = dev[i];
             k++;
+            if (p->tier) kvb_tier_inflight(p->tier, dev[i]); /* filled by the swap pair */
         }
     }
-    for (int32_t i = nb - 1; i >= s->lo; i--) kvb_pool_release(m->host, s->blocks[i]);
+    for (int32_t i = nb - 1; i >= s->lo; i--) kvb_tier_release_host(m, &s->blocks[i], 1);
     kvb_copy(s->blocks, dev, (size_t)nb * sizeof *dev);
     free(dev);
     s->tver++;
@@ -1071,6 +1096,7 @@ int kvb_grp_check(kvb_mgr_t *const *g, int32_t G) {
         if (g[k]->nseqs != m->nseqs || g[k]->free_slot != m->free_slot)
             MFAIL("groups disagree on the live sequences", k);
     }
+    if ((rc = kvb_tier_check(m, refs, hrefs))) goto done; /* host tier holds (tier.c) */
     for (int32_t b = 1; b < p->num_blocks; b++) {
         if (refs[b] != p->ref_count[b]) MFAIL("ref count != references held", b);
         if ((p->flags[b] & (KVB_F_COPY_SRC | KVB_F_COPY_DST)) && !ncopies)
@@ -1105,12 +1131,16 @@ int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t 
         kvb_digest_t d, parent;
         int rc = kvb_chain_probe(m, salt, salt_len, &hs);
         if (rc) return rc;
+        int host = 0; /* 1 once the device prefix ended: it continues on the host tier */
         for (; hits < max_hits; hits++) { /* hash block by block: stop at the first miss */
             kvb_hash_blocks(&hs, hits ? &parent : NULL, hits, tokens + hits * m->block_size,
                             1, m->block_size, &d.h, &d.x);
-            int32_t b = kvb_cache_find(p, &d.h);
-            if (b == KVB_NONE) break;
-            pinned_from_free += p->ref_count[b] == 0;
+            int32_t b = host ? KVB_NONE : kvb_cache_find(p, &d.h);
+            if (b == KVB_NONE) {
+                if (!p->tier || kvb_cache_find(p->tier->host, &d.h) == KVB_NONE) break;
+                host = 1; /* a host hit takes a fresh device block all the same */
+            }
+            pinned_from_free += b == KVB_NONE || p->ref_count[b] == 0;
             parent = d;
         }
     }

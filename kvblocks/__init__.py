@@ -35,7 +35,7 @@ from .groups import KVGroup
 from .layout import KVLayout
 from .metadata import AttentionMetadata
 from .rows import RowIndices
-from .stats import CacheStats
+from .stats import CacheStats, HostStats
 from .storage import KVCache
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "CorruptionError",
     "DeviceError",
     "DuplicateSequenceError",
+    "HostStats",
     "InvalidArgumentError",
     "InvalidStateError",
     "InvalidTypeError",

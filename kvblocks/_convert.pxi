@@ -202,6 +202,8 @@ cdef int raise_code(int rc, str what, int64_t a, int64_t b, const char *check=NU
     if rc == KVB_ESWAPPED:
         raise InvalidStateError(f"{what}: {who} is swapped out (swap_in first)")
     if rc == KVB_EPENDING:
+        if name:  # the host tier's pairs
+            raise InvalidStateError(f"{what}: {a} {name}; drain them first")
         raise InvalidStateError(f"{what}: {a} copy-on-write copies are pending; drain them "
                                 f"with take_copies() and run ops.copy_blocks first")
     if rc == KVB_EGAP:

@@ -80,6 +80,15 @@ cdef extern from "kvblocks.h" nogil:
         int64_t max_pending
         uint64_t dropped
 
+    ctypedef struct kvb_tier_stats_t:
+        uint64_t hit_blocks, hit_tokens, recompute_hit_tokens, demotions, offloads, onloads
+        uint64_t dropped
+
+    ctypedef struct kvb_tier_t:
+        int write_through
+        int64_t noff, non
+        kvb_tier_stats_t stats
+
     ctypedef struct kvb_pool_t:
         int32_t num_blocks, num_free, num_cached, num_evictable, free_head, free_tail
         int32_t *ref_count
@@ -95,6 +104,7 @@ cdef extern from "kvblocks.h" nogil:
         kvb_events_t events
         int64_t err_a, err_b
         const char *err_what
+        kvb_tier_t *tier
 
     int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching)
     void kvb_pool_destroy(kvb_pool_t *p)
@@ -200,6 +210,9 @@ cdef extern from "kvblocks.h" nogil:
     int kvb_grp_schedule(kvb_mgr_t **g, int32_t G, const int32_t *slots,
                          const int32_t *qlens, const int32_t *drafts, int64_t B, int apply)
     int kvb_grp_check(kvb_mgr_t **g, int32_t G)
+    int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through)
+    int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out)
+    int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n)
 
     ctypedef struct kvb_meta_t:
         int64_t *slot_mapping
@@ -246,6 +259,7 @@ cdef class BlockPool:
     cdef list _lora_names
     cdef dict _lora_tags
     cdef int32_t _lora_tag(self, object name) except -1
+    cdef str _medium
 
 
 cdef class BlockManager:

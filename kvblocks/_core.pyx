@@ -38,7 +38,7 @@ from kvblocks.events.types import AllBlocksCleared, BlockRemoved, BlockStored, c
 from kvblocks.groups import KVGroup
 from kvblocks.metadata import AttentionMetadata
 from kvblocks.rows import RowIndices
-from kvblocks.stats import CacheStats
+from kvblocks.stats import CacheStats, HostStats
 
 cnp.import_array()
 

@@ -12,6 +12,22 @@ cdef extern from "<sched.h>" nogil:
     int sched_yield()
 
 
+cdef bint _host_tier_args(object cache, object write_through, int64_t num_host_blocks,
+                          bint device_caching) except -1:
+    """Validate the host-tier keywords of BlockManager; True when the tier is on."""
+    for name, v in (("host_prefix_cache", cache), ("host_write_through", write_through)):
+        if type(v) is not bool:
+            raise InvalidTypeError(f"{name} must be a bool, got {type(v).__name__}")
+    if write_through and not cache:
+        raise InvalidArgumentError("host_write_through needs host_prefix_cache=True")
+    if cache and num_host_blocks == 0:
+        raise InvalidArgumentError("host_prefix_cache needs host blocks: num_host_blocks >= 2 "
+                                   "(block 0 is the host pool's null block)")
+    if cache and not device_caching:
+        raise InvalidArgumentError("host_prefix_cache needs enable_prefix_caching=True")
+    return cache
+
+
 cdef class SeqBatch:
     """Pre-resolved sequence handles for append_batch / metadata (a persistent batch).
 
@@ -34,7 +50,8 @@ cdef class BlockManager:
     """Block tables per sequence on top of a BlockPool: the KV memory manager of an engine.
 
     ``BlockManager(num_blocks, block_size, *, enable_prefix_caching=True, watermark=0.0,
-    num_host_blocks=0, hash_key=None, enable_kv_events=False)``
+    num_host_blocks=0, hash_key=None, enable_kv_events=False, host_prefix_cache=False,
+    host_write_through=False)``
 
     - ``num_blocks``: device blocks, including the null block 0 (so ``num_blocks - 1`` usable).
     - ``block_size``: tokens per block.
@@ -48,6 +65,11 @@ cdef class BlockManager:
       another engine for routers that index by them: ``"vllm_sha256_cbor"``,
       ``"vllm_sha256_cbor_v030"``, ``"sglang_sha256"`` (see ``kvblocks.hash_blocks``);
       ``hash_seed`` is vLLM's NONE_HASH seed in the vLLM modes.
+    - ``host_prefix_cache``: the host pool also becomes a second prefix-cache tier: evicted
+      device entries are demoted to it (``take_offloads``) and prompts continue their cached
+      prefix on it (``take_onloads``); see docs/host-tier.md. Needs ``num_host_blocks``.
+    - ``host_write_through``: with the host tier, copy each newly cached device block to the
+      host at once, so that its eviction later costs no copy.
 
     Sequence ids are ``int`` or ``str`` (numpy integers count as ints; bools and floats are
     refused). Each public call is atomic with respect to other threads; calling the manager
@@ -74,7 +96,7 @@ cdef class BlockManager:
     def __cinit__(self, num_blocks, block_size, *, bint enable_prefix_caching=True,
                   watermark=0.0, num_host_blocks=0, hash_key=None,
                   bint enable_kv_events=False, groups=None, hash_algo="siphash",
-                  hash_seed=None):
+                  hash_seed=None, host_prefix_cache=False, host_write_through=False):
         cdef int32_t bs = <int32_t>as_int(block_size, "block_size", 1, INT32_MAX)
         cdef int32_t nb = <int32_t>as_int(num_blocks, "num_blocks", 2, INT32_MAX - 1)
         cdef int64_t nh = as_int(num_host_blocks, "num_host_blocks", 0, INT32_MAX - 1)
@@ -88,6 +110,12 @@ cdef class BlockManager:
         if not 0.0 <= wm < 1.0:  # also refuses nan
             raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}")
         gs = _group_tuple(groups)
+        cdef bint tier = _host_tier_args(host_prefix_cache, host_write_through, nh,
+                                         enable_prefix_caching)
+        if tier and (len(gs) > 1 or (<object>gs[0]).kind != "full"):
+            raise InvalidArgumentError(
+                "host_prefix_cache serves one full-attention group only, not "
+                f"{[g.kind for g in gs]} (host hits across KV cache groups are not supported)")
         self.pool = BlockPool(nb, enable_prefix_caching=enable_prefix_caching,
                               hash_key=hash_key, enable_kv_events=enable_kv_events,
                               block_size=bs, hash_algo=hash_algo, hash_seed=hash_seed)
@@ -95,7 +123,12 @@ cdef class BlockManager:
             raise InvalidArgumentError(
                 f"hash_algo={hash_algo!r} with {len(gs)} KV cache groups: only the siphash "
                 "mode keys each group's blocks apart (vLLM keys them by (hash, group))")
-        self.host_pool = (BlockPool(nh, enable_prefix_caching=False) if nh else None)
+        self.host_pool = (BlockPool(nh, enable_prefix_caching=tier, hash_key=hash_key,
+                                    enable_kv_events=enable_kv_events and tier, block_size=bs,
+                                    hash_algo=hash_algo, hash_seed=hash_seed)
+                          if nh else None)
+        if self.host_pool is not None:
+            self.host_pool._medium = "CPU"
         self._watermark = wm
         self._watermark_blocks = <int64_t>math.ceil(wm * (nb - 1))
         cdef bytes key = self.pool._key
@@ -111,6 +144,10 @@ cdef class BlockManager:
                                   <const uint8_t *><const char *>self.pool._none_hash)
             if rc:
                 raise_code(rc, "BlockManager", 0, self.pool._algo)
+        if tier:
+            rc = kvb_mgr_host_tier(&self.m, host_write_through)
+            if rc:
+                raise_code(rc, "BlockManager: host tier", 0, nh, self.m.err_what)
         self._slots = {}
         self._ids = []
         self._buf = np.empty(64, dtype=np.int32)
@@ -468,10 +505,12 @@ cdef class BlockManager:
         try:
             if seq_id in self._slots:
                 raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
+            self.pool.p.events.cur_tag = tag  # host-tier onloads cache blocks inside add
             rc = (kvb_mgr_add(&self.m, i32_data(toks), n, <const uint8_t *>s, len(s),
                               recompute, &slot, &cached) if self.ng == 1 else
                   kvb_grp_add(self.gp, self.ng, i32_data(toks), n, <const uint8_t *>s, len(s),
                               recompute, &slot, &cached))
+            self.pool.p.events.cur_tag = 0
             if rc:
                 self._err(rc, f"add({seq_id!r}, {n} tokens)")
             for j in range(self.ng):
@@ -725,12 +764,102 @@ cdef class BlockManager:
         """
         cdef int32_t j
         cdef int64_t k = 0
+        cdef kvb_tier_t *t = self.pool.p.tier
         self._enter()
         try:
+            if t is not NULL and (t.noff or t.non):
+                raise InvalidStateError(
+                    f"take_copies: {t.noff} offloads and {t.non} onloads are pending; drain "
+                    f"take_offloads() and take_onloads() first (a copy may overwrite a block "
+                    f"an offload reads, or read one an onload fills)")
             out = np.empty((self._ncopies(), 2), dtype=np.int64)
             for j in range(self.ng):  # every group's pairs; block ids are pool-wide
                 k += kvb_mgr_take_copies(self.gp[j],
                                          <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out) + 2 * k)
+            return out
+        finally:
+            self._leave()
+
+    # -- host tier ------------------------------------------------------------------------------
+    @property
+    def host_prefix_cache(self):
+        """Whether the host pool is a second prefix-cache tier."""
+        return self.pool.p.tier is not NULL
+
+    @property
+    def host_write_through(self):
+        """Whether newly cached device blocks are copied to the host tier at once."""
+        return self.pool.p.tier is not NULL and self.pool.p.tier.write_through != 0
+
+    @property
+    def num_pending_offloads(self):
+        """(device, host) copies queued and not yet drained by take_offloads()."""
+        return self.pool.p.tier.noff if self.pool.p.tier is not NULL else 0
+
+    @property
+    def num_pending_onloads(self):
+        """(host, device) copies queued and not yet drained by take_onloads()."""
+        return self.pool.p.tier.non if self.pool.p.tier is not NULL else 0
+
+    @property
+    def host_stats(self):
+        """Counters of the host tier since creation: a HostStats (zeros without a tier).
+        Device-tier hits stay in ``pool.stats``; ``HostStats.hit_rate`` is the host share of
+        the tokens asked for."""
+        cdef kvb_tier_t *t = self.pool.p.tier
+        if t is NULL:
+            return HostStats()
+        s = t.stats
+        h = self.host_pool.p.stats
+        return HostStats(hits=s.hit_blocks, hit_tokens=s.hit_tokens,
+                         recompute_hit_tokens=s.recompute_hit_tokens,
+                         query_tokens=self.pool.p.stats.query_tokens,
+                         demotions=s.demotions, offloads=s.offloads, onloads=s.onloads,
+                         dropped=s.dropped, evictions=h.evictions, stored=h.stored)
+
+    def take_offloads(self):
+        """Drain the pending (device block, host block) copies: int64 [n, 2], for one
+        ``ops.swap_blocks(cache, host_cache, pairs)`` call. The first list of each drain:
+        run it before the onloads, swap pairs and copies, which may overwrite its device
+        blocks (an evicted block is handed out again at once). It starts the drain: pairs
+        queued after it belong to the next one. Empty without a host tier.
+
+        >>> from kvblocks import BlockManager
+        >>> mgr = BlockManager(3, 2, num_host_blocks=4, host_prefix_cache=True)
+        >>> mgr.add("a", [1, 2, 3]); _ = mgr.metadata(["a"], [3]); mgr.free("a")
+        0
+        >>> mgr.add("b", [7, 8, 9])  # evicts a's cached block: demoted to the host
+        0
+        >>> mgr.take_offloads().tolist()
+        [[1, 1]]
+        """
+        cdef kvb_tier_t *t = self.pool.p.tier
+        self._enter()
+        try:
+            out = np.empty((t.noff if t is not NULL else 0, 2), dtype=np.int64)
+            if t is not NULL:
+                kvb_tier_take_offloads(t, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out))
+            return out
+        finally:
+            self._leave()
+
+    def take_onloads(self):
+        """Drain the pending (host block, device block) copies of host-tier hits: int64
+        [n, 2], for one ``ops.swap_blocks(host_cache, cache, pairs)`` call, after the
+        offloads and before the swap pairs, copies and forward pass. Releases the host
+        blocks the pairs held. Raises InvalidStateError while offloads are pending (an onload
+        may read a host block one of them writes): drain take_offloads() first."""
+        cdef kvb_tier_t *t = self.pool.p.tier
+        cdef int64_t n = 0
+        self._enter()
+        try:
+            out = np.empty((t.non if t is not NULL else 0, 2), dtype=np.int64)
+            if t is not NULL:
+                if kvb_tier_take_onloads(t, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out),
+                                         &n):
+                    raise InvalidStateError(
+                        f"take_onloads: {t.noff} offloads are pending; run take_offloads() "
+                        f"first (an onload may read a host block an offload writes)")
             return out
         finally:
             self._leave()

@@ -80,6 +80,7 @@ cdef class BlockPool:
         if rc:
             raise_code(rc, "BlockPool", 0, num_blocks)
         self.p.record_events = enable_kv_events
+        self._medium = "GPU"
         self._initialized = True
 
     def __dealloc__(self):
@@ -380,6 +381,12 @@ cdef class BlockPool:
         return self._block_size
 
     @property
+    def medium(self):
+        """Where the blocks live, as KV events name it: ``"GPU"``, or ``"CPU"`` for a
+        BlockManager's host pool."""
+        return self._medium
+
+    @property
     def stats(self):
         """Counters since creation: a CacheStats (also readable like a dict)."""
         s = self.p.stats
@@ -418,9 +425,11 @@ cdef class BlockPool:
                                                          else "full_attention"),
                                      kv_cache_spec_sliding_window=(
                                          spec.window if spec is not None else None),
-                                     lora_name=self._lora_names[ev.tag[i]])
+                                     lora_name=self._lora_names[ev.tag[i]],
+                                     medium=self._medium)
             elif kind == KVB_EV_REMOVED:
-                raw[i] = BlockRemoved(block_hashes=[hash_int(ev.hash[i])], group_idx=ev.group[i])
+                raw[i] = BlockRemoved(block_hashes=[hash_int(ev.hash[i])],
+                                      group_idx=ev.group[i], medium=self._medium)
             else:
                 raw[i] = AllBlocksCleared()
             if off >= 0:

@@ -153,7 +153,7 @@ def test_all_suites_json_to_stdout():
     assert p.returncode == 0, p.stderr
     assert p.stderr == ""  # no progress bar when stderr is not a terminal
     doc = json.loads(p.stdout)
-    assert list(doc["suites"]) == ["alloc", "prefix", "metadata"]
+    assert list(doc["suites"]) == ["alloc", "prefix", "metadata", "tier"]
     ids = [o["id"] for body in doc["suites"].values() for o in body["ops"]]
     assert len(ids) == len(set(ids))
     prefix = {o["id"]: o for o in doc["suites"]["prefix"]["ops"]}
@@ -173,6 +173,17 @@ def test_all_suites_json_to_stdout():
     assert any(o["id"] == "metadata/decode/advancing" for o in meta)
     for o in meta:
         assert set(o["speedup"]) == {"numpy-list", "numpy-2d"} and o["unit"] == "block"
+    tier = doc["suites"]["tier"]
+    assert [o["id"] for o in tier["ops"]] == [
+        "demote/128",
+        "demote_present/128",
+        "cache_write_through/128",
+        "add_hits/2047",
+        "probe/2047",
+    ]
+    assert all(set(o["speedup"]) == {"device-only"} for o in tier["ops"])
+    assert set(tier["ratio_vs_device"]) == {o["id"] for o in tier["ops"]}
+    assert tier["target_ratio"] == 2.0
 
 
 def test_compare_ratios(alloc_run, tmp_path):
@@ -234,10 +245,10 @@ def one_line_error(capsys, argv, *needles):
 @pytest.mark.parametrize(
     "argv, needles",
     [
-        (("bench", "allocs"), ("unknown suite 'allocs'", "alloc, prefix, metadata, all")),
+        (("bench", "allocs"), ("unknown suite 'allocs'", "alloc, prefix, metadata, tier, all")),
         (("bench", "alloc", "nope"), ("unknown suite 'nope'",)),
         (("bench", "groups"), ("suite 'groups' is not available in this version",)),
-        (("bench", "tier", "alloc"), ("suite 'tier' is not available in this version",)),
+        (("bench", "groups", "alloc"), ("suite 'groups' is not available in this version",)),
         (("bench", "--samples", "0"), ("argument --samples: must be an integer in [1, 100,000]",)),
         (("bench", "--samples", "2.5"), ("argument --samples",)),
         (("bench", "--samples=-3"), ("argument --samples",)),
@@ -437,7 +448,7 @@ def test_bench_script_is_a_thin_caller(tmp_path):
 def test_python_api():
     import kvblocks.bench as kb
 
-    assert kb.SUITES == ("alloc", "prefix", "metadata")
+    assert kb.SUITES == ("alloc", "prefix", "metadata", "tier")
     assert isinstance(kb.BenchError("x"), ValueError)
     with pytest.raises(kb.BenchError, match="not available in this version"):
         kb.run(["groups"])

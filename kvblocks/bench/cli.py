@@ -26,8 +26,11 @@ suites:
              SeqBatch, with block fills), building a 1M-block pool, bytes per block
   prefix     hash_blocks, lookup, lookup_and_pin, allocation evicting cached blocks
   metadata   BlockManager.metadata, decode 256x4096 and prefill 32x2048, against numpy
-  all        the three above (the default)
-  groups, tier   not available in this version
+  tier       the host tier of the prefix cache against the same calls without one: evicting
+             allocation with demotion (write-back, write-through), caching with write-through,
+             add and probe of a prompt cached on the host (docs/host-tier.md)
+  all        the four above (the default)
+  groups     not available in this version
 
 Every operation is also timed, in the same run and the same harness, on the bundled
 pure-Python vLLM-style pool (and on vLLM's own BlockPool when vllm is importable);
@@ -65,7 +68,10 @@ def add_command(sub: "argparse._SubParsersAction") -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "suites", nargs="*", metavar="SUITE", help="alloc, prefix, metadata or all (default all)"
+        "suites",
+        nargs="*",
+        metavar="SUITE",
+        help="alloc, prefix, metadata, tier or all (default all)",
     )
     p.add_argument("--quick", action="store_true", help="fewer samples: seconds per suite, noisier")
     p.add_argument(

@@ -24,10 +24,9 @@ from .timing import Settings, calibrate, run_ops
 __all__ = ["SCHEMA", "SUITES", "UNAVAILABLE", "BenchRun", "resolve_suites", "run"]
 
 SCHEMA = "kvblocks-bench/1"
-SUITES = ("alloc", "prefix", "metadata")
+SUITES = ("alloc", "prefix", "metadata", "tier")
 UNAVAILABLE = {  # accepted names of suites whose features are not in this version
     "groups": "it needs KV cache groups (sliding-window and full-attention layers), not built yet",
-    "tier": "it needs the host (CPU) tier of the prefix cache, not built yet",
 }
 WARMUP_NOTE = (
     "warm-up: each operation ran untimed samples first (>= {ms:g} ms), and each of the "
@@ -45,6 +44,7 @@ BASELINES = {
     "python": "the bundled pure-Python vLLM-style pool (kvblocks.bench.pybaseline), same harness",
     "numpy-list": "numpy from one block-table array per sequence",
     "numpy-2d": "numpy from a padded [B, max_blocks] table (vLLM InputBatch style)",
+    "device-only": "the same call on a BlockManager without a host tier (suite tier)",
 }
 
 
@@ -71,6 +71,8 @@ def _builder(name: str) -> Callable:
         from .alloc import build
     elif name == "prefix":
         from .prefix import build
+    elif name == "tier":
+        from .tier import build
     else:
         from .metadata import build
     return build
@@ -161,6 +163,10 @@ def run(
             "ops": rows,
             **facts,
         }
+        if name == "tier":
+            from .tier import tier_ratios
+
+            doc["suites"][name]["ratio_vs_device"] = tier_ratios(rows)
         result.samples[name] = raw
         del ops
     doc["load_average"] = {"start": load_start, "end": _loadavg()}

@@ -10,8 +10,8 @@ gather each sequence back through its block table.
 :class:`KVReadback` holds a numpy device cache and a host cache, wraps the manager's calls
 (``add``, ``append``, ``append_batch``, ``reserve``, ``truncate``, ``fork``, ``free``,
 ``swap_out``, ``swap_in``) to keep, next to the manager, what each sequence should read back:
-its committed tokens and how many of them were computed. ``drain()`` runs the pending copies
-and swaps, ``forward()`` is the step (``metadata`` then ``write_slots`` on every layer), and
+its committed tokens and how many of them were computed. ``drain()`` runs the pending
+host-tier offloads and onloads, swaps and copies, ``forward()`` is the step (``metadata`` then ``write_slots`` on every layer), and
 ``assert_reads_back(mgr, seq_id)`` gathers every computed position and compares its K and V
 byte for byte.
 
@@ -231,16 +231,31 @@ class KVReadback:
 
     @property
     def settled(self) -> bool:
-        """No copy-on-write copy and no swap is waiting to run: the caches hold what every
-        sequence must read back."""
-        return not self._swaps and not self.mgr.num_pending_copies
+        """No onload, copy-on-write copy or swap is waiting to run: the device cache holds
+        what every sequence must read back (pending offloads only fill the host tier)."""
+        return (
+            not self._swaps
+            and not self.mgr.num_pending_copies
+            and not getattr(self.mgr, "num_pending_onloads", 0)
+        )
 
     def drain(self, *, swaps_first: bool = True) -> np.ndarray:
-        """The documented drain (docs/engine-integration.md): the swap pairs returned since
-        the last drain -> ``ops.swap_blocks``, in the order the calls returned them, then
+        """The documented drain (docs/engine-integration.md, docs/host-tier.md): with a
+        host tier, ``take_offloads()`` -> ``ops.swap_blocks(cache, host)`` first, then
+        ``take_onloads()`` -> ``ops.swap_blocks(host, cache)``; then the swap pairs returned
+        since the last drain -> ``ops.swap_blocks``, in the order the calls returned them, then
         ``take_copies()`` -> ``ops.copy_blocks`` (one call), last. ``swaps_first=False`` runs
-        the copies first, an order that is only safe when no swap_out of the same schedule
-        phase released a block a copy writes (a test of that misuse). Returns the copies."""
+        the copies before the swaps, an order that is only safe when no swap_out of the same
+        schedule phase released a block a copy writes (a test of that misuse). Returns the
+        copies."""
+        if getattr(self.mgr, "host_prefix_cache", False):
+            assert self.host is not None  # a host tier has a host pool
+            offloads = np.asarray(self.mgr.take_offloads())
+            if len(offloads):
+                ops.swap_blocks(self.cache, self.host, offloads)
+            onloads = np.asarray(self.mgr.take_onloads())
+            if len(onloads):
+                ops.swap_blocks(self.host, self.cache, onloads)
         copies = np.asarray(self.mgr.take_copies())
         swaps, self._swaps = self._swaps, []
 

@@ -1,0 +1,272 @@
+/* tier.c -- the host pool as a second prefix-cache tier below the device pool.
+ *
+ * Demotion. When allocation pops a cached device block (lazy eviction, pool.c), the entry is
+ * not simply dropped: kvb_tier_demote gives its hash a host block (allocating from the host
+ * free list evicts the least recently released host entry, LRU) and queues a (device, host)
+ * offload. The device block is handed out at once; the engine runs the offloads first in the
+ * next drain, before anything can overwrite it (swap-in pairs, onloads and copies come after,
+ * the forward pass after all of them). A hash already on the host costs no copy. With no host
+ * block to take (every one referenced), or while the block's own content is still in flight,
+ * the entry is dropped and counted.
+ *
+ * Host hits. add() continues its device prefix on the host: the host hits are pinned, fresh
+ * device blocks are allocated for them and (host, device) onloads queued. Their tokens count
+ * as cached and computed; the device blocks enter the device cache at once (a second prompt
+ * in the same step shares them) and are flagged written, because every reader runs after the
+ * drain that fills them.
+ *
+ * Write-through (optional). Each device block entering the device cache is copied to the host
+ * at once (an offload queued), so that its eviction later costs no copy.
+ *
+ * Holds. A pending offload holds one reference on its host block; a pending onload one on its
+ * host block and one on its device block. Held blocks are never in a free list, so never
+ * evicted, reused or demoted before the pair ran. Swapped-out sequences hold their host
+ * blocks the same way: the host cache never evicts them (kvb_tier_check verifies that no
+ * swapped block is a cache entry).
+ *
+ * One drain, in order: take_offloads, take_onloads, the swap pairs in the order returned,
+ * take_copies, then the forward pass. take_offloads starts the drain: pairs queued after it
+ * belong to the next one. Two hazards across these lists are closed here, not by the engine:
+ *   - a device block whose content arrives with this drain (a swap-in or onload destination,
+ *     flagged KVB_F_INFLIGHT) is never an offload source before the drain starts, since the
+ *     offload would read it before its content arrives;
+ *   - host blocks released by swapped sequences (swap_in, free) are held until the drain
+ *     starts (`deferred`), since an offload of this drain could otherwise write a block that a
+ *     swap pair of this drain still reads.
+ * The step declared by schedule/metadata also settles both (the drain has run by then).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* ---- lifecycle -------------------------------------------------------------------------- */
+int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through) {
+    KVB_CLEAR_ERR(m);
+    kvb_pool_t *p = m->pool, *h = m->host;
+    if (!h || !h->caching || !p->caching) {
+        m->err_what = "a host tier needs prefix caching on the device and host pools";
+        return KVB_ESTATE;
+    }
+    if (p->tier) {
+        m->err_what = "the device pool already has a host tier";
+        return KVB_ESTATE;
+    }
+    kvb_tier_t *t = calloc(1, sizeof *t);
+    if (!t) return KVB_ENOMEM;
+    size_t n = (size_t)p->num_blocks;
+    t->pool = p;
+    t->host = h;
+    t->inflight = malloc(n * sizeof *t->inflight);
+    t->deferred = malloc((size_t)h->num_blocks * sizeof *t->deferred);
+    t->parent = malloc(n * sizeof *t->parent);
+    t->has_tokens = calloc(n, sizeof *t->has_tokens);
+    t->tokens = n <= SIZE_MAX / sizeof *t->tokens / (size_t)m->block_size
+                    ? malloc(n * (size_t)m->block_size * sizeof *t->tokens) : NULL;
+    p->tier = t; /* kvb_tier_destroy frees whatever was allocated */
+    if (!t->inflight || !t->deferred || !t->parent || !t->has_tokens || !t->tokens) {
+        kvb_tier_destroy(p);
+        return KVB_ENOMEM;
+    }
+    t->block_size = m->block_size;
+    t->write_through = write_through != 0;
+    return KVB_OK;
+}
+
+void kvb_tier_destroy(kvb_pool_t *p) {
+    kvb_tier_t *t = p->tier;
+    if (!t) return;
+    free(t->off);
+    free(t->on);
+    free(t->inflight);
+    free(t->deferred);
+    free(t->parent);
+    free(t->tokens);
+    free(t->has_tokens);
+    free(t->scratch);
+    free(t);
+    p->tier = NULL;
+}
+
+/* ---- offloads: demotion and write-through ----------------------------------------------- */
+/* Give device block b's hash a host block and queue (b, host block). Returns 1 when queued,
+ * 0 when no host block is free or the queue cannot grow (nothing changed then). */
+static int queue_offload(kvb_tier_t *t, int32_t b) {
+    kvb_pool_t *h = t->host;
+    if (h->num_free == 0 ||
+        kvb_grow((void **)&t->off, &t->offcap, 2 * (t->noff + 1), sizeof *t->off))
+        return 0;
+    int32_t hb;
+    KVB_MUST(kvb_pool_allocate(h, 1, &hb)); /* may evict the LRU host entry; ref 1: the hold */
+    h->flags[hb] |= KVB_F_WRITTEN;          /* promised by the offload, run before any read */
+    const kvb_hash_t *par = &t->parent[b];
+    kvb_cache_put(h, hb, &t->pool->hash[b], par->lo | par->hi ? par : NULL,
+                  t->has_tokens[b] ? t->tokens + (size_t)b * (size_t)t->block_size : NULL,
+                  t->block_size);
+    t->off[2 * t->noff] = b;
+    t->off[2 * t->noff + 1] = hb;
+    t->noff++;
+    t->stats.offloads++;
+    return 1;
+}
+
+KVB_NOINLINE void kvb_tier_demote(kvb_pool_t *p, int32_t b) {
+    kvb_tier_t *t = p->tier;
+    if (p->flags[b] & KVB_F_INFLIGHT) { /* its bytes are not there yet: nothing to copy */
+        t->stats.dropped++;
+        return;
+    }
+    if (kvb_cache_find(t->host, &p->hash[b]) != KVB_NONE || queue_offload(t, b))
+        t->stats.demotions++;
+    else
+        t->stats.dropped++;
+}
+
+KVB_NOINLINE void kvb_tier_stored(kvb_pool_t *p, int32_t b, const kvb_hash_t *parent,
+                                  const int32_t *tokens) {
+    kvb_tier_t *t = p->tier;
+    if (parent) t->parent[b] = *parent;
+    else t->parent[b].lo = t->parent[b].hi = 0;
+    t->has_tokens[b] = tokens != NULL;
+    if (tokens)
+        memcpy(t->tokens + (size_t)b * (size_t)t->block_size, tokens,
+               (size_t)t->block_size * sizeof *tokens);
+    /* content arriving with this drain (or a pending copy) is written through once evicted */
+    if (!t->write_through || (p->flags[b] & (KVB_F_INFLIGHT | KVB_F_COPY_DST))) return;
+    if (kvb_cache_find(t->host, &p->hash[b]) == KVB_NONE) queue_offload(t, b);
+}
+
+/* ---- onloads ---------------------------------------------------------------------------- */
+int64_t kvb_tier_match(kvb_tier_t *t, const kvb_hash_t *hashes, int64_t n) {
+    if (n <= 0) return 0;
+    if (kvb_grow((void **)&t->scratch, &t->scap, n, sizeof *t->scratch)) return KVB_ENOMEM;
+    int64_t k = kvb_cache_match(t->host, hashes, n, t->scratch);
+    if (k && kvb_grow((void **)&t->on, &t->oncap, 2 * (t->non + k), sizeof *t->on))
+        return KVB_ENOMEM;
+    return k;
+}
+
+void kvb_tier_inflight(kvb_tier_t *t, int32_t b) {
+    kvb_pool_t *p = t->pool;
+    if (p->flags[b] & KVB_F_INFLIGHT) return;
+    KVB_ASSERT(t->ninflight < p->num_blocks);
+    p->flags[b] |= KVB_F_INFLIGHT;
+    t->inflight[t->ninflight++] = b;
+}
+
+void kvb_tier_onload(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t n) {
+    kvb_pool_t *p = m->pool;
+    kvb_tier_t *t = p->tier;
+    for (int64_t i = from; i < from + n; i++) {
+        int32_t d = s->blocks[i], hb = t->scratch[i - from];
+        p->ref_count[d]++;              /* the onload's hold (fresh: not in the free list) */
+        p->flags[d] |= KVB_F_WRITTEN;   /* filled by the onload, before any reader runs */
+        kvb_tier_inflight(t, d);
+        kvb_cache_put(p, d, &s->hashes[i], i ? &s->hashes[i - 1] : NULL,
+                      s->tokens + i * m->block_size, m->block_size);
+        t->on[2 * t->non] = hb;
+        t->on[2 * t->non + 1] = d;
+        t->non++;
+    }
+    t->stats.onloads += (uint64_t)n;
+    t->stats.hit_blocks += (uint64_t)n;
+}
+
+/* ---- the drain -------------------------------------------------------------------------- */
+void kvb_tier_settle(kvb_tier_t *t) {
+    for (int64_t i = 0; i < t->ninflight; i++)
+        t->pool->flags[t->inflight[i]] &= (uint8_t)~KVB_F_INFLIGHT;
+    t->ninflight = 0;
+    for (int64_t i = 0; i < t->ndeferred; i++) kvb_pool_release(t->host, t->deferred[i]);
+    t->ndeferred = 0;
+}
+
+void kvb_tier_release_host(kvb_mgr_t *m, const int32_t *ids, int64_t n) {
+    kvb_tier_t *t = m->pool->tier;
+    for (int64_t i = 0; i < n; i++) {
+        if (!t) {
+            kvb_pool_release(m->host, ids[i]);
+            continue;
+        }
+        /* a swapped sequence's block is private (ref count 1) and deferred at most once */
+        KVB_ASSERT(t->ndeferred < m->host->num_blocks && m->host->ref_count[ids[i]] == 1);
+        t->deferred[t->ndeferred++] = ids[i];
+    }
+}
+
+int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out) {
+    int64_t n = t->noff;
+    kvb_copy(out, t->off, (size_t)(2 * n) * sizeof *out);
+    t->noff = 0;
+    for (int64_t i = 0; i < n; i++) kvb_pool_release(t->host, (int32_t)out[2 * i + 1]);
+    kvb_tier_settle(t);
+    return n;
+}
+
+int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n) {
+    if (t->noff) { /* an onload may read a host block a pending offload writes */
+        t->host->err_a = t->noff;
+        return KVB_EPENDING;
+    }
+    *n = t->non;
+    kvb_copy(out, t->on, (size_t)(2 * t->non) * sizeof *out);
+    for (int64_t i = 0; i < t->non; i++) {
+        kvb_pool_release(t->host, (int32_t)t->on[2 * i]);
+        kvb_pool_release(t->pool, (int32_t)t->on[2 * i + 1]);
+    }
+    t->non = 0;
+    return KVB_OK;
+}
+
+/* ---- check ------------------------------------------------------------------------------ */
+#define TFAIL(what, item) do { m->err_what = (what); m->err_b = (item); \
+                               return KVB_ECORRUPT; } while (0)
+
+int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
+    kvb_tier_t *t = m->pool->tier;
+    kvb_pool_t *p = m->pool, *h = m->host;
+    if (!t) {
+        for (int32_t b = 1; b < p->num_blocks; b++)
+            if (p->flags[b] & KVB_F_INFLIGHT) TFAIL("in-flight flag without a host tier", b);
+        return KVB_OK;
+    }
+    if (t->pool != p || t->host != h || !h->caching) TFAIL("host tier not wired to the pools", 0);
+    for (int64_t i = 0; i < t->noff; i++) {
+        int64_t d = t->off[2 * i], hb = t->off[2 * i + 1];
+        if (d <= 0 || d >= p->num_blocks || hb <= 0 || hb >= h->num_blocks)
+            TFAIL("pending offload holds an out-of-range block", d);
+        if (!(h->flags[hb] & KVB_F_CACHED)) TFAIL("offload destination not in the host cache", hb);
+        hrefs[hb]++;
+    }
+    for (int64_t i = 0; i < t->non; i++) {
+        int64_t hb = t->on[2 * i], d = t->on[2 * i + 1];
+        if (d <= 0 || d >= p->num_blocks || hb <= 0 || hb >= h->num_blocks)
+            TFAIL("pending onload holds an out-of-range block", d);
+        if (!(h->flags[hb] & KVB_F_CACHED)) TFAIL("onload source not in the host cache", hb);
+        if (!(p->flags[d] & KVB_F_WRITTEN)) TFAIL("onload destination not flagged written", d);
+        hrefs[hb]++;
+        refs[d]++;
+    }
+    for (int64_t i = 0; i < t->ndeferred; i++) {
+        int32_t hb = t->deferred[i];
+        if (hb <= 0 || hb >= h->num_blocks || (h->flags[hb] & KVB_F_CACHED))
+            TFAIL("deferred host block out of range or cached", hb);
+        hrefs[hb]++;
+    }
+    int64_t flagged = 0;
+    for (int32_t b = 1; b < p->num_blocks; b++) flagged += (p->flags[b] & KVB_F_INFLIGHT) != 0;
+    if (flagged != t->ninflight) TFAIL("in-flight flags != in-flight list", flagged);
+    for (int64_t i = 0; i < t->ninflight; i++)
+        if (!(p->flags[t->inflight[i]] & KVB_F_INFLIGHT)) TFAIL("in-flight list entry unflagged",
+                                                              t->inflight[i]);
+    /* swapped sequences and the host cache share the pool: a swapped block is referenced (never
+     * evicted) and never a cache entry */
+    for (int32_t i = 0; i < m->scap; i++) {
+        const kvb_seq_t *s = &m->seqs[i];
+        if (!(s->gen & 1u) || !s->swapped) continue;
+        for (int32_t j = 0; j < s->nblocks; j++)
+            if (h->flags[s->blocks[j]] & (KVB_F_CACHED | KVB_F_FREE))
+                TFAIL("swapped sequence's host block is cached or free", s->blocks[j]);
+    }
+    return KVB_OK;
+}
