@@ -27,8 +27,10 @@ static int out_of_blocks(kvb_mgr_t *m, int64_t need, int64_t have) {
     return KVB_EOUTOFBLOCKS;
 }
 
+/* a + b for a block count b >= 0, saturating at INT64_MAX; a may be negative (a running
+ * count after a window group's release gain was taken off), where INT64_MAX - a overflows */
 KVB_INLINE int64_t add_sat(int64_t a, int64_t b) {
-    return b > INT64_MAX - a ? INT64_MAX : a + b;
+    return a > 0 && b > INT64_MAX - a ? INT64_MAX : a + b;
 }
 
 /* The hash key of group gidx: the manager's key for group 0, a key derived from it for the

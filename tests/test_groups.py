@@ -219,3 +219,27 @@ def test_kvgroup_is_immutable_and_hashable():
     mgr = BlockManager(16, BS, groups=(g,))
     mgr.add("s", [1])
     assert mgr.block_table("s", group=np.int64(0)).tolist() == [1]
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_release_gain_before_another_group_is_counted(batch):
+    """Regression: append / append_batch subtract a window group's release gain from the
+    running block count; a negative count then went through the saturating add of the next
+    group (INT64_MAX - a overflowed), which reported an absurd need and refused the append.
+    Only configurations with a window group before another group showed it."""
+    for groups in (
+        (KVGroup("sliding_window", window=4), KVGroup("full")),
+        (KVGroup("sliding_window", window=4), KVGroup("sliding_window", window=4)),
+    ):
+        # a pool so small that append_batch counts exactly (its bound does not fit)
+        mgr = BlockManager(8, BS, groups=groups)
+        mgr.add("s", list(range(10)))
+        mgr.schedule(["s"], [10])
+        before = mgr.blocks_in_use("s")
+        if batch:
+            mgr.append_batch(["s"], [1])
+        else:
+            mgr.append("s", [1])
+        assert mgr.num_tokens("s") == 11
+        assert mgr.blocks_in_use("s") < before  # the window moved past block 0
+        mgr.check()
