@@ -57,13 +57,12 @@ class GroupPlan(NamedTuple):
 def _types_and_kwargs(text: Any, num_layers: int) -> Tuple[List[str], List[Dict[str, Any]]]:
     """Layer types and their cache arguments as transformers' ``DynamicCache(config=...)`` sees
     them (its own helper when the installed version has it), else from the config fields."""
-    try:
-        from transformers.cache_utils import get_layer_types_and_kwargs
-    except ImportError:  # pragma: no cover - transformers < 5
-        get_layer_types_and_kwargs = None
-    if get_layer_types_and_kwargs is not None:
+    from transformers import cache_utils
+
+    getter = getattr(cache_utils, "get_layer_types_and_kwargs", None)  # transformers >= 5
+    if getter is not None:
         try:
-            types, kwargs = get_layer_types_and_kwargs(text)
+            types, kwargs = getter(text)
         except (AttributeError, TypeError, ValueError, IndexError):  # pragma: no cover
             types = None
         if types is not None and len(types) == num_layers:

@@ -20,6 +20,10 @@ a :class:`kvblocks.KVCache`, with block tables kept by a :class:`kvblocks.BlockM
   last layer, so only written K/V ever enter the prefix cache; a step's blocks are counted
   exactly before anything changes (all or nothing), and after a forward pass that raised the
   cache refuses every use but ``reset()`` / ``prepare()``;
+* sliding-window layers (Gemma 2/3, Mistral, Qwen2, gpt-oss): each kind of layer is a
+  :class:`kvblocks.KVGroup` of one manager; a window layer is handed the K/V of the window of
+  the step's first query plus the new tokens, as transformers' ``DynamicSlidingWindowLayer``,
+  and the blocks the window left behind are released (``kv_bytes_held`` shows it);
 * ``copy.deepcopy`` forks the rows into a new cache on the same manager (prompt reuse);
   :meth:`PagedKVCache.encoder_decoder` serves encoder-decoder models' self-attention.
 
@@ -283,10 +287,14 @@ class PagedKVCache(Cache):
 
     Args:
         config: the model's config (``model.config``) of a decoder-only model; its text config
-            gives the number of layers, K/V heads and head size. Every layer must be full attention.
+            gives the number of layers, K/V heads and head size. Layers are full attention or
+            sliding-window attention (``layer_types`` / ``sliding_window``: Gemma 2/3, Mistral,
+            Qwen2, gpt-oss); each kind is a KV cache group (:attr:`groups`) whose window layers
+            hold only their window. Other layer types are refused.
             Encoder-decoder models: :meth:`encoder_decoder`.
         num_blocks: blocks in the pool (block 0 is kvblocks' reserved null block). One block
-            holds ``block_size`` tokens of K and V for every layer.
+            holds ``block_size`` tokens of K and V for ``layers_per_block`` layers of one group
+            (every layer when all are full attention).
         block_size: tokens per block.
         device: ``"cpu"`` or ``"cuda[:N]"`` (CUDA storage needs CuPy). The attention still runs on
             the model's device; K/V move to and from the storage device when the two differ.
@@ -390,11 +398,13 @@ class PagedKVCache(Cache):
         self._plan: GroupPlan = plan_groups(spec.windows)
         #: layers one block holds K and V for (all of them when every layer is full attention)
         self.layers_per_block = self._plan.layers_per_block
-        groups = {"groups": self._plan.groups} if self._plan.groups else {}
         # the manager checks the ranges; nothing is allocated before every check passed
         self._shared = _Shared(
             BlockManager(
-                num_blocks, block_size, enable_prefix_caching=self.enable_prefix_caching, **groups
+                num_blocks,
+                block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                groups=self._plan.groups or None,  # None: the default single full group
             )
         )
         if store_dtype is not None:
@@ -412,14 +422,14 @@ class PagedKVCache(Cache):
             "forks": 0,
         }
 
-    def _make_layers(self) -> List["_PagedLayer"]:
+    def _make_layers(self) -> List[Any]:
         return [_PagedLayer(self, i) for i in range(self.num_layers)]
 
     @property
     def groups(self) -> Tuple[Any, ...]:
-        """The :class:`kvblocks.KVGroup` of the manager (empty: every layer is full attention,
-        one default group)."""
-        return self._plan.groups
+        """The :class:`kvblocks.KVGroup` of the manager, in group-index order (one full group
+        when every layer is full attention)."""
+        return tuple(self.manager.groups)
 
     @property
     def _windowed(self) -> bool:
@@ -849,7 +859,7 @@ class PagedKVCache(Cache):
     def num_blocks_held(self) -> int:
         """Distinct blocks referenced by the rows in every group (shared blocks count once;
         blocks a sliding-window group released are not held)."""
-        tables = [t for g in range(max(len(self.groups), 1)) for t in self.block_tables(g)]
+        tables = [t for g in range(len(self.groups)) for t in self.block_tables(g)]
         if not tables:
             return 0
         held = np.unique(np.concatenate(tables))
@@ -1249,7 +1259,7 @@ class PagedKVCache(Cache):
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, groups={len(self.groups) or 1}, "
+            f"head_dim={self.head_dim}, groups={len(self.groups)}, "
             f"num_blocks={self.num_blocks}, "
             f"block_size={self.block_size}, device={self.device!r}, rows={len(self._rows)}, "
             f"tokens={self._layer_len[0]})"
