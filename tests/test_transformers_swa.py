@@ -236,11 +236,12 @@ def test_kv_bytes_held_shows_the_window_saving():
     model = _model("gemma2")
     ids, mask = _prompts([30], seed=4)
     cache = _cache(model)
-    _, dyn_bytes = _reference(model, ids, mask, max_new_tokens=10)
-    _generate(model, ids, mask, cache, max_new_tokens=10)
-    n = 30 + 10 - 1  # tokens held (the last one is never fed back)
+    _, dyn_bytes = _reference(model, ids, mask, max_new_tokens=8)
+    _generate(model, ids, mask, cache, max_new_tokens=8)
+    n = 30 + 8 - 1  # tokens held (the last one is never fed back)
     full_blocks = -(-n // BLOCK)
-    # the last pass computed position n - 1: its window starts at n - W
+    # the last pass computed position n - 1: its window starts at n - W = 32, a block boundary
+    # (a window one longer would keep block 7 too)
     window_blocks = full_blocks - (n - 1 - WINDOW + 1) // BLOCK
     assert cache.num_blocks_held() == full_blocks + window_blocks == 10 + 2
     per_layer_block = 2 * BLOCK * 2 * 16 * 4  # K and V, 2 heads x 16, fp32
@@ -249,7 +250,7 @@ def test_kv_bytes_held_shows_the_window_saving():
     # every layer full attention would hold 4 layers x 10 blocks
     all_full = full_blocks * 4 * per_layer_block
     assert cache.kv_bytes_held() < all_full
-    # DynamicCache: 2 full layers x 39 tokens + 2 sliding layers x (W - 1) tokens
+    # DynamicCache: 2 full layers x 37 tokens + 2 sliding layers x (W - 1) tokens
     assert dyn_bytes == (2 * n + 2 * (WINDOW - 1)) * per_layer_block // BLOCK
     assert cache.stats["kv_bytes_held"] == cache.kv_bytes_held()
 
