@@ -242,3 +242,27 @@ def test_release_gain_before_a_later_group_counts_right(order):
     w = order.index("window")
     assert mgr.block_table("a", group=w).tolist()[:2] == [0, 0]
     mgr.check()
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_release_gain_before_another_group_is_counted(batch):
+    """Regression: append / append_batch subtract a window group's release gain from the
+    running block count; a negative count then went through the saturating add of the next
+    group (INT64_MAX - a overflowed), which reported an absurd need and refused the append.
+    Only configurations with a window group before another group showed it."""
+    for groups in (
+        (KVGroup("sliding_window", window=4), KVGroup("full")),
+        (KVGroup("sliding_window", window=4), KVGroup("sliding_window", window=4)),
+    ):
+        # a pool so small that append_batch counts exactly (its bound does not fit)
+        mgr = BlockManager(8, BS, groups=groups)
+        mgr.add("s", list(range(10)))
+        mgr.schedule(["s"], [10])
+        before = mgr.blocks_in_use("s")
+        if batch:
+            mgr.append_batch(["s"], [1])
+        else:
+            mgr.append("s", [1])
+        assert mgr.num_tokens("s") == 11
+        assert mgr.blocks_in_use("s") < before  # the window moved past block 0
+        mgr.check()

@@ -399,10 +399,10 @@ def test_errors(llama):
     small.prepare(ids[:1], mask[:1], model=llama)
     with pytest.raises(InvalidStateError):
         _generate(llama, ids[:, :10], mask[:, :10], small)
-    sliding = LlamaConfig(**_common())
-    sliding.layer_types = ["sliding_attention", "full_attention"]
-    with pytest.raises(NotSupportedError):
-        PagedKVCache(sliding, num_blocks=8)
+    chunked = LlamaConfig(**_common())
+    chunked.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(NotSupportedError, match="chunked local attention"):
+        PagedKVCache(chunked, num_blocks=8)
     assert issubclass(NotSupportedError, NotImplementedError)
 
 
@@ -842,11 +842,12 @@ def test_constructor_refusals_allocate_nothing(monkeypatch):
 
     allocated = []
     monkeypatch.setattr(integration, "KVCache", lambda *a, **k: allocated.append(a))
-    hybrid = LlamaConfig(**_common())
-    hybrid.layer_types = ["sliding_attention", "full_attention"]
-    windowed = transformers.MistralConfig(**_common(sliding_window=8))
+    recurrent = LlamaConfig(**_common())
+    recurrent.layer_types = ["linear_attention", "full_attention"]
+    no_window = LlamaConfig(**_common())  # sliding layers, but no sliding_window to size them
+    no_window.layer_types = ["sliding_attention", "full_attention"]
     bart = transformers.BartConfig(**_TOKENS, d_model=64, encoder_layers=1, decoder_layers=1)
-    for config in (hybrid, windowed, bart):
+    for config in (recurrent, no_window, bart):
         with pytest.raises(NotSupportedError):
             PagedKVCache(config, num_blocks=8, dtype=torch.float32)
     with pytest.raises(InvalidTypeError, match="config"):

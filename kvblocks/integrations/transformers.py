@@ -20,6 +20,10 @@ a :class:`kvblocks.KVCache`, with block tables kept by a :class:`kvblocks.BlockM
   last layer, so only written K/V ever enter the prefix cache; a step's blocks are counted
   exactly before anything changes (all or nothing), and after a forward pass that raised the
   cache refuses every use but ``reset()`` / ``prepare()``;
+* sliding-window layers (Gemma 2/3, Mistral, Qwen2, gpt-oss): each kind of layer is a
+  :class:`kvblocks.KVGroup` of one manager; a window layer is handed the K/V of the window of
+  the step's first query plus the new tokens, as transformers' ``DynamicSlidingWindowLayer``,
+  and the blocks the window left behind are released (``kv_bytes_held`` shows it);
 * ``copy.deepcopy`` forks the rows into a new cache on the same manager (prompt reuse);
   :meth:`PagedKVCache.encoder_decoder` serves encoder-decoder models' self-attention.
 
@@ -79,6 +83,7 @@ from ..errors import (
 )
 from ..layout import KVLayout
 from ..storage import KVCache, parse_device
+from ._layer_groups import GroupPlan, layer_windows, plan_groups
 
 __all__ = ["PagedKVCache", "dynamic_cache_bytes"]
 
@@ -145,6 +150,8 @@ class _PagedLayer(CacheLayerMixin):
         self._parent = parent
         self._layer_idx = layer_idx
         self.is_initialized = True  # storage is allocated lazily by the parent
+        # transformers builds the sliding-window mask from the sizes of a layer marked sliding
+        self.is_sliding = parent._plan.windows[layer_idx] is not None
 
     def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
         self.is_initialized = True
@@ -158,7 +165,7 @@ class _PagedLayer(CacheLayerMixin):
         return self._parent.get_seq_length(self._layer_idx)
 
     def get_mask_sizes(self, query_length: Any) -> Tuple[int, int]:
-        return self.get_seq_length() + _query_length(query_length), 0
+        return self._parent.get_mask_sizes(query_length, self._layer_idx)
 
     def get_max_length(self) -> int:
         return -1
@@ -222,20 +229,6 @@ class _ModelSpec:
         )
         self.model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
         self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
-        layer_types = getattr(text, "layer_types", None)
-        if layer_types is not None:
-            bad = sorted({t for t in layer_types if t != "full_attention"})
-            if bad:
-                raise NotSupportedError(
-                    f"PagedKVCache supports full-attention layers only; this model has {bad}"
-                )
-        elif getattr(text, "sliding_window", None) is not None and getattr(
-            text, "use_sliding_window", True
-        ):
-            raise NotSupportedError(
-                "PagedKVCache supports full-attention layers only; this config sets sliding_window"
-                f"={text.sliding_window} (set it to None to use full attention)"
-            )
         if getattr(text, "kv_lora_rank", None) is not None:
             raise NotSupportedError(
                 "PagedKVCache does not support multi-head latent attention "
@@ -247,6 +240,8 @@ class _ModelSpec:
         heads = int(text.num_attention_heads)
         self.num_kv_heads = _kv_heads(text, heads, self.model_type)
         self.head_dim = int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads)
+        # full-attention and sliding-window layers (anything else is refused here)
+        self.windows = layer_windows(text, self.num_layers)
 
 
 def _kv_heads(text: Any, heads: int, model_type: str) -> int:
@@ -292,10 +287,14 @@ class PagedKVCache(Cache):
 
     Args:
         config: the model's config (``model.config``) of a decoder-only model; its text config
-            gives the number of layers, K/V heads and head size. Every layer must be full attention.
+            gives the number of layers, K/V heads and head size. Layers are full attention or
+            sliding-window attention (``layer_types`` / ``sliding_window``: Gemma 2/3, Mistral,
+            Qwen2, gpt-oss); each kind is a KV cache group (:attr:`groups`) whose window layers
+            hold only their window. Other layer types are refused.
             Encoder-decoder models: :meth:`encoder_decoder`.
         num_blocks: blocks in the pool (block 0 is kvblocks' reserved null block). One block
-            holds ``block_size`` tokens of K and V for every layer.
+            holds ``block_size`` tokens of K and V for ``layers_per_block`` layers of one group
+            (every layer when all are full attention).
         block_size: tokens per block.
         device: ``"cpu"`` or ``"cuda[:N]"`` (CUDA storage needs CuPy). The attention still runs on
             the model's device; K/V move to and from the storage device when the two differ.
@@ -396,13 +395,21 @@ class PagedKVCache(Cache):
         self.num_blocks = num_blocks
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self._encoder_decoder = False
+        self._plan: GroupPlan = plan_groups(spec.windows)
+        #: layers one block holds K and V for (all of them when every layer is full attention)
+        self.layers_per_block = self._plan.layers_per_block
         # the manager checks the ranges; nothing is allocated before every check passed
         self._shared = _Shared(
-            BlockManager(num_blocks, block_size, enable_prefix_caching=self.enable_prefix_caching)
+            BlockManager(
+                num_blocks,
+                block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                groups=self._plan.groups or None,  # None: the default single full group
+            )
         )
         if store_dtype is not None:
             self._allocate(store_dtype)
-        super().__init__(layers=[_PagedLayer(self, i) for i in range(self.num_layers)])
+        super().__init__(layers=self._make_layers())
         self._init_rows()
         #: prompt tokens per row reused from the prefix cache (not recomputed) by the last prepare()
         self.cached_tokens = 0
@@ -414,6 +421,19 @@ class PagedKVCache(Cache):
             "copy_on_write_blocks": 0,
             "forks": 0,
         }
+
+    def _make_layers(self) -> List[Any]:
+        return [_PagedLayer(self, i) for i in range(self.num_layers)]
+
+    @property
+    def groups(self) -> Tuple[Any, ...]:
+        """The :class:`kvblocks.KVGroup` of the manager, in group-index order (one full group
+        when every layer is full attention)."""
+        return tuple(self.manager.groups)
+
+    @property
+    def _windowed(self) -> bool:
+        return any(w is not None for w in self._plan.windows)
 
     def _init_rows(self) -> None:
         self._rows: List[int] = []  # sequence id of each batch row (a prompt's
@@ -443,7 +463,9 @@ class PagedKVCache(Cache):
 
     def _allocate(self, dtype: torch.dtype) -> None:
         name, raw = _TORCH_DTYPES[dtype]
-        layout = KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, name)
+        layout = KVLayout(
+            self.layers_per_block, self.num_kv_heads, self.head_dim, self.block_size, name
+        )
         sh = self._shared
         sh.kv = KVCache(layout, self.num_blocks, device=self.device)
         sh.store_dtype = dtype
@@ -506,8 +528,17 @@ class PagedKVCache(Cache):
 
     def get_mask_sizes(self, query_length: Any, layer_idx: int = 0) -> Tuple[int, int]:
         """``(kv_length, kv_offset)`` for the attention mask. transformers 5 passes the query
-        length, 4.x the ``cache_position`` tensor (its length is the query length)."""
-        return self.get_seq_length(layer_idx) + _query_length(query_length), 0
+        length, 4.x the ``cache_position`` tensor (its length is the query length).
+
+        A sliding-window layer of window ``W`` whose rows hold ``c`` tokens returns the K/V of
+        positions ``[max(c - W + 1, 0), c + q)`` (what transformers' ``DynamicSlidingWindowLayer``
+        returns): the window of the step's first query and the new tokens."""
+        c = self.get_seq_length(layer_idx)
+        q = _query_length(query_length)
+        w = self._plan.windows[layer_idx] if layer_idx < self.num_layers else None
+        if w is None:
+            return c + q, 0
+        return min(c, w - 1) + q, max(c - w + 1, 0)
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
         return -1
@@ -580,10 +611,30 @@ class PagedKVCache(Cache):
             raise InvalidArgumentError(
                 f"crop({n}): the cache holds only {self._layer_len[0]} tokens per row"
             )
+        self._check_crop_window(new_len)
         for seq in self._rows:
             self.manager.truncate(seq, new_len)
         self._write_from = [min(w, new_len) for w in self._write_from]
         self._layer_len = [new_len] * self.num_layers
+
+    def _check_crop_window(self, new_len: int) -> None:
+        """Refuse (before any row changes) a crop whose shorter rows would need K/V a window
+        group released. The manager keeps, for rows of ``n`` computed tokens, the window of
+        position ``n - 1`` (a step may recompute the newest token)."""
+        bs = self.block_size
+        for g, group in enumerate(self._plan.groups):
+            if group.window is None:
+                continue
+            first = max(new_len - 1 - group.window + 1, 0) // bs if new_len > 0 else -1
+            for seq in dict.fromkeys(self._rows):
+                table = self.manager.block_table(seq, group=g)
+                released = int(np.argmax(table != 0)) if (table != 0).any() else table.size
+                if released and first < released:
+                    raise InvalidStateError(
+                        f"crop to {new_len} tokens: the sliding-window layers (window "
+                        f"{group.window}) already released positions below {released * bs} "
+                        "that the shorter rows would attend to"
+                    )
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "PagedKVCache":
         """transformers' prompt-reuse recipe (``copy.deepcopy(prompt_cache)``): a new cache on
@@ -603,11 +654,13 @@ class PagedKVCache(Cache):
             "num_blocks",
             "enable_prefix_caching",
             "_encoder_decoder",
+            "_plan",
+            "layers_per_block",
             "_shared",
             "cached_tokens",
         ):
             setattr(new, name, getattr(self, name))
-        Cache.__init__(new, layers=[_PagedLayer(new, i) for i in range(self.num_layers)])
+        Cache.__init__(new, layers=new._make_layers())
         new._init_rows()
         new._stats = dict(self._stats)
         rows = []
@@ -680,26 +733,12 @@ class PagedKVCache(Cache):
         if mask is not None and ((mask != 0) & (mask != 1)).any():
             raise InvalidArgumentError("prepare: attention_mask must hold 0 and 1 only")
         self.reset()
-        mgr = self.manager
         ids32 = ids.astype(np.int32)
-        seqs: List[int] = []
-        hits: List[int] = []
-        try:
-            # add() takes every prompt's blocks at once (all of them fit, or OutOfBlocksError);
-            # only the hits stay committed: the rest is committed by the forward passes that
-            # compute it, so no block ever enters the prefix cache before its K/V are written
-            for r in range(P):
-                seq = next(self._shared.ids)
-                salt = _padding_salt(None if mask is None else mask[r])
-                n = int(mgr.add(seq, ids32[r], salt=salt))
-                seqs.append(seq)
-                hits.append(n)
-            for seq, n in zip(seqs, hits):
-                mgr.truncate(seq, n)
-        except BaseException:
-            for seq in seqs:
-                mgr.free(seq)
-            raise
+        salts = [_padding_salt(None if mask is None else mask[r]) for r in range(P)]
+        if self._windowed:
+            seqs, hits = self._add_prompts_windowed(ids32, salts)
+        else:
+            seqs, hits = self._add_prompts(ids32, salts)
         common = min(hits)
         self._rows = seqs
         self._write_from = list(hits)
@@ -721,6 +760,66 @@ class PagedKVCache(Cache):
         st["cached_tokens"] += P * common
         st["hit_tokens"] += sum(hits)
         return common
+
+    def _add_prompts(
+        self, ids: np.ndarray, salts: List[Optional[str]]
+    ) -> Tuple[List[int], List[int]]:
+        """One sequence per prompt holding its prefix-cache hit; returns (sequences, hits)."""
+        mgr = self.manager
+        seqs: List[int] = []
+        hits: List[int] = []
+        try:
+            # add() takes every prompt's blocks at once (all of them fit, or OutOfBlocksError);
+            # only the hits stay committed: the rest is committed by the forward passes that
+            # compute it, so no block ever enters the prefix cache before its K/V are written
+            for r in range(ids.shape[0]):
+                seq = next(self._shared.ids)
+                n = int(mgr.add(seq, ids[r], salt=salts[r]))
+                seqs.append(seq)
+                hits.append(n)
+            for seq, n in zip(seqs, hits):
+                mgr.truncate(seq, n)
+        except BaseException:
+            for seq in seqs:
+                mgr.free(seq)
+            raise
+        return seqs, hits
+
+    def _add_prompts_windowed(
+        self, ids: np.ndarray, salts: List[Optional[str]]
+    ) -> Tuple[List[int], List[int]]:
+        """:meth:`_add_prompts` for a model with sliding-window layers: every row gets the same
+        hit. The first pass recomputes from the smallest hit on, and its queries read the window
+        before that point, which a window group holds only for a row's own hit point; so each row
+        is added with its prompt cut one token past a common hit (lowered until every row finds
+        it), then grown by the rest of its prompt (all of them fit, or OutOfBlocksError) and cut
+        back, leaving the hit and the next token committed."""
+        mgr = self.manager
+        P, L = ids.shape
+        target = min(int(mgr.probe(ids[r], salt=salts[r])[0]) for r in range(P))
+        seqs: List[int] = []
+        try:
+            while True:
+                hits = []
+                for r in range(P):
+                    seq = next(self._shared.ids)
+                    hits.append(int(mgr.add(seq, ids[r, : target + 1], salt=salts[r])))
+                    seqs.append(seq)
+                if min(hits) == target:
+                    break
+                for seq in seqs:  # a row found less (a window block was evicted): retry lower
+                    mgr.free(seq)
+                seqs, target = [], min(hits)
+            if target + 1 < L:
+                for r, seq in enumerate(seqs):
+                    mgr.append(seq, ids[r, target + 1 :])
+                for seq in seqs:
+                    mgr.truncate(seq, target + 1)
+        except BaseException:
+            for seq in seqs:
+                mgr.free(seq)
+            raise
+        return seqs, hits
 
     def generate(
         self, model: Any, input_ids: Any, attention_mask: Any = None, **kwargs: Any
@@ -752,24 +851,29 @@ class PagedKVCache(Cache):
     # ------------------------------------------------------------------------------------------
     # memory accounting
     # ------------------------------------------------------------------------------------------
-    def block_tables(self) -> List[np.ndarray]:
-        """The block table of every row (int32 arrays)."""
-        return [self.manager.block_table(seq) for seq in self._rows]
+    def block_tables(self, group: int = 0) -> List[np.ndarray]:
+        """The block table of every row (int32 arrays) in one KV cache group (:attr:`groups`);
+        entries a sliding-window group released read the null block 0."""
+        return [self.manager.block_table(seq, group=group) for seq in self._rows]
 
     def num_blocks_held(self) -> int:
-        """Distinct blocks referenced by the rows (shared blocks count once)."""
-        tables = self.block_tables()
+        """Distinct blocks referenced by the rows in every group (shared blocks count once;
+        blocks a sliding-window group released are not held)."""
+        tables = [t for g in range(len(self.groups)) for t in self.block_tables(g)]
         if not tables:
             return 0
-        return int(np.unique(np.concatenate(tables)).size)
+        held = np.unique(np.concatenate(tables))
+        return int(np.count_nonzero(held))
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V bytes of one block over all layers (0 before the storage dtype is known)."""
+        """K and V bytes of one block: ``layers_per_block`` layers (every layer when all are full
+        attention); 0 before the storage dtype is known."""
         return 0 if self.kv is None else self.kv.layout.bytes_per_block
 
     def kv_bytes_held(self) -> int:
-        """K/V bytes of the blocks the rows hold (compare with :func:`dynamic_cache_bytes`)."""
+        """K/V bytes of the blocks the rows hold (compare with :func:`dynamic_cache_bytes`).
+        With sliding-window layers only the blocks of their windows are held."""
         return self.num_blocks_held() * self.bytes_per_block
 
     # ------------------------------------------------------------------------------------------
@@ -1028,36 +1132,63 @@ class PagedKVCache(Cache):
                 toks = np.full(q, PLACEHOLDER_TOKEN, dtype=np.int32)
                 # can_append counts copy-on-write exactly (a block shared by m rows of this
                 # step takes m - 1 copies when nothing else holds it)
+                need = sum(int(mgr.blocks_needed(s, q)) for s in self._rows)
                 if not mgr.can_append(self._rows, q):
-                    need = sum(int(mgr.blocks_needed(s, q)) for s in self._rows)
                     raise OutOfBlocksError(
                         f"PagedKVCache: {B} rows x {q} new tokens do not fit "
                         f"({mgr.num_free_blocks} blocks free, up to {need} needed)"
                     )
-                self._commit([(s, toks) for s in self._rows], 0)
+                # with window groups the appends are counted without what the window releases
+                # (an upper bound): a failed append could not be rolled back past a release
+                self._commit([(s, toks) for s in self._rows], need if self._windowed else 0)
         end = start + q
+        tables = []
+        slots = []
+        src = []
+        for g in range(max(len(self._plan.groups), 1)):
+            t, sl, sr = self._step_tables(g, start, end)
+            tables.append(t)
+            slots.append(sl)
+            src.append(sr)
+        self._step = {
+            "B": B,
+            "q": q,
+            "start": start,
+            "end": end,
+            "slots": slots,
+            "tables": tables,
+            "src": src,
+        }
+
+    def _step_tables(
+        self, group: int, start: int, end: int
+    ) -> Tuple[List[np.ndarray], np.ndarray, List[int]]:
+        """One group's block tables, write slots and gather sources for a pass over positions
+        ``[start, end)``. A sliding-window group's layers read from the window of the first
+        query on (``[start - W + 1, end)``): the blocks below are never read, released or not."""
+        mgr = self.manager
         bs = self.block_size
-        tables = [mgr.block_table(seq) for seq in self._rows]
+        groups = self._plan.groups
+        window = groups[group].window if groups else None
+        first = 0 if window is None else max(start - window + 1, 0)
+        tables = [mgr.block_table(seq, group=group) for seq in self._rows]
         pos = np.arange(start, end, dtype=np.int64)
-        slots = np.empty((B, q), dtype=np.int64)
+        slots = np.empty((len(tables), end - start), dtype=np.int64)
         for r, table in enumerate(tables):
+            if not (table[first // bs : -(-end // bs)] > 0).all():
+                raise InvalidStateError(  # the manager released what the window still reads
+                    f"PagedKVCache: group {group} released positions in [{first}, {end})"
+                )
             s = table[pos // bs].astype(np.int64) * bs + pos % bs
             s[pos < self._write_from[r]] = -1  # shared: written by its owner
             slots[r] = s
         # rows with the same table read the same K/V: gather them once
-        groups: Dict[bytes, int] = {}
+        seen: Dict[bytes, int] = {}
         src = []
         for r, table in enumerate(tables):
-            key = table[: -(-end // bs)].tobytes()
-            src.append(groups.setdefault(key, r))
-        self._step = {
-            "B": B,
-            "q": q,
-            "end": end,
-            "slots": slots.reshape(-1),
-            "tables": tables,
-            "src": src,
-        }
+            key = table[first // bs : -(-end // bs)].tobytes()
+            src.append(seen.setdefault(key, r))
+        return tables, slots.reshape(-1), src
 
     def _update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
@@ -1083,21 +1214,27 @@ class PagedKVCache(Cache):
                 f"layer {layer_idx} got {B} rows x {q} tokens, layer 0 had {step['B']} x {step['q']}"
             )
         kv = self._storage
+        plan = self._plan
+        g, slot = plan.layer_group[layer_idx], plan.layer_slot[layer_idx]
         k_new = self._to_storage(key_states.transpose(1, 2).reshape(B * q, H, D))
         v_new = self._to_storage(value_states.transpose(1, 2).reshape(B * q, H, D))
-        ops.write_slots(kv, layer_idx, k_new, v_new, step["slots"])
+        ops.write_slots(kv, slot, k_new, v_new, step["slots"][g])
         end = step["end"]
+        window = plan.windows[layer_idx]
+        # a sliding-window layer returns positions [start - W + 1, end) (get_mask_sizes)
+        first = 0 if window is None else max(step["start"] - window + 1, 0)
+        lo, skip = divmod(first, self.block_size)
         keys: List[torch.Tensor] = []
         values: List[torch.Tensor] = []
         for r in range(B):
-            s = step["src"][r]
+            s = step["src"][g][r]
             if s != r:
                 keys.append(keys[s])
                 values.append(values[s])
                 continue
-            k, v = ops.gather(kv, layer_idx, step["tables"][r], end)
-            keys.append(self._from_storage(k))
-            values.append(self._from_storage(v))
+            k, v = ops.gather(kv, slot, step["tables"][g][r][lo:], end - lo * self.block_size)
+            keys.append(self._from_storage(k[skip:]))
+            values.append(self._from_storage(v[skip:]))
         out_dtype, out_device = key_states.dtype, key_states.device
         k_all = (
             torch.stack(keys).transpose(1, 2).to(device=out_device, dtype=out_dtype).contiguous()
@@ -1122,7 +1259,8 @@ class PagedKVCache(Cache):
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, num_blocks={self.num_blocks}, "
+            f"head_dim={self.head_dim}, groups={len(self.groups)}, "
+            f"num_blocks={self.num_blocks}, "
             f"block_size={self.block_size}, device={self.device!r}, rows={len(self._rows)}, "
             f"tokens={self._layer_len[0]})"
         )
@@ -1233,6 +1371,13 @@ class _ForwardCheck:
         elif want_mask is not None and mask is None:
             raise InvalidStateError(
                 "prepare() was given a padded attention_mask but generate was fed none"
+            )
+        if s == 0 and start > 0 and cache._windowed:
+            raise NotSupportedError(
+                "a pass feeding the whole prompt again after prepare() found prefix hits "
+                "(assisted generation, prompt lookup) on a model with sliding-window layers: "
+                "their blocks before the hit point were never held; call cache.reset() instead "
+                "of prepare() for this generate call"
             )
         if s == 0 and start > 0:
             # the whole prompt again (assisted generation's first pass): nothing is skipped,
