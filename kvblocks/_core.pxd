@@ -252,6 +252,8 @@ cdef class BlockPool:
     cdef int64_t _in_group(self, cnp.ndarray ids, int64_t k, uint8_t g)
     cdef bytes _key
     cdef object _block_size
+    cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,
+                              bint has, int64_t ntok)
     cdef bint _initialized
     cdef int32_t _algo
     cdef str _seed

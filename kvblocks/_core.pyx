@@ -34,7 +34,7 @@ from kvblocks.errors import (
     OutOfBlocksError,
     UnknownSequenceError,
 )
-from kvblocks.events.types import AllBlocksCleared, BlockRemoved, BlockStored, coalesce
+from kvblocks.events.types import AllBlocksCleared, BlockRemoved, BlockStored
 from kvblocks.groups import KVGroup
 from kvblocks.metadata import AttentionMetadata
 from kvblocks.rows import RowIndices

@@ -406,33 +406,81 @@ cdef class BlockPool:
         and ``ZmqEventPublisher`` put them on the wire as vLLM does.
         """
         cdef kvb_events_t *ev = &self.p.events
-        cdef int64_t i, off, end = ev.ntok
-        raw = [None] * ev.n
-        for i in range(ev.n - 1, -1, -1):  # backwards: each event's tokens end where the
-            off = ev.tok_off[i]            # next event's begin
+        cdef int64_t n = ev.n
+        if n == 0:
+            return []
+        # one pass, merging in C what coalesce() would merge: a stored block whose parent is
+        # the previous stored block's hash (same group, adapter and token-ness) extends its
+        # run, whose tokens are contiguous in the log; removals of one group merge likewise
+        cdef cnp.ndarray ends = np.empty(n, dtype=np.int64)
+        cdef int64_t *e_end = <int64_t *>cnp.PyArray_DATA(ends)
+        cdef int64_t i, j, end = ev.ntok, t0 = 0, t1 = 0
+        for i in range(n - 1, -1, -1):  # each event's tokens end where the next one's begin
+            e_end[i] = end
+            if ev.tok_off[i] >= 0:
+                end = ev.tok_off[i]
+        toks_all = (np.asarray(<int32_t[:ev.ntok]>ev.tokens) if ev.ntok
+                    else np.empty(0, dtype=np.int32))
+        out = []
+        cdef object run = None  # the BlockStored or BlockRemoved being extended
+        cdef int last = -1      # kind of run
+        cdef kvb_hash_t last_h
+        cdef uint8_t last_g = 0
+        cdef int32_t last_tag = 0
+        cdef bint last_toks = False, has
+        cdef int64_t last_ntok = 0
+        for i in range(n):
             kind = ev.kind[i]
             if kind == KVB_EV_STORED:
-                toks = [ev.tokens[j] for j in range(off, end)] if off >= 0 else []
-                g = ev.group[i]
-                spec = self._groups[g] if self._groups is not None and g < len(self._groups) \
-                    else None
-                raw[i] = BlockStored(block_hashes=[hash_int(ev.hash[i])],
-                                     parent_block_hash=hash_int(ev.parent[i]) or None,
-                                     token_ids=toks,
-                                     block_size=len(toks) if toks else self._block_size,
-                                     group_idx=g,
-                                     kv_cache_spec_kind=(spec.spec_kind if spec is not None
-                                                         else "full_attention"),
-                                     kv_cache_spec_sliding_window=(
-                                         spec.window if spec is not None else None),
-                                     lora_name=self._lora_names[ev.tag[i]],
-                                     medium=self._medium)
-            elif kind == KVB_EV_REMOVED:
-                raw[i] = BlockRemoved(block_hashes=[hash_int(ev.hash[i])],
-                                      group_idx=ev.group[i], medium=self._medium)
+                has = ev.tok_off[i] >= 0
+                if (last == KVB_EV_STORED and ev.parent[i].lo == last_h.lo and
+                        ev.parent[i].hi == last_h.hi and (last_h.lo or last_h.hi) and
+                        ev.group[i] == last_g and ev.tag[i] == last_tag and has == last_toks
+                        and (not has or e_end[i] - ev.tok_off[i] == last_ntok)):
+                    run.block_hashes.append(hash_int(ev.hash[i]))
+                    t1 = e_end[i]
+                else:
+                    if last == KVB_EV_STORED and last_toks:
+                        run.token_ids = toks_all[t0:t1].tolist()
+                    run = self._stored_event(ev.hash[i], ev.parent[i], ev.group[i], ev.tag[i],
+                                             has, e_end[i] - ev.tok_off[i] if has else 0)
+                    out.append(run)
+                    t0 = ev.tok_off[i]
+                    t1 = e_end[i]
+                last, last_h, last_g = KVB_EV_STORED, ev.hash[i], ev.group[i]
+                last_tag, last_toks = ev.tag[i], has
+                last_ntok = e_end[i] - ev.tok_off[i] if has else 0
+                continue
+            if last == KVB_EV_STORED and last_toks:
+                run.token_ids = toks_all[t0:t1].tolist()
+            if kind == KVB_EV_REMOVED:
+                if last == KVB_EV_REMOVED and ev.group[i] == last_g:
+                    run.block_hashes.append(hash_int(ev.hash[i]))
+                else:
+                    run = BlockRemoved(block_hashes=[hash_int(ev.hash[i])],
+                                       group_idx=ev.group[i], medium=self._medium)
+                    out.append(run)
+                last, last_g = KVB_EV_REMOVED, ev.group[i]
             else:
-                raw[i] = AllBlocksCleared()
-            if off >= 0:
-                end = off
+                out.append(AllBlocksCleared())
+                last = -1
+        if last == KVB_EV_STORED and last_toks:
+            run.token_ids = toks_all[t0:t1].tolist()
         kvb_events_clear(ev)
-        return coalesce(raw)
+        return out
+
+    cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,
+                              bint has, int64_t ntok):
+        """A one-block BlockStored (its tokens are filled in by take_events)."""
+        spec = self._groups[g] if self._groups is not None and g < len(self._groups) else None
+        return BlockStored(block_hashes=[hash_int(h)],
+                           parent_block_hash=hash_int(parent) if parent.lo or parent.hi
+                           else None,
+                           token_ids=[],
+                           block_size=ntok if has and ntok else self._block_size,
+                           group_idx=g,
+                           kv_cache_spec_kind=(spec.spec_kind if spec is not None
+                                               else "full_attention"),
+                           kv_cache_spec_sliding_window=spec.window if spec is not None else None,
+                           lora_name=self._lora_names[tag],
+                           medium=self._medium)
