@@ -515,6 +515,13 @@ typedef struct {
                                 * flight, or no memory for the queue */
 } kvb_tier_stats_t;
 
+typedef struct {               /* an evicted device entry on its way to the host (tier.c) */
+    kvb_hash_t hash;           /* its hash (the device block is reused at once) */
+    kvb_hash_t parent;         /* its parent hash, for the host's events (0: none) */
+    int32_t block;             /* the device block, the offload's source */
+    int32_t has_tokens;        /* its tokens were kept (demtok), for the host's events */
+} kvb_demotion_t;
+
 typedef struct kvb_tier {
     kvb_pool_t *pool;          /* device pool (not owned); pool->tier points back here */
     kvb_pool_t *host;          /* host pool, caching on (not owned) */
@@ -539,13 +546,21 @@ typedef struct kvb_tier {
     uint8_t *has_tokens;       /* [pool->num_blocks] 1 when tokens were given at caching */
     int32_t *scratch;          /* [scap] host hits of one add */
     int64_t scap;              /* capacity */
+    kvb_demotion_t *dem;       /* [demcap] evictions not yet given a host block (flushed by
+                                * the drain, or before a host lookup) */
+    int64_t ndem, demcap;      /* entries used, capacity */
+    int32_t *demtok;           /* [demcap * block_size] their tokens (host events only) */
     kvb_tier_stats_t stats;    /* counters since creation */
 } kvb_tier_t;
 
 /* Attach a host tier to m (its host pool must cache); freed by kvb_mgr_destroy. */
 int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through);
-/* Drain the pending offloads (2 * n int64 into out); releases their host holds and starts the
- * drain (in-flight flags and deferred host blocks are settled). Returns n. */
+/* Give the evictions since the last flush their host blocks (offloads queued): take_offloads,
+ * host lookups and the host counters call it first. */
+void kvb_tier_flush(kvb_tier_t *t);
+/* Drain the pending offloads (2 * n int64 into out; flush first, n = noff); releases their
+ * host holds and starts the drain (in-flight flags and deferred host blocks are settled).
+ * Returns n. */
 int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out);
 /* Drain the pending onloads; KVB_EPENDING while offloads are pending (err_a: how many).
  * *n gets the pairs written. */

@@ -750,8 +750,9 @@ int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
     }
     KVB_CLEAR_ERR(m);
     if (m->ncopies) { m->err_a = m->ncopies; return KVB_EPENDING; }
-    if (KVB_UNLIKELY(m->pool->tier && (m->pool->tier->noff || m->pool->tier->non))) {
-        m->err_a = m->pool->tier->noff + m->pool->tier->non;
+    if (KVB_UNLIKELY(m->pool->tier && (m->pool->tier->noff || m->pool->tier->non ||
+                                       m->pool->tier->ndem))) {
+        m->err_a = m->pool->tier->noff + m->pool->tier->non + m->pool->tier->ndem;
         m->err_what = "host-tier offloads or onloads are pending (take_offloads, take_onloads)";
         return KVB_EPENDING;
     }
@@ -1125,6 +1126,7 @@ int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t 
     if (m->kind != KVB_G_FULL) return kvb_grp_probe(&m, 1, tokens, n, salt, salt_len,
                                                     cached_out, need_out);
     int64_t total = blocks_for(m, n), hits = 0, pinned_from_free = 0;
+    if (p->tier && p->tier->ndem) kvb_tier_flush(p->tier); /* recent evictions: on the host */
     if (m->caching && n > 1) {
         int64_t max_hits = blk_of(m, n - 1);
         kvb_hasher_t hs;

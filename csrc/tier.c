@@ -1,13 +1,16 @@
 /* tier.c -- the host pool as a second prefix-cache tier below the device pool.
  *
  * Demotion. When allocation pops a cached device block (lazy eviction, pool.c), the entry is
- * not simply dropped: kvb_tier_demote gives its hash a host block (allocating from the host
- * free list evicts the least recently released host entry, LRU) and queues a (device, host)
- * offload. The device block is handed out at once; the engine runs the offloads first in the
- * next drain, before anything can overwrite it (swap-in pairs, onloads and copies come after,
- * the forward pass after all of them). A hash already on the host costs no copy. With no host
- * block to take (every one referenced), or while the block's own content is still in flight,
- * the entry is dropped and counted.
+ * not simply dropped: kvb_tier_demote records its hash (and, for the host's events, its parent
+ * and tokens) in `dem`, a few stores on the allocation path. kvb_tier_flush later gives each
+ * recorded entry a host block (allocating from the host free list evicts the least recently
+ * released host entry, LRU) and queues a (device, host) offload; the drain (take_offloads)
+ * flushes first, and so does every host lookup (add, probe) and the host counters, so nothing
+ * observable differs from demoting at once. The device block is handed out at once; the
+ * engine runs the offloads first in the next drain, before anything can overwrite it (swap-in
+ * pairs, onloads and copies come after, the forward pass after all of them). A hash already on
+ * the host costs no copy. With no host block to take (every one referenced), or while the
+ * block's own content is still in flight at eviction, the entry is dropped and counted.
  *
  * Host hits. add() continues its device prefix on the host: the host hits are pinned, fresh
  * device blocks are allocated for them and (host, device) onloads queued. Their tokens count
@@ -63,8 +66,16 @@ int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through) {
     t->has_tokens = calloc(n, sizeof *t->has_tokens);
     t->tokens = n <= SIZE_MAX / sizeof *t->tokens / (size_t)m->block_size
                     ? malloc(n * (size_t)m->block_size * sizeof *t->tokens) : NULL;
+    /* a drain's evictions (one per device block between drains on the manager's path) and its
+     * offloads (each holds a host block) fit without growing */
+    t->dem = malloc(n * sizeof *t->dem);
+    t->demtok = t->tokens ? malloc(n * (size_t)m->block_size * sizeof *t->demtok) : NULL;
+    t->demcap = (int64_t)n;
+    t->off = malloc(2 * (size_t)h->num_blocks * sizeof *t->off);
+    t->offcap = 2 * (int64_t)h->num_blocks;
     p->tier = t; /* kvb_tier_destroy frees whatever was allocated */
-    if (!t->inflight || !t->deferred || !t->parent || !t->has_tokens || !t->tokens) {
+    if (!t->inflight || !t->deferred || !t->parent || !t->has_tokens || !t->tokens || !t->dem ||
+        !t->demtok || !t->off) {
         kvb_tier_destroy(p);
         return KVB_ENOMEM;
     }
@@ -84,14 +95,18 @@ void kvb_tier_destroy(kvb_pool_t *p) {
     free(t->tokens);
     free(t->has_tokens);
     free(t->scratch);
+    free(t->dem);
+    free(t->demtok);
     free(t);
     p->tier = NULL;
 }
 
 /* ---- offloads: demotion and write-through ----------------------------------------------- */
-/* Give device block b's hash a host block and queue (b, host block). Returns 1 when queued,
- * 0 when no host block is free or the queue cannot grow (nothing changed then). */
-static int queue_offload(kvb_tier_t *t, int32_t b) {
+/* Give the entry (device block b, hash, parent, tokens) a host block and queue (b, host
+ * block). Returns 1 when queued, 0 when no host block is free or the queue cannot grow
+ * (nothing changed then). */
+static int queue_offload(kvb_tier_t *t, int32_t b, const kvb_hash_t *hash,
+                         const kvb_hash_t *parent, const int32_t *tokens) {
     kvb_pool_t *h = t->host;
     if (h->num_free == 0 ||
         kvb_grow((void **)&t->off, &t->offcap, 2 * (t->noff + 1), sizeof *t->off))
@@ -99,10 +114,7 @@ static int queue_offload(kvb_tier_t *t, int32_t b) {
     int32_t hb;
     KVB_MUST(kvb_pool_allocate(h, 1, &hb)); /* may evict the LRU host entry; ref 1: the hold */
     h->flags[hb] |= KVB_F_WRITTEN;          /* promised by the offload, run before any read */
-    const kvb_hash_t *par = &t->parent[b];
-    kvb_cache_put(h, hb, &t->pool->hash[b], par->lo | par->hi ? par : NULL,
-                  t->has_tokens[b] ? t->tokens + (size_t)b * (size_t)t->block_size : NULL,
-                  t->block_size);
+    kvb_cache_put(h, hb, hash, parent->lo | parent->hi ? parent : NULL, tokens, t->block_size);
     t->off[2 * t->noff] = b;
     t->off[2 * t->noff + 1] = hb;
     t->noff++;
@@ -112,14 +124,40 @@ static int queue_offload(kvb_tier_t *t, int32_t b) {
 
 KVB_NOINLINE void kvb_tier_demote(kvb_pool_t *p, int32_t b) {
     kvb_tier_t *t = p->tier;
-    if (p->flags[b] & KVB_F_INFLIGHT) { /* its bytes are not there yet: nothing to copy */
+    if ((p->flags[b] & KVB_F_INFLIGHT) || /* its bytes are not there yet: nothing to copy */
+        (KVB_UNLIKELY(t->ndem == t->demcap) &&
+         kvb_grow((void **)&t->dem, &t->demcap, t->ndem + 1, sizeof *t->dem))) {
         t->stats.dropped++;
         return;
     }
-    if (kvb_cache_find(t->host, &p->hash[b]) != KVB_NONE || queue_offload(t, b))
-        t->stats.demotions++;
-    else
-        t->stats.dropped++;
+    kvb_demotion_t *d = &t->dem[t->ndem];
+    d->hash = p->hash[b];
+    d->block = b;
+    d->has_tokens = 0;
+    if (t->host->record_events) { /* only the host's events read them */
+        d->parent = t->parent[b];
+        if (t->has_tokens[b] && t->ndem < (int64_t)p->num_blocks) { /* demtok's rows */
+            memcpy(t->demtok + t->ndem * t->block_size, t->tokens + (size_t)b * t->block_size,
+                   (size_t)t->block_size * sizeof *t->demtok);
+            d->has_tokens = 1;
+        }
+    } else {
+        d->parent.lo = d->parent.hi = 0;
+    }
+    t->ndem++;
+}
+
+void kvb_tier_flush(kvb_tier_t *t) {
+    for (int64_t i = 0; i < t->ndem; i++) {
+        const kvb_demotion_t *d = &t->dem[i];
+        if (kvb_cache_find(t->host, &d->hash) != KVB_NONE ||
+            queue_offload(t, d->block, &d->hash, &d->parent,
+                          d->has_tokens ? t->demtok + i * t->block_size : NULL))
+            t->stats.demotions++;
+        else
+            t->stats.dropped++;
+    }
+    t->ndem = 0;
 }
 
 KVB_NOINLINE void kvb_tier_stored(kvb_pool_t *p, int32_t b, const kvb_hash_t *parent,
@@ -133,12 +171,14 @@ KVB_NOINLINE void kvb_tier_stored(kvb_pool_t *p, int32_t b, const kvb_hash_t *pa
                (size_t)t->block_size * sizeof *tokens);
     /* content arriving with this drain (or a pending copy) is written through once evicted */
     if (!t->write_through || (p->flags[b] & (KVB_F_INFLIGHT | KVB_F_COPY_DST))) return;
-    if (kvb_cache_find(t->host, &p->hash[b]) == KVB_NONE) queue_offload(t, b);
+    if (kvb_cache_find(t->host, &p->hash[b]) == KVB_NONE)
+        queue_offload(t, b, &p->hash[b], &t->parent[b], tokens);
 }
 
 /* ---- onloads ---------------------------------------------------------------------------- */
 int64_t kvb_tier_match(kvb_tier_t *t, const kvb_hash_t *hashes, int64_t n) {
     if (n <= 0) return 0;
+    if (t->ndem) kvb_tier_flush(t); /* a prefix evicted a moment ago is on the host now */
     if (kvb_grow((void **)&t->scratch, &t->scap, n, sizeof *t->scratch)) return KVB_ENOMEM;
     int64_t k = kvb_cache_match(t->host, hashes, n, t->scratch);
     if (k && kvb_grow((void **)&t->on, &t->oncap, 2 * (t->non + k), sizeof *t->on))
@@ -195,6 +235,7 @@ void kvb_tier_release_host(kvb_mgr_t *m, const int32_t *ids, int64_t n) {
 }
 
 int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out) {
+    kvb_tier_flush(t); /* before settle: no deferred host block may take a demotion */
     int64_t n = t->noff;
     kvb_copy(out, t->off, (size_t)(2 * n) * sizeof *out);
     t->noff = 0;
@@ -204,8 +245,8 @@ int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out) {
 }
 
 int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n) {
-    if (t->noff) { /* an onload may read a host block a pending offload writes */
-        t->host->err_a = t->noff;
+    if (t->noff || t->ndem) { /* an onload may read a host block a pending offload writes */
+        t->host->err_a = t->noff + t->ndem;
         return KVB_EPENDING;
     }
     *n = t->non;
@@ -253,6 +294,10 @@ int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
             TFAIL("deferred host block out of range or cached", hb);
         hrefs[hb]++;
     }
+    if (t->ndem < 0 || t->ndem > t->demcap) TFAIL("pending demotions beyond capacity", t->ndem);
+    for (int64_t i = 0; i < t->ndem; i++)
+        if (t->dem[i].block <= 0 || t->dem[i].block >= p->num_blocks)
+            TFAIL("pending demotion of an out-of-range block", t->dem[i].block);
     int64_t flagged = 0;
     for (int32_t b = 1; b < p->num_blocks; b++) flagged += (p->flags[b] & KVB_F_INFLIGHT) != 0;
     if (flagged != t->ninflight) TFAIL("in-flight flags != in-flight list", flagged);

@@ -86,7 +86,7 @@ cdef extern from "kvblocks.h" nogil:
 
     ctypedef struct kvb_tier_t:
         int write_through
-        int64_t noff, non
+        int64_t noff, non, ndem
         kvb_tier_stats_t stats
 
     ctypedef struct kvb_pool_t:
@@ -211,6 +211,7 @@ cdef extern from "kvblocks.h" nogil:
                          const int32_t *qlens, const int32_t *drafts, int64_t B, int apply)
     int kvb_grp_check(kvb_mgr_t **g, int32_t G)
     int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through)
+    void kvb_tier_flush(kvb_tier_t *t)
     int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out)
     int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n)
 
@@ -252,6 +253,7 @@ cdef class BlockPool:
     cdef int64_t _in_group(self, cnp.ndarray ids, int64_t k, uint8_t g)
     cdef bytes _key
     cdef object _block_size
+    cdef BlockPool _tier_pool  # a host pool: the device pool whose tier feeds it
     cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,
                               bint has, int64_t ntok)
     cdef bint _initialized

@@ -148,6 +148,7 @@ cdef class BlockManager:
             rc = kvb_mgr_host_tier(&self.m, host_write_through)
             if rc:
                 raise_code(rc, "BlockManager: host tier", 0, nh, self.m.err_what)
+            self.host_pool._tier_pool = self.pool  # its events flush the tier's demotions
         self._slots = {}
         self._ids = []
         self._buf = np.empty(64, dtype=np.int32)
@@ -767,11 +768,11 @@ cdef class BlockManager:
         cdef kvb_tier_t *t = self.pool.p.tier
         self._enter()
         try:
-            if t is not NULL and (t.noff or t.non):
+            if t is not NULL and (t.noff or t.non or t.ndem):
                 raise InvalidStateError(
-                    f"take_copies: {t.noff} offloads and {t.non} onloads are pending; drain "
-                    f"take_offloads() and take_onloads() first (a copy may overwrite a block "
-                    f"an offload reads, or read one an onload fills)")
+                    f"take_copies: {t.noff + t.ndem} offloads and {t.non} onloads are pending; "
+                    f"drain take_offloads() and take_onloads() first (a copy may overwrite a "
+                    f"block an offload reads, or read one an onload fills)")
             out = np.empty((self._ncopies(), 2), dtype=np.int64)
             for j in range(self.ng):  # every group's pairs; block ids are pool-wide
                 k += kvb_mgr_take_copies(self.gp[j],
@@ -794,7 +795,10 @@ cdef class BlockManager:
     @property
     def num_pending_offloads(self):
         """(device, host) copies queued and not yet drained by take_offloads()."""
-        return self.pool.p.tier.noff if self.pool.p.tier is not NULL else 0
+        if self.pool.p.tier is NULL:
+            return 0
+        kvb_tier_flush(self.pool.p.tier)  # evictions recorded since: their offloads now
+        return self.pool.p.tier.noff
 
     @property
     def num_pending_onloads(self):
@@ -809,6 +813,7 @@ cdef class BlockManager:
         cdef kvb_tier_t *t = self.pool.p.tier
         if t is NULL:
             return HostStats()
+        kvb_tier_flush(t)  # demotions recorded since the last flush are counted
         s = t.stats
         h = self.host_pool.p.stats
         return HostStats(hits=s.hit_blocks, hit_tokens=s.hit_tokens,
@@ -836,6 +841,8 @@ cdef class BlockManager:
         cdef kvb_tier_t *t = self.pool.p.tier
         self._enter()
         try:
+            if t is not NULL:
+                kvb_tier_flush(t)  # size the list: the evictions get their host blocks now
             out = np.empty((t.noff if t is not NULL else 0, 2), dtype=np.int64)
             if t is not NULL:
                 kvb_tier_take_offloads(t, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out))
@@ -858,8 +865,9 @@ cdef class BlockManager:
                 if kvb_tier_take_onloads(t, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out),
                                          &n):
                     raise InvalidStateError(
-                        f"take_onloads: {t.noff} offloads are pending; run take_offloads() "
-                        f"first (an onload may read a host block an offload writes)")
+                        f"take_onloads: {t.noff + t.ndem} offloads are pending; run "
+                        f"take_offloads() first (an onload may read a host block an offload "
+                        f"writes)")
             return out
         finally:
             self._leave()

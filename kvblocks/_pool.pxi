@@ -405,6 +405,8 @@ cdef class BlockPool:
         ``parent_block_hash=None``. Hashes are 128-bit ints; ``kvblocks.events.encode_batch``
         and ``ZmqEventPublisher`` put them on the wire as vLLM does.
         """
+        if self._tier_pool is not None and self._tier_pool.p.tier is not NULL:
+            kvb_tier_flush(self._tier_pool.p.tier)  # demotions recorded since: stored now
         cdef kvb_events_t *ev = &self.p.events
         cdef int64_t n = ev.n
         if n == 0:

@@ -177,6 +177,7 @@ def test_all_suites_json_to_stdout():
     assert [o["id"] for o in tier["ops"]] == [
         "demote/128",
         "demote_present/128",
+        "demote_drain/128",
         "cache_write_through/128",
         "add_hits/2047",
         "probe/2047",

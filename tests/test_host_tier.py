@@ -466,7 +466,9 @@ def test_check_catches_a_broken_host_hold():
     mgr.add("a", [1, 2, 3])
     computed(mgr, "a", 3)
     mgr.free("a")
-    mgr.add("b", [5, 6, 7, 8, 9, 10, 11])  # an offload holds host block 1
+    mgr.add("b", [5, 6, 7, 8, 9, 10, 11])  # demotes a's block
+    mgr.check()
+    assert mgr.num_pending_offloads == 1  # its offload holds host block 1
     mgr.check()
     mgr.host_pool.incref(np.array([1], dtype=np.int32))  # a reference nobody holds
     with pytest.raises(CorruptionError, match="host ref count"):
@@ -508,4 +510,23 @@ def test_host_hits_keep_the_hash_mode_and_the_adapter(algo):
     hashes = lambda evs: [h for e in evs for h in e.block_hashes]  # noqa: E731
     assert hashes(again) == hashes(first)
     assert {e.lora_name for e in again} == {"ad"}
+    mgr.check()
+
+
+def test_an_eviction_is_on_the_host_for_the_next_lookup_of_the_same_step():
+    """Demotions are recorded on the allocation path and given host blocks later; a lookup
+    right after the eviction (probe, add) still finds the prefix on the host, and the drain
+    lists the offload before the onload that reads the same host block."""
+    mgr = tier(num_blocks=5, host=6)
+    mgr.add("a", [1, 2, 3, 4, 5])
+    computed(mgr, "a", 5)
+    mgr.free("a")
+    mgr.add("x", [9] * 8)  # evicts a's two cached blocks: demotions recorded
+    mgr.free("x")
+    assert mgr.probe([1, 2, 3, 4, 5, 6]) == (4, 3)
+    assert mgr.add("b", [1, 2, 3, 4, 5, 6]) == 4
+    off = mgr.take_offloads()
+    on = mgr.take_onloads()
+    assert sorted(off[:, 1].tolist()) == sorted(on[:, 0].tolist())  # written, then read
+    assert mgr.host_stats.demotions == 2 and mgr.host_stats.hits == 2
     mgr.check()

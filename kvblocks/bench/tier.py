@@ -6,9 +6,11 @@ tier's overhead factor inverted (0.50x: the tier call takes twice as long). Targ
 (issue 15): an evicting allocation that demotes to the host, and a lookup that continues into
 the host, each cost at most 2x the device-only call per block.
 
-- ``demote``: allocation that evicts cached device blocks; with the tier each eviction takes
-  a host block (the host LRU evicts in turn: the host is full), registers the hash there and
-  queues an offload (write-back: the copy is paid at eviction).
+- ``demote``: allocation that evicts cached device blocks; with the tier each eviction is
+  recorded for the host (write-back: the host block, the host LRU eviction and the queued
+  offload come at the next drain or host lookup).
+- ``demote_drain``: ``demote`` followed by the drain (``take_offloads``), which gives the
+  recorded evictions their host blocks: the whole cost of a demotion, wherever it is paid.
 - ``demote_present``: the same, but every hash is already on the host (write-through copied
   it when it was cached): the eviction costs a host probe and no copy.
 - ``cache_write_through``: registering full blocks in the device cache; with write-through
@@ -73,6 +75,10 @@ class _Evicting:
     def evict(self) -> None:
         self.held.append(self.pool.allocate(EVICT_N))
 
+    def evict_and_drain(self) -> None:
+        self.held.append(self.pool.allocate(EVICT_N))
+        self.mgr.take_offloads()
+
 
 def _evict_ops() -> List[Op]:
     n = EVICT_N
@@ -84,15 +90,19 @@ def _evict_ops() -> List[Op]:
         return Case(impl, e.evict, inner=EVICT_INNER, setup=e.fill, check=_checker(e))
 
     base = case("device-only", plain)
+    drained = [
+        Case(impl, e.evict_and_drain, inner=EVICT_INNER, setup=e.fill, check=_checker(e))
+        for impl, e in (("kvblocks", back), ("device-only", plain))
+    ]
     return [
         Op(
             f"demote/{n}",
-            f"allocate {n} evicting cached blocks: demote, copy queued",
+            f"allocate {n} evicting cached blocks: demotions recorded",
             "block",
             n,
             [case("kvblocks", back), base],
-            note="write-back: each eviction takes a host block (the host LRU evicts), "
-            "registers the hash and queues an offload",
+            note="write-back: each eviction is recorded; its host block (the host LRU "
+            "evicts), host entry and offload come with the drain",
         ),
         Op(
             f"demote_present/{n}",
@@ -101,6 +111,15 @@ def _evict_ops() -> List[Op]:
             n,
             [case("kvblocks", through), base],
             note="write-through: the hash is on the host already, no copy",
+        ),
+        Op(
+            f"demote_drain/{n}",
+            f"allocate {n} evicting cached blocks, then take_offloads",
+            "block",
+            n,
+            drained,
+            note="the whole demotion: recorded at eviction, host blocks given and offloads "
+            "listed by the drain (device-only: the same calls, nothing to drain)",
         ),
     ]
 
