@@ -99,21 +99,58 @@ int kvb_grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t
 }
 
 /* ---- growth ----------------------------------------------------------------------------- */
+/* Growth counts what window release frees (gain) but releases only once the call fits, and
+ * then in every group before any group allocates: a group that allocates first must not
+ * depend on blocks a later group has not released yet. */
 int kvb_grp_append(kvb_mgr_t *const *g, int32_t G, int32_t slot, const int32_t *tokens,
                    int64_t n, int computed) {
-    int64_t need = 0;
+    int64_t need = 0, gain = 0;
     for (int32_t j = 0; j < G; j++) {
         int rc = kvb_mgr_append_check(g[j], slot, n, computed);
         if (rc) return fail_from(g, j, rc);
         need = add_sat(need, kvb_mgr_blocks_needed(g[j], slot, n));
-        need -= kvb_mgr_release_gain(g[j], slot, n);
+        gain += kvb_mgr_release_gain(g[j], slot, n); /* at most the pool's blocks */
     }
     kvb_pool_t *p = g[0]->pool;
-    if (need > p->num_free) return out_of_blocks(g[0], need, p->num_free);
+    if (need > p->num_free + gain) return out_of_blocks(g[0], need, p->num_free + gain);
+    for (int32_t j = 0; j < G; j++) kvb_mgr_move_release(g[j], slot, n);
     for (int32_t j = 0; j < G; j++) {
         int rc = kvb_mgr_append(g[j], slot, tokens, n, computed);
         if (rc) return fail_from(g, j, rc); /* only from the first group (same state) */
     }
+    return KVB_OK;
+}
+
+/* The slow path of append_batch: validate (as the first group's append_batch would: unknown,
+ * swapped, twice), count exactly with what release frees, and release in every group. */
+KVB_NOINLINE static int batch_fits(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
+                                   int64_t n) {
+    kvb_mgr_t *m = g[0];
+    kvb_pool_t *p = m->pool;
+    int64_t need = 0, gain = 0;
+    for (int32_t j = 0; j < G; j++) {
+        int64_t nj = 0;
+        int rc = kvb_mgr_batch_need(g[j], slots, n, 1, &nj);
+        if (rc) return fail_from(g, j, rc);
+        need = add_sat(need, nj);
+    }
+    uint8_t *seen = calloc((size_t)m->scap, 1);
+    if (!seen) return KVB_ENOMEM;
+    for (int64_t i = 0; i < n; i++) {
+        if (seen[slots[i]]) {
+            free(seen);
+            m->err_a = i;
+            m->err_b = slots[i];
+            return KVB_EDUP;
+        }
+        seen[slots[i]] = 1;
+    }
+    free(seen);
+    for (int32_t j = 0; j < G; j++)
+        for (int64_t i = 0; i < n; i++) gain += kvb_mgr_release_gain(g[j], slots[i], 1);
+    if (need > p->num_free + gain) return out_of_blocks(m, need, p->num_free + gain);
+    for (int32_t j = 0; j < G; j++)
+        for (int64_t i = 0; i < n; i++) kvb_mgr_move_release(g[j], slots[i], 1);
     return KVB_OK;
 }
 
@@ -125,15 +162,8 @@ int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
     /* one token takes at most one block per sequence and growing group (new block or one
      * copy-on-write copy); only when that bound does not fit count exactly */
     if (n > p->num_free / (growing ? growing : 1)) {
-        int64_t need = 0;
-        for (int32_t j = 0; j < G; j++) {
-            int64_t nj = 0;
-            int rc = kvb_mgr_batch_need(g[j], slots, n, 1, &nj);
-            if (rc) return fail_from(g, j, rc);
-            need = add_sat(need, nj);
-            for (int64_t i = 0; i < n; i++) need -= kvb_mgr_release_gain(g[j], slots[i], 1);
-        }
-        if (need > p->num_free) return out_of_blocks(g[0], need, p->num_free);
+        int rc = batch_fits(g, G, slots, n);
+        if (rc) return rc;
     }
     for (int32_t j = 0; j < G; j++) {
         int rc = kvb_mgr_append_batch(g[j], slots, tokens, n);

@@ -306,6 +306,9 @@ int kvb_mgr_set_kind(kvb_mgr_t *m, int32_t kind, int64_t span, uint8_t gidx);
 int64_t kvb_mgr_first_needed(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t qstart);
 /* Blocks appending n tokens to slot would return to the free pool through window release. */
 int64_t kvb_mgr_release_gain(const kvb_mgr_t *m, int32_t slot, int64_t n);
+/* Release what appending n tokens to slot releases (after the caller counted that the call
+ * fits): groups.c runs it in every group before any group allocates. */
+void kvb_mgr_move_release(kvb_mgr_t *m, int32_t slot, int64_t n);
 
 /* add, in phases, for groups.c (kvb_mgr_add runs them for one group):
  * prepare: hashes of the prompt in the next free slot (not yet live) and, in ok[0..kmax],
