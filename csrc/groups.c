@@ -121,50 +121,36 @@ int kvb_grp_append(kvb_mgr_t *const *g, int32_t G, int32_t slot, const int32_t *
     return KVB_OK;
 }
 
-/* The slow path of append_batch: validate (as the first group's append_batch would: unknown,
- * swapped, twice), count exactly with what release frees, and release in every group. */
-KVB_NOINLINE static int batch_fits(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
-                                   int64_t n) {
-    kvb_mgr_t *m = g[0];
-    kvb_pool_t *p = m->pool;
-    int64_t need = 0, gain = 0;
-    for (int32_t j = 0; j < G; j++) {
-        int64_t nj = 0;
-        int rc = kvb_mgr_batch_need(g[j], slots, n, 1, &nj);
-        if (rc) return fail_from(g, j, rc);
-        need = add_sat(need, nj);
-    }
-    uint8_t *seen = calloc((size_t)m->scap, 1);
-    if (!seen) return KVB_ENOMEM;
-    for (int64_t i = 0; i < n; i++) {
-        if (seen[slots[i]]) {
-            free(seen);
-            m->err_a = i;
-            m->err_b = slots[i];
-            return KVB_EDUP;
-        }
-        seen[slots[i]] = 1;
-    }
-    free(seen);
-    for (int32_t j = 0; j < G; j++)
-        for (int64_t i = 0; i < n; i++) gain += kvb_mgr_release_gain(g[j], slots[i], 1);
-    if (need > p->num_free + gain) return out_of_blocks(m, need, p->num_free + gain);
-    for (int32_t j = 0; j < G; j++)
-        for (int64_t i = 0; i < n; i++) kvb_mgr_move_release(g[j], slots[i], 1);
-    return KVB_OK;
-}
-
+/* The decode step over every group. Every group releases (window, chunk) before any group
+ * allocates, once the step is known to fit: validation first, then the fast bound (one token
+ * takes at most one block per sequence and growing group: a new block or one copy-on-write
+ * copy), and only when that bound does not fit an exact count with what release frees. */
 int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                          const int32_t *tokens, int64_t n) {
     kvb_pool_t *p = g[0]->pool;
-    int64_t growing = 0;
-    for (int32_t j = 0; j < G; j++) growing += g[j]->kind != KVB_G_STATE;
-    /* one token takes at most one block per sequence and growing group (new block or one
-     * copy-on-write copy); only when that bound does not fit count exactly */
-    if (n > p->num_free / (growing ? growing : 1)) {
-        int rc = batch_fits(g, G, slots, n);
+    int64_t growing = 0, windowed = 0;
+    for (int32_t j = 0; j < G; j++) {
+        growing += g[j]->kind != KVB_G_STATE;
+        windowed += g[j]->kind == KVB_G_WINDOW || g[j]->kind == KVB_G_CHUNK;
+    }
+    if (windowed || n > p->num_free / (growing ? growing : 1)) {
+        int rc = kvb_mgr_batch_check(g[0], slots, n);
         if (rc) return rc;
     }
+    if (n > p->num_free / (growing ? growing : 1)) {
+        int64_t need = 0, gain = 0;
+        for (int32_t j = 0; j < G; j++) {
+            int64_t nj = 0;
+            int rc = kvb_mgr_batch_need(g[j], slots, n, 1, &nj);
+            if (rc) return fail_from(g, j, rc);
+            need = add_sat(need, nj);
+            for (int64_t i = 0; i < n; i++) gain += kvb_mgr_release_gain(g[j], slots[i], 1);
+        }
+        if (need > p->num_free + gain) return out_of_blocks(g[0], need, p->num_free + gain);
+    }
+    for (int32_t j = 0; windowed && j < G; j++)
+        if (g[j]->kind == KVB_G_WINDOW || g[j]->kind == KVB_G_CHUNK)
+            for (int64_t i = 0; i < n; i++) kvb_mgr_move_release(g[j], slots[i], 1);
     for (int32_t j = 0; j < G; j++) {
         int rc = kvb_mgr_append_batch(g[j], slots, tokens, n);
         if (rc) return fail_from(g, j, rc); /* validation fails in the first group */

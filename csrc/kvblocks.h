@@ -309,6 +309,8 @@ int64_t kvb_mgr_release_gain(const kvb_mgr_t *m, int32_t slot, int64_t n);
 /* Release what appending n tokens to slot releases (after the caller counted that the call
  * fits): groups.c runs it in every group before any group allocates. */
 void kvb_mgr_move_release(kvb_mgr_t *m, int32_t slot, int64_t n);
+/* append_batch's validation alone (unknown, twice, swapped out), error detail as it sets. */
+int kvb_mgr_batch_check(kvb_mgr_t *m, const int32_t *slots, int64_t n);
 
 /* add, in phases, for groups.c (kvb_mgr_add runs them for one group):
  * prepare: hashes of the prompt in the next free slot (not yet live) and, in ok[0..kmax],

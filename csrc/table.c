@@ -672,6 +672,22 @@ int kvb_mgr_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_
     return KVB_OK;
 }
 
+int kvb_mgr_batch_check(kvb_mgr_t *m, const int32_t *slots, int64_t n) {
+    KVB_CLEAR_ERR(m);
+    uint32_t stamp = next_stamp(m);
+    for (int64_t i = 0; i < n; i++) {
+        kvb_seq_t *s = live_seq(m, slots[i]);
+        m->err_a = i;
+        m->err_b = slots[i];
+        if (!s) return KVB_EUNKNOWN;
+        if (s->stamp == stamp) return KVB_EDUP;
+        if (s->swapped) return KVB_ESWAPPED;
+        s->stamp = stamp;
+    }
+    m->err_a = m->err_b = 0;
+    return KVB_OK;
+}
+
 /* The decode step: one token for each of n sequences, one call. */
 int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n) {
     kvb_pool_t *p = m->pool;
