@@ -266,3 +266,15 @@ def test_two_window_groups_append_that_fits_is_not_refused():
     mgr.append("s", [5, 6])  # each group frees 2 blocks and takes 1
     assert mgr.pool.num_free == 2
     mgr.check()
+
+
+def test_add_that_can_never_fit_keeps_the_groups_in_step():
+    """Regression: a prompt too long for a full group was refused after a state group had
+    already grown its slot array, and check() then reported the groups out of step."""
+    groups = (KVGroup("state", blocks=1), KVGroup("full"))
+    mgr = BlockManager(6, 1, groups=groups)
+    with pytest.raises(OutOfBlocksError):
+        mgr.add("s", list(range(14)))
+    mgr.check()
+    assert mgr.add("t", [1, 2]) == 0
+    mgr.check()
