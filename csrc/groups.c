@@ -53,6 +53,8 @@ static int prepare_all(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, in
     uint8_t *ok = malloc((size_t)K + 1);
     if (!ok) return KVB_ENOMEM;
     memset(ok, 1, (size_t)K + 1);
+    for (int32_t j = 0; j < G; j++)
+        if (kvb_mgr_new_slot(g[j])) { free(ok); return KVB_ENOMEM; }
     for (int32_t j = 0; j < G; j++) {
         int rc = kvb_mgr_add_prepare(g[j], tokens, n, salt, salt_len, ok, K);
         if (rc) { free(ok); return fail_from(g, j, rc); }

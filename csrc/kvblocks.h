@@ -318,6 +318,9 @@ int kvb_mgr_batch_check(kvb_mgr_t *m, const int32_t *slots, int64_t n);
  * cleared (the caller sets all to 1 first; kmax = (n - 1) / block_size, 0 for n == 0). */
 int kvb_mgr_add_prepare(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
                         size_t salt_len, uint8_t *ok, int64_t kmax);
+/* A free slot ready for the next add (capacity only, nothing observable): groups.c takes one
+ * in every group before preparing any, so that a refused add leaves all groups alike. */
+int kvb_mgr_new_slot(kvb_mgr_t *m);
 /* blocks a prepared add with k hits takes from the free pool */
 int64_t kvb_mgr_add_need(const kvb_mgr_t *m, int64_t n, int64_t k);
 /* pin: take the slot, pin the k hits; fill: allocate the rest (after every group pinned). */

@@ -386,6 +386,11 @@ static int new_slot(kvb_mgr_t *m, int32_t *slot) {
     return KVB_OK;
 }
 
+int kvb_mgr_new_slot(kvb_mgr_t *m) {
+    int32_t slot;
+    return new_slot(m, &slot);
+}
+
 static void take_slot(kvb_mgr_t *m, int32_t slot) {
     kvb_seq_t *s = &m->seqs[slot];
     m->free_slot = s->next_free;
@@ -430,9 +435,9 @@ int kvb_mgr_add_prepare(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const ui
     KVB_CLEAR_ERR(m);
     if (n < 0) { m->err_b = n; return KVB_EINVAL; }
     int64_t total = table_blocks(m, n), full = blk_of(m, n);
-    int32_t slot; /* first, in every group alike: slots move in lock step (check) */
-    if (new_slot(m, &slot)) return KVB_ENOMEM;
     if (total >= p->num_blocks) return out_of_blocks(m, total, p->num_free);
+    int32_t slot;
+    if (new_slot(m, &slot)) return KVB_ENOMEM;
     kvb_seq_t *s = &m->seqs[slot];
     if (ensure_tokens(s, n) || ensure_blocks(s, total > full ? total : full) ||
         (m->caching && ensure_hashes(s, full + 1)))

@@ -62,7 +62,9 @@ def test_readme_python_blocks_run():
 def test_hybrid_models_guide_examples_run():
     """docs/hybrid-models.md: its code blocks run in order, in one namespace."""
     root = README.parent
-    blocks = re.findall(r"```python\n(.*?)```", (root / "docs" / "hybrid-models.md").read_text(), re.S)
+    blocks = re.findall(
+        r"```python\n(.*?)```", (root / "docs" / "hybrid-models.md").read_text(), re.S
+    )
     assert len(blocks) == 6
     ns: dict = {"__name__": "docs_hybrid_models"}
     for code in blocks:

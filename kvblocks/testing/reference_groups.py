@@ -33,7 +33,7 @@ one for one. The rules it encodes:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from ..errors import (
     InvalidStateError,
     InvalidTypeError,
     OutOfBlocksError,
+    UnknownSequenceError,
 )
 from .reference import (
     ReferenceManager,
@@ -87,7 +88,13 @@ class GroupedReference(ReferenceManager):
         super().__init__(num_blocks, block_size, **kw)
         self.groups = tuple(groups)
         self._gcopies: List[List[Tuple[int, int]]] = [[] for _ in self.groups]
-        self._seqs: Dict[object, _GSeq] = {}  # type: ignore[assignment]
+        self._seqs: Dict[object, Any] = {}  # sequence -> _GSeq
+
+    def _seq(self, sid) -> Any:
+        s = self._seqs.get(sid)
+        if s is None:
+            raise _err(UnknownSequenceError, f"unknown sequence {sid!r}")
+        return s
 
     # -- per-kind rules --------------------------------------------------------------------------
     def _kind(self, j: int) -> str:
@@ -197,7 +204,7 @@ class GroupedReference(ReferenceManager):
     def _users(self, j: int, b: int) -> int:
         return self.pool._ref[b] - sum(1 for src, _ in self._gcopies[j] if src == b)
 
-    def _need(self, appends, j: int = 0) -> int:  # type: ignore[override]
+    def _need(self, appends, j: int = 0) -> int:
         """Group j's blocks for appending n tokens to each sequence in turn."""
         if self._kind(j) == "state":
             return 0
@@ -256,7 +263,7 @@ class GroupedReference(ReferenceManager):
             self.pool._release(src)
         self._gcopies[j] = kept
 
-    def _copy_source(self, b: int, j: int = 0) -> int:  # type: ignore[override]
+    def _copy_source(self, b: int, j: int = 0) -> int:
         for src, dst in self._gcopies[j]:
             if dst == b:
                 return src
@@ -313,11 +320,16 @@ class GroupedReference(ReferenceManager):
         k = 0
         if self.pool.enable_prefix_caching and all(self._kind(j) != "state" for j in range(G)):
             for kk in range(K, 0, -1):
-                if all(all(h in cached for h in hashes[j][self._hit_lo(j, n, kk) : kk]) for j in range(G)):
+                if all(
+                    all(h in cached for h in hashes[j][self._hit_lo(j, n, kk) : kk])
+                    for j in range(G)
+                ):
                     k = kk
                     break
         hits = [[cached[h] for h in hashes[j][self._hit_lo(j, n, k) : k]] for j in range(G)]
-        need = sum(self._table_blocks(j, n) - (0 if self._kind(j) == "state" else k) for j in range(G))
+        need = sum(
+            self._table_blocks(j, n) - (0 if self._kind(j) == "state" else k) for j in range(G)
+        )
         need += sum(1 for hj in hits for b in hj if self.pool._ref[b] == 0)
         if need > self.pool.num_free:
             raise _err(OutOfBlocksError, f"add({sid!r}): need {need}, {self.pool.num_free} free")
@@ -342,8 +354,10 @@ class GroupedReference(ReferenceManager):
         rules = _Rules()
         if s.swapped:
             rules.add(InvalidStateError, f"append: {sid!r} is swapped out")
-        elif computed and toks and any(
-            t.num_computed != len(s.tokens) or len(toks) > t.drafts for t in s.tabs
+        elif (
+            computed
+            and toks
+            and any(t.num_computed != len(s.tokens) or len(toks) > t.drafts for t in s.tabs)
         ):
             rules.add(InvalidStateError, "append(computed=True): not within the draft slots")
         rules.check()
@@ -525,7 +539,7 @@ class GroupedReference(ReferenceManager):
         s.swapped = True
         return np.array(pairs, dtype=np.int64).reshape(-1, 2)
 
-    def _swap_in_plan(self, s):  # type: ignore[override]
+    def _swap_in_plan(self, s):
         """Per group {table index: cached device block} and the device blocks swap_in takes."""
         plans, need = [], 0
         for j, t in enumerate(s.tabs):
@@ -649,11 +663,15 @@ class GroupedReference(ReferenceManager):
                     rules.add(InvalidStateError, f"metadata: {sid!r} reads released positions")
                 if di < 0:
                     rules.add(InvalidArgumentError, f"metadata: draft_len {di} < 0")
-                elif di and self._kind(j) != "state" and (
-                    n + di > len(t.blocks) * bs
-                    or any(
-                        self._users(j, b) != 1 or b in self.pool._hash_of
-                        for b in t.blocks[n // bs : _ceil_div(n + di, bs)]
+                elif (
+                    di
+                    and self._kind(j) != "state"
+                    and (
+                        n + di > len(t.blocks) * bs
+                        or any(
+                            self._users(j, b) != 1 or b in self.pool._hash_of
+                            for b in t.blocks[n // bs : _ceil_div(n + di, bs)]
+                        )
                     )
                 ):
                     rules.add(InvalidStateError, f"metadata: drafts of {sid!r} not reserved")
@@ -669,7 +687,9 @@ class GroupedReference(ReferenceManager):
         for s in self._seqs.values():
             for j, t in enumerate(s.tabs):
                 if any(t.blocks[: t.lo]) or (
-                    t.lo and self._needed_from(j, t.num_computed, len(s.tokens)) // self.block_size < t.lo
+                    t.lo
+                    and self._needed_from(j, t.num_computed, len(s.tokens)) // self.block_size
+                    < t.lo
                 ):
                     raise CorruptionError("reference: a released entry is wrong")
                 for b in t.blocks[t.lo :]:
