@@ -53,6 +53,8 @@ static int prepare_all(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, in
     uint8_t *ok = malloc((size_t)K + 1);
     if (!ok) return KVB_ENOMEM;
     memset(ok, 1, (size_t)K + 1);
+    for (int32_t j = 0; j < G; j++)
+        if (kvb_mgr_new_slot(g[j])) { free(ok); return KVB_ENOMEM; }
     for (int32_t j = 0; j < G; j++) {
         int rc = kvb_mgr_add_prepare(g[j], tokens, n, salt, salt_len, ok, K);
         if (rc) { free(ok); return fail_from(g, j, rc); }
@@ -99,18 +101,21 @@ int kvb_grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t
 }
 
 /* ---- growth ----------------------------------------------------------------------------- */
+/* Growth counts what window release frees (gain) but releases only once the call fits, and
+ * then in every group before any group allocates: a group that allocates first must not
+ * depend on blocks a later group has not released yet. */
 int kvb_grp_append(kvb_mgr_t *const *g, int32_t G, int32_t slot, const int32_t *tokens,
                    int64_t n, int computed) {
-    int64_t need = 0, gain = 0; /* apart: add_sat needs need >= 0 */
+    int64_t need = 0, gain = 0;
     for (int32_t j = 0; j < G; j++) {
         int rc = kvb_mgr_append_check(g[j], slot, n, computed);
         if (rc) return fail_from(g, j, rc);
         need = add_sat(need, kvb_mgr_blocks_needed(g[j], slot, n));
-        gain += kvb_mgr_release_gain(g[j], slot, n);
+        gain += kvb_mgr_release_gain(g[j], slot, n); /* at most the pool's blocks */
     }
-    need = need == INT64_MAX ? need : need - gain;
     kvb_pool_t *p = g[0]->pool;
-    if (need > p->num_free) return out_of_blocks(g[0], need, p->num_free);
+    if (need > p->num_free + gain) return out_of_blocks(g[0], need, p->num_free + gain);
+    for (int32_t j = 0; j < G; j++) kvb_mgr_move_release(g[j], slot, n);
     for (int32_t j = 0; j < G; j++) {
         int rc = kvb_mgr_append(g[j], slot, tokens, n, computed);
         if (rc) return fail_from(g, j, rc); /* only from the first group (same state) */
@@ -118,15 +123,24 @@ int kvb_grp_append(kvb_mgr_t *const *g, int32_t G, int32_t slot, const int32_t *
     return KVB_OK;
 }
 
+/* The decode step over every group. Every group releases (window, chunk) before any group
+ * allocates, once the step is known to fit: validation first, then the fast bound (one token
+ * takes at most one block per sequence and growing group: a new block or one copy-on-write
+ * copy), and only when that bound does not fit an exact count with what release frees. */
 int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                          const int32_t *tokens, int64_t n) {
     kvb_pool_t *p = g[0]->pool;
-    int64_t growing = 0;
-    for (int32_t j = 0; j < G; j++) growing += g[j]->kind != KVB_G_STATE;
-    /* one token takes at most one block per sequence and growing group (new block or one
-     * copy-on-write copy); only when that bound does not fit count exactly */
+    int64_t growing = 0, windowed = 0;
+    for (int32_t j = 0; j < G; j++) {
+        growing += g[j]->kind != KVB_G_STATE;
+        windowed += g[j]->kind == KVB_G_WINDOW || g[j]->kind == KVB_G_CHUNK;
+    }
+    if (windowed || n > p->num_free / (growing ? growing : 1)) {
+        int rc = kvb_mgr_batch_check(g[0], slots, n);
+        if (rc) return rc;
+    }
     if (n > p->num_free / (growing ? growing : 1)) {
-        int64_t need = 0, gain = 0; /* apart: add_sat needs need >= 0 */
+        int64_t need = 0, gain = 0;
         for (int32_t j = 0; j < G; j++) {
             int64_t nj = 0;
             int rc = kvb_mgr_batch_need(g[j], slots, n, 1, &nj);
@@ -134,9 +148,11 @@ int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
             need = add_sat(need, nj);
             for (int64_t i = 0; i < n; i++) gain += kvb_mgr_release_gain(g[j], slots[i], 1);
         }
-        need = need == INT64_MAX ? need : need - gain;
-        if (need > p->num_free) return out_of_blocks(g[0], need, p->num_free);
+        if (need > p->num_free + gain) return out_of_blocks(g[0], need, p->num_free + gain);
     }
+    for (int32_t j = 0; windowed && j < G; j++)
+        if (g[j]->kind == KVB_G_WINDOW || g[j]->kind == KVB_G_CHUNK)
+            for (int64_t i = 0; i < n; i++) kvb_mgr_move_release(g[j], slots[i], 1);
     for (int32_t j = 0; j < G; j++) {
         int rc = kvb_mgr_append_batch(g[j], slots, tokens, n);
         if (rc) return fail_from(g, j, rc); /* validation fails in the first group */

@@ -400,6 +400,11 @@ int kvb_mgr_set_kind(kvb_mgr_t *m, int32_t kind, int64_t span, uint8_t gidx);
 int64_t kvb_mgr_first_needed(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t qstart);
 /* Blocks appending n tokens to slot would return to the free pool through window release. */
 int64_t kvb_mgr_release_gain(const kvb_mgr_t *m, int32_t slot, int64_t n);
+/* Release what appending n tokens to slot releases (after the caller counted that the call
+ * fits): groups.c runs it in every group before any group allocates. */
+void kvb_mgr_move_release(kvb_mgr_t *m, int32_t slot, int64_t n);
+/* append_batch's validation alone (unknown, twice, swapped out), error detail as it sets. */
+int kvb_mgr_batch_check(kvb_mgr_t *m, const int32_t *slots, int64_t n);
 
 /* add, in phases, for groups.c (kvb_mgr_add runs them for one group):
  * prepare: hashes of the prompt in the next free slot (not yet live) and, in ok[0..kmax],
@@ -407,6 +412,9 @@ int64_t kvb_mgr_release_gain(const kvb_mgr_t *m, int32_t slot, int64_t n);
  * cleared (the caller sets all to 1 first; kmax = (n - 1) / block_size, 0 for n == 0). */
 int kvb_mgr_add_prepare(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
                         size_t salt_len, uint8_t *ok, int64_t kmax);
+/* A free slot ready for the next add (capacity only, nothing observable): groups.c takes one
+ * in every group before preparing any, so that a refused add leaves all groups alike. */
+int kvb_mgr_new_slot(kvb_mgr_t *m);
 /* blocks a prepared add with k hits takes from the free pool */
 int64_t kvb_mgr_add_need(const kvb_mgr_t *m, int64_t n, int64_t k);
 /* pin: take the slot, pin the k hits; fill: allocate the rest (after every group pinned). */

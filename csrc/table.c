@@ -283,14 +283,28 @@ KVB_INLINE void release_for(kvb_mgr_t *m, kvb_seq_t *s, int64_t ntokens, int64_t
         release_front(m, s, blk_of(m, needed_from(m, s->ncomputed, ntokens, qstart)));
 }
 
-int64_t kvb_mgr_release_gain(const kvb_mgr_t *m, int32_t slot, int64_t n) {
-    const kvb_seq_t *s = live_seq(m, slot);
-    if (!s || s->swapped || n <= 0 || (m->kind != KVB_G_WINDOW && m->kind != KVB_G_CHUNK))
-        return 0;
-    int64_t upto = blk_of(m, needed_from(m, s->ncomputed, add_sat(s->ntokens, n), INT64_MAX));
+/* Blocks that release_for(ntokens) would return to the free pool: those this sequence
+ * alone holds (a block shared with another sequence, or held by a pending copy, is not
+ * counted). A call that may still be refused counts them instead of releasing first: what
+ * it releases is chosen for the longer sequence, and a refused call must leave the block
+ * the newest token's recompute reads. */
+static int64_t gain_for(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t ntokens) {
+    if (m->kind != KVB_G_WINDOW && m->kind != KVB_G_CHUNK) return 0;
+    int64_t upto = blk_of(m, needed_from(m, s->ncomputed, ntokens, INT64_MAX));
     int64_t gain = 0;
     for (int64_t j = s->lo; j < upto; j++) gain += m->pool->ref_count[s->blocks[j]] == 1;
     return gain;
+}
+
+int64_t kvb_mgr_release_gain(const kvb_mgr_t *m, int32_t slot, int64_t n) {
+    const kvb_seq_t *s = live_seq(m, slot);
+    if (!s || s->swapped || n <= 0) return 0;
+    return gain_for(m, s, add_sat(s->ntokens, n));
+}
+
+void kvb_mgr_move_release(kvb_mgr_t *m, int32_t slot, int64_t n) {
+    kvb_seq_t *s = live_seq(m, slot);
+    if (s && !s->swapped && n > 0) release_for(m, s, add_sat(s->ntokens, n), INT64_MAX);
 }
 
 void kvb_mgr_step_release(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens, int64_t B) {
@@ -372,6 +386,11 @@ static int new_slot(kvb_mgr_t *m, int32_t *slot) {
     }
     *slot = m->free_slot;
     return KVB_OK;
+}
+
+int kvb_mgr_new_slot(kvb_mgr_t *m) {
+    int32_t slot;
+    return new_slot(m, &slot);
 }
 
 static void take_slot(kvb_mgr_t *m, int32_t slot) {
@@ -554,10 +573,11 @@ static int make_room(kvb_mgr_t *m, kvb_seq_t *s, int64_t n, int64_t tokens) {
     }
     if (n > max_tokens(m)) return out_of_blocks(m, blocks_for(m, max_tokens(m)) + 1,
                                                 m->pool->num_free);
-    if (tokens) release_for(m, s, s->ntokens + n, INT64_MAX); /* append: moving on */
-    int64_t need = need_for(m, s, n);
-    if (need > m->pool->num_free) return out_of_blocks(m, need, m->pool->num_free);
+    int64_t need = need_for(m, s, n); /* release never touches the write block */
+    int64_t have = m->pool->num_free + (tokens ? gain_for(m, s, s->ntokens + n) : 0);
+    if (need > have) return out_of_blocks(m, need, have);
     if (reserve_capacity(m, s, tokens, need)) return KVB_ENOMEM;
+    if (tokens) release_for(m, s, s->ntokens + n, INT64_MAX); /* append: moving on */
     make_writable(m, s);
     grow_table(m, s, n);
     return KVB_OK;
@@ -674,6 +694,22 @@ int kvb_mgr_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_
     return KVB_OK;
 }
 
+int kvb_mgr_batch_check(kvb_mgr_t *m, const int32_t *slots, int64_t n) {
+    KVB_CLEAR_ERR(m);
+    uint32_t stamp = next_stamp(m);
+    for (int64_t i = 0; i < n; i++) {
+        kvb_seq_t *s = live_seq(m, slots[i]);
+        m->err_a = i;
+        m->err_b = slots[i];
+        if (!s) return KVB_EUNKNOWN;
+        if (s->stamp == stamp) return KVB_EDUP;
+        if (s->swapped) return KVB_ESWAPPED;
+        s->stamp = stamp;
+    }
+    m->err_a = m->err_b = 0;
+    return KVB_OK;
+}
+
 /* The decode step: one token for each of n sequences, one call. */
 int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n) {
     kvb_pool_t *p = m->pool;
@@ -704,18 +740,21 @@ int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *toke
         }
         return KVB_OK;
     }
+    if (KVB_UNLIKELY(need > p->num_free)) { /* count exactly, with what release frees */
+        if (exact_batch_need(m, slots, n, 1, &need)) return KVB_ENOMEM;
+        int64_t have = p->num_free;
+        for (int64_t i = 0; m->kind != KVB_G_FULL && i < n; i++)
+            have += gain_for(m, &m->seqs[slots[i]], m->seqs[slots[i]].ntokens + 1);
+        if (need > have) return out_of_blocks(m, need, have);
+    }
+    if (KVB_UNLIKELY(kvb_grow((void **)&m->copies, &m->ccap, 2 * (m->ncopies + n),
+                              sizeof *m->copies)))
+        return KVB_ENOMEM;
     if (m->kind != KVB_G_FULL) /* window / chunk: release before allocating */
         for (int64_t i = 0; i < n; i++) {
             kvb_seq_t *s = &m->seqs[slots[i]];
             release_for(m, s, s->ntokens + 1, INT64_MAX);
         }
-    if (KVB_UNLIKELY(need > p->num_free)) {
-        if (exact_batch_need(m, slots, n, 1, &need)) return KVB_ENOMEM;
-        if (need > p->num_free) return out_of_blocks(m, need, p->num_free);
-    }
-    if (KVB_UNLIKELY(kvb_grow((void **)&m->copies, &m->ccap, 2 * (m->ncopies + n),
-                              sizeof *m->copies)))
-        return KVB_ENOMEM;
     for (int64_t i = 0; i < n; i++) {
         kvb_seq_t *s = &m->seqs[slots[i]];
         int64_t t = s->ntokens, w = blk_of(m, t);
@@ -1096,6 +1135,13 @@ int kvb_grp_check(kvb_mgr_t *const *g, int32_t G) {
         }
         if (g[k]->nseqs != m->nseqs || g[k]->free_slot != m->free_slot)
             MFAIL("groups disagree on the live sequences", k);
+        for (i = 0; k && i < m->scap && i < g[k]->scap; i++) { /* lock step: one sequence, every group */
+            const kvb_seq_t *a = &m->seqs[i], *b = &g[k]->seqs[i];
+            if (a->gen != b->gen || ((a->gen & 1u) && (a->ntokens != b->ntokens ||
+                                                       a->swapped != b->swapped)))
+                MFAIL("groups disagree on a sequence's tokens", k);
+        }
+        i = 0;
     }
     if ((rc = kvb_tier_check(m, refs, hrefs))) goto done; /* host tier holds (tier.c) */
     for (int32_t b = 1; b < p->num_blocks; b++) {

@@ -69,3 +69,20 @@ def test_readme_python_blocks_run():
     assert len(blocks) >= 2
     for code in blocks:
         exec(compile(code, str(README), "exec"), {})
+
+
+def test_hybrid_models_guide_examples_run():
+    """docs/hybrid-models.md: its code blocks run in order, in one namespace."""
+    root = README.parent
+    blocks = re.findall(
+        r"```python\n(.*?)```", (root / "docs" / "hybrid-models.md").read_text(), re.S
+    )
+    assert len(blocks) == 6
+    ns: dict = {"__name__": "docs_hybrid_models"}
+    for code in blocks:
+        exec(compile(code, "docs/hybrid-models.md", "exec"), ns)
+
+
+def test_docs_are_linked_from_the_readme():
+    for doc in ("hybrid-models.md",):
+        assert f"(docs/{doc})" in README.read_text()

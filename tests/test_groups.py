@@ -265,4 +265,65 @@ def test_release_gain_before_another_group_is_counted(batch):
             mgr.append("s", [1])
         assert mgr.num_tokens("s") == 11
         assert mgr.blocks_in_use("s") < before  # the window moved past block 0
+
+
+def test_refused_append_keeps_the_recompute_window():
+    """Regression: a refused append released the blocks of the longer sequence first, so the
+    block the newest token's recompute reads was gone (check() reported corruption)."""
+    mgr = BlockManager(4, BS, groups=(KVGroup("sliding_window", window=4),))
+    mgr.add("s", list(range(11)))
+    mgr.schedule(["s"], [11])
+    with pytest.raises(OutOfBlocksError):
+        mgr.append("s", list(range(10)))  # 3 more blocks; releasing would free only 2
+    assert mgr.block_table("s").tolist() == [1, 2, 3] and mgr.num_tokens("s") == 11
+    mgr.check()
+    mgr.metadata(["s"], [1])  # the newest token recomputed reads [7, 10]: block 1
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_append_counts_release_of_later_groups(batch):
+    """Regression: with (full, full, window) the window's release made the call fit, but the
+    full groups allocated before it released: the second full group ran out after the first
+    had appended, and the groups disagreed on the sequence's tokens."""
+    groups = (KVGroup("full"), KVGroup("full"), KVGroup("sliding_window", window=4))
+    mgr = BlockManager(11, BS, groups=groups)
+    mgr.add("s", list(range(12)))
+    mgr.schedule(["s"], [12])
+    assert mgr.pool.num_free == 1  # 3 blocks needed, window release frees 2
+    if batch:
+        mgr.append_batch(["s"], [5])
+    else:
+        mgr.append("s", [5])
+    assert mgr.num_tokens("s") == 13
+    assert [len(mgr.block_table("s", group=j)) for j in range(3)] == [4, 4, 4]
+    assert mgr.block_table("s", group=2).tolist()[:2] == [0, 0]
+    mgr.check()
+
+
+def test_two_window_groups_append_that_fits_is_not_refused():
+    """Regression: the blocks release frees were subtracted from a saturating sum, which
+    overflowed when a group freed more than it took: an append that fits was refused with a
+    block count near 2**63."""
+    g = KVGroup("sliding_window", window=4)
+    mgr = BlockManager(7, BS, groups=(g, g))
+    mgr.add("s", list(range(11)))
+    mgr.schedule(["s"], [11])
+    assert mgr.pool.num_free == 0
+    mgr.append("s", [5, 6])  # each group frees 2 blocks and takes 1
+    assert mgr.pool.num_free == 2
+    mgr.check()
+
+
+def test_add_that_can_never_fit_keeps_the_groups_in_step():
+    """Regression: a prompt too long for a full group was refused after a state group had
+    already grown its slot array, and check() then reported the groups out of step."""
+    for groups in [
+        (KVGroup("state", blocks=1), KVGroup("full")),
+        (KVGroup("full"), KVGroup("state", blocks=1)),
+    ]:
+        mgr = BlockManager(6, 1, groups=groups)
+        with pytest.raises(OutOfBlocksError):
+            mgr.add("s", list(range(14)))
+        mgr.check()
+        assert mgr.add("t", [1, 2]) == 0
         mgr.check()

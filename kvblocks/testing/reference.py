@@ -78,6 +78,7 @@ from ..errors import (
     OutOfBlocksError,
     UnknownSequenceError,
 )
+from ..groups import KVGroup
 
 __all__ = [
     "ReferencePool",
@@ -239,6 +240,23 @@ def hashes_of(x) -> List[int]:
     if arr.ndim != 2 or arr.shape[1] != 2:
         raise _err(InvalidArgumentError, f"hashes must have shape [n, 2], got {arr.shape}")
     return [int(lo) | (int(hi) << 64) for lo, hi in arr.tolist()]
+
+
+def _group_tuple(groups) -> Tuple[KVGroup, ...]:
+    """The ``groups`` argument as BlockManager takes it (default: one full group)."""
+    if groups is None:
+        return (KVGroup("full"),)
+    if isinstance(groups, (str, bytes, KVGroup)):
+        raise _err(InvalidTypeError, "groups must be a sequence of KVGroup")
+    try:
+        gs = tuple(groups)
+    except TypeError:
+        raise _err(InvalidTypeError, "groups must be a sequence of KVGroup") from None
+    if not gs or len(gs) > 255:
+        raise _err(InvalidArgumentError, f"groups: 1 to 255 KVGroup, got {len(gs)}")
+    if not all(isinstance(g, KVGroup) for g in gs):
+        raise _err(InvalidTypeError, "groups must hold KVGroup")
+    return gs
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -527,6 +545,15 @@ class ReferenceManager:
     4
     """
 
+    def __new__(cls, *args, groups=None, **kw):
+        """With ``groups`` other than one full-attention group: a
+        :class:`~kvblocks.testing.reference_groups.GroupedReference` (KV cache groups)."""
+        if cls is ReferenceManager and _group_tuple(groups) != (KVGroup("full"),):
+            from .reference_groups import GroupedReference
+
+            return super().__new__(GroupedReference)
+        return super().__new__(cls)
+
     def __init__(
         self,
         num_blocks,
@@ -536,7 +563,9 @@ class ReferenceManager:
         watermark=0.0,
         num_host_blocks=0,
         hash_key=None,
+        groups=None,
     ) -> None:
+        self.groups = _group_tuple(groups)
         block_size = scalar_of(block_size, "block_size")
         if block_size < 1:
             raise _err(InvalidArgumentError, f"block_size must be >= 1, got {block_size}")
@@ -586,8 +615,13 @@ class ReferenceManager:
     def seq_ids(self) -> list:
         return list(self._seqs)
 
-    def block_table(self, seq_id) -> np.ndarray:
+    def block_table(self, seq_id, group=0) -> np.ndarray:
+        scalar_of(group, "group", 0, 0)
         return np.array(self._seq(seq_id_of(seq_id)).blocks, dtype=np.int32)
+
+    def blocks_in_use(self, seq_id) -> int:
+        """Blocks the sequence holds (all groups together)."""
+        return len(self._seq(seq_id_of(seq_id)).blocks)
 
     def num_tokens(self, seq_id) -> int:
         return len(self._seq(seq_id_of(seq_id)).tokens)
@@ -890,12 +924,15 @@ class ReferenceManager:
         Every row becomes fully computed; its full blocks enter the prefix cache."""
         self._step(self._validate_step(seq_ids, query_lens, draft_lens))
 
-    def metadata(self, seq_ids, query_lens, *, draft_lens=None, out=None) -> ReferenceMetadata:
+    def metadata(
+        self, seq_ids, query_lens, *, draft_lens=None, out=None, group=0
+    ) -> ReferenceMetadata:
         """``schedule`` plus the arrays of the step (no fixed buffers: ``out`` is ignored).
 
         Row i's queries are positions ``[num_tokens - q, num_tokens + d)``; its sequence
         length is ``num_tokens + d``; slot = block * block_size + offset.
         """
+        scalar_of(group, "group", 0, 0)
         rows = self._validate_step(seq_ids, query_lens, draft_lens)
         bs = self.block_size
         slots, tables, lens, indptr, indices, last = [], [], [], [0], [], []
