@@ -101,13 +101,14 @@ int kvb_grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t
 /* ---- growth ----------------------------------------------------------------------------- */
 int kvb_grp_append(kvb_mgr_t *const *g, int32_t G, int32_t slot, const int32_t *tokens,
                    int64_t n, int computed) {
-    int64_t need = 0;
+    int64_t need = 0, gain = 0; /* apart: add_sat needs need >= 0 */
     for (int32_t j = 0; j < G; j++) {
         int rc = kvb_mgr_append_check(g[j], slot, n, computed);
         if (rc) return fail_from(g, j, rc);
         need = add_sat(need, kvb_mgr_blocks_needed(g[j], slot, n));
-        need -= kvb_mgr_release_gain(g[j], slot, n);
+        gain += kvb_mgr_release_gain(g[j], slot, n);
     }
+    if (need < INT64_MAX) need -= gain;
     kvb_pool_t *p = g[0]->pool;
     if (need > p->num_free) return out_of_blocks(g[0], need, p->num_free);
     for (int32_t j = 0; j < G; j++) {
@@ -125,14 +126,15 @@ int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
     /* one token takes at most one block per sequence and growing group (new block or one
      * copy-on-write copy); only when that bound does not fit count exactly */
     if (n > p->num_free / (growing ? growing : 1)) {
-        int64_t need = 0;
+        int64_t need = 0, gain = 0; /* apart: add_sat needs need >= 0 */
         for (int32_t j = 0; j < G; j++) {
             int64_t nj = 0;
             int rc = kvb_mgr_batch_need(g[j], slots, n, 1, &nj);
             if (rc) return fail_from(g, j, rc);
             need = add_sat(need, nj);
-            for (int64_t i = 0; i < n; i++) need -= kvb_mgr_release_gain(g[j], slots[i], 1);
+            for (int64_t i = 0; i < n; i++) gain += kvb_mgr_release_gain(g[j], slots[i], 1);
         }
+        if (need < INT64_MAX) need -= gain;
         if (need > p->num_free) return out_of_blocks(g[0], need, p->num_free);
     }
     for (int32_t j = 0; j < G; j++) {
