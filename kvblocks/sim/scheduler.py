@@ -624,14 +624,17 @@ class PagedEngine:
         return True
 
     def _preempt(self, victim: _Seq) -> int:
-        """Preempt ``victim``, the tail of ``running``; returns its decode index or -1."""
+        """Preempt ``victim``, the tail of ``running``; returns its decode index or -1.
+
+        A victim that was the only running sequence outgrew the whole pool: swapping it out
+        and back would repeat forever, so it is recomputed (and rejected when re-added)."""
         self.running.pop()
         idx = -1
         if victim.prefill_left > 0:
             self.prefilling.remove(victim)
         else:
             idx = self.decoding.remove(victim)
-        if self.cfg.preemption == "swap":
+        if self.cfg.preemption == "swap" and self.running:
             try:
                 pairs = self._timed(self.mgr.swap_out, victim.uid)
             except OutOfBlocksError:
