@@ -64,7 +64,9 @@ class PlanPoint:
     throughput_tok_s: float
     rejected: int
     meets: bool
-    groups: Optional[List[Dict[str, Any]]] = None  # hybrid models: blocks per layer kind, per replica
+    groups: Optional[List[Dict[str, Any]]] = (
+        None  # hybrid models: blocks per layer kind, per replica
+    )
 
 
 @dataclass

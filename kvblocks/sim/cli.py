@@ -269,7 +269,9 @@ def _model(args: argparse.Namespace) -> ModelSpec:
         return custom_model(args.layers, args.kv_heads, args.head_dim, args.dtype or "bf16", args.params * 1e9,
                             args.latent_dim, layer_kinds=kinds)  # fmt: skip
     if args.layer_groups:
-        raise SimulationError("--layer-groups describes a custom model: give it with --layers, not --model")
+        raise SimulationError(
+            "--layer-groups describes a custom model: give it with --layers, not --model"
+        )
     return get_model(args.model or DEFAULT_MODEL).with_kv_dtype(args.dtype)
 
 
@@ -346,12 +348,16 @@ def _simulate(args: argparse.Namespace) -> int:
         raise SimulationError("--overlap-weight applies to --router prefix_aware only")
     model = _model(args)
     if args.compare_all_full and args.all_full:
-        raise SimulationError("--compare-all-full already replays the --all-full baseline; give one")
+        raise SimulationError(
+            "--compare-all-full already replays the --all-full baseline; give one"
+        )
     bill, cfg, tm = _engine(args, model, args.host_cache)
     base = _engine(args, model, args.host_cache, all_full=True) if args.compare_all_full else None
     cluster = args.replicas > 1 or args.router is not None or args.host_cache > 0
     if base is not None and cluster:
-        raise SimulationError("--compare-all-full compares single-engine replays; drop --replicas/--router/--host-cache")
+        raise SimulationError(
+            "--compare-all-full compares single-engine replays; drop --replicas/--router/--host-cache"
+        )
     workload = load_workload(args.trace, args.format, args.limit)
     if args.time_scale != 1.0:
         workload = workload.scaled(args.time_scale)
@@ -393,7 +399,11 @@ def _simulate(args: argparse.Namespace) -> int:
         print(simulation_json(workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), paged, contiguous,
                               all_full, base_bill))  # fmt: skip
     else:
-        print(format_simulation(workload.name, wstats, bill, desc, paged, contiguous, all_full, base_bill))
+        print(
+            format_simulation(
+                workload.name, wstats, bill, desc, paged, contiguous, all_full, base_bill
+            )
+        )
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0

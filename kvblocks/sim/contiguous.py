@@ -150,7 +150,9 @@ def simulate_contiguous(
 
         pf_tokens = budget.prefill_tokens
         if windowed:
-            kv_read = tm.kv_tokens_read(np.repeat([j.ctx for j in decoders], [j.n for j in decoders]))
+            kv_read = tm.kv_tokens_read(
+                np.repeat([j.ctx for j in decoders], [j.n for j in decoders])
+            )
         else:
             kv_read = sum(j.n * j.ctx for j in decoders)
         if lay is not None:

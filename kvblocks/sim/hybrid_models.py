@@ -117,7 +117,9 @@ class GroupShare:
             return min(full, -(-(g.span - 1) // block_size) + 1)
         if g.kind == "chunked_local":  # a chunk starts at a multiple of C
             aligned = g.span % block_size == 0
-            return min(full, g.span // block_size if aligned else -(-(g.span - 1) // block_size) + 1)
+            return min(
+                full, g.span // block_size if aligned else -(-(g.span - 1) // block_size) + 1
+            )
         return full
 
 
@@ -256,13 +258,17 @@ def parse_layer_kinds(text: str, layers: int) -> Tuple[LayerKind, ...]:
             count = int(count_s)
             size = int(fields[2]) if len(fields) == 3 else 0
         except ValueError:
-            raise SimulationError(f"--layer-groups: not a whole number in {part.strip()!r}") from None
+            raise SimulationError(
+                f"--layer-groups: not a whole number in {part.strip()!r}"
+            ) from None
         if count < 1 or (kind != "full" and not 1 <= size <= 2**31 - 1):
             raise SimulationError(
                 f"--layer-groups: {part.strip()!r} needs COUNT >= 1 and SIZE in [1, 2^31-1]"
             )
         if (kind, size) in seen:
-            raise SimulationError(f"--layer-groups: {kind}{':' + str(size) if size else ''} listed twice")
+            raise SimulationError(
+                f"--layer-groups: {kind}{':' + str(size) if size else ''} listed twice"
+            )
         seen.add((kind, size))
         if kind == "state":
             out.append(LayerKind(kind, count, 0, size))

@@ -497,7 +497,9 @@ class PagedEngine:
         """5. The step's duration and its sample (KV in use, waste, batch, queue); the clock moves."""
         bs = self.cfg.block_size
         ctx = self.decoding.ctx
-        kv_read = (self.tm.kv_tokens_read(ctx) if self.tm.read_kinds else int(ctx.sum())) if n_dec else 0
+        kv_read = (
+            (self.tm.kv_tokens_read(ctx) if self.tm.read_kinds else int(ctx.sum())) if n_dec else 0
+        )
         moved = swapped_blocks
         if self.host_tier:  # offloads, then onloads, serialized before the forward pass
             off = len(self._timed(self._take_offloads))

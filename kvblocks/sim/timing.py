@@ -111,7 +111,11 @@ class TimeModel:
         )
 
     def step(
-        self, prefill_tokens: int, decode_tokens: int, kv_tokens_read: int, swap_bytes: int = 0
+        self,
+        prefill_tokens: int,
+        decode_tokens: int,
+        kv_tokens_read: float,
+        swap_bytes: int = 0,
     ) -> float:
         """Seconds one step takes."""
         return (
