@@ -11,6 +11,9 @@ import kvblocks._core
 import kvblocks.layout
 import kvblocks.metadata
 import kvblocks.ops
+import kvblocks.sim.group_report
+import kvblocks.sim.hybrid_models
+import kvblocks.sim.models
 import kvblocks.storage
 import kvblocks.testing.readback
 import kvblocks.testing.reference
@@ -28,6 +31,9 @@ README = Path(__file__).resolve().parents[1] / "README.md"
         kvblocks.storage,
         kvblocks.testing.readback,
         kvblocks.testing.reference,
+        kvblocks.sim.hybrid_models,
+        kvblocks.sim.group_report,
+        kvblocks.sim.models,
     ],
     ids=lambda m: m.__name__,
 )

@@ -304,8 +304,8 @@ class MemoryBill:
         fixed blocks). Works on numpy arrays too.
 
         >>> b = memory_bill(get_model("gpt-oss-20b"), 80, 16)
-        >>> int(b.seq_blocks(1000)), int(b.seq_blocks(100_000))  # full 63 / 6250 + window 9
-        (72, 6259)
+        >>> int(b.seq_blocks(1000)), int(b.seq_blocks(100_000))  # full 63 + 9, 6250 + 8
+        (72, 6258)
         """
         out = self.groups.seq_blocks(np.asarray(num_tokens))
         return int(out) if out.ndim == 0 else out
