@@ -12,6 +12,9 @@ import kvblocks.layout
 import kvblocks.metadata
 import kvblocks.ops
 import kvblocks.rows
+import kvblocks.sim.group_report
+import kvblocks.sim.hybrid_models
+import kvblocks.sim.models
 import kvblocks.stats
 import kvblocks.storage
 import kvblocks.testing.readback
@@ -32,6 +35,9 @@ README = Path(__file__).resolve().parents[1] / "README.md"
         kvblocks.storage,
         kvblocks.testing.readback,
         kvblocks.testing.reference,
+        kvblocks.sim.hybrid_models,
+        kvblocks.sim.group_report,
+        kvblocks.sim.models,
     ],
     ids=lambda m: m.__name__,
 )

@@ -109,3 +109,27 @@ def test_cache_validates_repeated_blocks_in_linear_time():
     pool.check()  # no mark left behind
     assert pool.cache([b[0], b[0], b[1]], [h[0], h[0], h[1]]) == 2  # same hash twice is fine
     pool.check()
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_two_window_groups_releasing_do_not_saturate_the_block_count(batch):
+    """groups.c summed growth with add_sat after subtracting the first window group's release
+    gain: with the count negative, add_sat's overflow check saturated it to INT64_MAX, so an
+    append that releases a block in two or more window groups without growing failed with
+    "need 9223372036854... blocks" (found by the simulator's Gemma-3 preset, 26 window groups)."""
+    w = kvblocks.KVGroup("sliding_window", window=6)
+    mgr = BlockManager(13, 4, groups=(kvblocks.KVGroup("full"), w, w))
+    mgr.add("a", list(range(12)))  # 3 blocks per group
+    mgr.schedule(["a"], [12])
+    mgr.append("a", [12])  # q0 = 12 reads [7, 12]: block 0 released in each window group
+    mgr.schedule(["a"], [1])
+    assert mgr.blocks_in_use("a") == 4 + 3 + 3
+    # the pool is almost full, so append_batch counts exactly too
+    assert mgr.pool.num_free == 2
+    # token 13 fits block 3; q0 = 13 reads [8, 13]: block 1 released in each window group
+    if batch:
+        mgr.append_batch(["a"], [5])
+    else:
+        mgr.append("a", [5])
+    assert mgr.blocks_in_use("a") == 4 + 2 + 2 and mgr.pool.num_free == 4
+    mgr.check()

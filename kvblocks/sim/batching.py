@@ -11,10 +11,11 @@ chunk prompts with :meth:`StepBudget.take_chunk`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, List, Optional
 
 from . import limits
 from .errors import SimulationError
+from .hybrid_models import GroupLayout
 
 __all__ = ["SchedulerConfig", "StepBudget"]
 
@@ -33,6 +34,19 @@ class SchedulerConfig:
     host_blocks: int = 0  # swap space in blocks
     block_bytes: int = 0  # bytes per block (swap and host-tier transfer time)
     host_cache_blocks: int = 0  # host prefix-cache tier in blocks (0: none; needs the core's tier)
+    layout: Optional[GroupLayout] = None  # hybrid models: layers -> kvblocks groups (None: one)
+
+    @property
+    def kv_groups(self) -> Any:
+        """The ``groups=`` of the BlockManager (None: the default single full group)."""
+        lay = self.layout
+        return lay.kvgroups if lay is not None and lay.hybrid else None
+
+    def as_dict(self) -> dict:
+        """The knobs as JSON values (the layout as its per-kind list)."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "layout"}
+        d["groups"] = self.layout.as_list() if self.layout is not None else None
+        return d
 
     def validate(self) -> None:
         if self.preemption not in ("recompute", "swap"):

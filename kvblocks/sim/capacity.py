@@ -64,6 +64,9 @@ class PlanPoint:
     throughput_tok_s: float
     rejected: int
     meets: bool
+    groups: Optional[List[Dict[str, Any]]] = (
+        None  # hybrid models: blocks per layer kind, per replica
+    )
 
 
 @dataclass
@@ -177,6 +180,7 @@ def sweep(
                 throughput_tok_s=float(s["throughput_tok_s"]),
                 rejected=rejected,
                 meets=p99 is not None and p99 <= target and rejected == 0,
+                groups=s.get("groups"),
             )
         )
         if progress is not None:

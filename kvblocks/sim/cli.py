@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from . import limits as L
 from .errors import SimulationError
+from .hybrid_models import parse_layer_kinds
 from .models import DEFAULT_MODEL, PRESETS, ModelSpec, custom_model, get_model, memory_bill
 from .plan import DIST_HELP, format_plan, make_plan, parse_dist, plan_json
 
@@ -63,6 +64,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--latent-dim", type=L.LATENT_DIM.parse, default=0,
                    help="custom MLA model: latent elements per token and layer")  # fmt: skip
+    g.add_argument("--layer-groups", metavar="SPEC",
+                   help="custom hybrid model: COUNT:KIND[:SIZE],... with KIND full, sliding_window "
+                   "(SIZE window), chunked_local (SIZE chunk) or state (SIZE elements per layer and "
+                   "sequence); counts add up to --layers, e.g. 12:full,12:sliding_window:128")  # fmt: skip
+    g.add_argument("--all-full", action="store_true",
+                   help="bill window and chunk layers as full attention (the baseline a hybrid "
+                   "KV cache is measured against)")  # fmt: skip
     g.add_argument(
         "--params",
         type=L.PARAMS.parse,
@@ -179,6 +187,9 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--max-model-len", type=L.MAX_MODEL_LEN.parse, metavar="N",
                    help="contiguous baseline reservation per sequence (default: longest request)")  # fmt: skip
     g.add_argument("--no-contiguous", action="store_true", help="skip the contiguous baseline")
+    g.add_argument("--compare-all-full", action="store_true",
+                   help="hybrid models: replay again with every layer billed as full attention "
+                   "and print the gain (concurrency, throughput, hit rate)")  # fmt: skip
     _add_cluster_args(sim)
     g = sim.add_argument_group("time model (defaults derived from the model, H100-class GPU)")
     g.add_argument("--step-overhead-ms", type=L.STEP_OVERHEAD_MS.parse, help="fixed cost per step")
@@ -254,13 +265,20 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     if args.layers is not None:
         if args.model:
             raise SimulationError("give either --model or --layers/--kv-heads/--head-dim, not both")
+        kinds = parse_layer_kinds(args.layer_groups, args.layers) if args.layer_groups else ()
         return custom_model(args.layers, args.kv_heads, args.head_dim, args.dtype or "bf16", args.params * 1e9,
-                            args.latent_dim)  # fmt: skip
+                            args.latent_dim, layer_kinds=kinds)  # fmt: skip
+    if args.layer_groups:
+        raise SimulationError(
+            "--layer-groups describes a custom model: give it with --layers, not --model"
+        )
     return get_model(args.model or DEFAULT_MODEL).with_kv_dtype(args.dtype)
 
 
-def _engine(args: argparse.Namespace, model: ModelSpec, host_cache_gib: float = 0.0) -> Any:
-    """The memory bill, the scheduler config and the time model the flags ask for."""
+def _engine(args: argparse.Namespace, model: ModelSpec, host_cache_gib: float = 0.0,
+            all_full: Optional[bool] = None) -> Any:  # fmt: skip
+    """The memory bill, the scheduler config and the time model the flags ask for
+    (``all_full`` overrides ``--all-full``)."""
     from dataclasses import replace
 
     from .batching import SchedulerConfig
@@ -270,8 +288,9 @@ def _engine(args: argparse.Namespace, model: ModelSpec, host_cache_gib: float = 
     preemption = getattr(args, "preemption", "recompute")
     host_mem = getattr(args, "host_mem", None)
     host = host_mem if host_mem is not None else (DEFAULT_SWAP_GIB if preemption == "swap" else 0.0)
+    full = args.all_full if all_full is None else all_full
     bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks, host,
-                       max_blocks=L.MAX_SIM_BLOCKS)  # fmt: skip
+                       max_blocks=L.MAX_SIM_BLOCKS, all_full=full)  # fmt: skip
     tm = TimeModel.for_model(
         model,
         getattr(args, "step_overhead_ms", None),
@@ -294,6 +313,7 @@ def _engine(args: argparse.Namespace, model: ModelSpec, host_cache_gib: float = 
         host_cache_blocks=host_cache_blocks(host_cache_gib, bill.block_bytes)
         if host_cache_gib
         else 0,
+        layout=bill.groups,
     )
     cfg.validate()
     return bill, cfg, tm
@@ -327,13 +347,23 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.overlap_weight is not None and args.router != "prefix_aware":
         raise SimulationError("--overlap-weight applies to --router prefix_aware only")
     model = _model(args)
+    if args.compare_all_full and args.all_full:
+        raise SimulationError(
+            "--compare-all-full already replays the --all-full baseline; give one"
+        )
     bill, cfg, tm = _engine(args, model, args.host_cache)
+    base = _engine(args, model, args.host_cache, all_full=True) if args.compare_all_full else None
+    cluster = args.replicas > 1 or args.router is not None or args.host_cache > 0
+    if base is not None and cluster:
+        raise SimulationError(
+            "--compare-all-full compares single-engine replays; drop --replicas/--router/--host-cache"
+        )
     workload = load_workload(args.trace, args.format, args.limit)
     if args.time_scale != 1.0:
         workload = workload.scaled(args.time_scale)
     wstats = workload.stats()
     show = args.progress if args.progress is not None else sys.stderr.isatty()
-    if args.replicas > 1 or args.router is not None or args.host_cache > 0:
+    if cluster:
         return _simulate_cluster(args, model, bill, cfg, tm, workload, wstats, show)
     bar = ProgressBar("simulate", len(workload)) if show else None
     try:
@@ -341,6 +371,14 @@ def _simulate(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
+    all_full = None
+    if base is not None:
+        bar = ProgressBar("all layers full", len(workload)) if show else None
+        try:
+            all_full = simulate_paged(workload, base[1], base[2], progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
     contiguous = None
     if not args.no_contiguous:
         max_len = args.max_model_len or int(wstats["max_total"])
@@ -356,11 +394,16 @@ def _simulate(args: argparse.Namespace) -> int:
 
         plot_results([r for r in (paged, contiguous) if r is not None], args.plot,
                      title=f"{workload.name} on {model.name}, {args.gpu_mem:g} GiB")  # fmt: skip
+    base_bill = base[0] if base is not None else None
     if args.json:
-        config = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-        print(simulation_json(workload.name, wstats, bill, config, tm.as_dict(), paged, contiguous))
+        print(simulation_json(workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), paged, contiguous,
+                              all_full, base_bill))  # fmt: skip
     else:
-        print(format_simulation(workload.name, wstats, bill, desc, paged, contiguous))
+        print(
+            format_simulation(
+                workload.name, wstats, bill, desc, paged, contiguous, all_full, base_bill
+            )
+        )
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0
@@ -391,9 +434,8 @@ def _simulate_cluster(args: argparse.Namespace, model: ModelSpec, bill: Any, cfg
         plot_results([res.paged], args.plot,
                      title=f"{workload.name} on {model.name}: replica 0 of {args.replicas}")  # fmt: skip
     if args.json:
-        config = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
         cluster = {"host_cache_gib": args.host_cache, "pcie_gbps": args.pcie_gbps}
-        print(cluster_json(workload.name, wstats, bill, config, tm.as_dict(), res, cluster))
+        print(cluster_json(workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), res, cluster))
     else:
         print(format_cluster(workload.name, wstats, bill, _engine_desc(cfg, tm), res, host_desc))
         if args.plot:
@@ -410,10 +452,15 @@ def _plan(args: argparse.Namespace) -> int:
             "(or --trace FILE --ttft-p99 SECONDS for a cluster plan)"
         )
     model = _model(args)
-    bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks)
+    bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks,
+                       all_full=args.all_full)  # fmt: skip
+    base = None
+    if bill.groups.hybrid and not args.all_full:  # the all-full baseline costs nothing here
+        base = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks,
+                           all_full=True)  # fmt: skip
     prompt = parse_dist(args.prompt_len, "--prompt-len")
     output = parse_dist(args.output_len, "--output-len")
-    plan = make_plan(bill, prompt, output, args.max_len, args.samples, args.seed)
+    plan = make_plan(bill, prompt, output, args.max_len, args.samples, args.seed, base)
     print(plan_json(plan) if args.json else format_plan(plan))
     return 0
 

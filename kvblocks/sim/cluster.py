@@ -224,6 +224,14 @@ def _aggregate(
         host = out["host_hit_tokens"]
         out["prefix_hit_rate_host"] = host / prompt if prompt else 0.0
         out["prefix_hit_rate_device"] = out["prefix_hit_rate"] - out["prefix_hit_rate_host"]
+    if "groups" in per[0]:  # hybrid models: per layer kind, the busiest replica's peak, the mean
+        out["groups"] = [
+            dict(g, peak_blocks=max(p["groups"][k]["peak_blocks"] for p in per),
+                 peak_gib=max(p["groups"][k]["peak_gib"] for p in per),
+                 mean_blocks=float(np.mean([p["groups"][k]["mean_blocks"] for p in per])),
+                 mean_gib=float(np.mean([p["groups"][k]["mean_gib"] for p in per])))
+            for k, g in enumerate(per[0]["groups"])
+        ]  # fmt: skip
     counts = [p["requests"] for p in per]
     out["requests_per_replica_min"] = min(counts)
     out["requests_per_replica_max"] = max(counts)

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional
 
 from .cluster import ClusterResult
 from .fmt import fmt_bytes, json_safe
+from .group_report import bill_lines, usage_lines
 from .models import MemoryBill
 from .report import ROWS, _num, _pct, _secs
 
@@ -51,6 +52,7 @@ def format_cluster(
         f"model     {m.name}: KV {fmt_bytes(bill.kv_bytes_per_token)}/token = {m.kv_formula()}",
         f"replica   {fmt_bytes(bill.gpu_bytes)} GPU: {bill.num_blocks:,} blocks x {bill.block_size} "
         f"tokens ({bill.token_slots:,} token slots)" + (f"; {host_desc}" if host_desc else ""),
+        *bill_lines(bill),
         f"cluster   {n} replicas, router {_router_desc(res.router)}",
         f"engine    {cfg_desc}",
         "",
@@ -62,6 +64,10 @@ def format_cluster(
             for tl, tk, tf in TIER_ROWS:
                 out.append(f"{tl:<27}{tf(s.get(tk)):>24}")
     out.append("")
+    usage = usage_lines(s, ", busiest replica's peak, mean over replicas")
+    if usage:
+        out.extend(usage)
+        out.append("")
     out.append("per replica (KV usage is time-weighted over its busy steps)")
     out.append(
         "".join(f"{t:<{w}}" if k == 0 else f"{t:>{w}}" for k, (t, w, _) in enumerate(_REPLICA_COLS))

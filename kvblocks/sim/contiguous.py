@@ -15,7 +15,11 @@ and the sequence limit allow (no watermark, no ``can_add``); a request longer th
 reservation, or with more samples than there are regions, is rejected when it reaches the
 head of the queue; there is no preemption or swap. Steps in which only decoding happens and nothing can change are fast-forwarded in one
 jump (their duration is summed exactly), which keeps replays of long traces short even when
-the reservation admits only a handful of sequences.
+the reservation admits only a handful of sequences (not for hybrid models, whose reads and
+rings do not grow by one token a step).
+
+A hybrid model's region (``cfg.layout``) reserves ``max_len`` slots in each full-attention
+group, a ring of the window or chunk in each such group, and its blocks in each state group.
 """
 
 from __future__ import annotations
@@ -82,7 +86,12 @@ def simulate_contiguous(
     """Replay ``workload`` with each sequence reserving ``max_len`` contiguous KV slots."""
     wall0 = time.perf_counter()
     capacity = cfg.num_blocks * cfg.block_size  # the same KV memory as the paged run
-    regions = capacity // max_len
+    lay = cfg.layout if cfg.layout is not None and cfg.layout.hybrid else None
+    # a hybrid model's region: max_len slots per full group, a ring of its span per window or
+    # chunk group, its blocks per state group (GroupLayout.reserve_slots)
+    region = lay.reserve_slots(max_len) if lay is not None else max_len
+    regions = capacity // region
+    windowed = tm.windowed_reads
     reqs = workload.requests
     n_req = len(reqs)
     rec = Recorder(
@@ -140,10 +149,19 @@ def simulate_contiguous(
             budget.take_chunk(j)
 
         pf_tokens = budget.prefill_tokens
-        kv_read = sum(j.n * j.ctx for j in decoders)
-        live = sum(j.n * j.ctx for j in running)
+        if windowed:
+            kv_read = tm.kv_tokens_read(
+                np.repeat([j.ctx for j in decoders], [j.n for j in decoders])
+            )
+        else:
+            kv_read = sum(j.n * j.ctx for j in decoders)
+        if lay is not None:
+            live = sum(j.n * lay.live_slots(j.ctx) for j in running)
+        else:
+            live = sum(j.n * j.ctx for j in running)
         k = 1
-        if decoders and not pf_tokens and not admitted and len(decoders) == len(running):
+        if (decoders and not pf_tokens and not admitted and len(decoders) == len(running)
+                and not windowed and lay is None):  # fmt: skip
             # nothing but decoding: jump to the next finish or the next admissible arrival
             k = min(j.output_len - j.gen for j in decoders)
             base = tm.step(0, n_dec, kv_read + n_dec)
@@ -153,8 +171,8 @@ def simulate_contiguous(
             dt = k * base + slope * k * (k - 1) / 2.0
         else:
             dt = tm.step(pf_tokens, n_dec, kv_read + n_dec)
-        reserved = in_use * max_len
-        live_mid = live + n_dec * (k + 1) / 2.0
+        reserved = in_use * region
+        live_mid = live + n_dec * (k + 1) / 2.0 if lay is None else live
         rec.step(now, dt, reserved, reserved - live_mid, n_seqs, n_waiting, steps=k)
         now += dt
         steps += k
@@ -187,6 +205,7 @@ def simulate_contiguous(
             "preemptions": 0,
             "evictions": 0,
             "max_len": max_len,
+            "region_slots": region,
             "regions": regions,
             "wall_s": time.perf_counter() - wall0,
         }

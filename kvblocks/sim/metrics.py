@@ -50,7 +50,7 @@ class Recorder:
         self._peak_used = 0
         self._peak_running = 0
         self.steps = 0
-        self.counters: Dict[str, float] = {}
+        self.counters: Dict[str, Any] = {}
 
     def step(
         self,

@@ -31,6 +31,7 @@ import numpy as np
 from . import limits
 from .errors import SimulationError
 from .fmt import fmt_bytes, json_safe
+from .group_report import bill_lines
 from .limits import MAX_TOKENS
 from .models import MemoryBill, ModelSpec
 
@@ -126,8 +127,14 @@ def make_plan(
     max_len: Optional[int] = None,
     samples: int = 100_000,
     seed: int = 0,
+    all_full: Optional[MemoryBill] = None,
 ) -> Plan:
-    """Draw lengths and count what fits under paging and under contiguous reservation."""
+    """Draw lengths and count what fits under paging and under contiguous reservation.
+
+    A hybrid model's sequence holds :meth:`MemoryBill.seq_blocks` blocks (window and chunk
+    groups only what the next query reads, state groups their blocks); ``all_full``, the
+    same model billed with every layer as full attention, adds the baseline's figures and
+    ``hybrid_gain`` (sequences that fit, hybrid over all-full)."""
     samples = limits.SAMPLES.check_int(samples)
     seed = limits.SEED.check_int(seed)
     if max_len is not None:
@@ -138,21 +145,25 @@ def make_plan(
     o = output.sample(rng, samples, model.max_context)
     total = p + o
     bs = bill.block_size
-    blocks = -(-total // bs)
-    waste = blocks * bs - total
+    lay = bill.groups
+    blocks = bill.seq_blocks(total)
+    exact = lay.live_slots(total)  # slots with no rounding (= total for one full group)
+    waste = blocks * bs - exact
     live = (
         p + np.floor(rng.random(samples) * o).astype(np.int64) + 1
     )  # mid-life: part of the output written
-    live_blocks = -(-live // bs)
+    live_blocks = bill.seq_blocks(live)
     reserve = int(total.max()) if max_len is None else max_len
+    region = lay.live_slots(reserve)  # contiguous: window and chunk layers as rings
     slots = bill.token_slots
-    kvb = bill.kv_bytes_per_token
+    kvb = bill.block_bytes / bs  # bytes per slot (= KV bytes per token for one full group)
     mean_tokens = float(total.mean())
+    mean_exact = float(np.mean(exact))
     paged_full = int(bill.num_blocks // blocks.mean())
     paged_steady = int(bill.num_blocks // live_blocks.mean())
-    contiguous = int(slots // reserve)
+    contiguous = int(slots // region)
     too_long = float((total > reserve).mean())
-    ideal = int(slots // mean_tokens)
+    ideal = int(slots // mean_exact)
     n = {
         "mean_prompt": float(p.mean()),
         "mean_output": float(o.mean()),
@@ -166,16 +177,37 @@ def make_plan(
         "paged_concurrent_steady": paged_steady,
         "contiguous_concurrent": contiguous,
         "ideal_concurrent": ideal,
-        "contiguous_waste_share": 1.0 - mean_tokens / reserve,
+        "contiguous_waste_share": 1.0 - mean_exact / region,
         "contiguous_too_long_share": too_long,
         "gain": paged_full / contiguous if contiguous else float("inf"),
         # bytes of GPU memory per live token when the KV pool is full of such sequences
         "bill_weights_per_token": (bill.weight_bytes + bill.reserve_bytes)
         / max(1.0, paged_full * mean_tokens),
-        "bill_kv_per_token": float(kvb),
+        "bill_kv_per_token": kvb * mean_exact / mean_tokens,
         "bill_rounding_per_token": kvb * float(waste.mean()) / mean_tokens,
-        "bill_contiguous_waste_per_token": kvb * (reserve - mean_tokens) / mean_tokens,
+        "bill_contiguous_waste_per_token": kvb * (region - mean_exact) / mean_tokens,
     }
+    if lay.hybrid:
+        q0 = np.maximum(total - 1, 0)
+        n["groups"] = [
+            {
+                "kind": sh.group.kind,
+                "span": sh.group.span,
+                "kvblocks_groups": sh.copies,
+                "mean_blocks_per_seq": float(sh.copies * sh.held_blocks(total, q0, bs).mean()),
+            }
+            for sh in lay.shares
+        ]
+    if all_full is not None:
+        base_blocks = all_full.seq_blocks(total).mean()
+        base_full = int(all_full.num_blocks // base_blocks)
+        base_steady = int(all_full.num_blocks // all_full.seq_blocks(live).mean())
+        n["all_full_paged_concurrent"] = base_full
+        n["all_full_paged_concurrent_steady"] = base_steady
+        n["all_full_bytes_per_seq"] = float(base_blocks * all_full.block_bytes)
+        n["hybrid_bytes_per_seq"] = float(blocks.mean() * bill.block_bytes)
+        n["hybrid_gain"] = paged_full / base_full if base_full else float("inf")
+        n["hybrid_gain_steady"] = paged_steady / base_steady if base_steady else float("inf")
     return Plan(bill, prompt, output, samples, reserve, n)
 
 
@@ -207,6 +239,8 @@ def format_plan(plan: Plan) -> str:
     lines.append(
         f"  KV per block            {fmt_bytes(b.block_bytes):>12}   {b.block_size} tokens"
     )
+    for line in bill_lines(b):
+        lines.append("  " + line)
     lines.append("")
     lines.append("concurrent sequences that fit")
     lines.append(f"  paged, all at full length        {n['paged_concurrent']:>9,}")
@@ -220,6 +254,15 @@ def format_plan(plan: Plan) -> str:
         )
     )
     lines.append(f"  ideal (no waste at all)          {n['ideal_concurrent']:>9,}")
+    if "all_full_paged_concurrent" in n:
+        lines.append(
+            f"  paged, all layers full           {n['all_full_paged_concurrent']:>9,}   "
+            f"{fmt_bytes(n['all_full_bytes_per_seq'])} per sequence vs {fmt_bytes(n['hybrid_bytes_per_seq'])} hybrid"
+        )
+        lines.append(
+            f"  hybrid / all layers full         {n['hybrid_gain']:>9.2f}x   "
+            f"(steady state {n['hybrid_gain_steady']:.2f}x)"
+        )
     gain = n["gain"]
     lines.append(
         f"  paged / contiguous               {gain:>9.2f}x"

@@ -7,6 +7,7 @@ import math
 from typing import Any, Dict, List, Optional, Tuple
 
 from .fmt import fmt_bytes, json_safe
+from .group_report import bill_lines, gain_line, hybrid_gain, usage_lines
 from .metrics import SimResult
 from .models import MemoryBill
 
@@ -57,8 +58,11 @@ def format_simulation(
     cfg_desc: str,
     paged: SimResult,
     contiguous: Optional[SimResult],
+    all_full: Optional[SimResult] = None,
+    all_full_bill: Optional[MemoryBill] = None,
 ) -> str:
-    """The human-readable report."""
+    """The human-readable report (``all_full``: the same replay with every window and chunk
+    layer billed as full attention, in ``all_full_bill``'s pool)."""
     m = bill.model
     out: List[str] = []
     out.append(
@@ -74,19 +78,30 @@ def format_simulation(
         f"{fmt_bytes(bill.reserve_bytes)} reserve = {bill.num_blocks:,} blocks x {bill.block_size} tokens "
         f"({fmt_bytes(bill.num_blocks * bill.block_bytes)}, {bill.token_slots:,} token slots)"
     )
+    out.extend(bill_lines(bill))
     out.append(f"engine    {cfg_desc}")
     out.append("")
     cols = [("", 27), ("paged (kvblocks)", 18)]
+    if all_full is not None:
+        cols.append(("paged, all layers full", 24))
     if contiguous is not None:
         cols.append(("contiguous (max-length)", 24))
     out.append("".join(f"{t:<{w}}" if i == 0 else f"{t:>{w}}" for i, (t, w) in enumerate(cols)))
     for label, key, fmt in ROWS:
         line = f"{label:<27}{fmt(paged.summary.get(key)):>18}"
+        if all_full is not None:
+            line += f"{fmt(all_full.summary.get(key)):>24}"
         if contiguous is not None:
             line += f"{fmt(contiguous.summary.get(key)):>24}"
         out.append(line)
     out.append("")
     ps = paged.summary
+    usage = usage_lines(ps)
+    if usage:
+        out.extend(usage)
+        out.append("")
+    if all_full is not None and all_full_bill is not None:
+        out.append(gain_line(hybrid_gain(ps, all_full.summary), bill, all_full_bill))
     if contiguous is not None:
         cs = contiguous.summary
         gain = (
@@ -114,9 +129,12 @@ def simulation_json(
     time_model: Dict[str, float],
     paged: SimResult,
     contiguous: Optional[SimResult],
+    all_full: Optional[SimResult] = None,
+    all_full_bill: Optional[MemoryBill] = None,
 ) -> str:
-    """The machine-readable report (one JSON object)."""
-    doc = {
+    """The machine-readable report (one JSON object); with ``all_full``, also its summary,
+    its memory bill and ``hybrid_gain`` (hybrid / all-full ratios)."""
+    doc: Dict[str, Any] = {
         "workload": dict(wstats, name=workload_name),
         "memory": bill.as_dict(),
         "config": config,
@@ -124,4 +142,8 @@ def simulation_json(
         "paged": paged.summary,
         "contiguous": contiguous.summary if contiguous is not None else None,
     }
+    if all_full is not None and all_full_bill is not None:
+        doc["all_full"] = all_full.summary
+        doc["memory_all_full"] = all_full_bill.as_dict()
+        doc["hybrid_gain"] = hybrid_gain(paged.summary, all_full.summary)
     return json.dumps(json_safe(doc), indent=2)

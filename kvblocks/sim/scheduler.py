@@ -84,6 +84,7 @@ class _Seq:
         "prefill_left",
         "forks",
         "done",
+        "q0",
     )
 
     def __init__(self, uid: int, req: Request, sample: int) -> None:
@@ -98,12 +99,13 @@ class _Seq:
         self.prefill_left = 0  # prompt tokens still to compute
         self.forks = req.n - 1 if sample == 0 else 0  # siblings to fork when the prefill ends
         self.done = False
+        self.q0 = 0  # first position the next step queries, while not decoding (group usage)
 
 
 class _Decoding:
     """The decoding sequences, their state as parallel arrays: one native call a step for all."""
 
-    __slots__ = ("seqs", "uid", "key", "gen", "out", "ctx", "batch")
+    __slots__ = ("seqs", "uid", "key", "gen", "out", "ctx", "batch", "fresh")
 
     def __init__(self) -> None:
         self.seqs: List[_Seq] = []  # in the order of the arrays
@@ -113,6 +115,7 @@ class _Decoding:
         self.out: np.ndarray = np.empty(0, dtype=np.int64)  # tokens to generate in all
         self.ctx: np.ndarray = np.empty(0, dtype=np.int64)  # tokens in the KV
         self.batch: Any = None  # mgr.batch(...) of the set; None when the set changed
+        self.fresh: set = set()  # ids that joined since the last append_batch (not yet decoded)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -123,6 +126,8 @@ class _Decoding:
         idx = self.seqs.index(s)
         s.gen = int(self.gen[idx])
         s.ctx = int(self.ctx[idx])
+        if s.uid not in self.fresh:  # it decoded: that step queried its newest token
+            s.q0 = s.ctx - 1
         del self.seqs[idx]
         self.uid, self.key, self.gen, self.out, self.ctx = (
             np.delete(a, idx) for a in (self.uid, self.key, self.gen, self.out, self.ctx)
@@ -144,6 +149,7 @@ class _Decoding:
     def extend(self, seqs: List[_Seq]) -> None:
         """Add sequences whose prefill is done (their ``gen`` and ``ctx`` are current)."""
         self.batch = None
+        self.fresh.update(s.uid for s in seqs)
         self.seqs.extend(seqs)
         self.uid = np.concatenate([self.uid, np.array([s.uid for s in seqs], dtype=np.int64)])
         self.key = np.concatenate([self.key, seed_keys([s.seed for s in seqs])])
@@ -187,8 +193,17 @@ class PagedEngine:
             watermark=cfg.watermark,
             hash_key=hash_key,
             enable_kv_events=enable_kv_events,
+            groups=cfg.kv_groups,
             **host_manager_kwargs(cfg),
         )
+        # hybrid models: blocks held per layer kind, sampled every step (see _group_held)
+        lay = cfg.layout
+        self.shares = lay.shares if lay is not None and lay.hybrid else ()
+        self.g_peak = np.zeros(len(self.shares), dtype=np.int64)
+        self.g_time = np.zeros(len(self.shares), dtype=np.float64)  # blocks x seconds
+        self._joined: List[_Seq] = []  # swapped in this step, decoding from the next
+        # groups with a partly filled last block per sequence (all but state groups)
+        self.tail_groups = sum(sh.copies for sh in self.shares if sh.group.kind != "state") or 1
         self.host_tier = cfg.host_cache_blocks > 0
         # the host tier's drains (a build without the tier has none; host_manager_kwargs refused)
         self._take_onloads: Any = getattr(self.mgr, "take_onloads", None)
@@ -221,6 +236,7 @@ class PagedEngine:
         self.cow_copies = 0
         self.swapped_blocks = 0  # blocks moved either way
         self.readds = 0  # re-admissions after recompute preemption
+        self.fork_requeued = 0  # siblings queued because their state copy found no room
         self.readd_cached = 0  # their tokens served by the prefix cache
         self.host_hit_tokens = 0  # first-admission prompt tokens served from the host tier
         self.onload_blocks = 0  # host -> device copies (whole replay)
@@ -257,6 +273,7 @@ class PagedEngine:
         budget = StepBudget(self.cfg.token_budget - n_dec)
         self._prefill(budget)
         joined = self._admit(budget)
+        self._joined = joined
         self._compute(n_dec, budget.completed)
         dt = self._advance(n_dec, budget.prefill_tokens, self.swapped_blocks - swapped_before)
         self._finish(n_dec, budget.completed, joined)
@@ -309,6 +326,7 @@ class PagedEngine:
                 "recompute_readds": self.readds,
                 "recompute_cached_tokens": self.readd_cached,
                 "cow_copies": self.cow_copies,
+                "fork_requeued": self.fork_requeued,
                 **self._host_counters(),
                 "swapped_blocks": self.swapped_blocks,
                 "blocks_in_use_at_end": int(leaked),
@@ -319,11 +337,54 @@ class PagedEngine:
                 "check_s": check_s,
             }
         )
+        if self.shares:
+            self.rec.counters["groups"] = self._group_summary()
         if leaked:
             raise SimulationError(
                 f"internal error: {leaked} blocks still referenced after the replay"
             )
         return SimResult("paged", self.rec.summary(), self.rec)
+
+    def _group_summary(self) -> List[Dict[str, Any]]:
+        """Per layer kind: peak and time-weighted mean blocks its groups held, and bytes."""
+        busy = self.rec._busy or 1.0
+        bb = self.cfg.block_bytes
+        out = []
+        for k, sh in enumerate(self.shares):
+            peak, mean = int(self.g_peak[k]), float(self.g_time[k]) / busy
+            out.append(
+                {
+                    "kind": sh.group.kind,
+                    "span": sh.group.span,
+                    "layers": sh.kind.layers,
+                    "kvblocks_groups": sh.copies,
+                    "peak_blocks": peak,
+                    "mean_blocks": mean,
+                    "peak_gib": peak * bb / (1 << 30),
+                    "mean_gib": mean * bb / (1 << 30),
+                }
+            )
+        return out
+
+    def _group_held(self) -> np.ndarray:
+        """Blocks each layer kind's groups hold now, summed over device-resident sequences
+        (a block shared by k sequences counts k times, as in ``mgr.blocks_in_use``).
+
+        The core's release rule gives it from each sequence's length and the first position
+        its next step queries (``q0``): a decoding sequence's newest token after ``schedule``;
+        for one in prefill ``min(prefix hit, tokens - 1)`` (the simulator schedules a prompt
+        when its prefill completes)."""
+        d = self.decoding
+        ntok, q0 = d.ctx, d.ctx - 1
+        extra = self.prefilling + self._joined
+        if extra:
+            ntok = np.concatenate([ntok, np.array([s.ctx for s in extra], dtype=np.int64)])
+            q0 = np.concatenate([q0, np.array([s.q0 for s in extra], dtype=np.int64)])
+        bs = self.cfg.block_size
+        return np.array(
+            [sh.copies * int(sh.held_blocks(ntok, q0, bs).sum()) for sh in self.shares],
+            dtype=np.int64,
+        )
 
     def _host_counters(self) -> Dict[str, Any]:
         """Per-tier hits and PCIe copies (only with a host tier)."""
@@ -358,6 +419,8 @@ class PagedEngine:
                     d.batch = mgr.batch(d.uid.tolist())
                 mgr.append_batch(d.batch, toks)
                 self.alloc_s += _perf() - t0
+                if d.fresh:
+                    d.fresh.clear()
                 break
             except OutOfBlocksError:
                 self.alloc_s += _perf() - t0
@@ -434,7 +497,9 @@ class PagedEngine:
         """5. The step's duration and its sample (KV in use, waste, batch, queue); the clock moves."""
         bs = self.cfg.block_size
         ctx = self.decoding.ctx
-        kv_read = int(ctx.sum()) if n_dec else 0
+        kv_read = (
+            (self.tm.kv_tokens_read(ctx) if self.tm.read_kinds else int(ctx.sum())) if n_dec else 0
+        )
         moved = swapped_blocks
         if self.host_tier:  # offloads, then onloads, serialized before the forward pass
             off = len(self._timed(self._take_offloads))
@@ -445,7 +510,12 @@ class PagedEngine:
         waste = int(((-ctx) % bs).sum()) if n_dec else 0
         for s in self.prefilling:
             waste += -s.ctx % bs
+        waste *= self.tail_groups
         used = (self.usable - self.pool.num_free) * bs
+        if self.shares:
+            held = self._group_held()
+            np.maximum(self.g_peak, held, out=self.g_peak)
+            self.g_time += held * dt
         self.rec.step(
             self.now, dt, used, waste, len(self.running), len(self.waiting) + len(self.swapped)
         )
@@ -541,6 +611,7 @@ class PagedEngine:
             self.readd_cached += cached
         s.ctx = ntok
         s.prefill_left = ntok - cached
+        s.q0 = min(cached, ntok - 1)
         return True
 
     def _swap_in(self, s: _Seq) -> bool:
@@ -555,14 +626,17 @@ class PagedEngine:
         return True
 
     def _preempt(self, victim: _Seq) -> int:
-        """Preempt ``victim``, the tail of ``running``; returns its decode index or -1."""
+        """Preempt ``victim``, the tail of ``running``; returns its decode index or -1.
+
+        A victim that was the only running sequence outgrew the whole pool: swapping it out
+        and back would repeat forever, so it is recomputed (and rejected when re-added)."""
         self.running.pop()
         idx = -1
         if victim.prefill_left > 0:
             self.prefilling.remove(victim)
         else:
             idx = self.decoding.remove(victim)
-        if self.cfg.preemption == "swap":
+        if self.cfg.preemption == "swap" and self.running:
             try:
                 pairs = self._timed(self.mgr.swap_out, victim.uid)
             except OutOfBlocksError:
@@ -580,14 +654,24 @@ class PagedEngine:
         return idx
 
     def _fork(self, s: _Seq) -> List[_Seq]:
-        """Fork the ``n - 1`` siblings of ``s`` after its prefill (they share every block)."""
+        """Fork the ``n - 1`` siblings of ``s`` after its prefill (they share every block).
+
+        A fork copies state groups' blocks at once (hybrid models with recurrent state); a
+        sibling whose copy finds no free blocks is queued first in line instead, to prefill
+        its prompt again like a recompute-preempted sequence."""
         self.forked_live += 1 + s.forks
         children = []
         for k in range(1, s.forks + 1):
             child = _Seq(self.next_uid, s.req, k)
             self.next_uid += 1
-            child.gen, child.ctx = s.gen, s.ctx
-            self._timed(self.mgr.fork, s.uid, child.uid)
+            try:
+                self._timed(self.mgr.fork, s.uid, child.uid)
+            except OutOfBlocksError:
+                self.waiting.appendleft(child)
+                self.waiting_tokens += child.prompt_len
+                self.fork_requeued += 1
+                continue
+            child.gen, child.ctx, child.q0 = s.gen, s.ctx, s.q0
             self.running.append(child)
             children.append(child)
         s.forks = 0

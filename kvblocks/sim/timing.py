@@ -13,7 +13,9 @@ Defaults are first-order numbers for one H100-SXM-class GPU (989 dense bf16 TFLO
 * ``prefill_cost`` and ``decode_cost``: ``2 x active parameters`` FLOPs per token at 50% of
   peak (attention FLOPs of long prompts are ignored);
 * ``kv_read_cost``: a decoding token's attention reads every cached token of its sequence
-  once: ``KV bytes per token`` at 80% of HBM bandwidth;
+  once: ``KV bytes per token`` at 80% of HBM bandwidth; in a hybrid model a window layer
+  reads at most its window, a chunk layer its current chunk and a state layer its state
+  (:meth:`TimeModel.kv_tokens_read`), whether or not the KV cache keeps more;
 * swap and host-tier copies: 25 GB/s, effective PCIe Gen4 x16 (``--pcie-gbps``; see
   :mod:`kvblocks.sim.hosttier`).
 
@@ -24,7 +26,9 @@ model only has to rank schedules sensibly.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
 
 from . import limits
 from .models import ModelSpec
@@ -48,6 +52,32 @@ class TimeModel:
     decode_s_per_token: float
     kv_read_s_per_token: float
     swap_bytes_per_s: float = SWAP_BYTES_PER_S
+    # hybrid models: (kind, span, share of the per-token bytes) per attention kind, and the
+    # state a decoding token reads, in tokens' worth of KV (see kv_tokens_read); () = full
+    read_kinds: Tuple[Tuple[str, int, float], ...] = ()
+    state_read_tokens: float = 0.0
+
+    @property
+    def windowed_reads(self) -> bool:
+        """Whether reads depend on more than the context length (hybrid models)."""
+        return bool(self.read_kinds)
+
+    def kv_tokens_read(self, ctx: Any) -> float:
+        """Tokens' worth of KV the decoding sequences of context lengths ``ctx`` read in one
+        step: a full layer reads the whole context, a window layer at most its window, a
+        chunk layer the current chunk so far, a state layer its state."""
+        if not self.read_kinds:
+            return int(np.sum(ctx))
+        c = np.asarray(ctx, dtype=np.int64)
+        total = self.state_read_tokens * c.size
+        for kind, span, share in self.read_kinds:
+            if kind == "sliding_window":
+                total += share * float(np.minimum(c, span).sum())
+            elif kind == "chunked_local":
+                total += share * float(((c - 1) % span + 1).sum())
+            else:
+                total += share * float(c.sum())
+        return total
 
     @classmethod
     def for_model(
@@ -66,15 +96,26 @@ class TimeModel:
         flops_token = 2.0 * model.active_params / (PEAK_FLOPS * COMPUTE_EFFICIENCY)
         overhead = model.weight_bytes / (HBM_BYTES_PER_S * BANDWIDTH_EFFICIENCY) + HOST_OVERHEAD_S
         kv_read = model.kv_bytes_per_token / (HBM_BYTES_PER_S * BANDWIDTH_EFFICIENCY)
+        kinds: Tuple[Tuple[str, int, float], ...] = ()
+        state = 0.0
+        if model.hybrid:
+            kinds = tuple(model.read_weights())
+            state = model.state_bytes_per_seq / model.kv_bytes_per_token
         return cls(
             step_overhead_s=overhead if step_overhead_ms is None else step_overhead_ms * 1e-3,
             prefill_s_per_token=flops_token if prefill_us is None else prefill_us * 1e-6,
             decode_s_per_token=flops_token if decode_us is None else decode_us * 1e-6,
             kv_read_s_per_token=kv_read if kv_read_ns is None else kv_read_ns * 1e-9,
+            read_kinds=kinds,
+            state_read_tokens=state,
         )
 
     def step(
-        self, prefill_tokens: int, decode_tokens: int, kv_tokens_read: int, swap_bytes: int = 0
+        self,
+        prefill_tokens: int,
+        decode_tokens: int,
+        kv_tokens_read: float,
+        swap_bytes: int = 0,
     ) -> float:
         """Seconds one step takes."""
         return (
