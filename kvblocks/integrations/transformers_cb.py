@@ -597,15 +597,22 @@ class _RefusedLayers:
     supports_block_sharing = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        exc = NotSupportedError(
+        raise refused(
             "transformers_cb serves full-attention and sliding-window layers; this model has "
             f"{self.kind!r} layers ({_WHY.get(self.kind, 'unknown to kvblocks')}), which it "
             "cannot hold; run this model without transformers_cb.enabled()"
         )
-        kb = _ACTIVE
-        if kb is not None and kb.build_error is None:
-            kb.build_error = exc
-        raise exc
+
+
+def refused(message: str) -> NotSupportedError:
+    """A :class:`NotSupportedError` for a cache kvblocks cannot build, recorded on the active
+    context (transformers may build the cache in its own thread, where the error is only
+    logged); leaving ``enabled()`` raises it."""
+    exc = NotSupportedError(message)
+    kb = _ACTIVE
+    if kb is not None and kb.build_error is None:
+        kb.build_error = exc
+    return exc
 
 
 def _refusals() -> Dict[str, type]:

@@ -35,7 +35,8 @@ from typing import Any, List
 import numpy as np
 
 from .. import KVGroup, RowIndices
-from ..errors import InvalidStateError, NotSupportedError
+from ..errors import InvalidStateError
+from .transformers_cb import refused
 from .transformers_cb_step import KVBlocksStepAllocator
 
 __all__ = ["KVBlocksWindowAllocator", "keep_window_rows"]
@@ -85,7 +86,7 @@ class KVBlocksWindowAllocator(KVBlocksStepAllocator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         window = getattr(kwargs.get("config"), "sliding_window", None)
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise NotSupportedError(
+            raise refused(
                 f"transformers_cb: sliding-window layers need a positive config.sliding_window, "
                 f"got {window!r}"
             )
