@@ -182,10 +182,14 @@ def test_window_blocks_released_as_requests_advance(native):
     with transformers_cb.enabled(native_step=native) as kb:
         out = _run(window_model, prompts, gen=_gen(n))
         _assert_clean(kb)
-        windowed = kb.peak_blocks_in_use
+        windowed, block_bytes = kb.peak_blocks_in_use, kb.block_bytes
+        assert (
+            block_bytes == 2 * PAGE * 2 * 2 * 16 * 4
+        )  # K, V x page x 2 layers x 2 heads x 16 fp32
         assert _run(full_model, prompts, gen=_gen(n)) != out  # the window changes attention
         assert kb.groups == ((KVGroup("full"),) if native else ())  # stage 1: a plain pool
         full = kb.peak_blocks_in_use
+        assert kb.block_bytes == block_bytes  # same layers per block: block counts compare
     assert out == _run(window_model, prompts, gen=_gen(n))
     per_request = -(-(WINDOW - 1 + 1) // PAGE) + 1  # last W - 1 positions + the query token
     assert windowed <= len(prompts) * per_request
@@ -270,3 +274,10 @@ def test_bad_sliding_window_refused():
     with pytest.raises(NotSupportedError, match="positive config.sliding_window"):
         with transformers_cb.enabled():
             _run(model, PROMPTS[:1], gen=_gen(2))
+
+
+def test_window_module_docstring_examples():
+    import doctest
+
+    result = doctest.testmod(transformers_cb_window, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

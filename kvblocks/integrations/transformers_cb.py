@@ -222,6 +222,13 @@ class KVBlocksCB:
         return 0 if p is None else p.peak
 
     @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of the last cache (K and V of ``page_size`` tokens for as many layers
+        as the model's largest attention kind has: every allocator's blocks have this size)."""
+        p = self.cache_pool
+        return 0 if p is None or not p.allocators else int(p.allocators[0].bytes_per_block)
+
+    @property
     def groups(self) -> tuple:
         """The KV cache groups of the last cache, one per transformers allocator, in allocator
         order (``()`` before a cache is built or for a pool without a manager)."""
@@ -668,7 +675,7 @@ def enabled(
         saved = (_cb_cache.ATTN_TYPE_TO_ALLOCATOR, _cb_cache.CachePool)
         saved_init_table = _cb_init.ATTN_TYPE_TO_ALLOCATOR
         saved_prepare = step.ContinuousBatchingIOs.prepare_batch_tensors
-        table = dict(saved[0])
+        table: Dict[str, Any] = dict(saved[0])
         table.update(_refusals())
         table[FULL_ATTENTION] = step.KVBlocksStepAllocator if native_step else KVBlocksAllocator
         table[SLIDING_ATTENTION] = KVBlocksWindowAllocator
@@ -691,4 +698,3 @@ def enabled(
             _ACTIVE = None
         if not raised and kb.build_error is not None:
             raise kb.build_error
-

@@ -200,7 +200,9 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
             return []
         if self.index:  # allocator 0 probed every group just before
             pending = self._lead()._pending_prompt
-            return [] if pending is None else list(range((len(pending) - 1) // self.tokens_per_page))
+            return (
+                [] if pending is None else list(range((len(pending) - 1) // self.tokens_per_page))
+            )
         self._pending_prompt = None
         m = self.mgr
         cached, _ = m.probe(prompt_ids)
