@@ -369,14 +369,6 @@ def test_unsupported_version_refused(monkeypatch):
     transformers_cb.check_version("5.24.3.dev0")
 
 
-def test_sliding_window_model_refused():
-    model = _tiny("mistral", sliding_window=8)
-    with pytest.raises(NotSupportedError, match="sliding-window"):
-        with transformers_cb.enabled():
-            _run(model, PROMPTS[:1])
-    assert cb_cache.CachePool is not transformers_cb.KVBlocksCachePool
-
-
 def test_docs_example_runs():
     import re
     from pathlib import Path

@@ -41,8 +41,13 @@ cache when the manager first needs it: in ``generate_batch`` (warmup on) or ``ma
 in the calling thread, else in the manager's thread at ``start()``; keep that inside the block.
 
 Supported: transformers 5.24.x (these are private names that change between minor versions),
-models whose layers are all full attention. Sliding-window layers are refused
-(:class:`~kvblocks.errors.NotSupportedError`) until kvblocks' hybrid groups back them.
+models whose layers are full attention, sliding-window attention (Mistral, Qwen2 with
+``use_sliding_window``) or both (Gemma 2/3, gpt-oss ``layer_types``). transformers keeps one
+allocator per attention type; here each becomes a KV cache group of one
+:class:`kvblocks.BlockManager` (``KVGroup("sliding_window", window=config.sliding_window)`` for the
+sliding layers, see :mod:`kvblocks.integrations.transformers_cb_window`). Other layer types
+(chunked local attention, linear attention / recurrent state, ...) are refused with
+:class:`~kvblocks.errors.NotSupportedError` naming them.
 """
 
 from __future__ import annotations
@@ -54,9 +59,10 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from .. import BlockManager, BlockPool, hash_blocks
+from .. import BlockManager, BlockPool, KVGroup, hash_blocks
 from ..errors import InvalidStateError, NotSupportedError
 from ..stats import CacheStats
+from ._layer_groups import _WHY
 
 __all__ = ["KVBlocksCB", "SUPPORTED_TRANSFORMERS", "check_version", "enabled"]
 
@@ -109,6 +115,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 if _IMPORT_PROBLEM is None:
     from transformers.generation.continuous_batching import cache as _cb_cache
+    from transformers.generation.continuous_batching import initialization as _cb_init
     from transformers.generation.continuous_batching.cache_allocators import (
         FULL_ATTENTION,
         SLIDING_ATTENTION,
@@ -116,7 +123,7 @@ if _IMPORT_PROBLEM is None:
         FullAttentionCacheAllocator,
     )
 else:  # pragma: no cover - depends on the installed version
-    _cb_cache = None  # type: ignore[assignment]
+    _cb_cache = _cb_init = None  # type: ignore[assignment]
     FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
     CachePool = FullAttentionCacheAllocator = object  # type: ignore[misc,assignment]
 
@@ -164,7 +171,7 @@ class KVBlocksCB:
     def steps(self) -> int:
         """Steps of the last cache whose index tensors kvblocks built natively."""
         p = self.cache_pool
-        return 0 if p is None else sum(getattr(a, "steps", 0) for a in p.allocators)
+        return 0 if p is None else max((getattr(a, "steps", 0) for a in p.allocators), default=0)
 
     @property
     def stats(self) -> CacheStats:
@@ -207,6 +214,28 @@ class KVBlocksCB:
         return 0 if p is None or p.kv is None else p.kv.num_used - len(p.reserved)
 
     @property
+    def peak_blocks_in_use(self) -> int:
+        """The most blocks requests of the last cache held at once (sampled when a step's blocks
+        are allocated; reserved blocks not counted). With sliding-window layers it shows the
+        window saving: a window group holds a bounded number of blocks per request."""
+        p = self.cache_pool
+        return 0 if p is None else p.peak
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of the last cache (K and V of ``page_size`` tokens for as many layers
+        as the model's largest attention kind has: every allocator's blocks have this size)."""
+        p = self.cache_pool
+        return 0 if p is None or not p.allocators else int(p.allocators[0].bytes_per_block)
+
+    @property
+    def groups(self) -> tuple:
+        """The KV cache groups of the last cache, one per transformers allocator, in allocator
+        order (``()`` before a cache is built or for a pool without a manager)."""
+        p = self.cache_pool
+        return () if p is None or p.mgr is None else p.mgr.groups
+
+    @property
     def deduplicated(self) -> int:
         """Computed blocks of the last cache replaced by an identical cached block (two requests
         computed the same prefix in one step), so their K/V are held once."""
@@ -238,6 +267,10 @@ class KVBlocksCachePool(CachePool):
     "free" at sector level), ``get_free_blocks`` allocates, ``free_blocks`` frees and
     ``count_free_blocks`` is kvblocks' ``num_free`` (never-cached free blocks plus evictable
     cached ones: allocation evicts those lazily, in LRU order, one at a time).
+
+    With several allocators (full and sliding-window layers) every allocator's block holds the
+    same number of pages (:func:`_pad_block`), so one kvblocks pool serves them all: the block
+    tables live in one :class:`kvblocks.BlockManager`, one KV cache group per allocator.
     """
 
     def __init__(
@@ -250,12 +283,8 @@ class KVBlocksCachePool(CachePool):
                 "transformers_cb.enabled() (the block was left while "
                 "transformers was building its cache)"
             )
-        if num_allocators != 1:
-            raise NotSupportedError(
-                "transformers_cb serves models whose layers are all full "
-                f"attention; this one needs {num_allocators} cache allocators"
-            )
         self.kb = kb
+        self.peak = 0  # most blocks held by requests at once (KVBlocksCB.peak_blocks_in_use)
         self.kv: Optional[BlockPool] = None
         self.mgr: Optional[BlockManager] = None  # stage 2: the block tables' manager
         self.page_size = 0  # tokens per block, set by the allocator before the pool is built
@@ -273,10 +302,20 @@ class KVBlocksCachePool(CachePool):
             raise InvalidStateError(f"cache pool reset while {held} blocks are still referenced")
 
     def set_blocks_per_sector(self, index: int, blocks_per_sector: int) -> None:
-        """Called once the cache tensor is registered: builds the kvblocks pool over all of it."""
+        """Called by each allocator once the cache tensor is registered; after the last one, builds
+        the kvblocks pool over the whole tensor (every allocator's blocks have the same size)."""
         if self.kv is not None:
             raise InvalidStateError("the kvblocks cache pool is already set up")
+        if any(b not in (0, blocks_per_sector) for b in self.blocks_per_sector):
+            raise InvalidStateError(
+                f"transformers_cb: allocators of one cache cut {self.blocks_per_sector} and "
+                f"{blocks_per_sector} blocks per sector (their blocks must have one size)"
+            )
         self.blocks_per_sector[index] = blocks_per_sector
+        if len(self.allocators) == self.num_allocators:
+            self._build(blocks_per_sector)
+
+    def _build(self, blocks_per_sector: int) -> None:
         num_blocks = (self.num_sectors + self.num_reserved_sectors) * blocks_per_sector
         kb = self.kb
         kwargs: Dict[str, Any] = {
@@ -285,24 +324,38 @@ class KVBlocksCachePool(CachePool):
         }
         if kb.hash_key is not None:
             kwargs["hash_key"] = kb.hash_key
+        allocators = sorted(self.allocators, key=lambda a: a.index)
+        groups = tuple(a.kv_group for a in allocators)
         # the trash sectors' blocks keep transformers' ids: hold them (block 0 is kvblocks' null)
         n_trash = self.num_reserved_sectors * blocks_per_sector
-        if kb.native_step:  # stage 2: block tables in a BlockManager, trash held by a sequence
+        if kb.native_step or groups != (KVGroup("full"),):
+            # stage 2, or any sliding-window layer: the block tables (one group per allocator) live
+            # in a BlockManager; the trash is held by a sequence, split evenly over the groups
             from .transformers_cb_step import TRASH_SEQ
 
             kwargs["enable_prefix_caching"] = kb.enable_prefix_caching and self.sharing
-            mgr = BlockManager(num_blocks, self.page_size, **kwargs)
+            mgr = BlockManager(num_blocks, self.page_size, groups=groups, **kwargs)
             mgr.add(TRASH_SEQ, [])
-            mgr.reserve(TRASH_SEQ, (n_trash - 1) * self.page_size)
-            kv, reserved = mgr.pool, mgr.block_table(TRASH_SEQ)
-            self.mgr = mgr
+            per_group = -(-(n_trash - 1) // len(groups))
+            mgr.reserve(TRASH_SEQ, per_group * self.page_size)
+            kv, self.mgr = mgr.pool, mgr
+            reserved = np.sort(
+                np.concatenate([mgr.block_table(TRASH_SEQ, group=g) for g in range(len(groups))])
+            )
         else:
             kv = BlockPool(num_blocks, **kwargs)
             reserved = kv.allocate(n_trash - 1) if n_trash > 1 else np.empty(0, dtype=np.int32)
-        if not np.array_equal(reserved, np.arange(1, n_trash, dtype=np.int32)):
+        if not np.array_equal(reserved, np.arange(1, len(reserved) + 1, dtype=np.int32)) or (
+            len(reserved) < n_trash - 1
+        ):
             raise InvalidStateError("kvblocks did not hand out the trash blocks first")
         self.kv, self.reserved = kv, reserved
         kb.pools.append(self)
+
+    def note_usage(self) -> None:
+        """Sample the blocks held by requests (for :attr:`KVBlocksCB.peak_blocks_in_use`)."""
+        if self.kv is not None:
+            self.peak = max(self.peak, self.kv.num_used - len(self.reserved))
 
     # sector level: nothing to do, kvblocks owns every block
     def allocate_sector(self, index: int) -> None:
@@ -318,14 +371,19 @@ class KVBlocksCachePool(CachePool):
         return self.kv
 
     def get_free_blocks(self, index: int, num_blocks: int) -> List[int]:
-        return self._pool.allocate(num_blocks).tolist()
+        ids = self._pool.allocate(num_blocks).tolist()
+        self.note_usage()
+        return ids
 
     def free_blocks(self, index: int, block_ids: List[int]) -> None:
         if len(block_ids):
             self._pool.free(np.asarray(block_ids[::-1], dtype=np.int32))
 
     def count_free_blocks(self, index: int) -> int:
-        return self._pool.num_free
+        """kvblocks' free blocks, given to allocator 0; the others see none (their needs are
+        counted by allocator 0, which allocates for every group), so transformers' free-capacity
+        sum over allocators counts each block once."""
+        return self._pool.num_free if index == 0 else 0
 
     def check(self) -> None:
         """kvblocks' invariants, and reference counts equal to the block tables' references."""
@@ -341,7 +399,8 @@ class KVBlocksCachePool(CachePool):
         expected[self.reserved] += 1
         for alloc in self.allocators:
             for table in alloc.block_table.values():
-                np.add.at(expected, np.asarray(table, dtype=np.int64), 1)
+                t = np.asarray(table, dtype=np.int64)
+                np.add.at(expected, t[t != 0], 1)  # 0: a window group's released entries
         actual = kv.ref_counts().astype(np.int64)
         bad = np.flatnonzero(expected != actual)
         if bad.size:
@@ -375,8 +434,19 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
     (``(n, 2)`` uint64), so a newly computed block is hashed on its parent in one native call.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "KVBlocksAllocator":
+        # stage 1 keeps block tables in Python over a BlockPool; a model with sliding-window layers
+        # needs KV cache groups, which live in a BlockManager: its full-attention allocator is the
+        # manager-backed one then (transformers still builds the indices, from kvblocks' tables)
+        if cls is KVBlocksAllocator and len(_attention_kinds(kwargs.get("config"))) > 1:
+            from .transformers_cb_step import KVBlocksStepAllocator
+
+            cls = KVBlocksStepAllocator
+        return super().__new__(cls)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        _pad_block(self, kwargs.get("config"))
         self.ledger = _NoLedger()  # type: ignore[assignment]  # transformers' ledger, unused
         self._chains: Dict[str, np.ndarray] = {}
         self.deduplicated = 0  # computed blocks replaced by an identical cached block
@@ -391,8 +461,13 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
                 "transformers_cb: the cache was built while leaving "
                 "enabled(); build it inside the block"
             )
+        pool.allocators.append(self)  # first: the last allocator's registration builds the pool
         super()._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
-        pool.allocators.append(self)
+
+    @property
+    def kv_group(self) -> KVGroup:
+        """The KV cache group holding this allocator's block tables."""
+        return KVGroup("full")
 
     @property
     def kv(self) -> BlockPool:
@@ -497,15 +572,62 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
         self._chains[request_id] = new if chain is None else np.concatenate([chain, new])
 
 
-class _RefusedSlidingAllocator:
-    """Sliding-window layers need kvblocks' hybrid groups (not wired yet): refuse clearly."""
+def _attention_kinds(config: Any) -> Dict[str, List[int]]:
+    """transformers' grouping of the model's layers by attention type (its allocators)."""
+    if config is None or _cb_cache is None:
+        return {FULL_ATTENTION: []}
+    return _cb_cache.group_layers_by_attn_type(config)
+
+
+def _pad_block(alloc: Any, config: Any) -> None:
+    """Give every allocator of the model blocks of the same size: as many pages as the largest
+    attention kind has layers. transformers sizes each kind's block to its own layers and carves
+    sectors into blocks of different sizes; kvblocks has one pool of one block size, shared by its
+    groups. A kind with fewer layers leaves its extra pages unused (none when the kinds have equal
+    layer counts: Gemma 2, gpt-oss, or a single kind)."""
+    pages = max(len(v) for v in _attention_kinds(config).values()) if config is not None else 0
+    if pages <= alloc.pages_per_block:
+        return
+    alloc.pages_per_block = pages
+    alloc.tokens_per_block = alloc.tokens_per_page * pages
+    alloc.block_physical_stride = alloc.rows_per_token * alloc.tokens_per_block
+    alloc.bytes_per_block = alloc.bytes_per_page * pages
+
+
+class _RefusedLayers:
+    """An entry of the allocator table for a layer type kvblocks cannot hold: building it raises
+    :class:`NotSupportedError` naming the type, and records the refusal on the active context
+    (transformers may build the cache in its own thread, where the error is only logged)."""
+
+    kind = ""
+    supports_block_table = False  # read by transformers before the cache is built
+    supports_block_sharing = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotSupportedError(
-            "transformers_cb does not serve sliding-window layers yet (they "
-            "need kvblocks' hybrid KV groups); run this model without "
-            "transformers_cb.enabled()"
+        raise refused(
+            "transformers_cb serves full-attention and sliding-window layers; this model has "
+            f"{self.kind!r} layers ({_WHY.get(self.kind, 'unknown to kvblocks')}), which it "
+            "cannot hold; run this model without transformers_cb.enabled()"
         )
+
+
+def refused(message: str) -> NotSupportedError:
+    """A :class:`NotSupportedError` for a cache kvblocks cannot build, recorded on the active
+    context (transformers may build the cache in its own thread, where the error is only
+    logged); leaving ``enabled()`` raises it."""
+    exc = NotSupportedError(message)
+    kb = _ACTIVE
+    if kb is not None and kb.build_error is None:
+        kb.build_error = exc
+    return exc
+
+
+def _refusals() -> Dict[str, type]:
+    return {
+        kind: type(f"_Refused_{kind}", (_RefusedLayers,), {"kind": kind})
+        for kind in _WHY
+        if kind not in (FULL_ATTENTION, SLIDING_ATTENTION)
+    }
 
 
 _LOCK = threading.Lock()
@@ -528,8 +650,8 @@ def enabled(
     bytes) and ``enable_kv_events`` go to the :class:`kvblocks.BlockPool`. Raises
     :class:`NotSupportedError` for an unsupported transformers version and
     :class:`InvalidStateError` when nested. If a cache build was refused inside the block (a
-    sliding-window model), leaving the block raises that error, even where transformers only
-    logged it in its generation thread.
+    model with chunked-attention or linear-attention layers), leaving the block raises that
+    error, even where transformers only logged it in its generation thread.
 
     ``native_step`` (default) is stage 2: a :class:`kvblocks.BlockManager` holds the block
     tables and each step's ``read_index`` / ``write_index`` (or decode block table) come from
@@ -543,6 +665,7 @@ def enabled(
         raise NotSupportedError(_IMPORT_PROBLEM)
     kb = KVBlocksCB(enable_prefix_caching, hash_key, enable_kv_events, native_step)
     from . import transformers_cb_step as step
+    from .transformers_cb_window import KVBlocksWindowAllocator
 
     with _LOCK:
         if _ACTIVE is not None:
@@ -550,11 +673,14 @@ def enabled(
                 "transformers_cb.enabled() is already active (contexts do not nest)"
             )
         saved = (_cb_cache.ATTN_TYPE_TO_ALLOCATOR, _cb_cache.CachePool)
+        saved_init_table = _cb_init.ATTN_TYPE_TO_ALLOCATOR
         saved_prepare = step.ContinuousBatchingIOs.prepare_batch_tensors
-        table = dict(saved[0])
+        table: Dict[str, Any] = dict(saved[0])
+        table.update(_refusals())
         table[FULL_ATTENTION] = step.KVBlocksStepAllocator if native_step else KVBlocksAllocator
-        table[SLIDING_ATTENTION] = _RecordingRefusal(kb)  # type: ignore[assignment]
+        table[SLIDING_ATTENTION] = KVBlocksWindowAllocator
         _cb_cache.ATTN_TYPE_TO_ALLOCATOR = table
+        _cb_init.ATTN_TYPE_TO_ALLOCATOR = table  # read there for supports_block_table
         _cb_cache.CachePool = KVBlocksCachePool  # type: ignore[misc]  # the seam
         step.ContinuousBatchingIOs.prepare_batch_tensors = step.prepare_batch_tensors  # type: ignore[method-assign]  # the step seam
         _ACTIVE = kb
@@ -567,23 +693,8 @@ def enabled(
     finally:
         with _LOCK:
             _cb_cache.ATTN_TYPE_TO_ALLOCATOR, _cb_cache.CachePool = saved  # type: ignore[misc]
+            _cb_init.ATTN_TYPE_TO_ALLOCATOR = saved_init_table
             step.ContinuousBatchingIOs.prepare_batch_tensors = saved_prepare  # type: ignore[method-assign]
             _ACTIVE = None
         if not raised and kb.build_error is not None:
             raise kb.build_error
-
-
-class _RecordingRefusal:
-    """The sliding-window entry of the allocator table: refuses and records the refusal on ``kb``
-    (transformers may build the cache in its own thread, where the error is only logged)."""
-
-    def __init__(self, kb: KVBlocksCB) -> None:
-        self.kb = kb
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return _RefusedSlidingAllocator(*args, **kwargs)
-        except NotSupportedError as exc:
-            if self.kb.build_error is None:
-                self.kb.build_error = exc
-            raise

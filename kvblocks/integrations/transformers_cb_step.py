@@ -27,6 +27,13 @@ request with the matched prefix plus its next token (``add`` pins the hits atomi
 share every block (``fork``), copies happen lazily on the first write into a shared partial
 block. transformers' de-duplication of identical blocks computed in one step is not done: the
 later block stays uncached (kvblocks keeps the first entry of a hash).
+
+Several allocators (a model with sliding-window layers): each reads the block tables of its own
+KV cache group (group ``i`` is allocator ``i``); allocator 0 makes every manager call for the
+request (``reserve``, ``add``, ``fork``, ``free``: the manager moves all groups in lock step) and
+the others answer transformers' per-allocator questions with nothing to add. A model with
+sliding-window layers keeps its tables here in stage 1 too; transformers' loop then builds the
+indices from them and the step is declared with ``schedule``.
 """
 
 from __future__ import annotations
@@ -71,7 +78,7 @@ class _Tables:
             raise KeyError(rid)
         m = self._mgr()
         assert m is not None
-        return m.block_table(rid).tolist()
+        return m.block_table(rid, group=self._alloc.index).tolist()
 
     def get(self, rid: str, default: Any = None) -> Any:
         return self[rid] if rid in self else default
@@ -97,7 +104,8 @@ class _Tables:
 
 
 class KVBlocksStepAllocator(KVBlocksAllocator):
-    """The full-attention allocator of stage 2: one kvblocks sequence per request."""
+    """The full-attention allocator of stage 2 (and of stage 1 beside sliding-window layers): one
+    kvblocks sequence per request, this allocator's block tables in KV cache group ``index``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -105,6 +113,7 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
         self._pending_prompt: Optional[List[int]] = None
         self._buffers: dict = {}  # scratch of the step: offsets, staged host copies
         self.steps = 0  # steps whose indices row_indices built
+        self.step_context = 0  # context rows of the step being built (commit_step)
 
     @property
     def pool_mgr(self) -> Optional[BlockManager]:
@@ -125,16 +134,33 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
     def _caching(self) -> bool:
         return self.use_block_sharing and self.mgr.pool.enable_prefix_caching
 
+    @property
+    def native(self) -> bool:
+        """Whether kvblocks builds the step's indices (stage 2) or transformers does (stage 1)."""
+        return bool(self.pool.kb.native_step)  # type: ignore[attr-defined]
+
+    def _lead(self) -> "KVBlocksStepAllocator":
+        """Allocator 0, which makes the manager calls for every group."""
+        for a in self.pool.allocators:  # type: ignore[attr-defined]
+            if a.index == 0:
+                return a
+        raise InvalidStateError("transformers_cb: the cache has no allocator 0")
+
     # -- allocation ----------------------------------------------------------------------------
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
-        """Blocks the request's step takes, copy-on-write of a shared last block included."""
+        """Blocks the request's step takes in every group, copy-on-write of a shared last block
+        included (allocator 0 counts them all; the others answer 0)."""
+        if self.index:
+            return 0
         m, end = self.mgr, past_length + query_length
-        if request_id not in m:
-            return -(-end // self.tokens_per_page)
+        if request_id not in m:  # nothing computed yet: every group holds all its blocks
+            return len(m.groups) * -(-end // self.tokens_per_page)
         return m.blocks_needed(request_id, max(0, end - m.num_tokens(request_id)))
 
     def allocate_cache_to_request(self, request_id: str, past_length: int, query_length: int):
         """Reserve the slots the step writes (ids are committed when the batch is built)."""
+        if self.index:
+            return
         m = self.mgr
         if request_id not in m:
             salt = _WARMUP_SALT if request_id.startswith("__warmup_") else None
@@ -142,16 +168,28 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
         n = past_length + query_length - m.num_tokens(request_id)
         if n > 0:
             m.reserve(request_id, n)
+        self.pool.note_usage()  # type: ignore[attr-defined]
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         m = self.pool_mgr
         if m is not None and request_id != TRASH_SEQ and request_id in m:
             m.free(request_id)
 
+    def count_non_shareable_blocks(self, source_request_id: str, past_length: int) -> int:
+        """Blocks a fork may need, over every group (allocator 0 counts them, the others 0)."""
+        if self.index:
+            return 0
+        m, full = self.mgr, past_length // self.tokens_per_page
+        return sum(
+            max(0, len(m.block_table(source_request_id, group=g)) - full)
+            for g in range(len(m.groups))
+        )
+
     def fork_blocks(self, source_request_id: str, dest_request_id: str, past_length: int):
         """The child shares every block; the first write into a shared partial block copies it
         (drained when the step is built), so there is nothing to copy now."""
-        self.mgr.fork(source_request_id, dest_request_id)
+        if not self.index:
+            self.mgr.fork(source_request_id, dest_request_id)
         return [], []
 
     # -- prefix cache --------------------------------------------------------------------------
@@ -160,6 +198,12 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
         the prefix and its next token fits now, so acquiring it cannot fail."""
         if not self._caching() or len(prompt_ids) < 2:
             return []
+        if self.index:  # allocator 0 probed every group just before
+            pending = self._lead()._pending_prompt
+            return (
+                [] if pending is None else list(range((len(pending) - 1) // self.tokens_per_page))
+            )
+        self._pending_prompt = None
         m = self.mgr
         cached, _ = m.probe(prompt_ids)
         if cached == 0:
@@ -171,6 +215,10 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
         return list(range(cached // self.tokens_per_page))  # transformers only counts them
 
     def acquire_prefix_blocks(self, request_id: str, prefix_len: int, block_ids: List[int]):
+        if self.index:  # allocator 0 (called first) added the request to every group
+            if request_id not in self.mgr:
+                raise InvalidStateError(f"prefix hit for request {request_id!r} not acquired")
+            return
         prompt, self._pending_prompt = self._pending_prompt, None
         m = self.mgr
         if prompt is None or request_id in m or prefix_len != len(prompt) - 1:
@@ -192,6 +240,7 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
         on; returns the batch's ids, committed query lengths and draft lengths."""
         m = self.mgr
         n = len(requests_in_batch)
+        context = 0  # rows of the step's context, drafts included (sum of past + query lengths)
         ids: List[str] = []
         q = np.empty(n, dtype=np.int32)
         d = np.zeros(n, dtype=np.int32)
@@ -201,6 +250,7 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
             state = fs.state
             rid, past, ql = state.request_id, state.position_offset, fs.query_length
             ids.append(rid)
+            context += past + ql
             ntok = m.num_tokens(rid)
             if ntok < past:
                 self._catch_up(state, ntok, past)
@@ -221,6 +271,8 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
         if m.num_pending_copies:
             pairs = m.take_copies()
             self.copy_blocks(pairs[:, 0].tolist(), pairs[:, 1].tolist())
+        self.step_context = context
+        self.pool.note_usage()  # type: ignore[attr-defined]
         return ids, q, d
 
     def _catch_up(self, state: Any, ntok: int, past: int) -> None:
@@ -239,8 +291,11 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
             )
         m.append(rid, known[ntok:past], computed=True)
 
-    def build_indices(self, io: Any, ids: List[str], q: np.ndarray, d: np.ndarray) -> None:
-        """Write the step's rows (or decode block table) into transformers' index storage."""
+    def build_indices(
+        self, io: Any, ids: List[str], q: np.ndarray, d: np.ndarray, context: int = 0
+    ) -> None:
+        """Write the step's rows (or decode block table) into transformers' index storage.
+        ``context``: the step's context rows (for a window group's scratch)."""
         B = len(ids)
         ro, wo = self._scratch("ro", (B + 1,), np.int32), self._scratch("wo", (B + 1,), np.int32)
         drafts = d if d.any() else None
@@ -249,7 +304,9 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
             bt_t = io.block_table[self.index]
             bt, stage = self._host(bt_t, "bt")
             out = RowIndices(None, None, ro, wo, bt[:B])
-            self.mgr.row_indices(ids, q, stride=stride, draft_lens=drafts, out=out)
+            self.mgr.row_indices(
+                ids, q, stride=stride, draft_lens=drafts, out=out, group=self.index
+            )
             if stage:
                 bt_t[:B].copy_(stage[:B])
         else:
@@ -258,7 +315,9 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
             r_t = io.read_index_storage[self.index] if io.max_kv_read > 0 else None
             r, r_stage = self._host(r_t, "r") if r_t is not None else (None, None)
             out = RowIndices(r, w, ro, wo)
-            rows = self.mgr.row_indices(ids, q, stride=stride, draft_lens=drafts, out=out)
+            rows = self.mgr.row_indices(
+                ids, q, stride=stride, draft_lens=drafts, out=out, group=self.index
+            )
             io.true_write_sizes[self.index] = rows.num_write
             if r_t is not None:
                 io.true_read_sizes[self.index] = rows.num_read
@@ -293,10 +352,11 @@ _ORIGINAL_PREPARE: Any = (
 )
 
 
-def _step_allocator(cache: Any) -> Optional[KVBlocksStepAllocator]:
-    allocs = list(getattr(cache, "cache_allocators", {}).values())
-    if len(allocs) == 1 and isinstance(allocs[0], KVBlocksStepAllocator):
-        return allocs[0]
+def _step_allocators(cache: Any) -> Optional[List[KVBlocksStepAllocator]]:
+    """The cache's allocators in index order when kvblocks' manager holds their tables."""
+    allocs = sorted(getattr(cache, "cache_allocators", {}).values(), key=lambda a: a.index)
+    if allocs and all(isinstance(a, KVBlocksStepAllocator) for a in allocs):
+        return allocs
     return None
 
 
@@ -307,17 +367,25 @@ def _skip(*args: Any, **kwargs: Any) -> None:
 def prepare_batch_tensors(self: Any, requests_in_batch: List[Any], *args: Any, **kwargs: Any):
     """``ContinuousBatchingIOs.prepare_batch_tensors`` with the indices built by kvblocks.
 
-    For a cache whose allocator is :class:`KVBlocksStepAllocator`, the known ids are committed,
-    transformers' loop runs without its index calls, and ``row_indices`` fills the index storage.
-    Any other cache gets transformers' method unchanged. The first call binds this function to
-    the IO object, so a persistent manager keeps it after ``enabled()`` restored the class.
+    For a cache whose allocators are :class:`KVBlocksStepAllocator`, the known ids are committed,
+    transformers' loop runs without its index calls, and ``row_indices`` fills the index storage
+    of each allocator from its group. In stage 1 (a model with sliding-window layers built with
+    ``native_step=False``) transformers' loop builds the indices from kvblocks' tables and the
+    step is declared with ``schedule``. Any other cache gets transformers' method unchanged. The
+    first call binds this function to the IO object, so a persistent manager keeps it after
+    ``enabled()`` restored the class.
     """
-    alloc = _step_allocator(self.cache)
-    if alloc is None or not requests_in_batch:
+    allocs = _step_allocators(self.cache)
+    if allocs is None or not requests_in_batch:
         return _ORIGINAL_PREPARE(self, requests_in_batch, *args, **kwargs)
     if "prepare_batch_tensors" not in self.__dict__:
         self.prepare_batch_tensors = prepare_batch_tensors.__get__(self)
-    ids, q, d = alloc.commit_step(requests_in_batch)
+    lead = allocs[0]
+    ids, q, d = lead.commit_step(requests_in_batch)
+    if not lead.native:
+        _ORIGINAL_PREPARE(self, requests_in_batch, *args, **kwargs)
+        lead.mgr.schedule(ids, q, draft_lens=d if d.any() else None)
+        return
     cache = self.cache
     cache.extend_read_and_write_indices = _skip
     cache.fill_block_table = _skip
@@ -325,4 +393,5 @@ def prepare_batch_tensors(self: Any, requests_in_batch: List[Any], *args: Any, *
         _ORIGINAL_PREPARE(self, requests_in_batch, *args, **kwargs)
     finally:
         del cache.extend_read_and_write_indices, cache.fill_block_table
-    alloc.build_indices(self, ids, q, d)
+    for alloc in allocs:
+        alloc.build_indices(self, ids, q, d, lead.step_context)
