@@ -441,16 +441,25 @@ class PagedEngine:
         self.cow_copies += c.cow
 
     def _compute(self, n_dec: int, completed: List[_Seq]) -> None:
-        """4. Declare what the step computes, so that its full blocks enter the prefix cache."""
+        """4. Declare what the step computes, so that its full blocks enter the prefix cache.
+
+        One ``schedule`` call for the whole step, as an engine makes one ``metadata`` call:
+        with write-through, the first call queues offloads and the core refuses another
+        ``schedule`` until they are drained."""
         mgr = self.mgr
         t0 = _perf()
-        if n_dec:
-            d = self.decoding
+        d = self.decoding
+        if completed:
+            ids = d.uid.tolist() if n_dec else []
+            qlens = [1] * n_dec
+            for s in completed:
+                ids.append(s.uid)
+                qlens.append(mgr.num_tokens(s.uid) - mgr.num_computed(s.uid))
+            mgr.schedule(ids, np.array(qlens, np.int32))
+        elif n_dec:
             mgr.schedule(
                 d.batch if d.batch is not None else d.uid.tolist(), np.ones(n_dec, np.int32)
             )
-        for s in completed:
-            mgr.schedule([s.uid], [mgr.num_tokens(s.uid) - mgr.num_computed(s.uid)])
         if self.host_tier and self.cfg.host_write_through:
             self.copies.after_schedule(mgr)
         self.alloc_s += _perf() - t0
