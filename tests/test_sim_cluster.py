@@ -250,7 +250,7 @@ def test_host_tier_hook_is_feature_detected():
     c = SchedulerConfig(num_blocks=100, block_size=BS, host_cache_blocks=64)
     if hosttier.host_tier_available():
         kw = hosttier.host_manager_kwargs(c)
-        assert kw == {"num_host_blocks": 65, "host_prefix_cache": True}
+        assert kw == {"num_host_blocks": 65, "host_prefix_cache": True, "host_write_through": False}
     else:
         with pytest.raises(SimulationError, match="host tier not available in this build"):
             hosttier.host_manager_kwargs(c)
@@ -417,7 +417,7 @@ def test_plan_trace_prints_curve_and_cheapest_json(capsys, tmp_path):
         )  # fmt: skip
     )
     args = ("plan", "--trace", str(trace), "--replicas", "1-3", "--num-blocks", "2000",
-            "--router", "least_loaded", "--no-progress")  # fmt: skip
+            "--router", "least_loaded", "--no-progress", "--host-cache", "0")  # fmt: skip
     rc, out, _ = run_main(capsys, *args, "--ttft-p99", "1000", "--json")
     assert rc == 0
     doc = json.loads(out)

@@ -31,6 +31,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # sequences per batch
     token_budget: int = 8192  # tokens per step (max_num_batched_tokens)
     preemption: str = "recompute"  # or "swap"
+    host_write_through: bool = False  # host tier: copy each cached block to the host at once
     host_blocks: int = 0  # swap space in blocks
     block_bytes: int = 0  # bytes per block (swap and host-tier transfer time)
     host_cache_blocks: int = 0  # host prefix-cache tier in blocks (0: none; needs the core's tier)
@@ -58,6 +59,10 @@ class SchedulerConfig:
         limits.TOKEN_BUDGET.check(self.token_budget)
         if self.host_cache_blocks < 0:
             raise SimulationError(f"host_cache_blocks must be >= 0, got {self.host_cache_blocks}")
+        if self.host_cache_blocks and not self.enable_prefix_caching:
+            raise SimulationError("--host-cache is a prefix-cache tier: drop --no-prefix-caching")
+        if self.host_write_through and not self.host_cache_blocks:
+            raise SimulationError("--host-write-through needs a host tier (--host-cache GiB > 0)")
 
 
 class StepBudget:

@@ -2,10 +2,11 @@
 
 The planner simulates the trace on every configuration of its range: each replica count
 (``--replicas``, default ``1-8``) times each host-cache size per replica (``--host-cache``, a
-list of GiB, default ``0``; sizes above 0 need the core's host tier), all behind one router
-(``--router``, default ``prefix_aware``). Each run is a full :class:`~kvblocks.sim.cluster.Cluster`
-replay, so the curve it prints (GPUs, host memory, hit rate, TTFT p50/p99, throughput) is the
-simulator's, not a formula.
+list of GiB, default ``0,256``: none, and the 256 GiB of host memory per GPU of an 8-GPU server
+with 2 TiB), all behind one router (``--router``, default ``prefix_aware``), with the write
+policy of ``--host-write-through``. Each run is a full
+:class:`~kvblocks.sim.cluster.Cluster` replay, so the curve it prints (GPUs, host memory, hit
+rate and its host share, TTFT p50/p99, throughput) is the simulator's, not a formula.
 
 **Cheapest.** Fewest GPUs first; among equal GPU counts, the least host memory in all. A
 configuration meets the target when its TTFT p99 is at most ``--ttft-p99`` seconds and it
@@ -77,11 +78,13 @@ class CapacityPlan:
     router: str
     points: List[PlanPoint]
     best: PlanPoint
+    host_write_through: bool = False
 
     def as_dict(self) -> Dict[str, Any]:
         return {
             "target_ttft_p99_s": self.target_ttft_p99_s,
             "router": self.router,
+            "host_write_through": self.host_write_through,
             "best": asdict(self.best),
             "curve": [asdict(p) for p in self.points],
         }
@@ -130,11 +133,13 @@ def sweep(
     router: str = "prefix_aware",
     progress: Optional[Callable[[int, int], None]] = None,
     replay_progress: Optional[Callable[[int], Progress]] = None,
+    host_write_through: bool = False,
 ) -> List[PlanPoint]:
     """Simulate every (replica count, host-cache size) and return the curve.
 
     ``progress(done, total)`` is called after each configuration; ``replay_progress(k)`` may
-    return a per-replay progress callback for configuration ``k``."""
+    return a per-replay progress callback for configuration ``k``; ``host_write_through``
+    sets the host tiers' write policy."""
     target = limits.TTFT_P99.check_float(target_ttft_p99_s)
     if not replica_counts or not host_sizes_gib:
         raise SimulationError("the plan needs at least one replica count and one host size")
@@ -147,8 +152,16 @@ def sweep(
             f"or --host-cache"
         )
     # validate every configuration before the first long replay
+    if host_write_through and not any(g > 0 for g in host_sizes_gib):
+        raise SimulationError("--host-write-through needs a host tier (--host-cache GiB > 0)")
     cfgs = [
-        replace(cfg, host_cache_blocks=host_cache_blocks(g, cfg.block_bytes)) if g > 0 else cfg
+        replace(
+            cfg,
+            host_cache_blocks=host_cache_blocks(g, cfg.block_bytes),
+            host_write_through=host_write_through,
+        )
+        if g > 0
+        else replace(cfg, host_cache_blocks=0, host_write_through=False)
         for g in host_sizes_gib
     ]
     clusters_args = [(n, g, c) for n in replica_counts for g, c in zip(host_sizes_gib, cfgs)]
@@ -222,6 +235,9 @@ def format_capacity(plan: CapacityPlan, header: List[str]) -> str:
             ("TTFT p50", 11), ("TTFT p99", 11), ("tok/s", 9), ("meets", 7)]  # fmt: skip
     out = list(header)
     out.append(f"target    TTFT p99 <= {plan.target_ttft_p99_s:g} s, router {plan.router}")
+    if any(p.host_cache_gib > 0 for p in plan.points):
+        policy = "write-through" if plan.host_write_through else "write-back"
+        out.append(f"host      one host tier per replica ({policy}); 'host GiB' is the total")
     out.append("")
     out.append("".join(f"{t:>{w}}" for t, w in cols))
     for p in plan.points:

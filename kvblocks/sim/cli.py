@@ -122,6 +122,8 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="prefix_aware: weight of prefill blocks against load (Dynamo's 1.0)")  # fmt: skip
     g.add_argument("--host-cache", type=L.HOST_CACHE.parse, default=0.0, metavar="GiB",
                    help="host-memory prefix-cache tier per replica (needs the core's host tier)")  # fmt: skip
+    g.add_argument("--host-write-through", action="store_true",
+                   help="host tier: copy each block to the host when it is cached, not when evicted")  # fmt: skip
     g.add_argument("--pcie-gbps", type=L.PCIE_GBPS.parse, default=DEFAULT_PCIE_GBPS, metavar="GB/s",
                    help=f"host <-> device bandwidth for swaps and host-tier copies ({DEFAULT_PCIE_GBPS:g}, "
                    "PCIe Gen4 x16 effective)")  # fmt: skip
@@ -249,10 +251,12 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
                    help="target: time to first token, 99th percentile")  # fmt: skip
     g.add_argument("--replicas", default="1-8", metavar="LIST",
                    help="replica counts to simulate, e.g. 1-8 or 2,4,8 (1-8)")  # fmt: skip
-    g.add_argument("--host-cache", default="0", metavar="GiB,...",
-                   help="host-cache sizes per replica to simulate (0; >0 needs the host tier)")  # fmt: skip
+    g.add_argument("--host-cache", default="0,256", metavar="GiB,...",
+                   help="host-cache sizes per replica to simulate (0,256; 0 = no host tier)")  # fmt: skip
     g.add_argument("--router", default="prefix_aware", metavar="NAME",
                    help="round_robin, least_loaded or prefix_aware (prefix_aware)")  # fmt: skip
+    g.add_argument("--host-write-through", action="store_true",
+                   help="host tiers copy each block to the host when it is cached")  # fmt: skip
     g.add_argument("--pcie-gbps", type=L.PCIE_GBPS.parse, default=None, metavar="GB/s",
                    help="host <-> device bandwidth (25)")  # fmt: skip
     g.add_argument("--plot", metavar="FILE", help="draw the curve (PNG/SVG/PDF; needs matplotlib)")
@@ -308,6 +312,7 @@ def _engine(args: argparse.Namespace, model: ModelSpec, host_cache_gib: float = 
         max_num_seqs=getattr(args, "max_num_seqs", 256),
         token_budget=getattr(args, "token_budget", 8192),
         preemption=preemption,
+        host_write_through=args.host_write_through and host_cache_gib > 0,
         host_blocks=bill.host_blocks,
         block_bytes=bill.block_bytes,
         host_cache_blocks=host_cache_blocks(host_cache_gib, bill.block_bytes)
@@ -329,11 +334,13 @@ def _engine_desc(cfg: Any, tm: Any) -> str:
     )
 
 
-def _check_host_tier(gib: float) -> None:
+def _check_host_tier(gib: float, write_through: bool = False) -> None:
     from .hosttier import HOST_TIER_MISSING, host_tier_available
 
     if gib > 0 and not host_tier_available():
         raise SimulationError(HOST_TIER_MISSING)
+    if write_through and gib <= 0:
+        raise SimulationError("--host-write-through needs a host tier (--host-cache GiB > 0)")
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -343,7 +350,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from .scheduler import simulate_paged
     from .workload import load_workload
 
-    _check_host_tier(args.host_cache)
+    _check_host_tier(args.host_cache, args.host_write_through)
     if args.overlap_weight is not None and args.router != "prefix_aware":
         raise SimulationError("--overlap-weight applies to --router prefix_aware only")
     model = _model(args)
@@ -426,8 +433,9 @@ def _simulate_cluster(args: argparse.Namespace, model: ModelSpec, bill: Any, cfg
             bar.close()
     host_desc = None
     if args.host_cache:
-        host_desc = (f"host cache {args.host_cache:g} GiB ({cfg.host_cache_blocks:,} blocks), "
-                     f"PCIe {args.pcie_gbps:g} GB/s")  # fmt: skip
+        policy = "write-through" if cfg.host_write_through else "write-back"
+        host_desc = (f"host cache {args.host_cache:g} GiB ({cfg.host_cache_blocks:,} blocks, "
+                     f"{policy}), PCIe {args.pcie_gbps:g} GB/s")  # fmt: skip
     if args.plot:
         from .plot import plot_results
 
@@ -490,6 +498,7 @@ def _plan_trace(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.host_cache, "--host-cache")
     for g in sizes:
         _check_host_tier(g)
+    _check_host_tier(max(sizes), args.host_write_through)
     model = _model(args)
     bill, cfg, tm = _engine(args, model)
     workload = load_workload(args.trace, args.format, args.limit)
@@ -512,9 +521,10 @@ def _plan_trace(args: argparse.Namespace) -> int:
         if bars:
             bars[-1].close()
 
-    points = sweep(workload, cfg, tm, args.ttft_p99, counts, sizes, args.router, done, replay_bar)
+    points = sweep(workload, cfg, tm, args.ttft_p99, counts, sizes, args.router, done, replay_bar,
+                   args.host_write_through)  # fmt: skip
     best = cheapest(points, args.ttft_p99)
-    plan = CapacityPlan(args.ttft_p99, args.router, points, best)
+    plan = CapacityPlan(args.ttft_p99, args.router, points, best, args.host_write_through)
     if args.plot:
         from .plot import plot_capacity
 

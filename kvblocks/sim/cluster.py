@@ -13,6 +13,13 @@ request is routed when it arrives, from the replicas' state at that moment: thei
 engine published after each of its steps (``pool.take_events()``, applied in order). An idle
 engine's clock jumps to the arrival it receives.
 
+**Host tiers.** With ``cfg.host_cache_blocks`` every replica has its own host tier. The
+prefix-aware router indexes the host pools' events too (``host_pool.take_events()``, medium
+``"CPU"``), as Dynamo's router does with KVBM's CPU-tier events and llm-d's with its ``cpu``
+medium: a prefix held on a replica's host counts :data:`~kvblocks.sim.prefixindex.HOST_CREDIT`
+of a device block (it still costs an onload). ``index_host_events=False`` routes on device
+events only, as a router that subscribes to the GPU stream alone would.
+
 **Results.** :meth:`Cluster.run` returns a :class:`ClusterResult`: one summary per replica
 (its own requests only) and the aggregate. In the aggregate, request figures (hit rate, TTFT,
 queueing, latency, throughput, makespan) are over all requests, counters (evictions,
@@ -70,9 +77,16 @@ _SUM_KEYS = (
     "swapped_blocks",
     "allocator_s",
     "check_s",
+    "device_hit_tokens",
     "host_hit_tokens",
     "onload_blocks",
     "offload_blocks",
+    "demotion_offload_blocks",
+    "write_through_offload_blocks",
+    "transfer_s",
+    "host_demotions",
+    "host_evictions",
+    "host_dropped",
 )
 
 
@@ -102,6 +116,7 @@ class Cluster:
         replicas: int,
         router: str = "round_robin",
         overlap_weight: Optional[float] = None,
+        index_host_events: bool = True,
     ) -> None:
         n = limits.REPLICAS.check_int(replicas)
         self.router: Router = make_router(router, n, cfg.block_size, overlap_weight)
@@ -115,6 +130,11 @@ class Cluster:
             for _ in range(n)
         ]
         self.owner = np.full(len(workload), -1, dtype=np.int64)  # replica of each request
+        # the host pools whose events the router reads (a host tier's, when indexed)
+        self.host_pools = [
+            e.mgr.host_pool if events and index_host_events and e.host_tier else None
+            for e in self.engines
+        ]
 
     def _route(self, req: Any) -> int:
         router = self.router
@@ -144,6 +164,9 @@ class Cluster:
                 e.step()
                 if events:
                     router.observe(i, e.pool.take_events())
+                    hp = self.host_pools[i]
+                    if hp is not None:
+                        router.observe(i, hp.take_events())
                 if not e.idle:
                     heapq.heappush(busy, (e.now, i))
                 done_steps += 1
@@ -179,7 +202,10 @@ class Cluster:
             summary["allocator_s"] / summary["wall_s"] if summary["wall_s"] > 0 else 0.0
         )
         summary["replicas"] = len(self.engines)
-        return ClusterResult(summary, per, self.router.describe(), results)
+        router = self.router.describe()
+        if self.router.needs_events and any(e.host_tier for e in self.engines):
+            router["indexes_host_events"] = any(hp is not None for hp in self.host_pools)
+        return ClusterResult(summary, per, router, results)
 
 
 def _replica_summary(rec: Recorder, mine: np.ndarray, full: Dict[str, Any]) -> Dict[str, Any]:
@@ -214,9 +240,12 @@ def _aggregate(
     for k in _SUM_KEYS:
         if k in per[0]:
             out[k] = sum(p[k] for p in per)
+    if "host_stats" in per[0]:
+        out["host_stats"] = {k: sum(p["host_stats"][k] for p in per) for k in per[0]["host_stats"]}
     stats = [e.pool.stats for e in engines]
     q = sum(s.query_tokens for s in stats)
-    out["token_hit_rate"] = sum(s.hit_tokens for s in stats) / q if q else 0.0
+    hits = sum(e._hit_tokens(s.hit_tokens) for e, s in zip(engines, stats))
+    out["token_hit_rate"] = hits / q if q else 0.0
     out["blocks_in_use_at_end"] = sum(int(p["blocks_in_use_at_end"]) for p in per)
     out["cached_blocks_at_end"] = sum(int(p["cached_blocks_at_end"]) for p in per)
     if "host_hit_tokens" in out:
@@ -246,8 +275,10 @@ def simulate_cluster(
     router: str = "round_robin",
     overlap_weight: Optional[float] = None,
     progress: Optional[Progress] = None,
+    index_host_events: bool = True,
 ) -> ClusterResult:
     """Replay ``workload`` on ``replicas`` engines behind ``router``; see :class:`Cluster`."""
     if len(workload) == 0:
         raise SimulationError("the workload has no requests")
-    return Cluster(workload, cfg, tm, replicas, router, overlap_weight).run(progress)
+    cl = Cluster(workload, cfg, tm, replicas, router, overlap_weight, index_host_events)
+    return cl.run(progress)

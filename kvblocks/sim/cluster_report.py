@@ -9,6 +9,7 @@ from .cluster import ClusterResult
 from .fmt import fmt_bytes, json_safe
 from .group_report import bill_lines, usage_lines
 from .models import MemoryBill
+from .prefixindex import HOST_CREDIT
 from .report import ROWS, _num, _pct, _secs
 
 __all__ = ["format_cluster", "cluster_json", "TIER_ROWS"]
@@ -17,8 +18,13 @@ __all__ = ["format_cluster", "cluster_json", "TIER_ROWS"]
 TIER_ROWS = [
     ("  from device memory", "prefix_hit_rate_device", _pct),
     ("  from the host tier", "prefix_hit_rate_host", _pct),
-    ("host -> device copies", "onload_blocks", _num),
-    ("device -> host copies", "offload_blocks", _num),
+    ("demotions to the host", "host_demotions", _num),
+    ("onloads (host -> device)", "onload_blocks", _num),
+    ("offloads (device -> host)", "offload_blocks", _num),
+    ("  of which write-through", "write_through_offload_blocks", _num),
+    ("host evictions", "host_evictions", _num),
+    ("demotions dropped", "host_dropped", _num),
+    ("PCIe time in steps", "transfer_s", _secs),
 ]
 
 _REPLICA_COLS = [
@@ -53,10 +59,10 @@ def format_cluster(
         f"replica   {fmt_bytes(bill.gpu_bytes)} GPU: {bill.num_blocks:,} blocks x {bill.block_size} "
         f"tokens ({bill.token_slots:,} token slots)" + (f"; {host_desc}" if host_desc else ""),
         *bill_lines(bill),
-        f"cluster   {n} replicas, router {_router_desc(res.router)}",
+        f"cluster   {n} replica{_s(n)}, router {_router_desc(res.router)}",
         f"engine    {cfg_desc}",
         "",
-        f"{'':<27}{f'cluster ({n} replicas)':>24}",
+        f"{'':<27}{f'cluster ({n} replica{_s(n)})':>24}",
     ]
     for label, key, fmt in ROWS:
         out.append(f"{label:<27}{fmt(s.get(key)):>24}")
@@ -88,12 +94,19 @@ def format_cluster(
     return "\n".join(out)
 
 
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"
+
+
 def _router_desc(router: Dict[str, Any]) -> str:
     name = router["router"]
     if name == "prefix_aware":
+        src = "KV events"
+        if router.get("indexes_host_events"):
+            src = f"device and host KV events, a host block counting {HOST_CREDIT:g}"
         return (
             f"prefix_aware (cost = {router['overlap_weight']:g} x prefill blocks + decode blocks, "
-            f"prefixes from KV events)"
+            f"prefixes from {src})"
         )
     return name
 

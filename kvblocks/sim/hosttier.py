@@ -29,6 +29,7 @@ both: pass ``--pcie-gbps 50``. The same bandwidth prices swap preemption.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any, Dict
 
 from .. import BlockManager
@@ -61,6 +62,11 @@ def host_cache_blocks(gib: float, block_bytes: int) -> int:
     512
     """
     blocks = int(gib * (1 << 30)) // max(1, block_bytes)
+    if gib > 0 and blocks == 0:
+        raise SimulationError(
+            f"--host-cache {gib:g} GiB holds no block of {block_bytes:,} bytes; give 0 for no "
+            "host tier, or more"
+        )
     if blocks > MAX_SIM_BLOCKS:
         raise SimulationError(
             f"--host-cache {gib:g} GiB makes {blocks:,} host blocks, more than the simulator's "
@@ -84,7 +90,11 @@ def host_manager_kwargs(cfg: Any) -> Dict[str, Any]:
         return {"num_host_blocks": swap}
     if not host_tier_available():
         raise SimulationError(HOST_TIER_MISSING)
-    return {"num_host_blocks": swap + cfg.host_cache_blocks + 1, "host_prefix_cache": True}
+    return {
+        "num_host_blocks": swap + cfg.host_cache_blocks + 1,
+        "host_prefix_cache": True,
+        "host_write_through": cfg.host_write_through,
+    }
 
 
 def transfer_seconds(blocks: int, block_bytes: int, pcie_gbps: float) -> float:
@@ -92,14 +102,6 @@ def transfer_seconds(blocks: int, block_bytes: int, pcie_gbps: float) -> float:
     return blocks * block_bytes / (pcie_gbps * 1e9)
 
 
-def host_stats_dict(mgr: Any) -> Dict[str, Any]:
-    """``mgr.host_stats`` as a plain dict (empty without a host tier)."""
-    stats = getattr(mgr, "host_stats", None)
-    if stats is None:
-        return {}
-    if hasattr(stats, "_asdict"):
-        return dict(stats._asdict())
-    try:
-        return dict(stats)
-    except (TypeError, ValueError):
-        return {k: getattr(stats, k) for k in dir(stats) if not k.startswith("_")}
+def host_stats_dict(mgr: Any) -> Dict[str, int]:
+    """``mgr.host_stats`` (a :class:`kvblocks.HostStats`) as a plain dict of its counters."""
+    return {k: int(v) for k, v in asdict(mgr.host_stats).items()}

@@ -33,12 +33,15 @@ done, then :meth:`PagedEngine.result` checks the pool and returns the :class:`Si
 cluster simulator can run several engines side by side through ``submit``, ``now``, ``idle``
 and ``step``. :func:`simulate_paged` is ``PagedEngine(workload, cfg, tm).run(progress)``.
 
+Between admission and compute, every step drains the manager's copy lists in the order the
+host tier requires (:mod:`kvblocks.sim.hostdrain`: offloads, onloads, then copy-on-write
+pairs); with a host tier (``cfg.host_cache_blocks``, :mod:`kvblocks.sim.hosttier`) the step
+also waits for its PCIe copies, and the report splits the prefix hits by tier.
+
 A cluster (:mod:`kvblocks.sim.cluster`) reads two load figures a real router gets from an
 engine's metrics: ``queued_tokens`` (prompt tokens waiting or still to prefill) and
 ``blocks_in_use`` (blocks referenced by running sequences); with ``enable_kv_events=True`` it
-drains ``pool.take_events()`` after every step. With a host tier (``cfg.host_cache_blocks``,
-:mod:`kvblocks.sim.hosttier`) the step also waits for its PCIe copies (``take_onloads`` /
-``take_offloads``), and the report splits the prefix hits by tier.
+drains ``pool.take_events()`` (and the host pool's) after every step.
 
 A request of prompt length P and output length O holds P + O - 1 tokens at its end (the last
 token is returned, never fed back). Time inside ``BlockManager`` calls is measured
@@ -56,6 +59,7 @@ import numpy as np
 from .. import BlockManager, OutOfBlocksError
 from .batching import SchedulerConfig, StepBudget
 from .errors import SimulationError
+from .hostdrain import StepCopies
 from .hosttier import host_manager_kwargs, host_stats_dict
 from .metrics import Recorder, SimResult
 from .progress import Progress, ProgressThrottle
@@ -205,9 +209,7 @@ class PagedEngine:
         # groups with a partly filled last block per sequence (all but state groups)
         self.tail_groups = sum(sh.copies for sh in self.shares if sh.group.kind != "state") or 1
         self.host_tier = cfg.host_cache_blocks > 0
-        # the host tier's drains (a build without the tier has none; host_manager_kwargs refused)
-        self._take_onloads: Any = getattr(self.mgr, "take_onloads", None)
-        self._take_offloads: Any = getattr(self.mgr, "take_offloads", None)
+        self.copies = StepCopies(cfg.block_bytes, tm.swap_bytes_per_s)  # the step's copy lists
         self.pool = self.mgr.pool
         self.usable = self.pool.num_blocks - 1  # blocks a sequence can get (not the null block)
         reqs = workload.requests
@@ -239,9 +241,6 @@ class PagedEngine:
         self.fork_requeued = 0  # siblings queued because their state copy found no room
         self.readd_cached = 0  # their tokens served by the prefix cache
         self.host_hit_tokens = 0  # first-admission prompt tokens served from the host tier
-        self.onload_blocks = 0  # host -> device copies (whole replay)
-        self.offload_blocks = 0  # device -> host copies (whole replay)
-        self._step_onloads = 0  # host -> device copies the current step waits for
 
     # ----------------------------------------------------------------------------- driving
 
@@ -274,6 +273,7 @@ class PagedEngine:
         self._prefill(budget)
         joined = self._admit(budget)
         self._joined = joined
+        self._drain()
         self._compute(n_dec, budget.completed)
         dt = self._advance(n_dec, budget.prefill_tokens, self.swapped_blocks - swapped_before)
         self._finish(n_dec, budget.completed, joined)
@@ -303,9 +303,14 @@ class PagedEngine:
 
     def result(self) -> SimResult:
         """Check the pool (every block must be free) and return the summary and the recorder."""
+        if self.host_tier:  # the last step's write-through offloads are still queued
+            self._drain()
         wall = _perf() - self.wall0
         t0 = _perf()
-        self.pool.check()
+        if self.host_tier:
+            self.mgr.check()  # both pools and the tier's references
+        else:
+            self.pool.check()
         check_s = _perf() - t0
         stats = self.pool.stats
         leaked = self.usable - self.pool.num_free
@@ -320,7 +325,7 @@ class PagedEngine:
                 "cache_lookups": stats.queries,  # BlockManager.add calls that looked up the cache
                 "lookup_blocks": stats.query_blocks,  # full blocks they looked up (re-admissions too)
                 "block_hits": stats.hit_blocks,  # of which found in the cache
-                "token_hit_rate": stats.hit_tokens / stats.query_tokens
+                "token_hit_rate": self._hit_tokens(stats.hit_tokens) / stats.query_tokens
                 if stats.query_tokens
                 else 0.0,
                 "recompute_readds": self.readds,
@@ -386,19 +391,27 @@ class PagedEngine:
             dtype=np.int64,
         )
 
+    def _hit_tokens(self, device_hit_tokens: int) -> int:
+        """First admissions' prompt tokens served from any tier."""
+        return device_hit_tokens + self.host_hit_tokens
+
     def _host_counters(self) -> Dict[str, Any]:
-        """Per-tier hits and PCIe copies (only with a host tier)."""
+        """Per-tier hits, the tier's counters and its PCIe copies (only with a host tier)."""
         if not self.host_tier:
             return {}
         prompt = int(self.rec.prompt_tokens.sum())
         cached = int(self.rec.cached_tokens.sum())
+        hs = host_stats_dict(self.mgr)
         return {
             "prefix_hit_rate_device": (cached - self.host_hit_tokens) / prompt if prompt else 0.0,
             "prefix_hit_rate_host": self.host_hit_tokens / prompt if prompt else 0.0,
+            "device_hit_tokens": cached - self.host_hit_tokens,
             "host_hit_tokens": self.host_hit_tokens,
-            "onload_blocks": self.onload_blocks,
-            "offload_blocks": self.offload_blocks,
-            "host_stats": host_stats_dict(self.mgr),
+            **self.copies.counters(),
+            "host_demotions": hs["demotions"],
+            "host_evictions": hs["evictions"],
+            "host_dropped": hs["dropped"],
+            "host_stats": hs,
         }
 
     # ----------------------------------------------------------------------------- the phases
@@ -432,8 +445,6 @@ class PagedEngine:
         n_dec = len(d.seqs)
         if n_dec:
             d.ctx += 1
-            if self.forked_live:
-                self.cow_copies += len(self._timed(mgr.take_copies))
         return n_dec
 
     def _prefill(self, budget: StepBudget) -> None:
@@ -480,17 +491,40 @@ class PagedEngine:
             budget.take_chunk(s)
         return joined
 
+    def _drain(self) -> None:
+        """Between 3 and 4: the step's copy lists, in order (offloads, onloads, copy-on-write
+        pairs; :mod:`kvblocks.sim.hostdrain`). Without a tier only the copies, when a forked
+        sequence can have made some."""
+        if not self.host_tier and not self.forked_live:
+            return
+        c = self.copies
+        t0 = _perf()
+        c.drain(self.mgr, self.host_tier, self.forked_live > 0)
+        self.alloc_s += _perf() - t0
+        self.cow_copies += c.cow
+
     def _compute(self, n_dec: int, completed: List[_Seq]) -> None:
-        """4. Declare what the step computes, so that its full blocks enter the prefix cache."""
+        """4. Declare what the step computes, so that its full blocks enter the prefix cache.
+
+        One ``schedule`` call for the whole step, as an engine makes one ``metadata`` call:
+        with write-through, the first call queues offloads and the core refuses another
+        ``schedule`` until they are drained."""
         mgr = self.mgr
         t0 = _perf()
-        if n_dec:
-            d = self.decoding
+        d = self.decoding
+        if completed:
+            ids = d.uid.tolist() if n_dec else []
+            qlens = [1] * n_dec
+            for s in completed:
+                ids.append(s.uid)
+                qlens.append(mgr.num_tokens(s.uid) - mgr.num_computed(s.uid))
+            mgr.schedule(ids, np.array(qlens, np.int32))
+        elif n_dec:
             mgr.schedule(
                 d.batch if d.batch is not None else d.uid.tolist(), np.ones(n_dec, np.int32)
             )
-        for s in completed:
-            mgr.schedule([s.uid], [mgr.num_tokens(s.uid) - mgr.num_computed(s.uid)])
+        if self.host_tier and self.cfg.host_write_through:
+            self.copies.after_schedule(mgr)
         self.alloc_s += _perf() - t0
 
     def _advance(self, n_dec: int, prefill_tokens: int, swapped_blocks: int) -> float:
@@ -501,12 +535,10 @@ class PagedEngine:
             (self.tm.kv_tokens_read(ctx) if self.tm.read_kinds else int(ctx.sum())) if n_dec else 0
         )
         moved = swapped_blocks
-        if self.host_tier:  # offloads, then onloads, serialized before the forward pass
-            off = len(self._timed(self._take_offloads))
-            self.offload_blocks += off
-            moved += off + self._step_onloads
-            self._step_onloads = 0
-        dt = self.tm.step(prefill_tokens, n_dec, kv_read, moved * self.cfg.block_bytes)
+        if self.host_tier:  # the drained copies, then the forward pass (hostdrain)
+            dt = self.copies.step_seconds(self.tm.step(prefill_tokens, n_dec, kv_read), moved)
+        else:
+            dt = self.tm.step(prefill_tokens, n_dec, kv_read, moved * self.cfg.block_bytes)
         waste = int(((-ctx) % bs).sum()) if n_dec else 0
         for s in self.prefilling:
             waste += -s.ctx % bs
@@ -588,6 +620,7 @@ class PagedEngine:
         i = s.req.index
         first = s.sample == 0 and s.gen == 0 and not np.isfinite(rec.admit[i])
         tokens = self._tokens(s)
+        onloads_before = self.mgr.num_pending_onloads if self.host_tier else 0
         t0 = _perf()
         try:
             cached = int(self.mgr.add(s.uid, tokens, recompute=not first))
@@ -596,11 +629,8 @@ class PagedEngine:
         finally:
             self.alloc_s += _perf() - t0
         host = 0
-        if self.host_tier:  # the prefix's host part comes back as (host, device) copies
-            onl = len(self._timed(self._take_onloads))
-            self._step_onloads += onl
-            self.onload_blocks += onl
-            host = min(cached, onl * self.cfg.block_size)
+        if self.host_tier:  # the prefix's host part: (host, device) copies for the drain
+            host = (self.mgr.num_pending_onloads - onloads_before) * self.cfg.block_size
         if first:
             rec.admit[i] = self.now
             rec.prompt_tokens[i] = ntok
