@@ -537,6 +537,9 @@ typedef struct kvb_tier {
     int64_t *off;              /* [2 * offcap] pending (device, host) offloads; each holds one
                                 * reference on its host block */
     int64_t noff, offcap;      /* pairs pending, capacity (int64 pairs) */
+    int64_t nwt;               /* of them, write-through copies queued since the drain started:
+                                * the step's own blocks, run by the next drain (schedule and
+                                * metadata do not wait for them) */
     int64_t *on;               /* [2 * oncap] pending (host, device) onloads; each holds one
                                 * reference on both blocks */
     int64_t non, oncap;        /* pairs pending, capacity (int64 pairs) */

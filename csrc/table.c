@@ -789,9 +789,9 @@ int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
     }
     KVB_CLEAR_ERR(m);
     if (m->ncopies) { m->err_a = m->ncopies; return KVB_EPENDING; }
-    if (KVB_UNLIKELY(m->pool->tier && (m->pool->tier->noff || m->pool->tier->non ||
-                                       m->pool->tier->ndem))) {
-        m->err_a = m->pool->tier->noff + m->pool->tier->non + m->pool->tier->ndem;
+    kvb_tier_t *t = m->pool->tier; /* the step's own write-through copies do not count */
+    if (KVB_UNLIKELY(t && (t->noff - t->nwt || t->non || t->ndem))) {
+        m->err_a = t->noff - t->nwt + t->non + t->ndem;
         m->err_what = "host-tier offloads or onloads are pending (take_offloads, take_onloads)";
         return KVB_EPENDING;
     }

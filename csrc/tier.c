@@ -172,7 +172,7 @@ KVB_NOINLINE void kvb_tier_stored(kvb_pool_t *p, int32_t b, const kvb_hash_t *pa
     /* content arriving with this drain (or a pending copy) is written through once evicted */
     if (!t->write_through || (p->flags[b] & (KVB_F_INFLIGHT | KVB_F_COPY_DST))) return;
     if (kvb_cache_find(t->host, &p->hash[b]) == KVB_NONE)
-        queue_offload(t, b, &p->hash[b], &t->parent[b], tokens);
+        t->nwt += queue_offload(t, b, &p->hash[b], &t->parent[b], tokens);
 }
 
 /* ---- onloads ---------------------------------------------------------------------------- */
@@ -238,7 +238,7 @@ int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out) {
     kvb_tier_flush(t); /* before settle: no deferred host block may take a demotion */
     int64_t n = t->noff;
     kvb_copy(out, t->off, (size_t)(2 * n) * sizeof *out);
-    t->noff = 0;
+    t->noff = t->nwt = 0;
     for (int64_t i = 0; i < n; i++) kvb_pool_release(t->host, (int32_t)out[2 * i + 1]);
     kvb_tier_settle(t);
     return n;
@@ -295,6 +295,7 @@ int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
         hrefs[hb]++;
     }
     if (t->ndem < 0 || t->ndem > t->demcap) TFAIL("pending demotions beyond capacity", t->ndem);
+    if (t->nwt < 0 || t->nwt > t->noff) TFAIL("write-through count beyond the offloads", t->nwt);
     for (int64_t i = 0; i < t->ndem; i++)
         if (t->dem[i].block <= 0 || t->dem[i].block >= p->num_blocks)
             TFAIL("pending demotion of an out-of-range block", t->dem[i].block);

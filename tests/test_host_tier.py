@@ -530,3 +530,33 @@ def test_an_eviction_is_on_the_host_for_the_next_lookup_of_the_same_step():
     assert sorted(off[:, 1].tolist()) == sorted(on[:, 0].tolist())  # written, then read
     assert mgr.host_stats.demotions == 2 and mgr.host_stats.hits == 2
     mgr.check()
+
+
+def test_write_through_copies_of_the_step_do_not_block_its_next_metadata():
+    """metadata/schedule queue write-through offloads for the blocks the step computes; they
+    run at the next drain, so a second metadata call of the same step (another batch or
+    group) goes on, while an eviction's offload still has to be drained first."""
+    mgr = tier(num_blocks=9, host=12, host_write_through=True)
+    mgr.add("a", [1, 2, 3, 4, 5])
+    mgr.add("b", [7, 8, 9])
+    mgr.metadata(["a"], [5])  # a's two full blocks: written through
+    assert mgr.num_pending_offloads == 2
+    mgr.metadata(["b"], [3])  # the same step's second batch
+    assert mgr.num_pending_offloads == 3
+    mgr.check()
+    mgr.take_offloads()
+    mgr.free("a")
+    mgr.free("b")
+    mgr.add("c", [20] * 16)  # evicts cached blocks already on the host: no copies
+    assert mgr.num_pending_offloads == 0
+    mgr.schedule(["c"], [16])
+    mgr.check()
+    mgr.free("c")
+    mgr.take_offloads()
+    mgr.add("d", [1, 2, 3, 4, 30] + [31] * 10)  # a's prefix onloaded from the host
+    with pytest.raises(InvalidStateError, match="pending"):
+        mgr.metadata(["d"], [11])  # its onloads must be drained first
+    mgr.take_offloads()
+    mgr.take_onloads()
+    mgr.metadata(["d"], [11])
+    mgr.check()
