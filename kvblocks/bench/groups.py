@@ -121,26 +121,27 @@ class _Decoding:
         return [mgr.blocks_in_use(i) - f for i, f in zip(self.ids, full)]
 
     def check_releases(self) -> None:
-        """The timed append_batch really releases: over BS more steps, each sequence's window
-        group releases exactly one block, inside append_batch, and never holds more than its
-        window needs. Without a window group: nothing is held beyond the full table."""
+        """The timed step really releases. Runs BS more steps exactly as the timed case does
+        (``before_append``, then ``append``): over them each sequence's window group must
+        release exactly one block, inside ``append`` (the untimed ``before_append`` releases
+        nothing), and never hold more than its window needs. Without a window group: nothing
+        held beyond the full table."""
         mgr = self.mgr
         mgr.check()
         if self.steps + BS >= SPAN:
             self.rebuild()
-        mgr.schedule(self.sb, self.ones)
         if not self.window:
             assert len(mgr.groups) == 1 and set(self.window_held()) == {0}
             return
         bound = self.window // BS + 2  # [q0 - W + 1, q0] spans at most W // BS + 2 blocks
-        start = self.window_held()
+        held = start = self.window_held()
         for _ in range(BS):
+            self.before_append()
+            assert self.window_held() == held, "the untimed part of the step released blocks"
             self.append()
             held = self.window_held()
-            assert max(held) <= bound, (max(held), bound)
-            mgr.schedule(self.sb, self.ones)
-            assert self.window_held() == held, "schedule released: append_batch did not"
-        assert self.window_held() == start, "the window group did not release one block each"
+            assert max(held) <= bound, f"a window group holds {max(held)} blocks (> {bound})"
+        assert held == start, "append_batch did not release one block per sequence in BS steps"
         table = mgr.block_table(0, group=1)
         assert table[0] == 0 and np.count_nonzero(table) <= bound
         mgr.check()
@@ -301,6 +302,7 @@ def release_scaling(ops: List[dict]) -> dict:
         row = out.setdefault(window, {"ns_per_seq": {}})
         row["ns_per_seq"][ctx] = round(o["results"]["kvblocks"]["ns_per_unit"], 2)
     for row in out.values():
+        row["ns_per_seq"] = dict(sorted(row["ns_per_seq"].items(), key=lambda kv: int(kv[0][:-1])))
         v = list(row["ns_per_seq"].values())
         row["spread"] = round(max(v) / min(v), 3) if min(v) > 0 else None
     return out
