@@ -153,7 +153,7 @@ def test_all_suites_json_to_stdout():
     assert p.returncode == 0, p.stderr
     assert p.stderr == ""  # no progress bar when stderr is not a terminal
     doc = json.loads(p.stdout)
-    assert list(doc["suites"]) == ["alloc", "prefix", "metadata", "tier"]
+    assert list(doc["suites"]) == ["alloc", "prefix", "metadata", "groups", "tier"]
     ids = [o["id"] for body in doc["suites"].values() for o in body["ops"]]
     assert len(ids) == len(set(ids))
     prefix = {o["id"]: o for o in doc["suites"]["prefix"]["ops"]}
@@ -185,6 +185,88 @@ def test_all_suites_json_to_stdout():
     assert all(set(o["speedup"]) == {"device-only"} for o in tier["ops"])
     assert set(tier["ratio_vs_device"]) == {o["id"] for o in tier["ops"]}
     assert tier["target_ratio"] == 2.0
+    groups = doc["suites"]["groups"]
+    assert [o["id"] for o in groups["ops"]] == GROUPS_OPS
+    assert all(set(o["speedup"]) == {"single-group"} for o in groups["ops"])
+    assert groups["target_ratio"] == {"append_batch": 2.0, "metadata/group0": 1.1}
+
+
+GROUPS_OPS = [
+    "append_batch/w=128/ctx=2k",
+    "append_batch/w=128/ctx=1k",
+    "append_batch/w=128/ctx=8k",
+    "append_batch/w=128/ctx=32k",
+    "append_batch/w=1024/ctx=1k",
+    "append_batch/w=1024/ctx=8k",
+    "append_batch/w=1024/ctx=32k",
+    "metadata/group0",
+    "metadata/group0/advancing",
+    "metadata/group1",
+]
+
+
+def test_groups_suite_ratios_and_scaling():
+    """The groups suite in-process: ratios and release scaling are computed from its rows."""
+    from kvblocks.bench import format_report
+    from kvblocks.bench import run as run_bench
+
+    doc = run_bench(["groups"], quick=True, max_samples=2, use_vllm=False).doc
+    body = doc["suites"]["groups"]
+    ops = {o["id"]: o for o in body["ops"]}
+    assert list(ops) == GROUPS_OPS and body["num_seqs"] == 256 and body["block_size"] == 16
+    assert doc["baselines"]["single-group"].startswith("the same call")
+    for i, r in body["ratio_vs_single"].items():
+        k, s = ops[i]["results"]["kvblocks"], ops[i]["results"]["single-group"]
+        assert r["p50"] == pytest.approx(k["p50_ns"] / s["p50_ns"], rel=1e-2)
+        assert r["p99"] == pytest.approx(k["p99_ns"] / s["p99_ns"], rel=1e-2)
+    assert set(body["ratio_vs_single"]) == set(GROUPS_OPS)  # every op has the baseline
+    scaling = body["release_scaling"]
+    assert list(scaling) == ["w=128", "w=1024"]
+    assert list(scaling["w=128"]["ns_per_seq"]) == ["1k", "2k", "8k", "32k"]
+    assert list(scaling["w=1024"]["ns_per_seq"]) == ["1k", "8k", "32k"]
+    for row in scaling.values():
+        v = list(row["ns_per_seq"].values())
+        assert row["spread"] == pytest.approx(max(v) / min(v), rel=1e-2)
+    one = ops["append_batch/w=1024/ctx=8k"]["results"]["kvblocks"]
+    assert scaling["w=1024"]["ns_per_seq"]["8k"] == pytest.approx(one["p50_ns"] / 256, abs=0.01)
+    text = format_report(doc)
+    assert "x single-group" in text and "full + window 1024" in text
+
+
+@pytest.mark.parametrize("window", [None, 128])
+def test_groups_check_accepts_the_timed_step(window):
+    from kvblocks.bench.groups import _Decoding
+
+    d = _Decoding(1024, window, 0)
+    for _ in range(40):  # the timed case: setup, then the call
+        d.before_append()
+        d.append()
+    d.check_releases()
+    held = d.window_held()
+    assert max(held) <= (window or 0) // 16 + 2 and (window is None) == (max(held) == 0)
+
+
+def test_groups_check_catches_a_step_that_releases_nothing(monkeypatch):
+    """The check fails when the timed call would not release: a window wider than every
+    context, or a step whose token is never computed (the window cannot move on)."""
+    from kvblocks.bench.groups import _Decoding
+
+    with pytest.raises(AssertionError, match="did not release one block per sequence"):
+        _Decoding(1024, 4096, 0).check_releases()
+    d = _Decoding(1024, 128, 0)
+    monkeypatch.setattr(d, "before_append", lambda: None)
+    with pytest.raises(AssertionError, match="did not release"):
+        d.check_releases()
+    d = _Decoding(1024, 128, 0)  # the untimed setup releases: the call would time no release
+
+    def two_steps() -> None:
+        d.mgr.schedule(d.sb, d.ones)
+        d.mgr.append_batch(d.sb, d.toks)
+        d.mgr.schedule(d.sb, d.ones)
+
+    monkeypatch.setattr(d, "before_append", two_steps)
+    with pytest.raises(AssertionError, match="the untimed part of the step released"):
+        d.check_releases()
 
 
 def test_compare_ratios(alloc_run, tmp_path):
@@ -246,10 +328,12 @@ def one_line_error(capsys, argv, *needles):
 @pytest.mark.parametrize(
     "argv, needles",
     [
-        (("bench", "allocs"), ("unknown suite 'allocs'", "alloc, prefix, metadata, tier, all")),
+        (
+            ("bench", "allocs"),
+            ("unknown suite 'allocs'", "alloc, prefix, metadata, groups, tier, all"),
+        ),
         (("bench", "alloc", "nope"), ("unknown suite 'nope'",)),
-        (("bench", "groups"), ("suite 'groups' is not available in this version",)),
-        (("bench", "groups", "alloc"), ("suite 'groups' is not available in this version",)),
+        (("bench", "groups", "group"), ("unknown suite 'group'",)),
         (("bench", "--samples", "0"), ("argument --samples: must be an integer in [1, 100,000]",)),
         (("bench", "--samples", "2.5"), ("argument --samples",)),
         (("bench", "--samples=-3"), ("argument --samples",)),
@@ -449,8 +533,8 @@ def test_bench_script_is_a_thin_caller(tmp_path):
 def test_python_api():
     import kvblocks.bench as kb
 
-    assert kb.SUITES == ("alloc", "prefix", "metadata", "tier")
+    assert kb.SUITES == ("alloc", "prefix", "metadata", "groups", "tier")
     assert isinstance(kb.BenchError("x"), ValueError)
-    with pytest.raises(kb.BenchError, match="not available in this version"):
-        kb.run(["groups"])
+    with pytest.raises(kb.BenchError, match="unknown suite 'group'"):
+        kb.run(["group"])
     assert callable(kb.run) and callable(kb.format_report)

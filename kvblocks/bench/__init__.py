@@ -1,9 +1,10 @@
 """``kvblocks bench``: allocation-latency microbenchmarks for your own hardware.
 
-Suites ``alloc``, ``prefix`` and ``metadata`` (``all`` for the three) time kvblocks' allocator
-and, in the same run and the same harness, a bundled pure-Python vLLM-style block pool
-(:mod:`kvblocks.bench.pybaseline`), numpy metadata builders, and vLLM's own ``BlockPool`` when
-``vllm`` is importable. For every operation: p50, p99 and ns per block or per call, with the
+Suites ``alloc``, ``prefix``, ``metadata``, ``groups`` and ``tier`` (``all`` for the five)
+time kvblocks' allocator and, in the same run and the same harness, a bundled pure-Python
+vLLM-style block pool (:mod:`kvblocks.bench.pybaseline`), numpy metadata builders, vLLM's own
+``BlockPool`` when ``vllm`` is importable, and the same calls with one KV cache group
+(``groups``) or without a host tier (``tier``). For every operation: p50, p99 and ns per block or per call, with the
 timer overhead measured and subtracted and GC off (method: :mod:`kvblocks.bench.timing`).
 
 From Python::

@@ -29,8 +29,11 @@ suites:
   tier       the host tier of the prefix cache against the same calls without one: evicting
              allocation with demotion (write-back, write-through), caching with write-through,
              add and probe of a prompt cached on the host (docs/host-tier.md)
-  all        the four above (the default)
-  groups     not available in this version
+  groups     KV cache groups (full + sliding window) against one full group: append_batch of a
+             decode step over 256 sequences that releases what the window left behind (2K
+             context; 1K, 8K and 32K with windows 128 and 1,024), metadata of one group
+             (docs/hybrid-models.md)
+  all        the five above (the default)
 
 Every operation is also timed, in the same run and the same harness, on the bundled
 pure-Python vLLM-style pool (and on vLLM's own BlockPool when vllm is importable);
@@ -71,7 +74,7 @@ def add_command(sub: "argparse._SubParsersAction") -> None:
         "suites",
         nargs="*",
         metavar="SUITE",
-        help="alloc, prefix, metadata, tier or all (default all)",
+        help="alloc, prefix, metadata, groups, tier or all (default all)",
     )
     p.add_argument("--quick", action="store_true", help="fewer samples: seconds per suite, noisier")
     p.add_argument(

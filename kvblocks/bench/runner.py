@@ -21,13 +21,10 @@ from .errors import BenchError
 from .machine import describe_machine
 from .timing import Settings, calibrate, run_ops
 
-__all__ = ["SCHEMA", "SUITES", "UNAVAILABLE", "BenchRun", "resolve_suites", "run"]
+__all__ = ["SCHEMA", "SUITES", "BenchRun", "resolve_suites", "run"]
 
 SCHEMA = "kvblocks-bench/1"
-SUITES = ("alloc", "prefix", "metadata", "tier")
-UNAVAILABLE = {  # accepted names of suites whose features are not in this version
-    "groups": "it needs KV cache groups (sliding-window and full-attention layers), not built yet",
-}
+SUITES = ("alloc", "prefix", "metadata", "groups", "tier")
 WARMUP_NOTE = (
     "warm-up: each operation ran untimed samples first (>= {ms:g} ms), and each of the "
     "{rounds} interleaved rounds starts with one untimed sample; pool builds are timed cold"
@@ -45,6 +42,7 @@ BASELINES = {
     "numpy-list": "numpy from one block-table array per sequence",
     "numpy-2d": "numpy from a padded [B, max_blocks] table (vLLM InputBatch style)",
     "device-only": "the same call on a BlockManager without a host tier (suite tier)",
+    "single-group": "the same call on a BlockManager with the one default full group (suite groups)",
 }
 
 
@@ -56,10 +54,6 @@ def resolve_suites(names: Sequence[str]) -> List[str]:
             todo = list(SUITES)
         elif name in SUITES:
             todo = [name]
-        elif name in UNAVAILABLE:
-            raise BenchError(
-                f"suite {name!r} is not available in this version: {UNAVAILABLE[name]}"
-            )
         else:
             raise BenchError(f"unknown suite {name!r} (choose from {', '.join(SUITES)}, all)")
         out += [t for t in todo if t not in out]
@@ -73,6 +67,8 @@ def _builder(name: str) -> Callable:
         from .prefix import build
     elif name == "tier":
         from .tier import build
+    elif name == "groups":
+        from .groups import build
     else:
         from .metadata import build
     return build
@@ -167,6 +163,11 @@ def run(
             from .tier import tier_ratios
 
             doc["suites"][name]["ratio_vs_device"] = tier_ratios(rows)
+        elif name == "groups":
+            from .groups import group_ratios, release_scaling
+
+            doc["suites"][name]["ratio_vs_single"] = group_ratios(rows)
+            doc["suites"][name]["release_scaling"] = release_scaling(rows)
         result.samples[name] = raw
         del ops
     doc["load_average"] = {"start": load_start, "end": _loadavg()}
