@@ -151,13 +151,15 @@ int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
         if (need > p->num_free + gain) return out_of_blocks(g[0], need, p->num_free + gain);
     }
     for (int32_t j = 0; windowed && j < G; j++)
-        if (g[j]->kind == KVB_G_WINDOW || g[j]->kind == KVB_G_CHUNK)
+        if (g[j]->kind == KVB_G_WINDOW || g[j]->kind == KVB_G_CHUNK) {
             for (int64_t i = 0; i < n; i++) kvb_mgr_move_release(g[j], slots[i], 1);
-    for (int32_t j = 0; j < G; j++) {
-        int rc = kvb_mgr_append_batch(g[j], slots, tokens, n);
-        if (rc) return fail_from(g, j, rc); /* validation fails in the first group */
-    }
-    return KVB_OK;
+            g[j]->released = 1; /* its append_batch skips its own release pass */
+        }
+    int rc = KVB_OK;
+    int32_t j = 0;
+    for (; j < G && !rc; j++) rc = kvb_mgr_append_batch(g[j], slots, tokens, n);
+    for (int32_t k = 0; k < G; k++) g[k]->released = 0;
+    return rc ? fail_from(g, j - 1, rc) : KVB_OK; /* validation fails in the first group */
 }
 
 int kvb_grp_reserve(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t n) {

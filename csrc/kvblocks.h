@@ -327,6 +327,7 @@ typedef struct {
     int64_t span;              /* window (WINDOW), chunk (CHUNK) or blocks (STATE); 0 (FULL) */
     uint8_t gidx;              /* group index (events) */
     int caching;               /* the pool caches and the kind can be cached (not STATE) */
+    int released;              /* groups.c released this batch's blocks already (append_batch) */
     uint8_t *hit;              /* [hitcap] add's scratch: which leading blocks are cached */
     int64_t hitcap;
     int64_t *copies;           /* [2 * ccap] pending (src, dst) copy-on-write pairs; each

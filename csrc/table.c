@@ -750,7 +750,7 @@ int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *toke
     if (KVB_UNLIKELY(kvb_grow((void **)&m->copies, &m->ccap, 2 * (m->ncopies + n),
                               sizeof *m->copies)))
         return KVB_ENOMEM;
-    if (m->kind != KVB_G_FULL) /* window / chunk: release before allocating */
+    if (m->kind != KVB_G_FULL && !m->released) /* window / chunk: release, then allocate */
         for (int64_t i = 0; i < n; i++) {
             kvb_seq_t *s = &m->seqs[slots[i]];
             release_for(m, s, s->ntokens + 1, INT64_MAX);
