@@ -259,7 +259,7 @@ class GroupsEngineMachine(EngineMachine):
     """EngineMachine over a manager with random KV cache groups (see the module)."""
 
     @initialize(
-        num_blocks=st.integers(6, 40),
+        num_blocks=st.integers(8, 48),
         bs=st.sampled_from([1, 2, 3, 4]),
         host=st.sampled_from([0, 24, 48]),
         caching=st.sampled_from([True, True, False]),
@@ -363,10 +363,33 @@ class GroupsEngineMachine(EngineMachine):
             f"metadata([{sid!r}], [{q}], group={bad[0]}) reads released blocks but was accepted"
         )
 
+    @rule(data=st.data(), rounds=st.integers(1, 12))
+    def decode_steps(self, data, rounds):
+        """A few decode steps in a row for some running sequences (commit one token each,
+        drain, forward), so that sequences outgrow their windows and chunks."""
+        running = self._running()
+        if not running:
+            return
+        batch = data.draw(st.lists(st.sampled_from(running), unique=True, min_size=1, max_size=4))
+        for i in range(rounds):
+            self.rb.drain(swaps_first=self.swaps_first)
+            self.rb.forward(batch)
+            try:
+                self.rb.append_batch(batch, [(7 * i + len(batch)) % 50] * len(batch))
+            except OutOfBlocksError:
+                return
+
     @invariant()
     def every_sequence_reads_back_its_kv(self):
         super().every_sequence_reads_back_its_kv()
-        if hasattr(self, "rb"):
-            for sid in self.rb.expected:
-                if any(self._released(sid, g) for g in range(len(self.groups))):
-                    event("a group released blocks")
+        if not hasattr(self, "rb"):
+            return
+        for sid, e in self.rb.expected.items():
+            if e.swapped:
+                event("a sequence swapped out")
+                continue
+            for g, group in enumerate(self.groups):
+                if self._released(sid, g):
+                    event(f"a {group.kind} group released blocks")
+            if e.state is not None and self.rb.settled:
+                event("a state read back")
