@@ -19,6 +19,7 @@ import kvblocks.stats
 import kvblocks.storage
 import kvblocks.testing.readback
 import kvblocks.testing.reference
+import kvblocks.testing.strategies
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -35,6 +36,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
         kvblocks.storage,
         kvblocks.testing.readback,
         kvblocks.testing.reference,
+        kvblocks.testing.strategies,
         kvblocks.sim.hybrid_models,
         kvblocks.sim.group_report,
         kvblocks.sim.models,
@@ -51,7 +53,7 @@ def test_testing_guide_examples_run(tmp_path, monkeypatch):
     root = README.parent
     monkeypatch.chdir(root)
     blocks = re.findall(r"```python\n(.*?)```", (root / "docs" / "testing.md").read_text(), re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     for code in blocks:
         ns: dict = {"__name__": "docs_testing"}
         exec(compile(code, "docs/testing.md", "exec"), ns)

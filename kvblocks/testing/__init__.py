@@ -5,7 +5,8 @@
 * :class:`KVReadback`: device and host K/V caches next to a manager, checking that every
   sequence reads back exactly its own K/V;
 * :mod:`kvblocks.testing.strategies`: hypothesis strategies (workloads, hostile inputs);
-* :class:`EngineMachine`: a hypothesis state machine that runs a manager as an engine does.
+* :class:`EngineMachine`: a hypothesis state machine that runs a manager as an engine does;
+  :class:`GroupsEngineMachine` the same over random KV cache groups.
 
 The last two need hypothesis; importing this package does not.
 """
@@ -15,6 +16,7 @@ from .reference import ReferenceManager, ReferenceMetadata, ReferencePool, same_
 
 __all__ = [
     "EngineMachine",
+    "GroupsEngineMachine",
     "KVReadback",
     "ReadbackError",
     "ReferenceManager",
@@ -28,8 +30,8 @@ __all__ = [
 def __getattr__(name):  # hypothesis only when these are used
     import importlib
 
-    if name == "EngineMachine":
-        return importlib.import_module(__name__ + ".machines").EngineMachine
+    if name in ("EngineMachine", "GroupsEngineMachine"):
+        return getattr(importlib.import_module(__name__ + ".machines"), name)
     if name == "strategies":
         return importlib.import_module(__name__ + ".strategies")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

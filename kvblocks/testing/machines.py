@@ -13,11 +13,20 @@ the step that computes it, and pools are small, so eviction is frequent.
 
 An engine (or another allocator with the BlockManager interface) subclasses it and overrides
 :meth:`EngineMachine.make_manager`; ``TestEngine = MyMachine.TestCase`` runs it under pytest.
-Needs hypothesis.
+
+:class:`GroupsEngineMachine` runs the same workload over a manager with random KV cache
+groups (:func:`~kvblocks.testing.strategies.group_configs`): every step builds the metadata
+of every group, and after every rule each live sequence reads back, per group, exactly the
+history its next step reads (see :class:`~kvblocks.testing.KVReadback`). It adds steps that
+recompute from inside the computed positions (allowed only where no group released what the
+step reads: the others must be refused), and checks that ``truncate`` refuses exactly the
+cuts the release rule forbids. Needs hypothesis.
 """
 
 from __future__ import annotations
 
+import numpy as np
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -32,9 +41,10 @@ from hypothesis.stateful import (
 
 from .._core import BlockManager
 from ..errors import InvalidStateError, OutOfBlocksError
-from .readback import KVReadback
+from .readback import KVReadback, ReadbackError, first_needed
+from .strategies import group_configs
 
-__all__ = ["EngineMachine", "PREFIXES"]
+__all__ = ["EngineMachine", "GroupsEngineMachine", "PREFIXES"]
 
 #: a few shared prefixes (system prompts) so that prompts share blocks and the cache hits
 PREFIXES = [list(range(1, 17)), [1, 2, 3, 4, 9, 9, 9, 9, 5, 5], [7] * 16]
@@ -50,14 +60,22 @@ class EngineMachine(RuleBasedStateMachine):
     swaps_first = True
 
     def make_manager(
-        self, num_blocks: int, block_size: int, *, num_host_blocks: int, enable_prefix_caching: bool
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        num_host_blocks: int,
+        enable_prefix_caching: bool,
+        groups=None,
     ):
-        """The manager under test (override to test another one)."""
+        """The manager under test (override to test another one). ``groups`` is given by
+        :class:`GroupsEngineMachine` only."""
         return BlockManager(
             num_blocks,
             block_size,
             num_host_blocks=num_host_blocks,
             enable_prefix_caching=enable_prefix_caching,
+            groups=groups,
         )
 
     @initialize(
@@ -235,3 +253,143 @@ class EngineMachine(RuleBasedStateMachine):
         self.mgr.check()
         if self.rb.settled:
             self.rb.assert_all()
+
+
+class GroupsEngineMachine(EngineMachine):
+    """EngineMachine over a manager with random KV cache groups (see the module)."""
+
+    @initialize(
+        num_blocks=st.integers(8, 48),
+        bs=st.sampled_from([1, 2, 3, 4]),
+        host=st.sampled_from([0, 24, 48]),
+        caching=st.sampled_from([True, True, False]),
+        kind=st.sampled_from(EngineMachine.layout_kinds),
+        joint=st.booleans(),
+        groups=group_configs(),
+    )
+    def setup(self, num_blocks, bs, host, caching, kind, joint, groups):
+        self.mgr = self.make_manager(
+            num_blocks, bs, num_host_blocks=host, enable_prefix_caching=caching, groups=groups
+        )
+        self.rb = KVReadback(self.mgr, kind=kind, joint=joint)
+        self.groups = tuple(groups)
+        self.bs = bs
+        self.next_id = 0
+        self.conversations = []
+
+    # -- what the release rule allows --------------------------------------------------------
+    def _tables(self, sid):
+        return [self.rb._table(sid, g).tolist() for g in range(len(self.groups))]
+
+    def _released(self, sid, g) -> int:
+        """Leading null entries of group g's table: the blocks it released."""
+        table = self.rb._table(sid, g)
+        return int(np.argmax(table != 0)) if (table != 0).any() else len(table)
+
+    def _reads_released(self, sid, computed, ntokens, query_start=None):
+        """The groups whose step (``query_start``) or whose next step after a truncate to
+        ``ntokens`` would read a block they released."""
+        return [
+            g
+            for g, group in enumerate(self.groups)
+            if group.kind != "state"
+            and self._released(sid, g)
+            and (
+                ntokens == 0
+                or first_needed(group, computed, ntokens, query_start) // self.bs
+                < self._released(sid, g)
+            )
+        ]
+
+    @rule(sid=EngineMachine.seqs, back=st.integers(0, 6))
+    def truncate(self, sid, back):
+        """Roll back: refused (nothing changed) exactly when the shorter sequence's next step
+        would read a released block, or a state group would lose computed tokens."""
+        if not self._is_running(sid):
+            return
+        n, nc = len(self.rb.tokens(sid)), self.rb.num_computed(sid)
+        k = max(0, n - back)
+        refuse = bool(self._reads_released(sid, min(nc, k), k)) or (
+            k < nc and any(g.kind == "state" for g in self.groups)
+        )
+        before = self._tables(sid)
+        try:
+            self.rb.truncate(sid, k)
+        except InvalidStateError:
+            if not refuse:
+                raise
+            assert self._tables(sid) == before and len(self.rb.tokens(sid)) == n
+            return
+        if refuse:
+            raise ReadbackError(f"truncate({sid!r}, {k}) from {n} ({nc} computed) accepted")
+
+    @precondition(lambda self: not self.rb.pending_swaps)
+    @rule(target=EngineMachine.seqs, parent=EngineMachine.seqs)
+    def fork(self, parent):
+        """Fork; a state group copies the parent's state at once (it may not fit)."""
+        if not self._is_running(parent):
+            return multiple()
+        child = self._new_id()
+        try:
+            self.rb.fork(parent, child)
+        except OutOfBlocksError:
+            return multiple()
+        return child
+
+    @rule(sid=EngineMachine.seqs, back=st.integers(1, 10))
+    def recompute(self, sid, back):
+        """A step whose query starts ``back`` positions inside the computed ones (an engine
+        recomputing a tail): it runs when no group released what it reads; otherwise the
+        first such group's metadata refuses it and nothing changes."""
+        if not self._is_running(sid):
+            return
+        n, nc = len(self.rb.tokens(sid)), self.rb.num_computed(sid)
+        back = min(back, nc)
+        if not back:
+            return
+        q = n - nc + back
+        self.rb.drain(swaps_first=self.swaps_first)
+        bad = self._reads_released(sid, nc, n, n - q)
+        if not bad:
+            self.rb.forward([sid], [q])
+            return
+        before = self._tables(sid)
+        try:
+            self.mgr.metadata([sid], [q], group=bad[0])
+        except InvalidStateError:
+            assert self._tables(sid) == before
+            return
+        raise ReadbackError(
+            f"metadata([{sid!r}], [{q}], group={bad[0]}) reads released blocks but was accepted"
+        )
+
+    @rule(data=st.data(), rounds=st.integers(1, 12))
+    def decode_steps(self, data, rounds):
+        """A few decode steps in a row for some running sequences (commit one token each,
+        drain, forward), so that sequences outgrow their windows and chunks."""
+        running = self._running()
+        if not running:
+            return
+        batch = data.draw(st.lists(st.sampled_from(running), unique=True, min_size=1, max_size=4))
+        for i in range(rounds):
+            self.rb.drain(swaps_first=self.swaps_first)
+            self.rb.forward(batch)
+            try:
+                self.rb.append_batch(batch, [(7 * i + len(batch)) % 50] * len(batch))
+            except OutOfBlocksError:
+                return
+
+    @invariant()
+    def every_sequence_reads_back_its_kv(self):
+        super().every_sequence_reads_back_its_kv()
+        if not hasattr(self, "rb"):
+            return
+        for sid, e in self.rb.expected.items():
+            if e.swapped:
+                event("a sequence swapped out")
+                continue
+            for g, group in enumerate(self.groups):
+                if self._released(sid, g):
+                    event(f"a {group.kind} group released blocks")
+            if e.state is not None and self.rb.settled:
+                event("a state read back")

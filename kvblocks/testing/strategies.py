@@ -1,7 +1,7 @@
 """Hypothesis strategies for kvblocks: workloads and hostile inputs.
 
 Workloads: :func:`token_lists`, :func:`prompts` (prompts that share prefixes, so the prefix
-cache hits).
+cache hits); KV cache group configurations: :func:`group_configs`.
 
 Hostile inputs are *recipes*: a :class:`Hostile` builds the actual argument for one manager
 with ``make(target, log)``, so a side-by-side test gives the core and the reference model
@@ -29,11 +29,14 @@ from typing import Any, Callable, List, Optional, Sequence
 import numpy as np
 from hypothesis import strategies as st
 
+from ..groups import KVGroup
+
 __all__ = [
     "Hostile",
     "Effect",
     "token_lists",
     "prompts",
+    "group_configs",
     "effects",
     "seq_ids",
     "seq_id_iterables",
@@ -52,6 +55,32 @@ HUGE = (2**31, 2**32 + 1, 2**62, 2**63 - 1, 2**63, 2**64, 2**100)
 # ---------------------------------------------------------------------------------------------
 def token_lists(*, min_size: int = 0, max_size: int = 24, vocab: int = 50):
     return st.lists(st.integers(0, vocab), min_size=min_size, max_size=max_size)
+
+
+def group_configs(*, max_span: int = 9, max_state: int = 2):
+    """``groups=`` tuples for ``BlockManager``: full + sliding window, full + chunked local,
+    full + state, a sliding window alone, and mixes of up to three groups of any kind.
+    Windows and chunks take 1..``max_span`` tokens (with blocks of 1 to 4 tokens: smaller and
+    larger than a block, and on a block boundary), states 1..``max_state`` blocks.
+
+    >>> from hypothesis import given
+    >>> @given(group_configs())
+    ... def test(groups):
+    ...     assert 1 <= len(groups) <= 3 and all(isinstance(g, KVGroup) for g in groups)
+    >>> test()
+    """
+    spans = st.integers(1, max_span)
+    full = st.just(KVGroup("full"))
+    window = spans.map(lambda w: KVGroup("sliding_window", window=w))
+    chunk = spans.map(lambda c: KVGroup("chunked_local", chunk=c))
+    state = st.integers(1, max_state).map(lambda b: KVGroup("state", blocks=b))
+    return st.one_of(
+        st.tuples(full, window),
+        st.tuples(full, chunk),
+        st.tuples(full, state),
+        st.tuples(window),
+        st.lists(st.one_of(window, chunk, state, full), min_size=1, max_size=3).map(tuple),
+    )
 
 
 def prompts(prefixes: Sequence[Sequence[int]], *, max_tail: int = 8, vocab: int = 50):
