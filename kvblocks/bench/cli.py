@@ -35,9 +35,10 @@ suites:
              (docs/hybrid-models.md)
   all        the five above (the default)
 
-Every operation is also timed, in the same run and the same harness, on the bundled
-pure-Python vLLM-style pool (and on vLLM's own BlockPool when vllm is importable);
-"x python" is its p50 over kvblocks' p50. See docs/benchmarking.md.
+Every operation is also timed, in the same run and the same harness, against a baseline:
+alloc and prefix on the bundled pure-Python vLLM-style pool (and on vLLM's own BlockPool when
+vllm is importable; "x python" is its p50 over kvblocks' p50), metadata on numpy, tier on a
+manager without a host tier, groups on a single full group. See docs/benchmarking.md.
 
 examples:
   kvblocks bench alloc
@@ -66,7 +67,7 @@ def add_command(sub: "argparse._SubParsersAction") -> None:
         help="allocation-latency microbenchmarks on this machine, against a pure-Python pool",
         description="Time kvblocks' allocator on this machine: p50, p99 and ns per block or call "
         "for every operation, timer overhead subtracted, GC off, with same-run ratios against a "
-        "pure-Python vLLM-style block pool.",
+        "baseline (a pure-Python vLLM-style block pool, numpy, or kvblocks without the feature).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
