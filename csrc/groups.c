@@ -135,11 +135,24 @@ int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
         growing += g[j]->kind != KVB_G_STATE;
         windowed += g[j]->kind == KVB_G_WINDOW || g[j]->kind == KVB_G_CHUNK;
     }
-    if (windowed || n > p->num_free / (growing ? growing : 1)) {
-        int rc = kvb_mgr_batch_check(g[0], slots, n);
+    /* One token takes at most one block per sequence and growing group (a new block or one
+     * copy-on-write copy). When that bound fits, two passes per group: prepare (the first
+     * group validates; window groups release) in every group, then commit in every group, so
+     * every release still comes before any allocation. Validation runs before any release:
+     * in the first group's prepare, or first of all when that group releases itself. */
+    if (n <= p->num_free / (growing ? growing : 1)) {
+        int first_releases = g[0]->kind == KVB_G_WINDOW || g[0]->kind == KVB_G_CHUNK;
+        int rc = first_releases ? kvb_mgr_batch_check(g[0], slots, n) : KVB_OK;
         if (rc) return rc;
+        int32_t j = 0;
+        for (; j < G && !rc; j++) rc = kvb_mgr_batch_prepare(g[j], slots, n, !j && !first_releases);
+        for (int32_t k = 0; k < G && !rc; k++) rc = kvb_mgr_batch_commit(g[k], slots, tokens, n);
+        for (int32_t k = 0; k < G; k++) g[k]->released = 0;
+        return rc ? fail_from(g, j - 1, rc) : KVB_OK; /* validation fails in the first group */
     }
-    if (n > p->num_free / (growing ? growing : 1)) {
+    int rc0 = kvb_mgr_batch_check(g[0], slots, n); /* tight: count exactly, then as above */
+    if (rc0) return rc0;
+    {
         int64_t need = 0, gain = 0;
         for (int32_t j = 0; j < G; j++) {
             int64_t nj = 0;

@@ -406,6 +406,12 @@ int64_t kvb_mgr_release_gain(const kvb_mgr_t *m, int32_t slot, int64_t n);
 void kvb_mgr_move_release(kvb_mgr_t *m, int32_t slot, int64_t n);
 /* append_batch's validation alone (unknown, twice, swapped out), error detail as it sets. */
 int kvb_mgr_batch_check(kvb_mgr_t *m, const int32_t *slots, int64_t n);
+/* append_batch in two phases, for groups.c when the step surely fits: prepare validates (when
+ * `validate`; the first group), makes room for one more token and, in a window / chunk group,
+ * releases what the step leaves behind (flagging m->released); commit appends (and clears
+ * nothing: groups.c clears m->released). */
+int kvb_mgr_batch_prepare(kvb_mgr_t *m, const int32_t *slots, int64_t n, int validate);
+int kvb_mgr_batch_commit(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n);
 
 /* add, in phases, for groups.c (kvb_mgr_add runs them for one group):
  * prepare: hashes of the prompt in the next free slot (not yet live) and, in ok[0..kmax],

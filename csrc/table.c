@@ -710,28 +710,43 @@ int kvb_mgr_batch_check(kvb_mgr_t *m, const int32_t *slots, int64_t n) {
     return KVB_OK;
 }
 
-/* The decode step: one token for each of n sequences, one call. */
-int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n) {
+/* append_batch's first pass over the batch: validation (unknown, twice, swapped out) when
+ * `validate`, capacity for one more token, and in *need_out (unless NULL) an upper bound of the
+ * blocks the step takes (one per sequence whose write block is missing or shared). With
+ * `release` (groups.c, once the step is known to fit) a window / chunk group also releases,
+ * sequence by sequence. */
+static int batch_prepare(kvb_mgr_t *m, const int32_t *slots, int64_t n, int validate,
+                         int release, int64_t *need_out) {
     kvb_pool_t *p = m->pool;
-    KVB_CLEAR_ERR(m);
-    uint32_t stamp = next_stamp(m);
+    uint32_t stamp = validate ? next_stamp(m) : 0;
     int64_t need = 0;
     for (int64_t i = 0; i < n; i++) {
-        kvb_seq_t *s = live_seq(m, slots[i]);
-        m->err_a = i;
-        m->err_b = slots[i];
-        if (KVB_UNLIKELY(!s)) return KVB_EUNKNOWN;
-        if (KVB_UNLIKELY(s->stamp == stamp)) return KVB_EDUP;
-        if (KVB_UNLIKELY(s->swapped)) return KVB_ESWAPPED;
-        s->stamp = stamp;
+        kvb_seq_t *s = validate ? live_seq(m, slots[i]) : &m->seqs[slots[i]];
+        if (validate) {
+            m->err_a = i;
+            m->err_b = slots[i];
+            if (KVB_UNLIKELY(!s)) return KVB_EUNKNOWN;
+            if (KVB_UNLIKELY(s->stamp == stamp)) return KVB_EDUP;
+            if (KVB_UNLIKELY(s->swapped)) return KVB_ESWAPPED;
+            s->stamp = stamp;
+        }
         int64_t w = blk_of(m, s->ntokens);
-        if (w >= s->nblocks || p->ref_count[s->blocks[w]] > 1) need++; /* upper bound */
+        if (need_out && (w >= s->nblocks || p->ref_count[s->blocks[w]] > 1)) need++; /* bound */
         if (KVB_UNLIKELY(s->ntokens + 1 > s->tcap || s->nblocks + 1 > s->bcap ||
                          (m->caching && w + 1 > s->hcap))) {
             if (reserve_capacity(m, s, 1, 1)) return KVB_ENOMEM;
         }
+        if (release) release_for(m, s, s->ntokens + 1, INT64_MAX); /* never the write block */
     }
     m->err_a = m->err_b = 0;
+    if (need_out) *need_out = need;
+    return KVB_OK;
+}
+
+/* append_batch's mutation, once the step is known to fit: window release (unless groups.c
+ * released already), then one token per sequence. */
+static int batch_commit(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n) {
+    kvb_pool_t *p = m->pool;
     if (m->kind == KVB_G_STATE) { /* tokens only: the state blocks do not grow */
         for (int64_t i = 0; i < n; i++) {
             kvb_seq_t *s = &m->seqs[slots[i]];
@@ -739,13 +754,6 @@ int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *toke
             s->drafted = 0;
         }
         return KVB_OK;
-    }
-    if (KVB_UNLIKELY(need > p->num_free)) { /* count exactly, with what release frees */
-        if (exact_batch_need(m, slots, n, 1, &need)) return KVB_ENOMEM;
-        int64_t have = p->num_free;
-        for (int64_t i = 0; m->kind != KVB_G_FULL && i < n; i++)
-            have += gain_for(m, &m->seqs[slots[i]], m->seqs[slots[i]].ntokens + 1);
-        if (need > have) return out_of_blocks(m, need, have);
     }
     if (KVB_UNLIKELY(kvb_grow((void **)&m->copies, &m->ccap, 2 * (m->ncopies + n),
                               sizeof *m->copies)))
@@ -772,6 +780,36 @@ int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *toke
         if (off_in(m, t + 1) == 0 && m->caching) hash_new_blocks(m, s);
     }
     return KVB_OK;
+}
+
+/* The decode step: one token for each of n sequences, one call. */
+int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n) {
+    kvb_pool_t *p = m->pool;
+    KVB_CLEAR_ERR(m);
+    int64_t need = 0;
+    int rc = batch_prepare(m, slots, n, 1, 0, &need);
+    if (rc) return rc;
+    if (m->kind != KVB_G_STATE && KVB_UNLIKELY(need > p->num_free)) {
+        /* count exactly, with what release frees */
+        if (exact_batch_need(m, slots, n, 1, &need)) return KVB_ENOMEM;
+        int64_t have = p->num_free;
+        for (int64_t i = 0; m->kind != KVB_G_FULL && !m->released && i < n; i++)
+            have += gain_for(m, &m->seqs[slots[i]], m->seqs[slots[i]].ntokens + 1);
+        if (need > have) return out_of_blocks(m, need, have);
+    }
+    return batch_commit(m, slots, tokens, n);
+}
+
+int kvb_mgr_batch_prepare(kvb_mgr_t *m, const int32_t *slots, int64_t n, int validate) {
+    KVB_CLEAR_ERR(m);
+    int windowed = m->kind == KVB_G_WINDOW || m->kind == KVB_G_CHUNK;
+    int rc = batch_prepare(m, slots, n, validate, windowed, NULL);
+    if (!rc && windowed) m->released = 1; /* its commit skips the release pass */
+    return rc;
+}
+
+int kvb_mgr_batch_commit(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n) {
+    return batch_commit(m, slots, tokens, n);
 }
 
 /* ---- schedule: the step that computes committed tokens ---------------------------------- */

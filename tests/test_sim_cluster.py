@@ -453,7 +453,7 @@ def test_plan_progress_bar_and_plot(capsys, tmp_path):
                             "--num-blocks", "500", "--ttft-p99", "100", "--progress",
                             "--plot", str(png))  # fmt: skip
     assert rc == 0 and png.stat().st_size > 1000
-    assert "plan 2/2: 2 GPU" in err and "plot written to" in out
+    assert "plan 4/4: 2 GPU +256G" in err and "plot written to" in out  # host axis 0,256
 
 
 # ------------------------------------------------------------------------------ docs, trace slice
