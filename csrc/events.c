@@ -30,6 +30,28 @@ int kvb_events_reserve(kvb_events_t *ev, int64_t n_events, int64_t n_tokens) {
 
 void kvb_events_clear(kvb_events_t *ev) { ev->n = 0; ev->ntok = 0; }
 
+void kvb_events_detach(kvb_events_t *ev, kvb_events_t *out) {
+    *out = *ev;
+    kvb_events_t keep = {0};
+    keep.cur_tag = ev->cur_tag;
+    keep.max_pending = ev->max_pending;
+    keep.dropped = ev->dropped;
+    *ev = keep;
+}
+
+void kvb_events_reattach(kvb_events_t *ev, kvb_events_t *snap) {
+    if (ev->cap == 0 && ev->tok_cap == 0) { /* nothing recorded meanwhile: reuse the arrays */
+        snap->n = snap->ntok = 0;
+        snap->cur_tag = ev->cur_tag;
+        snap->max_pending = ev->max_pending;
+        snap->dropped = ev->dropped;
+        *ev = *snap;
+        memset(snap, 0, sizeof *snap);
+    } else {
+        kvb_events_destroy(snap);
+    }
+}
+
 void kvb_events_destroy(kvb_events_t *ev) {
     free(ev->kind); free(ev->hash); free(ev->parent); free(ev->block); free(ev->group);
     free(ev->tok_off); free(ev->tokens); free(ev->tag);

@@ -127,51 +127,57 @@ int kvb_grp_append(kvb_mgr_t *const *g, int32_t G, int32_t slot, const int32_t *
  * allocates, once the step is known to fit: validation first, then the fast bound (one token
  * takes at most one block per sequence and growing group: a new block or one copy-on-write
  * copy), and only when that bound does not fit an exact count with what release frees. */
+/* Blocks appending n tokens to each of slots takes in all groups together: each group's
+ * quick bound first; exact counts (kvb_mgr_batch_need is exact only against its own group's
+ * share of the pool) when their sum exceeds `room`. */
+static int need_all(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, int64_t count,
+                    int64_t n, int64_t room, int64_t *need_out) {
+    int64_t need = 0;
+    for (int32_t j = 0; j < G; j++) {
+        int64_t nj = 0;
+        int rc = kvb_mgr_batch_need(g[j], slots, count, n, &nj);
+        if (rc) return fail_from(g, j, rc);
+        need = add_sat(need, nj);
+    }
+    if (need > room) {
+        need = 0;
+        for (int32_t j = 0; j < G; j++) {
+            int64_t nj = 0;
+            if (kvb_mgr_batch_need_exact(g[j], slots, count, n, &nj)) return KVB_ENOMEM;
+            need = add_sat(need, nj);
+        }
+    }
+    *need_out = need;
+    return KVB_OK;
+}
+
 int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                          const int32_t *tokens, int64_t n) {
     kvb_pool_t *p = g[0]->pool;
-    int64_t growing = 0, windowed = 0;
-    for (int32_t j = 0; j < G; j++) {
-        growing += g[j]->kind != KVB_G_STATE;
-        windowed += g[j]->kind == KVB_G_WINDOW || g[j]->kind == KVB_G_CHUNK;
-    }
+    int64_t growing = 0;
+    for (int32_t j = 0; j < G; j++) growing += g[j]->kind != KVB_G_STATE;
     /* One token takes at most one block per sequence and growing group (a new block or one
-     * copy-on-write copy). When that bound fits, two passes per group: prepare (the first
-     * group validates; window groups release) in every group, then commit in every group, so
-     * every release still comes before any allocation. Validation runs before any release:
-     * in the first group's prepare, or first of all when that group releases itself. */
-    if (n <= p->num_free / (growing ? growing : 1)) {
-        int first_releases = g[0]->kind == KVB_G_WINDOW || g[0]->kind == KVB_G_CHUNK;
-        int rc = first_releases ? kvb_mgr_batch_check(g[0], slots, n) : KVB_OK;
-        if (rc) return rc;
-        int32_t j = 0;
-        for (; j < G && !rc; j++) rc = kvb_mgr_batch_prepare(g[j], slots, n, !j && !first_releases);
-        for (int32_t k = 0; k < G && !rc; k++) rc = kvb_mgr_batch_commit(g[k], slots, tokens, n);
-        for (int32_t k = 0; k < G; k++) g[k]->released = 0;
-        return rc ? fail_from(g, j - 1, rc) : KVB_OK; /* validation fails in the first group */
-    }
-    int rc0 = kvb_mgr_batch_check(g[0], slots, n); /* tight: count exactly, then as above */
-    if (rc0) return rc0;
-    {
+     * copy-on-write copy); only when that bound does not fit is the step counted exactly.
+     * Then two passes per group: prepare (window groups release) in every group, commit in
+     * every group, so every release comes before any allocation. Validation comes before any
+     * release: in the first group's prepare, or on its own when that group releases or the
+     * count needs it. */
+    int tight = n > p->num_free / (growing ? growing : 1);
+    int first_releases = g[0]->kind == KVB_G_WINDOW || g[0]->kind == KVB_G_CHUNK;
+    int rc = first_releases || tight ? kvb_mgr_batch_check(g[0], slots, n) : KVB_OK;
+    if (rc) return rc;
+    if (tight) {
         int64_t need = 0, gain = 0;
-        for (int32_t j = 0; j < G; j++) {
-            int64_t nj = 0;
-            int rc = kvb_mgr_batch_need(g[j], slots, n, 1, &nj);
-            if (rc) return fail_from(g, j, rc);
-            need = add_sat(need, nj);
+        for (int32_t j = 0; j < G; j++)
             for (int64_t i = 0; i < n; i++) gain += kvb_mgr_release_gain(g[j], slots[i], 1);
-        }
+        rc = need_all(g, G, slots, n, 1, p->num_free + gain, &need);
+        if (rc) return rc;
         if (need > p->num_free + gain) return out_of_blocks(g[0], need, p->num_free + gain);
     }
-    for (int32_t j = 0; windowed && j < G; j++)
-        if (g[j]->kind == KVB_G_WINDOW || g[j]->kind == KVB_G_CHUNK) {
-            for (int64_t i = 0; i < n; i++) kvb_mgr_move_release(g[j], slots[i], 1);
-            g[j]->released = 1; /* its append_batch skips its own release pass */
-        }
-    int rc = KVB_OK;
+    int validate = !first_releases && !tight;
     int32_t j = 0;
-    for (; j < G && !rc; j++) rc = kvb_mgr_append_batch(g[j], slots, tokens, n);
-    for (int32_t k = 0; k < G; k++) g[k]->released = 0;
+    for (; j < G && !rc; j++) rc = kvb_mgr_batch_prepare(g[j], slots, n, validate && !j);
+    for (int32_t k = 0; k < G && !rc; k++) rc = kvb_mgr_batch_commit(g[k], slots, tokens, n);
     return rc ? fail_from(g, j - 1, rc) : KVB_OK; /* validation fails in the first group */
 }
 
@@ -203,15 +209,7 @@ int64_t kvb_grp_blocks_needed(kvb_mgr_t *const *g, int32_t G, int32_t slot, int6
 
 int kvb_grp_batch_need(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, int64_t count,
                        int64_t n, int64_t *need_out) {
-    int64_t need = 0;
-    for (int32_t j = 0; j < G; j++) {
-        int64_t nj = 0;
-        int rc = kvb_mgr_batch_need(g[j], slots, count, n, &nj);
-        if (rc) return fail_from(g, j, rc);
-        need = add_sat(need, nj);
-    }
-    *need_out = need;
-    return KVB_OK;
+    return need_all(g, G, slots, count, n, g[0]->pool->num_free, need_out);
 }
 
 /* ---- truncate, fork, free --------------------------------------------------------------- */

@@ -270,6 +270,11 @@ int kvb_pool_reset_cache(kvb_pool_t *p);
 int kvb_events_reserve(kvb_events_t *ev, int64_t n_events, int64_t n_tokens);
 void kvb_events_clear(kvb_events_t *ev);
 void kvb_events_destroy(kvb_events_t *ev);
+/* Move the recorded events out (ev is left empty, its settings kept), so that a reader can
+ * run Python code while events go on being recorded; reattach gives the arrays back (emptied)
+ * when nothing was recorded meanwhile, else frees them. */
+void kvb_events_detach(kvb_events_t *ev, kvb_events_t *out);
+void kvb_events_reattach(kvb_events_t *ev, kvb_events_t *snap);
 
 /* ---- manager (table.c) ------------------------------------------------------------------ */
 typedef struct {               /* per-sequence hash chain state beside hashes[] (chain.c) */
@@ -327,7 +332,6 @@ typedef struct {
     int64_t span;              /* window (WINDOW), chunk (CHUNK) or blocks (STATE); 0 (FULL) */
     uint8_t gidx;              /* group index (events) */
     int caching;               /* the pool caches and the kind can be cached (not STATE) */
-    int released;              /* groups.c released this batch's blocks already (append_batch) */
     uint8_t *hit;              /* [hitcap] add's scratch: which leading blocks are cached */
     int64_t hitcap;
     int64_t *copies;           /* [2 * ccap] pending (src, dst) copy-on-write pairs; each
@@ -365,6 +369,10 @@ int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n);
  * sequential appends make them). Swapped-out or unknown slots: KVB_ESTATE / KVB_EUNKNOWN. */
 int kvb_mgr_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_t n,
                        int64_t *need_out);
+/* The same counted exactly (shared write blocks: one copy per sharer but the last), for
+ * slots kvb_mgr_batch_need accepted: groups.c sums groups against one free count. */
+int kvb_mgr_batch_need_exact(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_t n,
+                             int64_t *need_out);
 
 /* What add() would find now, without pinning or stats: cached tokens (*cached_out) and the
  * blocks it would take from the free pool (*need_out, evictable hits included). */
@@ -406,10 +414,9 @@ int64_t kvb_mgr_release_gain(const kvb_mgr_t *m, int32_t slot, int64_t n);
 void kvb_mgr_move_release(kvb_mgr_t *m, int32_t slot, int64_t n);
 /* append_batch's validation alone (unknown, twice, swapped out), error detail as it sets. */
 int kvb_mgr_batch_check(kvb_mgr_t *m, const int32_t *slots, int64_t n);
-/* append_batch in two phases, for groups.c when the step surely fits: prepare validates (when
+/* append_batch in two phases, for groups.c once the step is known to fit: prepare validates (when
  * `validate`; the first group), makes room for one more token and, in a window / chunk group,
- * releases what the step leaves behind (flagging m->released); commit appends (and clears
- * nothing: groups.c clears m->released). */
+ * releases what the step leaves behind; commit appends. */
 int kvb_mgr_batch_prepare(kvb_mgr_t *m, const int32_t *slots, int64_t n, int validate);
 int kvb_mgr_batch_commit(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n);
 

@@ -347,7 +347,10 @@ int kvb_mgr_init(kvb_mgr_t *m, kvb_pool_t *pool, kvb_pool_t *host, int32_t block
 int kvb_mgr_set_kind(kvb_mgr_t *m, int32_t kind, int64_t span, uint8_t gidx) {
     KVB_CLEAR_ERR(m);
     if (kind < KVB_G_FULL || kind > KVB_G_STATE) { m->err_b = kind; return KVB_EINVAL; }
-    if (kind != KVB_G_FULL && (span < 1 || span > INT32_MAX)) { m->err_b = span; return KVB_EINVAL; }
+    if (kind != KVB_G_FULL && (span < 1 || span > INT32_MAX)) {
+        m->err_b = span;
+        return KVB_EINVAL;
+    }
     if (m->nseqs) return KVB_ESTATE;
     m->kind = kind;
     m->span = kind == KVB_G_FULL ? 0 : span;
@@ -694,6 +697,12 @@ int kvb_mgr_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_
     return KVB_OK;
 }
 
+int kvb_mgr_batch_need_exact(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_t n,
+                             int64_t *need_out) {
+    if (n <= 0) { *need_out = 0; return KVB_OK; }
+    return exact_batch_need(m, slots, count, n, need_out);
+}
+
 int kvb_mgr_batch_check(kvb_mgr_t *m, const int32_t *slots, int64_t n) {
     KVB_CLEAR_ERR(m);
     uint32_t stamp = next_stamp(m);
@@ -743,9 +752,10 @@ static int batch_prepare(kvb_mgr_t *m, const int32_t *slots, int64_t n, int vali
     return KVB_OK;
 }
 
-/* append_batch's mutation, once the step is known to fit: window release (unless groups.c
- * released already), then one token per sequence. */
-static int batch_commit(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n) {
+/* append_batch's mutation, once the step is known to fit: window release (with `release`;
+ * groups.c releases in prepare), then one token per sequence. */
+static int batch_commit(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n,
+                        int release) {
     kvb_pool_t *p = m->pool;
     if (m->kind == KVB_G_STATE) { /* tokens only: the state blocks do not grow */
         for (int64_t i = 0; i < n; i++) {
@@ -758,7 +768,7 @@ static int batch_commit(kvb_mgr_t *m, const int32_t *slots, const int32_t *token
     if (KVB_UNLIKELY(kvb_grow((void **)&m->copies, &m->ccap, 2 * (m->ncopies + n),
                               sizeof *m->copies)))
         return KVB_ENOMEM;
-    if (m->kind != KVB_G_FULL && !m->released) /* window / chunk: release, then allocate */
+    if (release && m->kind != KVB_G_FULL) /* window / chunk: release, then allocate */
         for (int64_t i = 0; i < n; i++) {
             kvb_seq_t *s = &m->seqs[slots[i]];
             release_for(m, s, s->ntokens + 1, INT64_MAX);
@@ -793,23 +803,21 @@ int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *toke
         /* count exactly, with what release frees */
         if (exact_batch_need(m, slots, n, 1, &need)) return KVB_ENOMEM;
         int64_t have = p->num_free;
-        for (int64_t i = 0; m->kind != KVB_G_FULL && !m->released && i < n; i++)
+        for (int64_t i = 0; m->kind != KVB_G_FULL && i < n; i++)
             have += gain_for(m, &m->seqs[slots[i]], m->seqs[slots[i]].ntokens + 1);
         if (need > have) return out_of_blocks(m, need, have);
     }
-    return batch_commit(m, slots, tokens, n);
+    return batch_commit(m, slots, tokens, n, 1);
 }
 
 int kvb_mgr_batch_prepare(kvb_mgr_t *m, const int32_t *slots, int64_t n, int validate) {
     KVB_CLEAR_ERR(m);
     int windowed = m->kind == KVB_G_WINDOW || m->kind == KVB_G_CHUNK;
-    int rc = batch_prepare(m, slots, n, validate, windowed, NULL);
-    if (!rc && windowed) m->released = 1; /* its commit skips the release pass */
-    return rc;
+    return batch_prepare(m, slots, n, validate, windowed, NULL);
 }
 
 int kvb_mgr_batch_commit(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n) {
-    return batch_commit(m, slots, tokens, n);
+    return batch_commit(m, slots, tokens, n, 0); /* prepare released */
 }
 
 /* ---- schedule: the step that computes committed tokens ---------------------------------- */
@@ -1075,8 +1083,9 @@ int kvb_mgr_check_tables(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
         const kvb_pool_t *sp = s->swapped ? m->host : p;
         int32_t *r = s->swapped ? hrefs : refs;
         if (s->swapped && !m->host) MFAIL("swapped sequence without a host pool", 0);
-        if (s->nblocks > s->bcap || (m->kind == KVB_G_STATE ? s->nblocks != m->span
-                                                             : s->nblocks < blocks_for(m, s->ntokens)))
+        int64_t want = m->kind == KVB_G_STATE ? m->span : blocks_for(m, s->ntokens);
+        if (s->nblocks > s->bcap || (m->kind == KVB_G_STATE ? s->nblocks != want
+                                                             : s->nblocks < want))
             MFAIL("table shorter than its tokens or beyond capacity", s->nblocks);
         if (s->ntokens > s->tcap) MFAIL("tokens beyond capacity", s->ntokens);
         if (s->ncomputed < 0 || s->ncomputed > s->ntokens)
@@ -1173,7 +1182,8 @@ int kvb_grp_check(kvb_mgr_t *const *g, int32_t G) {
         }
         if (g[k]->nseqs != m->nseqs || g[k]->free_slot != m->free_slot)
             MFAIL("groups disagree on the live sequences", k);
-        for (i = 0; k && i < m->scap && i < g[k]->scap; i++) { /* lock step: one sequence, every group */
+        /* lock step: one sequence, every group */
+        for (i = 0; k && i < m->scap && i < g[k]->scap; i++) {
             const kvb_seq_t *a = &m->seqs[i], *b = &g[k]->seqs[i];
             if (a->gen != b->gen || ((a->gen & 1u) && (a->ntokens != b->ntokens ||
                                                        a->swapped != b->swapped)))

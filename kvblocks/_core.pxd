@@ -121,6 +121,8 @@ cdef extern from "kvblocks.h" nogil:
     int64_t kvb_pool_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out)
     int kvb_pool_reset_cache(kvb_pool_t *p)
     void kvb_events_clear(kvb_events_t *ev)
+    void kvb_events_detach(kvb_events_t *ev, kvb_events_t *out)
+    void kvb_events_reattach(kvb_events_t *ev, kvb_events_t *snap)
 
     ctypedef struct kvb_chain_t:
         int32_t tag
@@ -254,6 +256,7 @@ cdef class BlockPool:
     cdef bytes _key
     cdef object _block_size
     cdef BlockPool _tier_pool  # a host pool: the device pool whose tier feeds it
+    cdef list _build_events(self, kvb_events_t *ev)
     cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,
                               bint has, int64_t ntok)
     cdef bint _initialized

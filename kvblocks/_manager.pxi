@@ -841,11 +841,16 @@ cdef class BlockManager:
         cdef kvb_tier_t *t = self.pool.p.tier
         self._enter()
         try:
-            if t is not NULL:
-                kvb_tier_flush(t)  # size the list: the evictions get their host blocks now
-            out = np.empty((t.noff if t is not NULL else 0, 2), dtype=np.int64)
-            if t is not NULL:
-                kvb_tier_take_offloads(t, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out))
+            if t is NULL:
+                return np.empty((0, 2), dtype=np.int64)
+            while True:  # size the list after a flush (the evictions get their host blocks)
+                kvb_tier_flush(t)
+                out = np.empty((t.noff, 2), dtype=np.int64)
+                # np.empty may run Python (a GC callback): another thread's pool call may
+                # have evicted meanwhile; take only into a list of the exact size
+                if t.ndem == 0 and cnp.PyArray_DIM(<cnp.ndarray>out, 0) == t.noff:
+                    break
+            kvb_tier_take_offloads(t, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out))
             return out
         finally:
             self._leave()

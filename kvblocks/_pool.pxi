@@ -407,10 +407,20 @@ cdef class BlockPool:
         """
         if self._tier_pool is not None and self._tier_pool.p.tier is not NULL:
             kvb_tier_flush(self._tier_pool.p.tier)  # demotions recorded since: stored now
-        cdef kvb_events_t *ev = &self.p.events
-        cdef int64_t n = ev.n
-        if n == 0:
+        if self.p.events.n == 0:
             return []
+        # the events are moved out first: building the Python objects runs Python code, during
+        # which another thread may record (and grow the log's arrays) on this pool
+        cdef kvb_events_t snap
+        kvb_events_detach(&self.p.events, &snap)
+        try:
+            return self._build_events(&snap)
+        finally:
+            kvb_events_reattach(&self.p.events, &snap)
+
+    cdef list _build_events(self, kvb_events_t *ev):
+        """The events of a detached log, merged in one pass (see take_events)."""
+        cdef int64_t n = ev.n
         # one pass, merging in C what coalesce() would merge: a stored block whose parent is
         # the previous stored block's hash (same group, adapter and token-ness) extends its
         # run, whose tokens are contiguous in the log; removals of one group merge likewise
@@ -468,7 +478,6 @@ cdef class BlockPool:
                 last = -1
         if last == KVB_EV_STORED and last_toks:
             run.token_ids = toks_all[t0:t1].tolist()
-        kvb_events_clear(ev)
         return out
 
     cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,

@@ -327,3 +327,27 @@ def test_add_that_can_never_fit_keeps_the_groups_in_step():
         mgr.check()
         assert mgr.add("t", [1, 2]) == 0
         mgr.check()
+
+
+def test_shared_write_blocks_are_counted_exactly_across_groups():
+    """Regression: each group's quick bound counts one copy per sharer of a shared write
+    block, and is exact only against the whole pool; summed over groups it refused
+    append_batch (and made can_append say False) for a step that fits. A fork's two
+    sequences writing into their shared block take one copy per group."""
+    groups = (
+        KVGroup("full"),
+        KVGroup("sliding_window", window=1),
+        KVGroup("sliding_window", window=1),
+    )
+    mgr = BlockManager(7, 2, groups=groups)
+    mgr.add("a", [0])
+    mgr.fork("a", "b")
+    assert mgr.can_append(["a", "b"], 1)
+    mgr.append_batch(["a", "b"], [5, 6])
+    assert mgr.pool.num_free == 0 and len(mgr.take_copies()) == 3
+    mgr.check()
+    groups = (KVGroup("full"), KVGroup("chunked_local", chunk=5), KVGroup("full"))
+    mgr = BlockManager(13, 3, groups=groups)
+    mgr.add("a", [0, 0])
+    mgr.fork("a", "b")
+    assert mgr.can_append(["a", "b"], 2)

@@ -81,3 +81,35 @@ def test_drained_events_replay_to_the_cache(gi, script, vocab):
     pool = mgr.pool
     assert held == {pool.block_hash(b) for b in range(1, pool.num_blocks) if pool.is_cached(b)}
     mgr.check()
+
+
+def test_events_recorded_while_draining_wait_for_the_next_drain(monkeypatch):
+    """take_events builds Python objects, and Python code (another thread, a GC callback)
+    may record on the same pool meanwhile and grow the log's arrays: the drain reads a log
+    it moved out first, and what was recorded meanwhile comes with the next drain."""
+    import kvblocks._core as core
+    from kvblocks import BlockPool, hash_blocks
+
+    pool = BlockPool(4096, block_size=2, hash_key=KEY, enable_kv_events=True)
+    toks = list(range(8))
+    ids = pool.allocate(4)
+    pool.cache(ids, hash_blocks(toks, 2, key=KEY), token_ids=toks)
+    real = core.BlockStored
+    more = [list(range(100, 4000))]  # 1,950 blocks: the log's arrays grow
+
+    def reentering(*args, **kw):
+        if more:
+            t = more.pop()
+            got = pool.allocate(len(t) // 2)
+            pool.cache(got, hash_blocks(t, 2, key=KEY), token_ids=t)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(core, "BlockStored", reentering)
+    first = pool.take_events()
+    monkeypatch.setattr(core, "BlockStored", real)
+    assert [e.token_ids for e in first] == [toks]
+    later = pool.take_events()
+    assert [len(e.block_hashes) for e in later] == [1950]
+    assert later[0].token_ids == list(range(100, 4000))
+    assert pool.take_events() == []
+    pool.check()
