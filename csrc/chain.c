@@ -67,12 +67,46 @@ int kvb_chain_reserve(const kvb_mgr_t *m, kvb_seq_t *s, int64_t nblocks) {
     return kvb_grow((void **)&s->chain.ext, &s->chain.ecap, nblocks, sizeof *s->chain.ext);
 }
 
+KVB_INLINE void xor_into(kvb_hash_t *h, const kvb_hash_t *t) {
+    h->lo ^= t->lo;
+    h->hi ^= t->hi;
+}
+
+/* SipHash: a group's hashes are the group-0 chain XOR its tag (groups.c, kvb_group_tag). With
+ * `src`, another group's hashes of the same blocks, they are derived without hashing (one
+ * SipHash per block for all groups); otherwise the group-0 chain is computed from the parent
+ * (this group's previous hash without its tag) and tagged. */
+static void siphash_chain(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens,
+                          int64_t from, int64_t to, const kvb_hash_t *src) {
+    kvb_hash_t *out = s->hashes + from;
+    if (src) {
+        for (int64_t j = from; j < to; j++, out++) {
+            *out = src[j];
+            xor_into(out, &m->hxor);
+#ifdef KVB_DEBUG /* the source really held these tokens */
+            kvb_hash_t h;
+            kvb_hash_t prev = j ? s->hashes[j - 1] : s->root;
+            if (j) xor_into(&prev, &m->tag);
+            kvb_hash_chain(m->key, &prev, tokens + (j - from) * m->block_size, 1, m->block_size,
+                           &h);
+            xor_into(&h, &m->tag);
+            KVB_ASSERT(h.lo == out->lo && h.hi == out->hi);
+#endif
+        }
+        return;
+    }
+    kvb_hash_t parent = from ? s->hashes[from - 1] : s->root;
+    if (from) xor_into(&parent, &m->tag);
+    kvb_hash_chain(m->key, &parent, tokens, to - from, m->block_size, out);
+    if (m->tag.lo | m->tag.hi)
+        for (int64_t j = from; j < to; j++) xor_into(&s->hashes[j], &m->tag);
+}
+
 void kvb_chain_hash(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens, int64_t from,
-                    int64_t to) {
+                    int64_t to, const kvb_hash_t *src) {
     if (to <= from) return;
     if (m->hash_algo == KVB_HASH_SIPHASH) { /* the default path, as before the modes */
-        kvb_hash_chain(m->key, from ? &s->hashes[from - 1] : &s->root, tokens, to - from,
-                       m->block_size, s->hashes + from);
+        siphash_chain(m, s, tokens, from, to, src);
         return;
     }
     kvb_hasher_t hs;
@@ -90,8 +124,11 @@ void kvb_chain_block(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t j, kvb_hash
     kvb_hasher_t hs;
     kvb_digest_t parent;
     const int32_t *tokens = s->tokens + j * (int64_t)m->block_size;
-    if (m->hash_algo == KVB_HASH_SIPHASH) {
-        kvb_hash_chain(m->key, j ? &s->hashes[j - 1] : &s->root, tokens, 1, m->block_size, out);
+    if (m->hash_algo == KVB_HASH_SIPHASH) { /* from the tokens: never derived (check) */
+        kvb_hash_t prev = j ? s->hashes[j - 1] : s->root;
+        if (j) xor_into(&prev, &m->tag);
+        kvb_hash_chain(m->key, &prev, tokens, 1, m->block_size, out);
+        xor_into(out, &m->tag);
         return;
     }
     seq_hasher(m, s, &hs);

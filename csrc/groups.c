@@ -31,16 +31,49 @@ KVB_INLINE int64_t add_sat(int64_t a, int64_t b) { /* a, b >= 0 */
     return b > INT64_MAX - a ? INT64_MAX : a + b;
 }
 
-/* The hash key of group gidx: the manager's key for group 0, a key derived from it for the
- * others, so that identical tokens in two groups never share a cache entry. */
-void kvb_group_key(const uint8_t key[16], uint8_t gidx, uint8_t out[16]) {
-    if (!gidx) { memcpy(out, key, 16); return; }
+/* Group g's block hash is the group-0 chain hash of the block XOR a secret 128-bit tag,
+ * SipHash(key, "kvblocks:group:" g): identical tokens in two groups never share a cache
+ * entry, and the SipHash of a block is computed once for all groups (chain.c). */
+void kvb_group_tag(const uint8_t key[16], uint8_t gidx, kvb_hash_t *out) {
+    if (!gidx) { out->lo = out->hi = 0; return; }
     uint8_t msg[16] = "kvblocks:group:";
     msg[15] = gidx;
-    kvb_hash_t h;
-    kvb_siphash128(key, msg, sizeof msg, &h);
-    memcpy(out, &h.lo, 8);
-    memcpy(out + 8, &h.hi, 8);
+    kvb_siphash128(key, msg, sizeof msg, out);
+}
+
+int kvb_grp_link(kvb_mgr_t *const *g, int32_t G) {
+    const kvb_mgr_t *src = NULL;
+    int32_t anchor = -1, windowed = 0;
+    for (int32_t j = 0; j < G; j++) {
+        kvb_mgr_t *m = g[j];
+        kvb_group_tag(g[0]->key, m->gidx, &m->tag);
+        m->hsrc = m->caching && m->hash_algo == KVB_HASH_SIPHASH ? src : NULL;
+        if (m->hsrc) {
+            m->hxor.lo = src->tag.lo ^ m->tag.lo;
+            m->hxor.hi = src->tag.hi ^ m->tag.hi;
+        }
+        if (m->caching && !src) src = m;
+        if (m->kind == KVB_G_FULL && anchor < 0) anchor = j;
+        windowed |= m->kind == KVB_G_WINDOW || m->kind == KVB_G_CHUNK;
+    }
+    kvb_pool_t *p = g[0]->pool;
+    if (!p->caching || anchor < 0 || !windowed || g[0]->hash_algo != KVB_HASH_SIPHASH)
+        return KVB_OK;
+    kvb_twins_t *tw = calloc(1, sizeof *tw);
+    if (tw) tw->spent = calloc((size_t)p->num_blocks, 1);
+    if (!tw || !tw->spent) {
+        free(tw);
+        return KVB_ENOMEM;
+    }
+    tw->anchor = g[anchor]->gidx;
+    for (int32_t j = 0; j < G; j++) {
+        tw->tag[g[j]->gidx] = g[j]->tag;
+        tw->keep[g[j]->gidx] = g[j]->kind == KVB_G_WINDOW || g[j]->kind == KVB_G_CHUNK;
+    }
+    if (p->twins) free(p->twins->spent);
+    free(p->twins);
+    p->twins = tw;
+    return KVB_OK;
 }
 
 /* ---- add and probe: the longest prefix every group can serve ---------------------------- */

@@ -66,11 +66,27 @@ int kvb_cache_put(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const kvb_hash_
 int kvb_chain_begin(const kvb_mgr_t *m, kvb_seq_t *s, const uint8_t *ctx, size_t ctx_len);
 int kvb_chain_reserve(const kvb_mgr_t *m, kvb_seq_t *s, int64_t nblocks); /* ext capacity */
 void kvb_chain_hash(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens, int64_t from,
-                    int64_t to); /* hashes[from..to) from the tokens of those blocks */
+                    int64_t to, const kvb_hash_t *src); /* hashes[from..to) from the tokens
+                    * of those blocks, or from m->hsrc's hashes src[from..to) of them */
 void kvb_chain_block(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t j, kvb_hash_t *out);
 int kvb_chain_fork(const kvb_mgr_t *m, kvb_seq_t *child, const kvb_seq_t *parent);
 void kvb_chain_destroy(kvb_seq_t *s);
 int kvb_chain_probe(const kvb_mgr_t *m, const uint8_t *ctx, size_t ctx_len, kvb_hasher_t *hs);
+/* KV cache groups' eviction rule (groups.c builds it in kvb_grp_link, pool.c applies it). A
+ * cached block of a sliding-window or chunked-local group serves prefix hits only together
+ * with the same block of the full-attention groups: its twin, whose hash is the block's XOR
+ * tag[its group] XOR tag[anchor]. While that twin is cached (held or evictable), the block
+ * gets a second chance: allocation moves it from the free list's head to the tail instead of
+ * evicting it, once per stay in the free list (CLOCK-like: each release pays for at most one
+ * move, so allocation stays O(1) amortized). */
+typedef struct kvb_twins {
+    uint8_t anchor;            /* the first full-attention group */
+    uint8_t keep[256];         /* 1: a window or chunk group, whose blocks get second chances */
+    kvb_hash_t tag[256];       /* each group's hash tag (kvb_group_tag) */
+    uint8_t *spent;            /* [pool->num_blocks] 1: the block had its second chance since
+                                * it joined the free list */
+} kvb_twins_t;
+
 /* tier.c: hooks of the host tier, each called only where pool->tier is set */
 void kvb_tier_demote(kvb_pool_t *p, int32_t b);  /* b's cached entry is being evicted */
 /* b just entered the cache: its parent and tokens are kept for the host's events, and with
@@ -86,6 +102,8 @@ void kvb_tier_settle(kvb_tier_t *t);             /* a drain started: clear in-fl
 void kvb_tier_release_host(kvb_mgr_t *m, const int32_t *ids, int64_t n); /* a swapped
                                                   * sequence's host blocks: deferred or freed */
 void kvb_tier_inflight(kvb_tier_t *t, int32_t b); /* b's content arrives with the drain */
+void kvb_tier_swap_src(kvb_tier_t *t, int32_t b); /* a swap-out pair of the drain reads b */
+int64_t kvb_tier_onload_targets(const kvb_pool_t *p, kvb_seq_t *s, int64_t from, int64_t n);
 void kvb_tier_destroy(kvb_pool_t *p);            /* free p->tier and detach it */
 
 #endif

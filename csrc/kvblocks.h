@@ -206,6 +206,8 @@ typedef struct {               /* struct-of-arrays event log, grown on demand */
 #define KVB_F_INFLIGHT 64u     /* device block whose content arrives with a pair of the coming
                                 * drain (swap-in or onload destination): never an offload source
                                 * before that drain starts (tier.c) */
+#define KVB_F_SWAP_SRC 128u    /* device block a swap-out pair of the coming drain reads: never
+                                * an onload destination before that drain starts (tier.c) */
 
 struct kvb_tier;               /* the host tier of a device pool (tier.c) */
 
@@ -232,6 +234,8 @@ typedef struct {
     const char *err_what;      /* name of the failed invariant (check) or NULL */
     struct kvb_tier *tier;     /* host tier that evicted entries demote to, or NULL (owned by
                                 * the manager that attached it) */
+    struct kvb_twins *twins;   /* KV cache groups' eviction rule (groups.c, kvb_grp_link), or
+                                * NULL: plain LRU (owned) */
 } kvb_pool_t;
 
 int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching);
@@ -316,7 +320,7 @@ enum {
     KVB_G_STATE = 3,   /* span blocks per sequence whatever its length (recurrent state) */
 };
 
-typedef struct {
+typedef struct kvb_mgr {
     kvb_pool_t *pool;          /* device pool (not owned) */
     kvb_pool_t *host;          /* host pool for swapping or NULL (not owned) */
     int32_t block_size;        /* tokens per block, >= 1 */
@@ -331,6 +335,10 @@ typedef struct {
     int32_t kind;              /* KVB_G_* */
     int64_t span;              /* window (WINDOW), chunk (CHUNK) or blocks (STATE); 0 (FULL) */
     uint8_t gidx;              /* group index (events) */
+    kvb_hash_t tag;            /* SipHash: XORed onto the group-0 chain hash (0 in group 0) */
+    const struct kvb_mgr *hsrc; /* an earlier hashing group of the same sequences, whose
+                                * hashes XOR hxor are this group's (kvb_grp_link), or NULL */
+    kvb_hash_t hxor;           /* hsrc->tag ^ tag */
     int caching;               /* the pool caches and the kind can be cached (not STATE) */
     uint8_t *hit;              /* [hitcap] add's scratch: which leading blocks are cached */
     int64_t hitcap;
@@ -442,8 +450,13 @@ int kvb_mgr_truncate_check(kvb_mgr_t *m, int32_t slot, int64_t ntokens);
 /* Release what no query can read any more before a step (metadata / schedule). */
 void kvb_mgr_step_release(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens, int64_t B);
 
-/* Hash key of group gidx (out = key for group 0). */
-void kvb_group_key(const uint8_t key[16], uint8_t gidx, uint8_t out[16]);
+/* The tag of group gidx under key: group gidx's block hash is the group-0 chain hash XOR
+ * the tag (0 for group 0). */
+void kvb_group_tag(const uint8_t key[16], uint8_t gidx, kvb_hash_t *out);
+/* Link the groups (after kvb_mgr_set_kind and kvb_mgr_set_hash): each group's tag, the earlier
+ * hashing group it derives its hashes from, and the pool's eviction rule for the groups (a
+ * window or chunk block whose full-attention twin is cached gets a second chance). */
+int kvb_grp_link(kvb_mgr_t *const *g, int32_t G); /* KVB_ENOMEM */
 
 /* Several groups over one pool: g[0..G) share the pool, slots stay equal across groups.
  * Every call validates and counts blocks for all groups before any mutation; errors are
@@ -559,6 +572,8 @@ typedef struct kvb_tier {
     int64_t non, oncap;        /* pairs pending, capacity (int64 pairs) */
     int32_t *inflight;         /* [pool->num_blocks] device blocks flagged KVB_F_INFLIGHT */
     int64_t ninflight;         /* entries used */
+    int32_t *swapsrc;          /* [pool->num_blocks] device blocks flagged KVB_F_SWAP_SRC */
+    int64_t nswapsrc;          /* entries used */
     int32_t *deferred;         /* [host->num_blocks] host blocks released by swapped sequences
                                 * (swap_in, free): held until the next drain starts, so no
                                 * offload of this drain writes a block a swap pair reads */

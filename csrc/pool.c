@@ -103,6 +103,8 @@ int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching) {
 void kvb_pool_destroy(kvb_pool_t *p) {
     free(p->ref_count); free(p->prev); free(p->next); free(p->hash); free(p->flags);
     free(p->gid); free(p->table);
+    if (p->twins) free(p->twins->spent);
+    free(p->twins);
     kvb_events_destroy(&p->events);
     memset(p, 0, sizeof *p);
 }
@@ -112,6 +114,27 @@ size_t kvb_pool_bytes(const kvb_pool_t *p) {
     return n * (sizeof *p->ref_count + sizeof *p->prev + sizeof *p->next + sizeof *p->hash +
                 sizeof *p->flags + sizeof *p->gid) +
            (size_t)(p->table_mask + 1) * sizeof *p->table + sizeof *p;
+}
+
+/* ---- KV cache groups: second chances (internal.h, kvb_twins_t) --------------------------- */
+KVB_NOINLINE static int32_t twins_victim(kvb_pool_t *p) {
+    kvb_twins_t *tw = p->twins;
+    const kvb_hash_t *anchor = &tw->tag[tw->anchor];
+    for (;;) {
+        int32_t b = p->free_head;
+        uint8_t g = p->gid[b];
+        if (!(p->flags[b] & KVB_F_CACHED) || !tw->keep[g] || tw->spent[b] ||
+            p->next[b] == KVB_NONE)
+            break;
+        kvb_hash_t twin = p->hash[b];
+        twin.lo ^= tw->tag[g].lo ^ anchor->lo;
+        twin.hi ^= tw->tag[g].hi ^ anchor->hi;
+        if (kvb_cache_find(p, &twin) == KVB_NONE) break; /* useless now: evict */
+        unlink_free(p, b);
+        list_push_tail(p, b);
+        tw->spent[b] = 1;
+    }
+    return p->free_head;
 }
 
 /* ---- allocate / free / incref ----------------------------------------------------------- */
@@ -124,6 +147,7 @@ int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out) {
     }
     for (int32_t i = 0; i < n; i++) {
         int32_t b = p->free_head;
+        if (KVB_UNLIKELY(p->twins && (p->flags[b] & KVB_F_CACHED))) b = twins_victim(p);
         int32_t nx = p->next[b];
         p->free_head = nx;
         if (nx != KVB_NONE) p->prev[nx] = KVB_NONE;
@@ -136,6 +160,7 @@ int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out) {
             p->stats.evictions++;
         }
         p->ref_count[b] = 1;
+        if (p->twins) p->twins->spent[b] = 0;
         out[i] = b;
     }
     if (p->free_head == KVB_NONE) p->free_tail = KVB_NONE;
@@ -207,6 +232,7 @@ void kvb_pool_pin(kvb_pool_t *p, const int32_t *ids, int64_t n) {
         if (p->ref_count[b]++ == 0) { /* evictable: leaves the free list */
             KVB_ASSERT(p->flags[b] & KVB_F_CACHED);
             unlink_free(p, b);
+            if (p->twins) p->twins->spent[b] = 0;
             p->num_evictable--;
         }
     }

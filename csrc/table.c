@@ -231,12 +231,21 @@ static void computed_to(kvb_mgr_t *m, kvb_seq_t *s, int64_t ncomputed) {
     if (m->caching) cache_blocks(m, s, from, to);
 }
 
+/* The hashes m derives its own from (kvb_grp_link): its source group's, when that group
+ * holds the same sequence at least as far (groups.c runs the groups of a call in order, so
+ * the source has taken the same step) and has hashed blocks [0, to); else NULL (hash). */
+KVB_INLINE const kvb_hash_t *src_hashes(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t to) {
+    if (!m->hsrc) return NULL;
+    const kvb_seq_t *b = &m->hsrc->seqs[s - m->seqs];
+    return b->nhashed >= to && b->ntokens == s->ntokens ? b->hashes : NULL;
+}
+
 /* Hash the blocks that became full (from block nhashed to ntokens / bs). They enter the
  * prefix cache only once computed (computed_to). */
 static void hash_new_blocks(kvb_mgr_t *m, kvb_seq_t *s) {
     int64_t full = blk_of(m, s->ntokens);
     int64_t from = s->nhashed;
-    kvb_chain_hash(m, s, s->tokens + from * m->block_size, from, full);
+    kvb_chain_hash(m, s, s->tokens + from * m->block_size, from, full, src_hashes(m, s, full));
     s->nhashed = (int32_t)full;
 }
 
@@ -456,7 +465,9 @@ int kvb_mgr_add_prepare(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const ui
     }
     int rc = kvb_chain_begin(m, s, salt, salt_len);
     if (rc) return rc;
-    kvb_chain_hash(m, s, tokens, 0, full);
+    /* groups.c prepares the groups in order: the source group hashed this prompt into
+     * the same slot just before */
+    kvb_chain_hash(m, s, tokens, 0, full, m->hsrc ? m->hsrc->seqs[slot].hashes : NULL);
     if (m->kind == KVB_G_FULL) {
         int64_t run = kvb_cache_match(p, s->hashes, K, s->blocks);
         for (int64_t k = run + 1; k <= kmax; k++) ok[k] = 0;
@@ -546,6 +557,11 @@ int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *s
     kvb_mgr_add_fill(m, *slot_out);
     kvb_seq_t *s = &m->seqs[*slot_out];
     if (hh) { /* host hits are computed like device ones; counted in the tier's stats */
+        int64_t got = kvb_tier_onload_targets(m->pool, s, k, hh);
+        for (int64_t i = got; i < hh; i++) kvb_pool_release(m->host, t->scratch[i]);
+        hh = got;
+    }
+    if (hh) {
         kvb_tier_onload(m, s, k, hh);
         if (recompute) t->stats.recompute_hit_tokens += (uint64_t)(hh * m->block_size);
         else t->stats.hit_tokens += (uint64_t)(hh * m->block_size);
@@ -658,6 +674,7 @@ static int cmp_i32(const void *a, const void *b) {
  * write blocks are sorted and counted in runs. */
 KVB_NOINLINE static int exact_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count,
                                          int64_t n, int64_t *need_out) {
+    if (m->kind == KVB_G_STATE) { *need_out = 0; return KVB_OK; } /* the state does not grow */
     int32_t *shared = malloc((size_t)(count ? count : 1) * sizeof *shared);
     if (!shared) return KVB_ENOMEM;
     int64_t need = 0, nshared = 0;
@@ -1013,6 +1030,7 @@ int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *np
         int32_t b = s->blocks[lo + i]; /* a pending copy's destination reads its source */
         pairs_out[2 * i] = (p->flags[b] & KVB_F_COPY_DST) ? pending_src(m, b) : b;
         pairs_out[2 * i + 1] = fresh[i];
+        if (p->tier) kvb_tier_swap_src(p->tier, (int32_t)pairs_out[2 * i]);
     }
     for (int32_t i = s->nblocks - 1; i >= lo; i--) kvb_pool_release(p, s->blocks[i]);
     kvb_copy(s->blocks + lo, fresh, (size_t)nb * sizeof *fresh);

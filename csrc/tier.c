@@ -35,7 +35,11 @@
  *     offload would read it before its content arrives;
  *   - host blocks released by swapped sequences (swap_in, free) are held until the drain
  *     starts (`deferred`), since an offload of this drain could otherwise write a block that a
- *     swap pair of this drain still reads.
+ *     swap pair of this drain still reads;
+ *   - a device block a swap-out pair of this drain reads (flagged KVB_F_SWAP_SRC) is never an
+ *     onload destination, since the onloads run before the swap pairs: add() gives such blocks
+ *     to the positions the forward computes, and ends the host hit early when it has too few
+ *     other blocks. (Every other reuse of such a block is written after the swap pairs ran.)
  * The step declared by schedule/metadata also settles both (the drain has run by then).
  */
 #include <stdlib.h>
@@ -61,6 +65,7 @@ int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through) {
     t->pool = p;
     t->host = h;
     t->inflight = malloc(n * sizeof *t->inflight);
+    t->swapsrc = malloc(n * sizeof *t->swapsrc);
     t->deferred = malloc((size_t)h->num_blocks * sizeof *t->deferred);
     t->parent = malloc(n * sizeof *t->parent);
     t->has_tokens = calloc(n, sizeof *t->has_tokens);
@@ -74,8 +79,8 @@ int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through) {
     t->off = malloc(2 * (size_t)h->num_blocks * sizeof *t->off);
     t->offcap = 2 * (int64_t)h->num_blocks;
     p->tier = t; /* kvb_tier_destroy frees whatever was allocated */
-    if (!t->inflight || !t->deferred || !t->parent || !t->has_tokens || !t->tokens || !t->dem ||
-        !t->demtok || !t->off) {
+    if (!t->inflight || !t->swapsrc || !t->deferred || !t->parent || !t->has_tokens ||
+        !t->tokens || !t->dem || !t->demtok || !t->off) {
         kvb_tier_destroy(p);
         return KVB_ENOMEM;
     }
@@ -90,6 +95,7 @@ void kvb_tier_destroy(kvb_pool_t *p) {
     free(t->off);
     free(t->on);
     free(t->inflight);
+    free(t->swapsrc);
     free(t->deferred);
     free(t->parent);
     free(t->tokens);
@@ -212,11 +218,38 @@ void kvb_tier_onload(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t n) {
     t->stats.hit_blocks += (uint64_t)n;
 }
 
+void kvb_tier_swap_src(kvb_tier_t *t, int32_t b) {
+    kvb_pool_t *p = t->pool;
+    if (p->flags[b] & KVB_F_SWAP_SRC) return;
+    KVB_ASSERT(t->nswapsrc < p->num_blocks);
+    p->flags[b] |= KVB_F_SWAP_SRC;
+    t->swapsrc[t->nswapsrc++] = b;
+}
+
+/* Onload destinations for host hits [from, from + n) of a fresh sequence: blocks no swap-out
+ * pair of the coming drain reads. A flagged block trades places with an unflagged one of a
+ * position the forward computes; returns how many leading host hits got a destination. */
+int64_t kvb_tier_onload_targets(const kvb_pool_t *p, kvb_seq_t *s, int64_t from, int64_t n) {
+    int64_t j = from + n; /* the next computed position to trade with */
+    for (int64_t i = from; i < from + n; i++) {
+        if (!(p->flags[s->blocks[i]] & KVB_F_SWAP_SRC)) continue;
+        while (j < s->nblocks && (p->flags[s->blocks[j]] & KVB_F_SWAP_SRC)) j++;
+        if (j == s->nblocks) return i - from;
+        int32_t b = s->blocks[i];
+        s->blocks[i] = s->blocks[j];
+        s->blocks[j++] = b;
+    }
+    return n;
+}
+
 /* ---- the drain -------------------------------------------------------------------------- */
 void kvb_tier_settle(kvb_tier_t *t) {
     for (int64_t i = 0; i < t->ninflight; i++)
         t->pool->flags[t->inflight[i]] &= (uint8_t)~KVB_F_INFLIGHT;
     t->ninflight = 0;
+    for (int64_t i = 0; i < t->nswapsrc; i++)
+        t->pool->flags[t->swapsrc[i]] &= (uint8_t)~KVB_F_SWAP_SRC;
+    t->nswapsrc = 0;
     for (int64_t i = 0; i < t->ndeferred; i++) kvb_pool_release(t->host, t->deferred[i]);
     t->ndeferred = 0;
 }
@@ -268,7 +301,8 @@ int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
     kvb_pool_t *p = m->pool, *h = m->host;
     if (!t) {
         for (int32_t b = 1; b < p->num_blocks; b++)
-            if (p->flags[b] & KVB_F_INFLIGHT) TFAIL("in-flight flag without a host tier", b);
+            if (p->flags[b] & (KVB_F_INFLIGHT | KVB_F_SWAP_SRC))
+                TFAIL("in-flight or swap-source flag without a host tier", b);
         return KVB_OK;
     }
     if (t->pool != p || t->host != h || !h->caching) TFAIL("host tier not wired to the pools", 0);
@@ -305,6 +339,12 @@ int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
     for (int64_t i = 0; i < t->ninflight; i++)
         if (!(p->flags[t->inflight[i]] & KVB_F_INFLIGHT)) TFAIL("in-flight list entry unflagged",
                                                               t->inflight[i]);
+    flagged = 0;
+    for (int32_t b = 1; b < p->num_blocks; b++) flagged += (p->flags[b] & KVB_F_SWAP_SRC) != 0;
+    if (flagged != t->nswapsrc) TFAIL("swap-source flags != swap-source list", flagged);
+    for (int64_t i = 0; i < t->nswapsrc; i++)
+        if (!(p->flags[t->swapsrc[i]] & KVB_F_SWAP_SRC)) TFAIL("swap-source list entry unflagged",
+                                                             t->swapsrc[i]);
     /* swapped sequences and the host cache share the pool: a swapped block is referenced (never
      * evicted) and never a cache entry */
     for (int32_t i = 0; i < m->scap; i++) {

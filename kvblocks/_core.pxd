@@ -187,7 +187,8 @@ cdef extern from "kvblocks.h" nogil:
     int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs)
 
     int kvb_mgr_set_kind(kvb_mgr_t *m, int32_t kind, int64_t span, uint8_t gidx)
-    void kvb_group_key(const uint8_t *key, uint8_t gidx, uint8_t *out)
+    void kvb_group_tag(const uint8_t *key, uint8_t gidx, kvb_hash_t *out)
+    int kvb_grp_link(kvb_mgr_t **g, int32_t G)
     int kvb_grp_add(kvb_mgr_t **g, int32_t G, const int32_t *tokens, int64_t n,
                     const uint8_t *salt, size_t salt_len, int recompute, int32_t *slot_out,
                     int64_t *cached_out)

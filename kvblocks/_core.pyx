@@ -86,10 +86,13 @@ def hash_blocks(token_ids, block_size, *, parent=None, salt=None, key=None, algo
     wire value: ``int(h) & (2**64 - 1)`` is what vLLM (last 8 bytes) or SGLang (first 8
     bytes) publishes, which is what ``kvblocks.events.encode_batch`` sends.
 
-    ``group`` (a KV cache group index, see KVGroup) hashes under that group's key, as a
-    BlockManager with groups does, so identical tokens in two groups never share a block.
-    Only the siphash mode has per-group keys (the 256-bit modes are engines' own hashes,
-    which key a group's blocks by (hash, group) outside the hash).
+    ``group`` (a KV cache group index, see KVGroup) gives that group's hashes, as a
+    BlockManager with groups keeps them: group 0's XOR the group's secret 128-bit tag
+    ``SipHash-128(key, b"kvblocks:group:" + bytes([group]))`` (little-endian ``[lo, hi]``),
+    so identical tokens in two groups never share a block, while a block is SipHashed once
+    for all groups. A ``parent`` is then a row of the same group. Only the siphash mode has
+    per-group hashes (the 256-bit modes are engines' own hashes, which key a group's blocks
+    by (hash, group) outside the hash).
 
     >>> import kvblocks
     >>> h = kvblocks.hash_blocks(list(range(40)), 16, key=b"0123456789abcdef")
@@ -113,13 +116,11 @@ def hash_blocks(token_ids, block_size, *, parent=None, salt=None, key=None, algo
         raise InvalidArgumentError(f"key applies to the siphash mode only, not {algo!r}")
     cdef bytes k = as_key(key)
     cdef bytes none = none_hash_of(a, effective_seed(a, seed))
-    cdef uint8_t gkey[16]
+    cdef kvb_hash_t tag
     cdef int64_t g = as_int(group, "group", 0, 254)
-    if g:
-        if a != KVB_HASH_SIPHASH:
-            raise InvalidArgumentError(f"group={g} needs the siphash mode, not {algo!r}")
-        kvb_group_key(<const uint8_t *>k, <uint8_t>g, gkey)
-        k = gkey[:16]
+    if g and a != KVB_HASH_SIPHASH:
+        raise InvalidArgumentError(f"group={g} needs the siphash mode, not {algo!r}")
+    kvb_group_tag(<const uint8_t *>k, <uint8_t>g, &tag)
     cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
     cdef int64_t n = cnp.PyArray_DIM(toks, 0) // bs
     cdef cnp.ndarray out = np.empty((n, 2), dtype=np.uint64)
@@ -135,6 +136,8 @@ def hash_blocks(token_ids, block_size, *, parent=None, salt=None, key=None, algo
             raise InvalidArgumentError("give either parent or salt: the salt only enters "
                                        "the first block of a chain")
         par = parent_digest(a, parent)
+        par.h.lo ^= tag.lo  # the group-0 chain continues under the parent
+        par.h.hi ^= tag.hi
         ctx = chain_context(a, None, lora_name)
     else:
         ctx = chain_context(a, salt, lora_name)
@@ -146,6 +149,11 @@ def hash_blocks(token_ids, block_size, *, parent=None, salt=None, key=None, algo
         kvb_hash_blocks(&hs, &par if parent is not None else NULL, 1 if parent is not None else 0,
                         i32_data(toks), n, bs, <kvb_hash_t *>cnp.PyArray_DATA(out),
                         <kvb_hash_t *>cnp.PyArray_DATA(ext))
+    cdef kvb_hash_t *hv = <kvb_hash_t *>cnp.PyArray_DATA(out)
+    if g:
+        for i in range(n):
+            hv[i].lo ^= tag.lo
+            hv[i].hi ^= tag.hi
     if not digests:
         return out
     dig = np.empty((n, size), dtype=np.uint8)

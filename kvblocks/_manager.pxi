@@ -144,6 +144,8 @@ cdef class BlockManager:
                                   <const uint8_t *><const char *>self.pool._none_hash)
             if rc:
                 raise_code(rc, "BlockManager", 0, self.pool._algo)
+        if kvb_grp_link(self.gp, self.ng):  # group g's hashes: group 0's XOR g's tag
+            raise MemoryError()
         if tier:
             rc = kvb_mgr_host_tier(&self.m, host_write_through)
             if rc:
@@ -157,7 +159,6 @@ cdef class BlockManager:
     cdef _init_groups(self, tuple gs, bytes key):
         """One manager per group over the pool: self.m is group 0, self.gx the others."""
         cdef Py_ssize_t G = len(gs), j
-        cdef uint8_t gkey[16]
         cdef kvb_mgr_t *m
         self.groups = gs
         self._gowners = [self] + [object() for j in range(1, G)]  # metadata row caches
@@ -168,8 +169,8 @@ cdef class BlockManager:
             raise MemoryError()
         self.gp[0] = &self.m
         for j in range(1, G):
-            kvb_group_key(<const uint8_t *>key, <uint8_t>j, gkey)
-            kvb_mgr_init(&self.gx[j - 1], self.m.pool, self.m.host, self.m.block_size, gkey)
+            kvb_mgr_init(&self.gx[j - 1], self.m.pool, self.m.host, self.m.block_size,
+                         <const uint8_t *>key)
             self.gp[j] = &self.gx[j - 1]
         for j in range(G):
             m = self.gp[j]
@@ -698,9 +699,11 @@ cdef class BlockManager:
         """Committed token ids (an int32 copy)."""
         return self._copy_out(seq_id, 1)
 
-    def block_hashes(self, seq_id):
-        """Hashes of the full blocks, (n, 2) uint64 (empty without prefix caching)."""
-        return self._copy_out(seq_id, 2)
+    def block_hashes(self, seq_id, group=0):
+        """Hashes of the full blocks in one KV cache group, (n, 2) uint64 (empty without
+        prefix caching, and in a state group): ``hash_blocks(tokens, block_size, salt=...,
+        key=..., group=group)`` of the sequence's tokens."""
+        return self._copy_out(seq_id, 2, self._group(group))
 
     def is_swapped(self, seq_id):
         return bool(self._field(seq_id, 2))

@@ -1,11 +1,13 @@
 """KV cache groups: the release boundary, prefix hits across groups, state groups, bad input."""
 
+import contextlib
 import itertools
 
 import numpy as np
 import pytest
 
-from kvblocks import BlockManager, KVGroup
+from kvblocks import BlockManager, KVGroup, hash_blocks
+from kvblocks._core import siphash128
 from kvblocks.errors import (
     InvalidArgumentError,
     InvalidStateError,
@@ -121,7 +123,8 @@ def test_identical_tokens_in_two_groups_never_share():
     mgr.schedule(["a"], [9])
     t0, t1 = mgr.block_table("a", group=0), mgr.block_table("a", group=1)
     assert not set(t0.tolist()) & set(t1.tolist())
-    assert not set(map(tuple, mgr.block_hashes("a").tolist())) & set()  # hashes exist
+    h0, h1 = (set(map(tuple, mgr.block_hashes("a", group=g).tolist())) for g in (0, 1))
+    assert len(h0) == len(h1) == 2 and not h0 & h1
     mgr.check()
 
 
@@ -351,3 +354,201 @@ def test_shared_write_blocks_are_counted_exactly_across_groups():
     mgr.add("a", [0, 0])
     mgr.fork("a", "b")
     assert mgr.can_append(["a", "b"], 2)
+
+
+KEY = b"0123456789abcdef"
+
+
+def group_tag(g):
+    """docs/hybrid-models.md: group g's tag, SipHash-128(key, b"kvblocks:group:" + g)."""
+    raw = siphash128(KEY, b"kvblocks:group:" + bytes([g]))
+    return np.array([int.from_bytes(raw[i : i + 8], "little") for i in (0, 8)], dtype=np.uint64)
+
+
+@pytest.mark.parametrize("g", [1, 2, 9, 254])
+@pytest.mark.parametrize("salt", [None, "tenant"])
+def test_group_hash_is_the_group0_chain_xor_a_keyed_tag(g, salt):
+    toks = np.arange(5 * BS + 1, dtype=np.int32)
+    h0 = hash_blocks(toks, BS, key=KEY, salt=salt)
+    hg, dg = hash_blocks(toks, BS, key=KEY, salt=salt, group=g, digests=True)
+    assert (hg == h0 ^ group_tag(g)).all() and len(hg) == 5
+    for parent in (hg[1], dg[1], int(hg[1, 0]) | int(hg[1, 1]) << 64):  # the chain continues
+        assert (hash_blocks(toks[2 * BS :], BS, key=KEY, parent=parent, group=g) == hg[2:]).all()
+    assert (hash_blocks(toks, BS, key=KEY, salt=salt, group=0) == h0).all()
+
+
+ORDERS = {
+    "full,window": (KVGroup("full"), KVGroup("sliding_window", window=5)),
+    "window,full": (KVGroup("sliding_window", window=5), KVGroup("full")),
+    "state,full,window": (
+        KVGroup("state", blocks=2),
+        KVGroup("full"),
+        KVGroup("sliding_window", window=3),
+    ),
+    "chunk,state,full": (
+        KVGroup("chunked_local", chunk=8),
+        KVGroup("state", blocks=1),
+        KVGroup("full"),
+    ),
+    "full,full,window": (
+        KVGroup("full"),
+        KVGroup("full"),
+        KVGroup("sliding_window", window=1),
+    ),
+}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_every_groups_hashes_are_hash_blocks_of_its_tokens(order):
+    """A group derives its hashes from an earlier group's (one SipHash per block for all
+    groups): through add with hits, append, append_batch, fork, truncate and swap, each
+    group's hashes stay hash_blocks(tokens, group=g) of the sequence's own tokens."""
+    groups = ORDERS[order]
+    mgr = BlockManager(512, BS, groups=groups, hash_key=KEY, num_host_blocks=128)
+    salts = {}
+
+    def expect_all():
+        for sid in mgr.seq_ids():
+            if mgr.is_swapped(sid):
+                continue
+            toks = mgr.token_ids(sid)
+            for g, grp in enumerate(groups):
+                got = mgr.block_hashes(sid, group=g)
+                if grp.kind == "state":
+                    assert got.shape == (0, 2)
+                    continue
+                want = hash_blocks(toks, BS, key=KEY, salt=salts.get(sid), group=g)
+                assert got.tolist() == want.tolist(), (sid, g)
+        mgr.check()
+
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 1000, 23, dtype=np.int32)
+    mgr.add("a", prompt)
+    salts["s"] = "tenant"
+    mgr.add("s", prompt, salt="tenant")  # another tenant: same tokens, another chain
+    mgr.schedule(["a", "s"], [23, 23])
+    expect_all()
+    for _ in range(11):  # decode: blocks fill in every group
+        mgr.append_batch(["a", "s"], rng.integers(0, 1000, 2, dtype=np.int32))
+        mgr.schedule(["a", "s"], [1, 1])
+    expect_all()
+    stateless = all(g.kind != "state" for g in groups)
+    hit = mgr.add("b", mgr.token_ids("a")[:30])
+    assert (hit > 0) == stateless  # hits every group serves (a state group serves none)
+    mgr.append("b", rng.integers(0, 1000, 9, dtype=np.int32))
+    mgr.fork("a", "c")
+    mgr.append("c", [7] * 6)
+    mgr.take_copies()  # (the engine copies the blocks here)
+    mgr.schedule(["b", "c"], [mgr.num_tokens("b") - mgr.num_computed("b"), 6])
+    expect_all()
+    if stateless:
+        mgr.truncate("c", 38)  # refused with a state group (it cannot roll back)
+        mgr.append("c", [8] * 7)
+        expect_all()
+    mgr.swap_out("b")
+    mgr.append_batch(["a", "c"], [1, 2])
+    mgr.swap_in("b")
+    mgr.append("b", [3] * 5)
+    expect_all()
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        KVGroup("state", blocks=1),
+        KVGroup("sliding_window", window=1),
+        KVGroup("chunked_local", chunk=2),
+        KVGroup("full"),
+    ],
+)
+def test_exact_count_of_a_tight_step_in_every_kind(other):
+    """Found by the deep group model run: the exact count (taken when the quick bound does
+    not fit) billed a state group's table as if it grew with the tokens, so a step that fits
+    was refused. Every kind, forked (a shared write block), at the smallest pool the
+    executable spec says fits, and one block below it."""
+    from kvblocks.testing import ReferenceManager
+
+    groups = (KVGroup("full"), KVGroup("full"), KVGroup("sliding_window", window=1), other)
+
+    def pair(cls, nb):
+        m = cls(nb, 3, groups=groups)
+        m.add("a", [1, 2, 3, 4])
+        m.fork("a", "b")
+        return m
+
+    def smallest(fits):
+        for nb in range(4, 64):
+            try:
+                m = pair(ReferenceManager, nb)
+            except OutOfBlocksError:
+                continue
+            if fits(m):
+                return nb
+        raise AssertionError("never fits")
+
+    nb = smallest(lambda m: m.can_append(["a", "b"], 3))
+    assert pair(BlockManager, nb).can_append(["a", "b"], 3)
+    with contextlib.suppress(OutOfBlocksError):  # (the fork itself may not fit)
+        assert not pair(BlockManager, nb - 1).can_append(["a", "b"], 3)
+
+    def steps(m):
+        try:
+            m.append_batch(["a", "b"], [5, 6])
+            m.append_batch(["a", "b"], [7, 8])
+        except OutOfBlocksError:
+            return False
+        return True
+
+    nb = smallest(steps)
+    mgr = pair(BlockManager, nb)
+    assert steps(mgr)
+    mgr.check()
+    with contextlib.suppress(OutOfBlocksError):
+        assert not steps(pair(BlockManager, nb - 1))
+
+
+def test_window_blocks_with_a_cached_full_twin_get_a_second_chance():
+    """docs/hybrid-models.md, eviction: a's window blocks were released early (oldest in the
+    LRU) while its full blocks are held; plain LRU would evict them first and lose every hit
+    on a's prefix (a hit needs both groups). They move to the tail instead, y's blocks go, and
+    the executable spec evicts exactly the same blocks."""
+    from kvblocks.testing import ReferenceManager
+
+    groups = (KVGroup("full"), KVGroup("sliding_window", window=4))
+    hits = []
+    for cls in (BlockManager, ReferenceManager):
+        m = cls(16, 4, groups=groups)
+        m.add("a", list(range(16)))
+        m.schedule(["a"], [16])
+        for t in range(4):  # the window moves on: a's window blocks 0-3 are released
+            m.append_batch(["a"], [50 + t])
+            m.schedule(["a"], [1])
+        m.add("y", list(range(100, 108)))
+        m.schedule(["y"], [8])
+        m.free("y")  # y's blocks: evictable, after a's released ones
+        assert m.block_table("a", group=1).tolist()[:4] == [0, 0, 0, 0]
+        m.add("x", list(range(200, 212)))  # evicts 5 cached blocks
+        hits.append((m.pool.free_list().tolist(), sorted(m.pool.ref_counts().tolist())))
+        m.free("a")
+        m.free("x")
+        hits[-1] += (m.add("b", list(range(12)) + [99, 99]),)
+        if cls is BlockManager:
+            m.check()
+    assert hits[0] == hits[1] and hits[0][2] == 12
+
+
+def test_second_chances_are_bounded():
+    """When every evictable block is a window block whose full twin is held, allocation still
+    evicts (each block has one second chance per stay in the free list): the rule never makes
+    a fitting call fail, and costs at most one move per release."""
+    groups = (KVGroup("full"), KVGroup("sliding_window", window=1))
+    mgr = BlockManager(100, 1, groups=groups)
+    mgr.add("a", list(range(40)))
+    mgr.schedule(["a"], [40])
+    mgr.append_batch(["a"], [1])  # the window group releases 40 blocks, all with a held twin
+    mgr.schedule(["a"], [1])
+    assert mgr.pool.num_evictable == 40 and mgr.blocks_in_use("a") == 41 + 1
+    free = mgr.pool.num_free
+    mgr.add("x", [7] * (free // 2))  # every free block but one: evicts 39 of the 40
+    assert mgr.pool.num_free == free % 2 and mgr.pool.num_evictable == free % 2
+    mgr.check()

@@ -372,6 +372,65 @@ def test_host_blocks_released_by_swap_in_are_held_until_the_drain():
     mgr.check()
 
 
+@pytest.mark.parametrize("write_through", [False, True])
+def test_onloads_never_overwrite_a_block_a_swap_out_pair_reads(write_through):
+    """Found by WriteThroughMachine: the drain runs the onloads before the swap pairs, so an
+    onload into a device block that swap_out just released overwrote what its swap pair was
+    about to copy to the host (the swapped sequence read another position's K/V back). Such
+    blocks now go to positions the forward computes; with no other block the host hit ends."""
+    mgr, rb = engine(num_blocks=4, block_size=1, host=6, host_write_through=write_through)
+    rb.add("a", [0, 0])
+    rb.drain()
+    rb.forward(["a"])  # a's blocks are cached (and, write-through, on the host)
+    if not write_through:
+        rb.free("a")
+        rb.add("x", [5, 6, 7])  # demotes a's blocks
+        rb.drain()
+        rb.forward(["x"])
+        rb.free("x")
+        rb.add("a", [0, 0, 1])  # a's first block from the host
+        rb.drain()
+        rb.forward(["a"])
+    sources = set(rb.swap_out("a")[:, 0].tolist())
+    mgr.pool.reset_prefix_cache()  # the device copies are gone: [0, 0] is on the host only
+    hit = rb.add("b", [0, 0])
+    onloads = mgr.take_onloads() if mgr.num_pending_offloads == 0 else None
+    assert onloads is None or not set(onloads[:, 1].tolist()) & sources
+    if onloads is None:
+        assert hit == 0 or not set(mgr.block_table("b")[:hit].tolist()) & sources
+    rb.drain()
+    rb.assert_all()
+    mgr.check()
+    rb.free("b")
+    rb.swap_in("a")
+    rb.drain()
+    rb.forward(["a"])
+    rb.assert_all()
+
+
+def test_onload_destinations_avoid_swap_out_sources_and_keep_the_hit():
+    mgr, rb = engine(num_blocks=12, block_size=2, host=16)
+    rb.add("a", [1, 2, 3, 4, 5])
+    rb.drain()
+    rb.forward(["a"])
+    rb.free("a")
+    rb.add("y", list(range(20, 40)))  # evicts a's blocks: demoted to the host
+    rb.drain()
+    rb.forward(["y"])
+    rb.free("y")
+    rb.add("x", [50, 51, 52])
+    rb.drain()
+    rb.forward(["x"])
+    sources = set(rb.swap_out("x")[:, 0].tolist())  # its partial block heads the free list
+    assert rb.add("b", [1, 2, 3, 4, 9, 9, 9]) == 4  # [1, 2], [3, 4] from the host
+    table = mgr.block_table("b").tolist()
+    assert set(table) & sources and not set(table[:2]) & sources  # traded to a computed one
+    rb.drain()
+    rb.forward(["b"])
+    rb.assert_all()
+    mgr.check()
+
+
 class HostTierMachine(EngineMachine):
     """The engine state machine over a manager whose host pool is a prefix-cache tier (small,
     so the host LRU evicts too): K/V read back after every step, check() after every rule."""

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -285,6 +285,11 @@ class ReferencePool:
         self.evictions = 0  # cache entries dropped because allocation reused the block
         #: False after an operation whose free-list order the documents leave open
         self.free_order_known = True
+        #: KV cache groups' eviction rule (set by GroupedReference): True when the cached block
+        #: at the head of the free list gets a second chance (moves to the tail) instead of
+        #: being evicted, once per stay in the free list (``_spent``)
+        self.second_chance: Optional[Callable[[int], bool]] = None
+        self._spent: set = set()
 
     # -- what tests compare -------------------------------------------------------------------
     @property
@@ -454,8 +459,25 @@ class ReferencePool:
         return blocks
 
     def _allocate(self, n: int) -> List[int]:
-        out = self._free[:n]
-        del self._free[:n]
+        if self.second_chance is None:
+            out = self._free[:n]
+            del self._free[:n]
+        else:
+            out = []
+            for _ in range(n):
+                while True:
+                    b = self._free[0]
+                    if (
+                        b not in self._hash_of
+                        or b in self._spent
+                        or len(self._free) == 1
+                        or not self.second_chance(b)
+                    ):
+                        break
+                    self._free.append(self._free.pop(0))
+                    self._spent.add(b)
+                out.append(self._free.pop(0))
+                self._spent.discard(out[-1])
         for b in out:
             if b in self._hash_of:  # lazy eviction: the entry goes when reused
                 del self._block_of[self._hash_of.pop(b)]
@@ -478,6 +500,7 @@ class ReferencePool:
     def _pin(self, b: int) -> None:
         if self._ref[b] == 0:
             self._free.remove(b)
+            self._spent.discard(b)
         self._ref[b] += 1
 
     def _register(self, b: int, h: int) -> int:

@@ -89,6 +89,29 @@ class GroupedReference(ReferenceManager):
         self.groups = tuple(groups)
         self._gcopies: List[List[Tuple[int, int]]] = [[] for _ in self.groups]
         self._seqs: Dict[object, Any] = {}  # sequence -> _GSeq
+        self._group_of: Dict[int, int] = {}  # hash -> the group that cached it
+        full = [j for j in range(len(self.groups)) if self._kind(j) == "full"]
+        if full and any(self._windowed(j) for j in range(len(self.groups))):
+            self._anchor = full[0]
+            self.pool.second_chance = self._twin_cached
+
+    @staticmethod
+    def _tag(key: bytes, j: int) -> int:
+        """Group j's hash tag (docs/hybrid-models.md): SipHash-128(key, "kvblocks:group:" j)."""
+        if not j:
+            return 0
+        raw = _core.siphash128(key, b"kvblocks:group:" + bytes([j]))
+        return int.from_bytes(raw[:8], "little") | int.from_bytes(raw[8:], "little") << 64
+
+    def _twin_cached(self, b: int) -> bool:
+        """The eviction rule (docs/hybrid-models.md): a window or chunk group's cached block
+        whose full-attention twin (same tokens and position) is cached gets a second chance."""
+        h = self.pool._hash_of[b]
+        j = self._group_of[h]
+        if not self._windowed(j):
+            return False
+        twin = h ^ self._tag(self.hash_key, j) ^ self._tag(self.hash_key, self._anchor)
+        return twin in self.pool._block_of
 
     def _seq(self, sid) -> Any:
         s = self._seqs.get(sid)
@@ -299,6 +322,7 @@ class GroupedReference(ReferenceManager):
         if self._kind(j) != "state" and full > t.num_offered:
             hashes = self._ghashes(s.tokens[: full * self.block_size], s.salt, j)
             for i in range(max(t.num_offered, t.lo), min(full, len(hashes))):
+                self._group_of[hashes[i]] = j
                 self.pool._register(t.blocks[i], hashes[i])
         t.num_offered = max(t.num_offered, full)
 
