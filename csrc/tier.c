@@ -40,7 +40,7 @@
  *     onload destination, since the onloads run before the swap pairs: add() gives such blocks
  *     to the positions the forward computes, and ends the host hit early when it has too few
  *     other blocks. (Every other reuse of such a block is written after the swap pairs ran.)
- * The step declared by schedule/metadata also settles both (the drain has run by then).
+ * The step declared by schedule/metadata also settles all three (the drain has run by then).
  */
 #include <stdlib.h>
 #include <string.h>

@@ -14,7 +14,10 @@ The policy is modelled exactly, so that block ids can be compared one for one:
 * The free list is a list whose head (index 0) is allocated first. A block whose last
   reference goes away joins the HEAD if it holds no prefix-cache entry, the TAIL if it does
   (it is then *evictable*). Allocation pops from the head and drops (evicts) the cache entry of
-  a cached block it takes. A block table is released tail first (last block first).
+  a cached block it takes. A block table is released tail first (last block first). With KV
+  cache groups (GroupedReference), a cached window or chunk block at the head whose
+  full-attention twin is cached moves to the tail instead, once per stay in the free list
+  (docs/hybrid-models.md, "Eviction across groups").
 * Hashes are :func:`kvblocks.hash_blocks` (chained over full blocks, the salt in the root).
   A hash that is already cached keeps its block (first block wins).
 * Where the documents leave an order open (which blocks :meth:`ReferencePool.reset_prefix_cache`
