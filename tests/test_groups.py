@@ -209,8 +209,14 @@ def test_group_index_out_of_range():
             mgr.block_table("s", group=bad)
         with pytest.raises(InvalidArgumentError):
             mgr.metadata(["s"], [3], group=bad)
+        with pytest.raises(InvalidArgumentError):
+            mgr.block_hashes("s", group=bad)
     with pytest.raises(InvalidTypeError):
         mgr.block_table("s", group=1.0)
+    with pytest.raises(InvalidTypeError):
+        mgr.block_hashes("s", group="1")
+    with pytest.raises(InvalidArgumentError):
+        hash_blocks([1, 2, 3, 4], BS, group=255)  # at most 255 groups: indices 0-254
     assert mgr.num_computed("s") == 0
     mgr.check()
 

@@ -293,6 +293,7 @@ class ReferencePool:
         #: being evicted, once per stay in the free list (``_spent``)
         self.second_chance: Optional[Callable[[int], bool]] = None
         self._spent: set = set()
+        self._group_of: Dict[int, int] = {}  # hash -> the KV cache group that cached it
 
     # -- what tests compare -------------------------------------------------------------------
     @property
@@ -400,7 +401,8 @@ class ReferencePool:
             if self._hash_of.get(b, h) != h or given.setdefault(b, h) != h:
                 rules.add(InvalidArgumentError, f"cache: block {b} under two hashes")
         rules.check()
-        return sum(self._register(b, h) for b, h in zip(blocks, hs))
+        group = int(_event_fields.get("group", 0))
+        return sum(self._register(b, h, group) for b, h in zip(blocks, hs))
 
     def lookup(self, hashes) -> np.ndarray:
         """Blocks of the longest cached prefix of ``hashes``, not pinned."""
@@ -506,12 +508,14 @@ class ReferencePool:
             self._spent.discard(b)
         self._ref[b] += 1
 
-    def _register(self, b: int, h: int) -> int:
-        """Cache block ``b`` under ``h`` unless either already has an entry (first wins)."""
+    def _register(self, b: int, h: int, group: int = 0) -> int:
+        """Cache block ``b`` under ``h`` (of KV cache group ``group``) unless either already
+        has an entry (first wins)."""
         if not self.enable_prefix_caching or b in self._hash_of or h in self._block_of:
             return 0
         self._block_of[h] = b
         self._hash_of[b] = h
+        self._group_of[h] = group
         return 1
 
     def _uncache(self, b: int) -> None:

@@ -89,7 +89,6 @@ class GroupedReference(ReferenceManager):
         self.groups = tuple(groups)
         self._gcopies: List[List[Tuple[int, int]]] = [[] for _ in self.groups]
         self._seqs: Dict[object, Any] = {}  # sequence -> _GSeq
-        self._group_of: Dict[int, int] = {}  # hash -> the group that cached it
         full = [j for j in range(len(self.groups)) if self._kind(j) == "full"]
         if full and any(self._windowed(j) for j in range(len(self.groups))):
             self._anchor = full[0]
@@ -107,8 +106,8 @@ class GroupedReference(ReferenceManager):
         """The eviction rule (docs/hybrid-models.md): a window or chunk group's cached block
         whose full-attention twin (same tokens and position) is cached gets a second chance."""
         h = self.pool._hash_of[b]
-        j = self._group_of[h]
-        if not self._windowed(j):
+        j = self.pool._group_of[h]
+        if j >= len(self.groups) or not self._windowed(j):  # (pool.cache(group=) may say any)
             return False
         twin = h ^ self._tag(self.hash_key, j) ^ self._tag(self.hash_key, self._anchor)
         return twin in self.pool._block_of
@@ -322,8 +321,7 @@ class GroupedReference(ReferenceManager):
         if self._kind(j) != "state" and full > t.num_offered:
             hashes = self._ghashes(s.tokens[: full * self.block_size], s.salt, j)
             for i in range(max(t.num_offered, t.lo), min(full, len(hashes))):
-                self._group_of[hashes[i]] = j
-                self.pool._register(t.blocks[i], hashes[i])
+                self.pool._register(t.blocks[i], hashes[i], j)
         t.num_offered = max(t.num_offered, full)
 
     # -- lifecycle ---------------------------------------------------------------------------------
