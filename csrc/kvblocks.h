@@ -557,6 +557,11 @@ typedef struct {               /* an evicted device entry on its way to the host
     int32_t has_tokens;        /* its tokens were kept (demtok), for the host's events */
 } kvb_demotion_t;
 
+typedef struct {               /* the device blocks carrying one drain-scoped flag (tier.c) */
+    int32_t *ids;              /* [pool->num_blocks] each flagged block once */
+    int64_t n;                 /* entries used */
+} kvb_marks_t;
+
 typedef struct kvb_tier {
     kvb_pool_t *pool;          /* device pool (not owned); pool->tier points back here */
     kvb_pool_t *host;          /* host pool, caching on (not owned) */
@@ -570,10 +575,8 @@ typedef struct kvb_tier {
     int64_t *on;               /* [2 * oncap] pending (host, device) onloads; each holds one
                                 * reference on both blocks */
     int64_t non, oncap;        /* pairs pending, capacity (int64 pairs) */
-    int32_t *inflight;         /* [pool->num_blocks] device blocks flagged KVB_F_INFLIGHT */
-    int64_t ninflight;         /* entries used */
-    int32_t *swapsrc;          /* [pool->num_blocks] device blocks flagged KVB_F_SWAP_SRC */
-    int64_t nswapsrc;          /* entries used */
+    kvb_marks_t inflight;      /* device blocks flagged KVB_F_INFLIGHT */
+    kvb_marks_t swapsrc;       /* device blocks flagged KVB_F_SWAP_SRC */
     int32_t *deferred;         /* [host->num_blocks] host blocks released by swapped sequences
                                 * (swap_in, free): held until the next drain starts, so no
                                 * offload of this drain writes a block a swap pair reads */

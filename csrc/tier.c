@@ -64,8 +64,8 @@ int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through) {
     size_t n = (size_t)p->num_blocks;
     t->pool = p;
     t->host = h;
-    t->inflight = malloc(n * sizeof *t->inflight);
-    t->swapsrc = malloc(n * sizeof *t->swapsrc);
+    t->inflight.ids = malloc(n * sizeof *t->inflight.ids);
+    t->swapsrc.ids = malloc(n * sizeof *t->swapsrc.ids);
     t->deferred = malloc((size_t)h->num_blocks * sizeof *t->deferred);
     t->parent = malloc(n * sizeof *t->parent);
     t->has_tokens = calloc(n, sizeof *t->has_tokens);
@@ -79,7 +79,7 @@ int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through) {
     t->off = malloc(2 * (size_t)h->num_blocks * sizeof *t->off);
     t->offcap = 2 * (int64_t)h->num_blocks;
     p->tier = t; /* kvb_tier_destroy frees whatever was allocated */
-    if (!t->inflight || !t->swapsrc || !t->deferred || !t->parent || !t->has_tokens ||
+    if (!t->inflight.ids || !t->swapsrc.ids || !t->deferred || !t->parent || !t->has_tokens ||
         !t->tokens || !t->dem || !t->demtok || !t->off) {
         kvb_tier_destroy(p);
         return KVB_ENOMEM;
@@ -94,8 +94,8 @@ void kvb_tier_destroy(kvb_pool_t *p) {
     if (!t) return;
     free(t->off);
     free(t->on);
-    free(t->inflight);
-    free(t->swapsrc);
+    free(t->inflight.ids);
+    free(t->swapsrc.ids);
     free(t->deferred);
     free(t->parent);
     free(t->tokens);
@@ -192,13 +192,31 @@ int64_t kvb_tier_match(kvb_tier_t *t, const kvb_hash_t *hashes, int64_t n) {
     return k;
 }
 
-void kvb_tier_inflight(kvb_tier_t *t, int32_t b) {
-    kvb_pool_t *p = t->pool;
-    if (p->flags[b] & KVB_F_INFLIGHT) return;
-    KVB_ASSERT(t->ninflight < p->num_blocks);
-    p->flags[b] |= KVB_F_INFLIGHT;
-    t->inflight[t->ninflight++] = b;
+/* Drain-scoped flags (KVB_F_INFLIGHT, KVB_F_SWAP_SRC): set once per block and listed, so that
+ * the drain's start clears them in time proportional to their number. */
+static void mark(kvb_pool_t *p, kvb_marks_t *ms, uint8_t flag, int32_t b) {
+    if (p->flags[b] & flag) return;
+    KVB_ASSERT(ms->n < p->num_blocks);
+    p->flags[b] |= flag;
+    ms->ids[ms->n++] = b;
 }
+
+static void unmark_all(kvb_pool_t *p, kvb_marks_t *ms, uint8_t flag) {
+    for (int64_t i = 0; i < ms->n; i++) p->flags[ms->ids[i]] &= (uint8_t)~flag;
+    ms->n = 0;
+}
+
+/* The flagged blocks are exactly the listed ones (check). */
+static int marks_agree(const kvb_pool_t *p, const kvb_marks_t *ms, uint8_t flag) {
+    int64_t flagged = 0;
+    for (int32_t b = 1; b < p->num_blocks; b++) flagged += (p->flags[b] & flag) != 0;
+    if (flagged != ms->n) return 0;
+    for (int64_t i = 0; i < ms->n; i++)
+        if (!(p->flags[ms->ids[i]] & flag)) return 0;
+    return 1;
+}
+
+void kvb_tier_inflight(kvb_tier_t *t, int32_t b) { mark(t->pool, &t->inflight, KVB_F_INFLIGHT, b); }
 
 void kvb_tier_onload(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t n) {
     kvb_pool_t *p = m->pool;
@@ -218,13 +236,7 @@ void kvb_tier_onload(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t n) {
     t->stats.hit_blocks += (uint64_t)n;
 }
 
-void kvb_tier_swap_src(kvb_tier_t *t, int32_t b) {
-    kvb_pool_t *p = t->pool;
-    if (p->flags[b] & KVB_F_SWAP_SRC) return;
-    KVB_ASSERT(t->nswapsrc < p->num_blocks);
-    p->flags[b] |= KVB_F_SWAP_SRC;
-    t->swapsrc[t->nswapsrc++] = b;
-}
+void kvb_tier_swap_src(kvb_tier_t *t, int32_t b) { mark(t->pool, &t->swapsrc, KVB_F_SWAP_SRC, b); }
 
 /* Onload destinations for host hits [from, from + n) of a fresh sequence: blocks no swap-out
  * pair of the coming drain reads. A flagged block trades places with an unflagged one of a
@@ -244,12 +256,8 @@ int64_t kvb_tier_onload_targets(const kvb_pool_t *p, kvb_seq_t *s, int64_t from,
 
 /* ---- the drain -------------------------------------------------------------------------- */
 void kvb_tier_settle(kvb_tier_t *t) {
-    for (int64_t i = 0; i < t->ninflight; i++)
-        t->pool->flags[t->inflight[i]] &= (uint8_t)~KVB_F_INFLIGHT;
-    t->ninflight = 0;
-    for (int64_t i = 0; i < t->nswapsrc; i++)
-        t->pool->flags[t->swapsrc[i]] &= (uint8_t)~KVB_F_SWAP_SRC;
-    t->nswapsrc = 0;
+    unmark_all(t->pool, &t->inflight, KVB_F_INFLIGHT);
+    unmark_all(t->pool, &t->swapsrc, KVB_F_SWAP_SRC);
     for (int64_t i = 0; i < t->ndeferred; i++) kvb_pool_release(t->host, t->deferred[i]);
     t->ndeferred = 0;
 }
@@ -333,18 +341,8 @@ int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
     for (int64_t i = 0; i < t->ndem; i++)
         if (t->dem[i].block <= 0 || t->dem[i].block >= p->num_blocks)
             TFAIL("pending demotion of an out-of-range block", t->dem[i].block);
-    int64_t flagged = 0;
-    for (int32_t b = 1; b < p->num_blocks; b++) flagged += (p->flags[b] & KVB_F_INFLIGHT) != 0;
-    if (flagged != t->ninflight) TFAIL("in-flight flags != in-flight list", flagged);
-    for (int64_t i = 0; i < t->ninflight; i++)
-        if (!(p->flags[t->inflight[i]] & KVB_F_INFLIGHT)) TFAIL("in-flight list entry unflagged",
-                                                              t->inflight[i]);
-    flagged = 0;
-    for (int32_t b = 1; b < p->num_blocks; b++) flagged += (p->flags[b] & KVB_F_SWAP_SRC) != 0;
-    if (flagged != t->nswapsrc) TFAIL("swap-source flags != swap-source list", flagged);
-    for (int64_t i = 0; i < t->nswapsrc; i++)
-        if (!(p->flags[t->swapsrc[i]] & KVB_F_SWAP_SRC)) TFAIL("swap-source list entry unflagged",
-                                                             t->swapsrc[i]);
+    if (!marks_agree(p, &t->inflight, KVB_F_INFLIGHT)) TFAIL("in-flight flags != list", 0);
+    if (!marks_agree(p, &t->swapsrc, KVB_F_SWAP_SRC)) TFAIL("swap-source flags != list", 0);
     /* swapped sequences and the host cache share the pool: a swapped block is referenced (never
      * evicted) and never a cache entry */
     for (int32_t i = 0; i < m->scap; i++) {

@@ -6,6 +6,7 @@ tokens generated with :class:`PagedKVCache` against transformers' default ``Dyna
 
 import numpy as np
 import pytest
+from helpers import TINY_LM
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -32,18 +33,7 @@ CACHE_KW = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "pas
 
 
 def _common(**kw):
-    out = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-    )
+    out = dict(TINY_LM, vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
     out.update(kw)
     return out
 

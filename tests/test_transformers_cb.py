@@ -10,6 +10,7 @@ import logging
 import time
 
 import pytest
+from helpers import TINY_LM
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -33,16 +34,7 @@ PROMPTS = [SYSTEM + [50 + i, 60 + i, 70 + i] for i in range(5)] + [[7, 8, 9, 10,
 
 def _tiny(family="llama", attn="sdpa", **extra):
     torch.manual_seed(0)
-    common = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    common.update(extra)
+    common = dict(TINY_LM, **extra)
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif family == "qwen2":

@@ -13,6 +13,7 @@ import logging
 
 import numpy as np
 import pytest
+from helpers import TINY_LM
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -34,15 +35,7 @@ logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # psut
 PAGE, WINDOW, NEW = 4, 8, 16
 SYSTEM = list(range(3, 24))  # 21 tokens: 5 full pages shared by the first prompts
 PROMPTS = [SYSTEM + [50 + i, 60 + i] for i in range(3)] + [[7, 8, 9]]
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+COMMON = TINY_LM
 
 
 def _model(family):

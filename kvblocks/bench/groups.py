@@ -41,7 +41,7 @@ from ..groups import KVGroup
 from ..metadata import AttentionMetadata
 from .timing import Case, Op, Settings
 
-__all__ = ["build", "group_ratios", "release_scaling"]
+__all__ = ["build", "release_scaling"]
 
 BS = 16
 NSEQ = 256
@@ -275,19 +275,6 @@ def build(s: Settings, vllm=None) -> Tuple[List[Op], dict]:
         "target_ratio": dict(TARGETS),
     }
     return _append_ops() + _metadata_ops(), facts
-
-
-def group_ratios(ops: List[dict]) -> dict:
-    """Per operation, the grouped call's p50 and p99 over the single-group call's."""
-    out = {}
-    for o in ops:
-        k, d = o["results"]["kvblocks"], o["results"].get("single-group")
-        if d and d["p50_ns"] > 0 and d["p99_ns"] > 0:
-            out[o["id"]] = {
-                "p50": round(k["p50_ns"] / d["p50_ns"], 3),
-                "p99": round(k["p99_ns"] / d["p99_ns"], 3),
-            }
-    return out
 
 
 def release_scaling(ops: List[dict]) -> dict:

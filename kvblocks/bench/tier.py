@@ -247,17 +247,3 @@ def _add_ops() -> List[Op]:
 
 def build(s: Settings, vllm=None) -> Tuple[List[Op], dict]:
     return _evict_ops() + [_cache_op()] + _add_ops(), {"target_ratio": TARGET}
-
-
-def tier_ratios(ops: List[dict]) -> dict:
-    """Per operation, the tier call's p50 and p99 over the device-only call's (the targets
-    compare these with 2.0)."""
-    out = {}
-    for o in ops:
-        k, d = o["results"]["kvblocks"], o["results"].get("device-only")
-        if d and d["p50_ns"] > 0 and d["p99_ns"] > 0:
-            out[o["id"]] = {
-                "p50": round(k["p50_ns"] / d["p50_ns"], 3),
-                "p99": round(k["p99_ns"] / d["p99_ns"], 3),
-            }
-    return out

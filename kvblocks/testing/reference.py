@@ -772,12 +772,12 @@ class ReferenceManager:
             self._offer(s)
         self._settle(freed)
 
-    def append_batch(self, seq_ids, token_ids) -> None:
-        """One token for each sequence, all or nothing; the same as appending one by one in
-        the order given (so k sharers of a partial block make k-1 copies)."""
+    def _batch_args(self, seq_ids, token_ids) -> Tuple[List[Any], List[int]]:
+        """append_batch's validation (also GroupedReference's): the sequences and tokens, or
+        the error. Unknown ids first, then the rest element by element."""
         sids = seq_ids_of(seq_ids)
         toks = tokens_of(token_ids).tolist()
-        for sid in sids:  # unknown ids first, then the rest element by element
+        for sid in sids:
             self._seq(sid)
         if len(toks) != len(sids):
             raise _err(
@@ -794,6 +794,12 @@ class ReferenceManager:
         seqs = [self._seqs[sid] for sid in sids]
         for s in seqs:
             self._check_fits(s, 1)
+        return seqs, toks
+
+    def append_batch(self, seq_ids, token_ids) -> None:
+        """One token for each sequence, all or nothing; the same as appending one by one in
+        the order given (so k sharers of a partial block make k-1 copies)."""
+        seqs, toks = self._batch_args(seq_ids, token_ids)
         need = self._need([(s, 1) for s in seqs])
         if need > self.pool.num_free:
             raise _err(OutOfBlocksError, f"append_batch: need {need}, {self.pool.num_free} free")
@@ -802,8 +808,8 @@ class ReferenceManager:
             freed += self._commit(s, [t])
         self._settle(freed)
 
-    def reserve(self, seq_id, n) -> None:
-        """Ensure ``n`` writable slots after the committed tokens (lookahead, drafts)."""
+    def _reserve_args(self, seq_id, n) -> Tuple[Any, int]:
+        """reserve's validation (also GroupedReference's): the sequence and n, or the error."""
         sid = seq_id_of(seq_id)
         n = scalar_of(n, "n", 0, INT64_MAX)
         s = self._seq(sid)
@@ -813,9 +819,15 @@ class ReferenceManager:
         if n < 0:
             rules.add(InvalidArgumentError, f"reserve: n must be >= 0, got {n}")
         rules.check()
+        if n:
+            self._check_fits(s, n)
+        return s, n
+
+    def reserve(self, seq_id, n) -> None:
+        """Ensure ``n`` writable slots after the committed tokens (lookahead, drafts)."""
+        s, n = self._reserve_args(seq_id, n)
         if n == 0:
             return
-        self._check_fits(s, n)
         need = self._need([(s, n)])
         if need > self.pool.num_free:
             raise _err(OutOfBlocksError, f"reserve: need {need}, {self.pool.num_free} free")
@@ -1115,14 +1127,18 @@ class ReferenceManager:
         if freed_src and len(freed) + len(freed_src) > 1:
             self.pool.free_order_known = False  # sources vs. table: order not documented
 
-    def _validate_step(self, seq_ids, query_lens, draft_lens):
+    def _step_args(self, seq_ids, query_lens, draft_lens):
+        """A step's rows (also GroupedReference's): ids, sequences, query and draft lengths."""
         sids = seq_ids_of(seq_ids)
         q = tokens_of(query_lens, "query_lens").tolist()
         d = None if draft_lens is None else tokens_of(draft_lens, "draft_lens").tolist()
         seqs = [self._seq(sid) for sid in sids]
         if len(q) != len(sids) or (d is not None and len(d) != len(sids)):
             raise _err(InvalidArgumentError, "metadata: one query_len (and draft_len) per row")
-        d = d if d is not None else [0] * len(sids)
+        return sids, seqs, q, d if d is not None else [0] * len(sids)
+
+    def _validate_step(self, seq_ids, query_lens, draft_lens):
+        sids, seqs, q, d = self._step_args(seq_ids, query_lens, draft_lens)
         rules, seen, bs = _Rules(), set(), self.block_size
         for sid, s, qi, di in zip(sids, seqs, q, d):
             n = len(s.tokens)

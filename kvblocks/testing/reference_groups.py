@@ -47,6 +47,7 @@ from ..errors import (
     OutOfBlocksError,
     UnknownSequenceError,
 )
+from .readback import first_needed
 from .reference import (
     ReferenceManager,
     ReferenceMetadata,
@@ -127,17 +128,7 @@ class GroupedReference(ReferenceManager):
 
     def _needed_from(self, j: int, nc: int, n: int, qstart: Optional[int] = None) -> int:
         """First position the next query of group j reads (0 for full and state)."""
-        if not self._windowed(j):
-            return 0
-        q0 = min(nc, n - 1)
-        if qstart is not None:
-            q0 = min(q0, qstart)
-        if q0 <= 0:
-            return 0
-        span = self.groups[j].span
-        if self._kind(j) == "sliding_window":
-            return max(0, q0 - span + 1)
-        return q0 - q0 % span
+        return first_needed(self.groups[j], nc, n, query_start=qstart)
 
     def _table_blocks(self, j: int, n: int) -> int:
         return self.groups[j].span if self._kind(j) == "state" else _ceil_div(n, self.block_size)
@@ -402,23 +393,7 @@ class GroupedReference(ReferenceManager):
                 t.drafts = 0
 
     def append_batch(self, seq_ids, token_ids) -> None:
-        sids = seq_ids_of(seq_ids)
-        toks = tokens_of(token_ids).tolist()
-        for sid in sids:
-            self._seq(sid)
-        if len(toks) != len(sids):
-            raise _err(InvalidArgumentError, f"append_batch: {len(sids)} ids, {len(toks)} tokens")
-        rules, seen = _Rules(), set()
-        for sid in sids:
-            if sid in seen:
-                rules.add(InvalidArgumentError, f"append_batch: {sid!r} appears twice")
-            elif self._seqs[sid].swapped:
-                rules.add(InvalidStateError, f"append_batch: {sid!r} is swapped out")
-            seen.add(sid)
-        rules.check()
-        seqs = [self._seqs[sid] for sid in sids]
-        for s in seqs:
-            self._check_fits(s, 1)
+        seqs, toks = self._batch_args(seq_ids, token_ids)
         need = self._need_all([(s, 1) for s in seqs])
         if need > self.pool.num_free:
             have = self.pool.num_free + sum(self._gain(s, 1) for s in seqs)
@@ -439,18 +414,9 @@ class GroupedReference(ReferenceManager):
                 t.drafts = 0
 
     def reserve(self, seq_id, n) -> None:
-        sid = seq_id_of(seq_id)
-        n = scalar_of(n, "n", 0)
-        s = self._seq(sid)
-        rules = _Rules()
-        if s.swapped:
-            rules.add(InvalidStateError, f"reserve: {sid!r} is swapped out")
-        if n < 0:
-            rules.add(InvalidArgumentError, f"reserve: n must be >= 0, got {n}")
-        rules.check()
+        s, n = self._reserve_args(seq_id, n)
         if n == 0:
             return
-        self._check_fits(s, n)
         need = self._need_all([(s, n)])
         if need > self.pool.num_free:
             raise _err(OutOfBlocksError, f"reserve: need {need}, {self.pool.num_free} free")
@@ -657,13 +623,7 @@ class GroupedReference(ReferenceManager):
             self._offer_g(j, s)
 
     def _validate_rows(self, seq_ids, query_lens, draft_lens, groups):
-        sids = seq_ids_of(seq_ids)
-        q = tokens_of(query_lens, "query_lens").tolist()
-        d = None if draft_lens is None else tokens_of(draft_lens, "draft_lens").tolist()
-        seqs = [self._seq(sid) for sid in sids]
-        if len(q) != len(sids) or (d is not None and len(d) != len(sids)):
-            raise _err(InvalidArgumentError, "metadata: one query_len (and draft_len) per row")
-        d = d if d is not None else [0] * len(sids)
+        sids, seqs, q, d = self._step_args(seq_ids, query_lens, draft_lens)
         rules, seen, bs = _Rules(), set(), self.block_size
         if self.num_pending_copies:
             rules.add(InvalidStateError, "metadata: copy-on-write copies are pending")
