@@ -102,6 +102,7 @@ void kvb_tier_settle(kvb_tier_t *t);             /* a drain started: clear in-fl
 void kvb_tier_release_host(kvb_mgr_t *m, const int32_t *ids, int64_t n); /* a swapped
                                                   * sequence's host blocks: deferred or freed */
 void kvb_tier_inflight(kvb_tier_t *t, int32_t b); /* b's content arrives with the drain */
+void kvb_tier_swap_dst(kvb_tier_t *t, int32_t b); /* a swap-in pair of the drain writes b */
 void kvb_tier_swap_src(kvb_tier_t *t, int32_t b); /* a swap-out pair of the drain reads b */
 int64_t kvb_tier_onload_targets(const kvb_pool_t *p, kvb_seq_t *s, int64_t from, int64_t n);
 void kvb_tier_destroy(kvb_pool_t *p);            /* free p->tier and detach it */

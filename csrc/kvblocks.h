@@ -577,6 +577,12 @@ typedef struct kvb_tier {
     int64_t non, oncap;        /* pairs pending, capacity (int64 pairs) */
     kvb_marks_t inflight;      /* device blocks flagged KVB_F_INFLIGHT */
     kvb_marks_t swapsrc;       /* device blocks flagged KVB_F_SWAP_SRC */
+    int64_t *srcafter;         /* [pool->num_blocks] per swapsrc entry: the onloads pending when
+                                * it was marked (those run before its swap pair reads the block
+                                * they fill, the order a swap_out of an onloaded block needs) */
+    kvb_marks_t swapdst;       /* device blocks a swap-in pair of the coming drain writes
+                                * (flagged KVB_F_INFLIGHT; no flag of their own): check() proves
+                                * none of them is a pending onload's destination */
     int32_t *deferred;         /* [host->num_blocks] host blocks released by swapped sequences
                                 * (swap_in, free): held until the next drain starts, so no
                                 * offload of this drain writes a block a swap pair reads */

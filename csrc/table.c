@@ -1066,7 +1066,7 @@ int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npa
             pairs_out[2 * k] = s->blocks[i];
             pairs_out[2 * k + 1] = dev[i];
             k++;
-            if (p->tier) kvb_tier_inflight(p->tier, dev[i]); /* filled by the swap pair */
+            if (p->tier) kvb_tier_swap_dst(p->tier, dev[i]); /* filled by the swap pair */
         }
     }
     for (int32_t i = nb - 1; i >= s->lo; i--) kvb_tier_release_host(m, &s->blocks[i], 1);

@@ -29,17 +29,19 @@
  *
  * One drain, in order: take_offloads, take_onloads, the swap pairs in the order returned,
  * take_copies, then the forward pass. take_offloads starts the drain: pairs queued after it
- * belong to the next one. Two hazards across these lists are closed here, not by the engine:
+ * belong to the next one. The hazards across these lists are closed here, not by the engine:
  *   - a device block whose content arrives with this drain (a swap-in or onload destination,
  *     flagged KVB_F_INFLIGHT) is never an offload source before the drain starts, since the
  *     offload would read it before its content arrives;
  *   - host blocks released by swapped sequences (swap_in, free) are held until the drain
  *     starts (`deferred`), since an offload of this drain could otherwise write a block that a
  *     swap pair of this drain still reads;
- *   - a device block a swap-out pair of this drain reads (flagged KVB_F_SWAP_SRC) is never an
- *     onload destination, since the onloads run before the swap pairs: add() gives such blocks
- *     to the positions the forward computes, and ends the host hit early when it has too few
- *     other blocks. (Every other reuse of such a block is written after the swap pairs ran.)
+ *   - a device block a swap-out pair of this drain reads (flagged KVB_F_SWAP_SRC), or one a
+ *     swap-in pair writes (in flight, listed in swapdst) and that free, truncate or swap_out
+ *     released, is never an onload destination, since the onloads run before the swap pairs:
+ *     add() gives such blocks to the positions the forward computes, and ends the host hit
+ *     early when it has too few other blocks. (Every other reuse of such a block is written
+ *     after the swap pairs ran; docs/host-tier.md tabulates every pair kind and claimant.)
  * The step declared by schedule/metadata also settles all three (the drain has run by then).
  */
 #include <stdlib.h>
@@ -66,6 +68,8 @@ int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through) {
     t->host = h;
     t->inflight.ids = malloc(n * sizeof *t->inflight.ids);
     t->swapsrc.ids = malloc(n * sizeof *t->swapsrc.ids);
+    t->swapdst.ids = malloc(n * sizeof *t->swapdst.ids);
+    t->srcafter = malloc(n * sizeof *t->srcafter);
     t->deferred = malloc((size_t)h->num_blocks * sizeof *t->deferred);
     t->parent = malloc(n * sizeof *t->parent);
     t->has_tokens = calloc(n, sizeof *t->has_tokens);
@@ -79,8 +83,9 @@ int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through) {
     t->off = malloc(2 * (size_t)h->num_blocks * sizeof *t->off);
     t->offcap = 2 * (int64_t)h->num_blocks;
     p->tier = t; /* kvb_tier_destroy frees whatever was allocated */
-    if (!t->inflight.ids || !t->swapsrc.ids || !t->deferred || !t->parent || !t->has_tokens ||
-        !t->tokens || !t->dem || !t->demtok || !t->off) {
+    if (!t->inflight.ids || !t->swapsrc.ids || !t->swapdst.ids || !t->srcafter || !t->deferred ||
+        !t->parent ||
+        !t->has_tokens || !t->tokens || !t->dem || !t->demtok || !t->off) {
         kvb_tier_destroy(p);
         return KVB_ENOMEM;
     }
@@ -96,6 +101,8 @@ void kvb_tier_destroy(kvb_pool_t *p) {
     free(t->on);
     free(t->inflight.ids);
     free(t->swapsrc.ids);
+    free(t->swapdst.ids);
+    free(t->srcafter);
     free(t->deferred);
     free(t->parent);
     free(t->tokens);
@@ -236,16 +243,40 @@ void kvb_tier_onload(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t n) {
     t->stats.hit_blocks += (uint64_t)n;
 }
 
-void kvb_tier_swap_src(kvb_tier_t *t, int32_t b) { mark(t->pool, &t->swapsrc, KVB_F_SWAP_SRC, b); }
+void kvb_tier_swap_src(kvb_tier_t *t, int32_t b) {
+    if (t->pool->flags[b] & KVB_F_SWAP_SRC) return; /* listed already, with an earlier count */
+    t->srcafter[t->swapsrc.n] = t->non;
+    mark(t->pool, &t->swapsrc, KVB_F_SWAP_SRC, b);
+}
 
-/* Onload destinations for host hits [from, from + n) of a fresh sequence: blocks no swap-out
- * pair of the coming drain reads. A flagged block trades places with an unflagged one of a
- * position the forward computes; returns how many leading host hits got a destination. */
+/* A swap-in pair of the coming drain writes b (a fresh block of swap_in). Listed once: a block
+ * already in flight when handed out is a released swap-in destination (onload destinations are
+ * held), so the rare second listing scans the list. */
+void kvb_tier_swap_dst(kvb_tier_t *t, int32_t b) {
+    kvb_marks_t *ms = &t->swapdst;
+    if (KVB_UNLIKELY(t->pool->flags[b] & KVB_F_INFLIGHT))
+        for (int64_t i = 0; i < ms->n; i++)
+            if (ms->ids[i] == b) return;
+    KVB_ASSERT(ms->n < t->pool->num_blocks); /* each listed block once */
+    ms->ids[ms->n++] = b;
+    kvb_tier_inflight(t, b);
+}
+
+/* Blocks a pair of the coming drain reads or writes after the onloads ran: a swap-out source
+ * (KVB_F_SWAP_SRC) would copy the onload's bytes instead of its own; a released swap-in
+ * destination (KVB_F_INFLIGHT on a block handed out again) would be overwritten by its swap
+ * pair after the onload filled it. Neither may be an onload destination. */
+#define KVB_F_NOT_ONLOAD (KVB_F_SWAP_SRC | KVB_F_INFLIGHT)
+
+/* Onload destinations for host hits [from, from + n) of a fresh sequence: blocks no swap pair
+ * of the coming drain reads or writes (KVB_F_NOT_ONLOAD). Such a block trades places with
+ * another one of a position the forward computes (the forward runs after every swap pair);
+ * returns how many leading host hits got a destination. */
 int64_t kvb_tier_onload_targets(const kvb_pool_t *p, kvb_seq_t *s, int64_t from, int64_t n) {
     int64_t j = from + n; /* the next computed position to trade with */
     for (int64_t i = from; i < from + n; i++) {
-        if (!(p->flags[s->blocks[i]] & KVB_F_SWAP_SRC)) continue;
-        while (j < s->nblocks && (p->flags[s->blocks[j]] & KVB_F_SWAP_SRC)) j++;
+        if (!(p->flags[s->blocks[i]] & KVB_F_NOT_ONLOAD)) continue;
+        while (j < s->nblocks && (p->flags[s->blocks[j]] & KVB_F_NOT_ONLOAD)) j++;
         if (j == s->nblocks) return i - from;
         int32_t b = s->blocks[i];
         s->blocks[i] = s->blocks[j];
@@ -258,6 +289,7 @@ int64_t kvb_tier_onload_targets(const kvb_pool_t *p, kvb_seq_t *s, int64_t from,
 void kvb_tier_settle(kvb_tier_t *t) {
     unmark_all(t->pool, &t->inflight, KVB_F_INFLIGHT);
     unmark_all(t->pool, &t->swapsrc, KVB_F_SWAP_SRC);
+    t->swapdst.n = 0; /* their flag is KVB_F_INFLIGHT, cleared above */
     for (int64_t i = 0; i < t->ndeferred; i++) kvb_pool_release(t->host, t->deferred[i]);
     t->ndeferred = 0;
 }
@@ -297,6 +329,7 @@ int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n) {
         kvb_pool_release(t->pool, (int32_t)t->on[2 * i + 1]);
     }
     t->non = 0;
+    for (int64_t i = 0; i < t->swapsrc.n; i++) t->srcafter[i] = 0; /* later onloads come after */
     return KVB_OK;
 }
 
@@ -327,6 +360,14 @@ int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
             TFAIL("pending onload holds an out-of-range block", d);
         if (!(h->flags[hb] & KVB_F_CACHED)) TFAIL("onload source not in the host cache", hb);
         if (!(p->flags[d] & KVB_F_WRITTEN)) TFAIL("onload destination not flagged written", d);
+        /* the onloads run before the swap pairs: a block one of them reads or writes later in
+         * the drain is never an onload's destination */
+        if (p->flags[d] & KVB_F_SWAP_SRC) /* fine if the onload was queued first */
+            for (int64_t j = 0; j < t->swapsrc.n; j++)
+                if (t->swapsrc.ids[j] == d && i >= t->srcafter[j])
+                    TFAIL("onload destination is a released swap-out source", d);
+        for (int64_t j = 0; j < t->swapdst.n; j++)
+            if (t->swapdst.ids[j] == d) TFAIL("onload destination is a swap-in destination", d);
         hrefs[hb]++;
         refs[d]++;
     }
@@ -343,6 +384,13 @@ int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
             TFAIL("pending demotion of an out-of-range block", t->dem[i].block);
     if (!marks_agree(p, &t->inflight, KVB_F_INFLIGHT)) TFAIL("in-flight flags != list", 0);
     if (!marks_agree(p, &t->swapsrc, KVB_F_SWAP_SRC)) TFAIL("swap-source flags != list", 0);
+    for (int64_t i = 0; i < t->swapdst.n; i++) {
+        int32_t b = t->swapdst.ids[i];
+        if (b <= 0 || b >= p->num_blocks || !(p->flags[b] & KVB_F_INFLIGHT))
+            TFAIL("swap-in destination out of range or not in flight", b);
+        for (int64_t j = 0; j < i; j++)
+            if (t->swapdst.ids[j] == b) TFAIL("swap-in destination listed twice", b);
+    }
     /* swapped sequences and the host cache share the pool: a swapped block is referenced (never
      * evicted) and never a cache entry */
     for (int32_t i = 0; i < m->scap; i++) {

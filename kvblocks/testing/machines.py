@@ -103,7 +103,13 @@ class EngineMachine(RuleBasedStateMachine):
         return [s for s, e in self.rb.expected.items() if not e.swapped]
 
     def _is_running(self, sid) -> bool:
-        return not self.rb.expected[sid].swapped
+        """Live and on the device (a schedule phase may have freed a bundle's sequence)."""
+        e = self.rb.expected.get(sid)
+        return e is not None and not e.swapped
+
+    def _is_swapped(self, sid) -> bool:
+        e = self.rb.expected.get(sid)
+        return e is not None and e.swapped
 
     # -- admission ---------------------------------------------------------------------------------
     @rule(
@@ -226,7 +232,7 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.rb.host is not None)
     @rule(sid=seqs)
     def swap_in(self, sid):
-        if not self._is_running(sid):
+        if self._is_swapped(sid):
             try:
                 self.rb.swap_in(sid)
             except OutOfBlocksError:
@@ -235,8 +241,80 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(sid=consumes(seqs))
     def free(self, sid):
         """Finish (or preempt by recompute): the conversation may come back as a prompt."""
+        if sid in self.rb.expected:
+            self._finish(sid)
+
+    def _finish(self, sid) -> None:
         self.conversations = (self.conversations + [self.rb.tokens(sid)])[-6:]
         self.rb.free(sid)
+
+    @rule(target=seqs, data=st.data())
+    def schedule_phase(self, data):
+        """One schedule phase with no drain in between (the other rules drain often): calls
+        that queue pairs (swap_in, swap_out, admission, a copy-on-write append), then calls
+        that release their blocks (free, truncate, swap_out, a prompt of new tokens that
+        evicts every cached block and ends, reset_prefix_cache), mostly on the sequences the
+        first calls touched, then claimants of free blocks (admission, often of a finished
+        conversation's next turn whose prefix may be on the host tier, swap_in, append);
+        ``check()`` after each call. Every kind of pending pair then meets releases and
+        claims before the drain that runs it (docs/host-tier.md, "Pending pairs and released
+        blocks")."""
+        touched, admitted = [], []
+        for phase, calls in (
+            ("queue", ["swap_in", "swap_out", "admit", "append"]),
+            ("release", ["free", "truncate", "swap_out", "evict", "reset"]),
+            ("claim", ["admit", "swap_in", "append"]),
+        ):
+            for call in data.draw(st.lists(st.sampled_from(calls), max_size=3), label=phase):
+                mine = [t for t in touched if t in self.rb.expected]
+                pool = mine if mine and data.draw(st.booleans(), label="mine") else None
+                pool = pool or sorted(self.rb.expected, key=str)
+                sid = data.draw(st.sampled_from(pool), label="seq") if pool else None
+                new = self._schedule_call(call, sid, data)
+                if new is not None:
+                    admitted.append(new)
+                if sid is not None:
+                    touched.append(sid)
+                self.mgr.check()
+        return multiple(*[s for s in admitted if s in self.rb.expected])
+
+    def _schedule_call(self, call, sid, data):
+        """One call of schedule_phase; returns the id it admitted, if any. A refused call
+        changes nothing (the invariant reads every sequence back)."""
+        try:
+            if call == "admit":
+                base = data.draw(st.sampled_from(self.conversations[::-1] + PREFIXES))
+                tokens = base[: data.draw(st.integers(0, len(base)), label="cut")]
+                new = self._new_id()
+                onloads = getattr(self.mgr, "num_pending_onloads", 0)
+                self.rb.add(new, tokens + [data.draw(TOKENS, label="tail")])
+                if getattr(self.mgr, "num_pending_onloads", 0) > onloads:
+                    event("schedule phase: a prompt served from the host")
+                return new
+            if call == "reset":
+                self.mgr.pool.reset_prefix_cache()
+            elif call == "evict":  # new tokens take every free block: cached ones demoted
+                n = self.mgr.pool.num_free * self.mgr.block_size
+                if n:
+                    self.rb.add("evictor", [1000 + i for i in range(n)])
+                    self.rb.free("evictor")
+            elif sid is None:
+                pass
+            elif call == "swap_in" and self._is_swapped(sid):
+                self.rb.swap_in(sid)
+                event("schedule phase: swap_in")
+            elif call == "swap_out" and self._is_running(sid) and self.rb.host is not None:
+                self.rb.swap_out(sid)
+            elif call == "free":
+                self._finish(sid)
+            elif call == "truncate" and self._is_running(sid):
+                n = len(self.rb.tokens(sid))
+                self.rb.truncate(sid, data.draw(st.integers(0, n), label="keep"))
+            elif call == "append" and self._is_running(sid):
+                self.rb.append(sid, [data.draw(TOKENS, label="token")])
+        except (OutOfBlocksError, InvalidStateError):
+            pass
+        return None
 
     @rule()
     def reset_prefix_cache(self):
