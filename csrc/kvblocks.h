@@ -236,6 +236,9 @@ typedef struct {
                                 * the manager that attached it) */
     struct kvb_twins *twins;   /* KV cache groups' eviction rule (groups.c, kvb_grp_link), or
                                 * NULL: plain LRU (owned) */
+    int tiered;                /* 1: one of a host tier's two pools (set by kvb_mgr_host_tier):
+                                * a reset records a BlockRemoved per entry (the events carry
+                                * the pool's medium), never the medium-less AllBlocksCleared */
 } kvb_pool_t;
 
 int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching);
@@ -267,7 +270,8 @@ int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes
 int64_t kvb_cache_lookup(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out);
 /* Same, and add one reference to each hit in the same step (pool.c). */
 int64_t kvb_pool_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out);
-/* Drop every entry; only when no cached block is referenced (else KVB_ESTATE) (pool.c). */
+/* Drop every entry; only when no cached block is referenced (else KVB_ESTATE) (pool.c). Its
+ * event: AllBlocksCleared, or one BlockRemoved per entry on a tiered pool (p->tiered). */
 int kvb_pool_reset_cache(kvb_pool_t *p);
 
 /* the event log (events.c): grow, drain, free */
@@ -593,6 +597,9 @@ typedef struct kvb_tier {
                                 * the drain, or before a host lookup) */
     int64_t ndem, demcap;      /* entries used, capacity */
     int32_t *demtok;           /* [demcap * block_size] their tokens (host events only) */
+    int64_t *ord;              /* [ordcap] flush scratch: the demotions' parent-first order,
+                                * each one's host block, the walk's stack and a hash index */
+    int64_t ordcap;            /* capacity (int64s) */
     kvb_tier_stats_t stats;    /* counters since creation */
 } kvb_tier_t;
 
@@ -608,6 +615,11 @@ int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out);
 /* Drain the pending onloads; KVB_EPENDING while offloads are pending (err_a: how many).
  * *n gets the pairs written. */
 int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n);
+/* Drop every prefix-cache entry of m's pool and, with a host tier, of the host pool (tier.c).
+ * All or nothing: KVB_EPENDING while offloads or onloads are pending (err_a, err_b: how many;
+ * evictions since the last flush are flushed first), KVB_ESTATE while a cached device block
+ * is referenced (err_a: how many, err_b: cached). */
+int kvb_mgr_reset_cache(kvb_mgr_t *m);
 /* Verify m's tier (holds, flags, counts; none flagged without one); refs / hrefs (device, host)
  * get the references its pairs and deferred blocks hold. Detail in m->err_*. */
 int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs);

@@ -217,6 +217,7 @@ cdef extern from "kvblocks.h" nogil:
     void kvb_tier_flush(kvb_tier_t *t)
     int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out)
     int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n)
+    int kvb_mgr_reset_cache(kvb_mgr_t *m)
 
     ctypedef struct kvb_meta_t:
         int64_t *slot_mapping
@@ -257,6 +258,7 @@ cdef class BlockPool:
     cdef bytes _key
     cdef object _block_size
     cdef BlockPool _tier_pool  # a host pool: the device pool whose tier feeds it
+    cdef void _sync(self) noexcept
     cdef list _build_events(self, kvb_events_t *ev)
     cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,
                               bint has, int64_t ntok)
