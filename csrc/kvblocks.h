@@ -189,6 +189,8 @@ typedef struct {               /* struct-of-arrays event log, grown on demand */
     int64_t ntok, tok_cap;     /* token ids recorded, capacity */
     int32_t *tokens;           /* [tok_cap] token ids of stored blocks */
     int32_t *tag;              /* [cap] adapter tag of a stored block (0: none) */
+    uint64_t *stamp;           /* [cap] recording order across pools (one process-wide clock;
+                                * a tiered pool's events only, else 0): kvb_events_merge */
     int32_t cur_tag;           /* tag recorded with the next stored blocks (set by table.c) */
     int64_t max_pending;       /* events kept undrained at most; later ones are dropped */
     uint64_t dropped;          /* events dropped since creation (log full or out of memory) */
@@ -283,6 +285,12 @@ void kvb_events_destroy(kvb_events_t *ev);
  * when nothing was recorded meanwhile, else frees them. */
 void kvb_events_detach(kvb_events_t *ev, kvb_events_t *out);
 void kvb_events_reattach(kvb_events_t *ev, kvb_events_t *snap);
+/* The records of two detached logs (a host tier's two pools) as one log in the order they
+ * were recorded (by stamp; a's first on ties): out (zeroed by the caller, freed with
+ * kvb_events_destroy) gets them, src[i] (n_a + n_b bytes) 0 or 1 for the log record i came
+ * from. KVB_ENOMEM leaves out empty. */
+int kvb_events_merge(const kvb_events_t *a, const kvb_events_t *b, kvb_events_t *out,
+                     uint8_t *src);
 
 /* ---- manager (table.c) ------------------------------------------------------------------ */
 typedef struct {               /* per-sequence hash chain state beside hashes[] (chain.c) */

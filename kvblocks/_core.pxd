@@ -123,6 +123,9 @@ cdef extern from "kvblocks.h" nogil:
     void kvb_events_clear(kvb_events_t *ev)
     void kvb_events_detach(kvb_events_t *ev, kvb_events_t *out)
     void kvb_events_reattach(kvb_events_t *ev, kvb_events_t *snap)
+    void kvb_events_destroy(kvb_events_t *ev)
+    int kvb_events_merge(const kvb_events_t *a, const kvb_events_t *b, kvb_events_t *out,
+                         uint8_t *src)
 
     ctypedef struct kvb_chain_t:
         int32_t tag
@@ -259,9 +262,9 @@ cdef class BlockPool:
     cdef object _block_size
     cdef BlockPool _tier_pool  # a host pool: the device pool whose tier feeds it
     cdef void _sync(self) noexcept
-    cdef list _build_events(self, kvb_events_t *ev)
+    cdef list _build_events(self, kvb_events_t *ev, const uint8_t *src=*, list media=*)
     cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,
-                              bint has, int64_t ntok)
+                              bint has, int64_t ntok, str medium)
     cdef bint _initialized
     cdef int32_t _algo
     cdef str _seed

@@ -880,6 +880,50 @@ cdef class BlockManager:
         finally:
             self._leave()
 
+    def take_events(self):
+        """Drain the KV events of ``pool`` and ``host_pool`` as one list, in the order they
+        were recorded (``medium`` tells them apart: ``"GPU"``, ``"CPU"``); publish this list.
+
+        With a host tier only this order keeps every ``BlockStored``'s parent known when it
+        is named: a host entry may chain on a device block the device evicts a moment later
+        (its ``BlockRemoved(medium="GPU")`` then comes after the host's ``BlockStored``), and
+        a device block may be stored and evicted in one step before its host copy is stored.
+        Draining the two pools separately loses that order: do not mix both ways of
+        draining on one manager. Without a host tier this is ``pool.take_events()`` (the
+        host pool of swapping records none).
+        """
+        cdef kvb_tier_t *t = self.pool.p.tier
+        if t is NULL:
+            return self.pool.take_events()
+        cdef kvb_events_t a, b, merged
+        cdef int rc
+        self._enter()
+        try:
+            kvb_tier_flush(t)  # evictions since: their host entries are stored now
+            if self.pool.p.events.n == 0 and self.host_pool.p.events.n == 0:
+                return []
+            src = np.empty(self.pool.p.events.n + self.host_pool.p.events.n, dtype=np.uint8)
+            # moved out before Python objects are built (another thread may record meanwhile)
+            kvb_events_detach(&self.pool.p.events, &a)
+            kvb_events_detach(&self.host_pool.p.events, &b)
+            memset(&merged, 0, sizeof(merged))
+            try:
+                if cnp.PyArray_DIM(<cnp.ndarray>src, 0) != a.n + b.n:
+                    src = np.empty(a.n + b.n, dtype=np.uint8)
+                rc = kvb_events_merge(&a, &b, &merged,
+                                      <uint8_t *>cnp.PyArray_DATA(<cnp.ndarray>src))
+                if rc:
+                    raise MemoryError("take_events: out of memory merging the event logs")
+                return self.pool._build_events(&merged,
+                                               <uint8_t *>cnp.PyArray_DATA(<cnp.ndarray>src),
+                                               [self.pool._medium, self.host_pool._medium])
+            finally:
+                kvb_events_destroy(&merged)
+                kvb_events_reattach(&self.pool.p.events, &a)
+                kvb_events_reattach(&self.host_pool.p.events, &b)
+        finally:
+            self._leave()
+
     def reset_prefix_cache(self):
         """Drop every prefix-cache entry, on the device and, with a host tier, on the host.
 

@@ -457,8 +457,10 @@ cdef class BlockPool:
         finally:
             kvb_events_reattach(&self.p.events, &snap)
 
-    cdef list _build_events(self, kvb_events_t *ev):
-        """The events of a detached log, merged in one pass (see take_events)."""
+    cdef list _build_events(self, kvb_events_t *ev, const uint8_t *src=NULL, list media=None):
+        """The events of a detached log, merged in one pass (see take_events). With ``src``
+        (a merged log of a host tier's two pools), record i is of medium ``media[src[i]]``
+        and runs never merge across media."""
         cdef int64_t n = ev.n
         # one pass, merging in C what coalesce() would merge: a stored block whose parent is
         # the previous stored block's hash (same group, adapter and token-ness) extends its
@@ -480,11 +482,14 @@ cdef class BlockPool:
         cdef int32_t last_tag = 0
         cdef bint last_toks = False, has
         cdef int64_t last_ntok = 0
+        cdef uint8_t s = 0, last_s = 0
         for i in range(n):
             kind = ev.kind[i]
+            if src != NULL:
+                s = src[i]
             if kind == KVB_EV_STORED:
                 has = ev.tok_off[i] >= 0
-                if (last == KVB_EV_STORED and ev.parent[i].lo == last_h.lo and
+                if (last == KVB_EV_STORED and s == last_s and ev.parent[i].lo == last_h.lo and
                         ev.parent[i].hi == last_h.hi and (last_h.lo or last_h.hi) and
                         ev.group[i] == last_g and ev.tag[i] == last_tag and has == last_toks
                         and (not has or e_end[i] - ev.tok_off[i] == last_ntok)):
@@ -494,24 +499,26 @@ cdef class BlockPool:
                     if last == KVB_EV_STORED and last_toks:
                         run.token_ids = toks_all[t0:t1].tolist()
                     run = self._stored_event(ev.hash[i], ev.parent[i], ev.group[i], ev.tag[i],
-                                             has, e_end[i] - ev.tok_off[i] if has else 0)
+                                             has, e_end[i] - ev.tok_off[i] if has else 0,
+                                             self._medium if src == NULL else media[s])
                     out.append(run)
                     t0 = ev.tok_off[i]
                     t1 = e_end[i]
-                last, last_h, last_g = KVB_EV_STORED, ev.hash[i], ev.group[i]
+                last, last_h, last_g, last_s = KVB_EV_STORED, ev.hash[i], ev.group[i], s
                 last_tag, last_toks = ev.tag[i], has
                 last_ntok = e_end[i] - ev.tok_off[i] if has else 0
                 continue
             if last == KVB_EV_STORED and last_toks:
                 run.token_ids = toks_all[t0:t1].tolist()
             if kind == KVB_EV_REMOVED:
-                if last == KVB_EV_REMOVED and ev.group[i] == last_g:
+                if last == KVB_EV_REMOVED and ev.group[i] == last_g and s == last_s:
                     run.block_hashes.append(hash_int(ev.hash[i]))
                 else:
                     run = BlockRemoved(block_hashes=[hash_int(ev.hash[i])],
-                                       group_idx=ev.group[i], medium=self._medium)
+                                       group_idx=ev.group[i],
+                                       medium=self._medium if src == NULL else media[s])
                     out.append(run)
-                last, last_g = KVB_EV_REMOVED, ev.group[i]
+                last, last_g, last_s = KVB_EV_REMOVED, ev.group[i], s
             else:
                 out.append(AllBlocksCleared())
                 last = -1
@@ -520,7 +527,7 @@ cdef class BlockPool:
         return out
 
     cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,
-                              bint has, int64_t ntok):
+                              bint has, int64_t ntok, str medium):
         """A one-block BlockStored (its tokens are filled in by take_events)."""
         spec = self._groups[g] if self._groups is not None and g < len(self._groups) else None
         return BlockStored(block_hashes=[hash_int(h)],
@@ -533,4 +540,4 @@ cdef class BlockPool:
                                                else "full_attention"),
                            kv_cache_spec_sliding_window=spec.window if spec is not None else None,
                            lora_name=self._lora_names[tag],
-                           medium=self._medium)
+                           medium=medium)
