@@ -213,28 +213,34 @@ def test_merged_events_keep_a_host_block_whose_device_parent_is_evicted_later():
 ops = st.lists(
     st.tuples(
         st.sampled_from(
-            ["add", "add", "compute", "compute", "append", "free", "drain", "swap", "reset",
-             "pool_reset"]
+            ["prefill", "prefill", "prefill", "add", "compute", "append", "free", "free",
+             "drain", "swap", "reset", "pool_reset"]
         ),
         st.integers(0, 3),
         st.integers(1, 9),
     ),
+    min_size=20,
     max_size=50,
 )
 
 
 def run_workload(mgr, script, vocab, seed):
     rng = np.random.default_rng(seed)
-    prefixes = [rng.integers(0, vocab + 1, 6).tolist() for _ in range(2)]
+    cap = (mgr.pool.num_blocks - 1) * mgr.block_size  # a prompt of n/9 of the pool: tight
+    prefixes = [rng.integers(0, vocab + 1, cap).tolist() for _ in range(2)]
     sub = Subscriber()
     live = set()
     for op, i, n in script:
         sid = f"s{i}"
         try:
-            if op == "add" and sid not in live:
-                toks = prefixes[n % 2][: n % 7] + rng.integers(0, vocab + 1, n).tolist()
+            if op in ("add", "prefill") and sid not in live:
+                size = max(1, n * cap // 9)
+                shared = prefixes[n % 2][: size * (n % 3) // 3]
+                toks = shared + rng.integers(0, vocab + 1, size - len(shared)).tolist()
                 mgr.add(sid, toks)
                 live.add(sid)
+                if op == "prefill":
+                    compute(mgr, sid)
             elif op == "compute" and sid in live and not mgr.is_swapped(sid):
                 compute(mgr, sid)
             elif op == "append" and sid in live and not mgr.is_swapped(sid):
@@ -298,3 +304,173 @@ def test_subscriber_flags_a_child_before_its_parent():
         [BlockStored([c], p, [2, 2], 2, medium="CPU"), BlockStored([p], 5, [1, 1], 2, medium="CPU")]
     )
     assert bad == [("CPU", p, 0)]
+
+
+# -- finding 4: a reset with a host tier -------------------------------------------------------
+def warm(mgr):
+    """Two host entries (a's chain, demoted) and four device entries (b's), all evictable
+    (with tier(5)); a subscriber fed everything so far."""
+    sub = Subscriber()
+    mgr.add("a", [1, 2, 3, 4, 5])
+    compute(mgr, "a")
+    mgr.free("a")
+    mgr.add("b", [7, 8, 9, 10, 11, 12, 13, 14])  # evicts a's chain: on the host
+    compute(mgr, "b")
+    mgr.free("b")
+    feed(sub, mgr)
+    assert (mgr.pool.num_cached, mgr.host_pool.num_cached) == (4, 2)
+    return sub
+
+
+def test_manager_reset_clears_both_tiers_and_names_each_medium():
+    mgr = tier(5, host=6)
+    sub = warm(mgr)
+    gpu, cpu = set(sub.known["GPU"]), set(sub.known["CPU"])
+    mgr.reset_prefix_cache()
+    events = mgr.take_events()
+    assert not any(isinstance(e, AllBlocksCleared) for e in events)
+    removed = {m: {h for e in events if e.medium == m for h in e.block_hashes} for m in MEDIA}
+    assert all(isinstance(e, BlockRemoved) for e in events)
+    assert removed == {"GPU": gpu, "CPU": cpu}
+    assert not sub.apply(events)
+    assert sub.known == {"GPU": set(), "CPU": set()}
+    sub.assert_matches(mgr)
+    assert (mgr.pool.num_cached, mgr.host_pool.num_cached) == (0, 0)
+    assert mgr.add("c", [1, 2, 3, 4, 5]) == 0 and mgr.num_pending_onloads == 0
+    mgr.check()
+
+
+def test_manager_reset_without_a_host_tier_is_all_blocks_cleared():
+    mgr = BlockManager(6, 2, enable_kv_events=True, hash_key=KEY)
+    mgr.add("a", [1, 2, 3, 4, 5])
+    compute(mgr, "a")
+    mgr.free("a")
+    mgr.take_events()
+    mgr.reset_prefix_cache()
+    assert mgr.take_events() == [AllBlocksCleared()]
+    assert mgr.pool.num_cached == 0 and mgr.add("b", [1, 2, 3]) == 0
+    mgr.check()
+
+
+def test_device_pool_reset_with_a_host_tier_names_its_medium():
+    """Regression (fails on 2a8a32e): it recorded AllBlocksCleared, so a router dropped the
+    host entries too, which the host tier went on serving."""
+    mgr = tier(5, host=6)
+    sub = warm(mgr)
+    cpu = set(sub.known["CPU"])
+    mgr.pool.reset_prefix_cache()
+    events = mgr.take_events()
+    assert [(type(e), e.medium) for e in events] == [(BlockRemoved, "GPU")]
+    assert not sub.apply(events)
+    assert sub.known["CPU"] == cpu and not sub.known["GPU"]
+    sub.assert_matches(mgr)
+    assert mgr.add("c", [1, 2, 3, 4, 5]) == 4  # the host entries still serve
+    mgr.check()
+
+
+def test_host_pool_reset_keeps_the_routers_device_entries():
+    """Regression (fails on 2a8a32e): the host pool's AllBlocksCleared wiped the router's
+    device entries as well."""
+    mgr = tier(5, host=6)
+    sub = warm(mgr)
+    gpu = set(sub.known["GPU"])
+    mgr.host_pool.reset_prefix_cache()
+    events = mgr.take_events()
+    assert [(type(e), e.medium) for e in events] == [(BlockRemoved, "CPU")]
+    assert not sub.apply(events)
+    assert sub.known["GPU"] == gpu and not sub.known["CPU"]
+    sub.assert_matches(mgr)
+    mgr.check()
+
+
+def refused(mgr, match):
+    """reset_prefix_cache raises InvalidStateError and changes nothing."""
+    before = (mgr.pool.num_cached, mgr.host_pool.num_cached, mgr.pool.num_free,
+              mgr.host_pool.num_free, mgr.num_pending_offloads, mgr.num_pending_onloads)
+    mgr.take_events()
+    with pytest.raises(InvalidStateError, match=match):
+        mgr.reset_prefix_cache()
+    assert mgr.take_events() == []
+    assert before == (mgr.pool.num_cached, mgr.host_pool.num_cached, mgr.pool.num_free,
+                      mgr.host_pool.num_free, mgr.num_pending_offloads, mgr.num_pending_onloads)
+    mgr.check()
+
+
+def test_manager_reset_refuses_while_a_cached_block_is_referenced():
+    mgr = tier(5, host=6)
+    warm(mgr)
+    mgr.add("c", [7, 8, 9, 10, 11])  # holds b's cached blocks
+    drain(mgr)
+    refused(mgr, "cached device blocks are referenced")
+    mgr.free("c")
+    mgr.reset_prefix_cache()
+    assert mgr.pool.num_cached == 0
+
+
+def test_manager_reset_refuses_while_offloads_are_pending():
+    """Evictions since the last drain are demoted first: their offloads are pending."""
+    mgr = tier(5, host=6)
+    warm(mgr)
+    mgr.add("x", [0] * 8)  # evicts b's blocks: offloads pending (not drained)
+    mgr.free("x")
+    refused(mgr, "offloads and 0 onloads are pending")
+    mgr.take_offloads()
+    mgr.reset_prefix_cache()
+    assert (mgr.pool.num_cached, mgr.host_pool.num_cached) == (0, 0)
+    mgr.check()
+
+
+def test_manager_reset_refuses_while_onloads_are_pending():
+    mgr = tier(5, host=6)
+    warm(mgr)
+    assert mgr.add("c", [1, 2, 3, 4, 5]) == 4  # host hits: onloads pending (and held)
+    mgr.take_offloads()
+    mgr.free("c")  # the onload still holds its device block and host block
+    refused(mgr, "0 offloads and 2 onloads are pending")
+    mgr.take_onloads()
+    mgr.reset_prefix_cache()
+    mgr.check()
+
+
+def test_manager_reset_leaves_swapped_sequences_alone():
+    mgr = tier(5, host=8)
+    warm(mgr)
+    mgr.add("s", [3, 3, 3])
+    compute(mgr, "s")
+    mgr.swap_out("s")
+    mgr.take_offloads()
+    mgr.reset_prefix_cache()
+    assert mgr.is_swapped("s") and mgr.host_pool.num_cached == 0
+    drain(mgr)
+    mgr.swap_in("s")
+    assert mgr.num_tokens("s") == 3
+    mgr.check()
+
+
+@settings(deadline=None)
+@given(st.integers(4, 10), st.integers(2, 10), st.booleans(), ops, st.integers(0, 2**16))
+def test_resets_keep_the_subscriber_consistent(nb, nh, wt, script, seed):
+    """Finding 4's class: any mix of manager and per-pool resets among random calls keeps
+    the subscriber's index equal to both pools' cached sets (the workload feeds it after
+    every call and compares)."""
+    mgr = tier(nb, block_size=1, host=nh, host_write_through=wt)
+    reset_heavy = [("reset" if k % 5 == 4 else op, i, n) for k, (op, i, n) in enumerate(script)]
+    run_workload(mgr, reset_heavy, 2, seed)
+
+
+# -- host-pool counters ------------------------------------------------------------------------
+def test_host_pool_counters_are_current_after_an_evicting_add():
+    """Regression (fails on 2a8a32e): add() looks the host up before it allocates, so the
+    evictions of its own allocation reached the host counters only at the next host
+    lookup or drain."""
+    mgr = tier(5, host=4)
+    mgr.add("a", [1, 2, 3, 4, 5])
+    compute(mgr, "a")
+    mgr.free("a")
+    mgr.add("b", [9] * 7)  # evicts a's two cached blocks after its host lookup
+    h = mgr.host_pool
+    assert h.num_cached == 2 and h.num_free == 1 and h.num_used == 2
+    assert [h.is_cached(b) for b in range(1, 4)] == [True, True, False]
+    assert h.block_hash(1) is not None and h.ref_count(1) == 1  # the offload's hold
+    assert mgr.num_pending_offloads == 2
+    mgr.check()
