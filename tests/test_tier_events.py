@@ -60,7 +60,9 @@ class Subscriber:
                         m == "CPU" and parent in self.removed["CPU"]
                     )
                     later = m == "CPU" and any(
-                        isinstance(e, BlockStored) and e.medium == "CPU" and parent in e.block_hashes
+                        isinstance(e, BlockStored)
+                        and e.medium == "CPU"
+                        and parent in e.block_hashes
                         for e in events[i + 1 :]
                     )
                     if not (cascade or (gone and not later)):
@@ -151,8 +153,12 @@ def test_one_allocation_evicting_a_chain_stores_it_on_the_host_parent_first():
     mgr.free("b")
     mgr.add("c", [7] * 8)  # evicts b's four blocks: the host (4 blocks) evicts a's chain
     mgr.take_offloads()
-    gone = [h for e in mgr.host_pool.take_events() if isinstance(e, BlockRemoved)
-            for h in e.block_hashes]
+    gone = [
+        h
+        for e in mgr.host_pool.take_events()
+        if isinstance(e, BlockRemoved)
+        for h in e.block_hashes
+    ]
     assert gone == chain[::-1]
     mgr.check()
 
@@ -196,8 +202,9 @@ def test_merged_events_keep_a_host_block_whose_device_parent_is_evicted_later():
         mgr.free("y")
         mgr.add("z", [9, 9, 9, 9, 9])  # evicts [1] after its child went to the host
         mgr.take_offloads()
-        events = (mgr.take_events() if merged
-                  else mgr.pool.take_events() + mgr.host_pool.take_events())
+        events = (
+            mgr.take_events() if merged else mgr.pool.take_events() + mgr.host_pool.take_events()
+        )
         bad = sub.apply(events)
         sub.assert_matches(mgr)
         mgr.free("z")
@@ -213,8 +220,20 @@ def test_merged_events_keep_a_host_block_whose_device_parent_is_evicted_later():
 ops = st.lists(
     st.tuples(
         st.sampled_from(
-            ["prefill", "prefill", "prefill", "add", "compute", "append", "free", "free",
-             "drain", "swap", "reset", "pool_reset"]
+            [
+                "prefill",
+                "prefill",
+                "prefill",
+                "add",
+                "compute",
+                "append",
+                "free",
+                "free",
+                "drain",
+                "swap",
+                "reset",
+                "pool_reset",
+            ]
         ),
         st.integers(0, 3),
         st.integers(1, 9),
@@ -385,14 +404,26 @@ def test_host_pool_reset_keeps_the_routers_device_entries():
 
 def refused(mgr, match):
     """reset_prefix_cache raises InvalidStateError and changes nothing."""
-    before = (mgr.pool.num_cached, mgr.host_pool.num_cached, mgr.pool.num_free,
-              mgr.host_pool.num_free, mgr.num_pending_offloads, mgr.num_pending_onloads)
+    before = (
+        mgr.pool.num_cached,
+        mgr.host_pool.num_cached,
+        mgr.pool.num_free,
+        mgr.host_pool.num_free,
+        mgr.num_pending_offloads,
+        mgr.num_pending_onloads,
+    )
     mgr.take_events()
     with pytest.raises(InvalidStateError, match=match):
         mgr.reset_prefix_cache()
     assert mgr.take_events() == []
-    assert before == (mgr.pool.num_cached, mgr.host_pool.num_cached, mgr.pool.num_free,
-                      mgr.host_pool.num_free, mgr.num_pending_offloads, mgr.num_pending_onloads)
+    assert before == (
+        mgr.pool.num_cached,
+        mgr.host_pool.num_cached,
+        mgr.pool.num_free,
+        mgr.host_pool.num_free,
+        mgr.num_pending_offloads,
+        mgr.num_pending_onloads,
+    )
     mgr.check()
 
 
