@@ -138,9 +138,19 @@ int64_t kvb_cache_lookup(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int
     return k;
 }
 
+/* Events: AllBlocksCleared, which names no medium (vLLM's has none), so a router drops every
+ * entry of the engine on it. One of a host tier's pools (p->tiered) records a BlockRemoved per
+ * entry instead, in its own medium: the other tier keeps its entries (and a reset of both
+ * pools is one removal list per medium, whatever order a router merges them in). */
 void kvb_cache_clear(kvb_pool_t *p) {
-    for (int32_t b = 1; b < p->num_blocks; b++) p->flags[b] &= (uint8_t)~KVB_F_CACHED;
+    int each = p->record_events && p->tiered;
+    for (int32_t b = 1; b < p->num_blocks; b++) {
+        if (each && (p->flags[b] & KVB_F_CACHED))
+            kvb_pool_record(p, KVB_EV_REMOVED, b, &p->hash[b], NULL, NULL, 0);
+        p->flags[b] &= (uint8_t)~KVB_F_CACHED;
+    }
     memset(p->table, 0xff, (size_t)(p->table_mask + 1) * sizeof *p->table);
     p->num_cached = 0;
-    if (p->record_events) kvb_pool_record(p, KVB_EV_CLEARED, KVB_NONE, NULL, NULL, NULL, 0);
+    if (p->record_events && !p->tiered)
+        kvb_pool_record(p, KVB_EV_CLEARED, KVB_NONE, NULL, NULL, NULL, 0);
 }

@@ -3,6 +3,11 @@
  * by the Cython layer (take_events). Token ids of stored blocks go to one shared array; each
  * event keeps its offset into it (-1 when none were given).
  *
+ * Order across pools: a host tier's two pools (tiered) stamp each record from one
+ * process-wide clock, so kvb_events_merge can give both logs as one stream in the order the
+ * records were made (a host BlockStored may name a parent the device pool stored, and that the
+ * device evicts a moment later: only that order keeps every parent known when it is named).
+ *
  * Recording is best-effort: a full log (max_pending undrained events) or a failed allocation
  * drops the event and counts it in `dropped`; it never makes an allocator call fail after that
  * call changed state.
@@ -11,6 +16,18 @@
 #include <string.h>
 
 #include "internal.h"
+
+#ifndef __STDC_NO_ATOMICS__
+#include <stdatomic.h>
+static _Atomic uint64_t event_clock; /* stamps of tiered pools' records, from 1 */
+KVB_INLINE uint64_t next_stamp(void) {
+    return atomic_fetch_add_explicit(&event_clock, 1, memory_order_relaxed) + 1;
+}
+#else
+static uint64_t event_clock; /* no C11 atomics: stamps may tie across threads (order kept
+                              * within each log regardless) */
+KVB_INLINE uint64_t next_stamp(void) { return ++event_clock; }
+#endif
 
 int kvb_events_reserve(kvb_events_t *ev, int64_t n_events, int64_t n_tokens) {
     int64_t need = ev->n + n_events;
@@ -23,6 +40,7 @@ int kvb_events_reserve(kvb_events_t *ev, int64_t n_events, int64_t n_tokens) {
         c = ev->cap; if (kvb_grow((void **)&ev->group, &c, need, sizeof *ev->group)) return KVB_ENOMEM;
         c = ev->cap; if (kvb_grow((void **)&ev->tok_off, &c, need, sizeof *ev->tok_off)) return KVB_ENOMEM;
         c = ev->cap; if (kvb_grow((void **)&ev->tag, &c, need, sizeof *ev->tag)) return KVB_ENOMEM;
+        c = ev->cap; if (kvb_grow((void **)&ev->stamp, &c, need, sizeof *ev->stamp)) return KVB_ENOMEM;
         ev->cap = c;
     }
     return kvb_grow((void **)&ev->tokens, &ev->tok_cap, ev->ntok + n_tokens, sizeof *ev->tokens);
@@ -54,7 +72,7 @@ void kvb_events_reattach(kvb_events_t *ev, kvb_events_t *snap) {
 
 void kvb_events_destroy(kvb_events_t *ev) {
     free(ev->kind); free(ev->hash); free(ev->parent); free(ev->block); free(ev->group);
-    free(ev->tok_off); free(ev->tokens); free(ev->tag);
+    free(ev->tok_off); free(ev->tokens); free(ev->tag); free(ev->stamp);
     memset(ev, 0, sizeof *ev);
 }
 
@@ -73,6 +91,7 @@ void kvb_pool_record(kvb_pool_t *p, int kind, int32_t b, const kvb_hash_t *h,
     ev->block[i] = b;
     ev->group[i] = b > 0 && b < p->num_blocks ? p->gid[b] : 0;
     ev->tag[i] = kind == KVB_EV_STORED ? ev->cur_tag : 0;
+    ev->stamp[i] = p->tiered ? next_stamp() : 0;
     if (h) ev->hash[i] = *h; else ev->hash[i].lo = ev->hash[i].hi = 0;
     if (parent) ev->parent[i] = *parent; else ev->parent[i].lo = ev->parent[i].hi = 0;
     if (tokens) {
@@ -84,3 +103,36 @@ void kvb_pool_record(kvb_pool_t *p, int kind, int32_t b, const kvb_hash_t *h,
     }
 }
 
+
+int kvb_events_merge(const kvb_events_t *a, const kvb_events_t *b, kvb_events_t *out,
+                     uint8_t *src) {
+    if (kvb_events_reserve(out, a->n + b->n, a->ntok + b->ntok)) {
+        kvb_events_destroy(out);
+        return KVB_ENOMEM;
+    }
+    int64_t i = 0, j = 0;
+    while (i < a->n || j < b->n) {
+        int from_b = i == a->n || (j < b->n && b->stamp[j] < a->stamp[i]);
+        const kvb_events_t *e = from_b ? b : a;
+        int64_t k = from_b ? j++ : i++, o = out->n++;
+        src[o] = (uint8_t)from_b;
+        out->kind[o] = e->kind[k];
+        out->hash[o] = e->hash[k];
+        out->parent[o] = e->parent[k];
+        out->block[o] = e->block[k];
+        out->group[o] = e->group[k];
+        out->tag[o] = e->tag[k];
+        out->stamp[o] = e->stamp[k];
+        out->tok_off[o] = -1;
+        if (e->tok_off[k] >= 0) { /* a record's tokens end where its log's next ones begin */
+            int64_t end = e->ntok;
+            for (int64_t q = k + 1; q < e->n; q++)
+                if (e->tok_off[q] >= 0) { end = e->tok_off[q]; break; }
+            out->tok_off[o] = out->ntok;
+            kvb_copy(out->tokens + out->ntok, e->tokens + e->tok_off[k],
+                     (size_t)(end - e->tok_off[k]) * sizeof *out->tokens);
+            out->ntok += end - e->tok_off[k];
+        }
+    }
+    return KVB_OK;
+}

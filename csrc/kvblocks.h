@@ -189,6 +189,8 @@ typedef struct {               /* struct-of-arrays event log, grown on demand */
     int64_t ntok, tok_cap;     /* token ids recorded, capacity */
     int32_t *tokens;           /* [tok_cap] token ids of stored blocks */
     int32_t *tag;              /* [cap] adapter tag of a stored block (0: none) */
+    uint64_t *stamp;           /* [cap] recording order across pools (one process-wide clock;
+                                * a tiered pool's events only, else 0): kvb_events_merge */
     int32_t cur_tag;           /* tag recorded with the next stored blocks (set by table.c) */
     int64_t max_pending;       /* events kept undrained at most; later ones are dropped */
     uint64_t dropped;          /* events dropped since creation (log full or out of memory) */
@@ -236,6 +238,9 @@ typedef struct {
                                 * the manager that attached it) */
     struct kvb_twins *twins;   /* KV cache groups' eviction rule (groups.c, kvb_grp_link), or
                                 * NULL: plain LRU (owned) */
+    int tiered;                /* 1: one of a host tier's two pools (set by kvb_mgr_host_tier):
+                                * a reset records a BlockRemoved per entry (the events carry
+                                * the pool's medium), never the medium-less AllBlocksCleared */
 } kvb_pool_t;
 
 int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching);
@@ -267,7 +272,8 @@ int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes
 int64_t kvb_cache_lookup(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out);
 /* Same, and add one reference to each hit in the same step (pool.c). */
 int64_t kvb_pool_lookup_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out);
-/* Drop every entry; only when no cached block is referenced (else KVB_ESTATE) (pool.c). */
+/* Drop every entry; only when no cached block is referenced (else KVB_ESTATE) (pool.c). Its
+ * event: AllBlocksCleared, or one BlockRemoved per entry on a tiered pool (p->tiered). */
 int kvb_pool_reset_cache(kvb_pool_t *p);
 
 /* the event log (events.c): grow, drain, free */
@@ -279,6 +285,12 @@ void kvb_events_destroy(kvb_events_t *ev);
  * when nothing was recorded meanwhile, else frees them. */
 void kvb_events_detach(kvb_events_t *ev, kvb_events_t *out);
 void kvb_events_reattach(kvb_events_t *ev, kvb_events_t *snap);
+/* The records of two detached logs (a host tier's two pools) as one log in the order they
+ * were recorded (by stamp; a's first on ties): out (zeroed by the caller, freed with
+ * kvb_events_destroy) gets them, src[i] (n_a + n_b bytes) 0 or 1 for the log record i came
+ * from. KVB_ENOMEM leaves out empty. */
+int kvb_events_merge(const kvb_events_t *a, const kvb_events_t *b, kvb_events_t *out,
+                     uint8_t *src);
 
 /* ---- manager (table.c) ------------------------------------------------------------------ */
 typedef struct {               /* per-sequence hash chain state beside hashes[] (chain.c) */
@@ -599,6 +611,9 @@ typedef struct kvb_tier {
                                 * the drain, or before a host lookup) */
     int64_t ndem, demcap;      /* entries used, capacity */
     int32_t *demtok;           /* [demcap * block_size] their tokens (host events only) */
+    int64_t *ord;              /* [ordcap] flush scratch: the demotions' parent-first order,
+                                * each one's host block, the walk's stack and a hash index */
+    int64_t ordcap;            /* capacity (int64s) */
     kvb_tier_stats_t stats;    /* counters since creation */
 } kvb_tier_t;
 
@@ -614,6 +629,11 @@ int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out);
 /* Drain the pending onloads; KVB_EPENDING while offloads are pending (err_a: how many).
  * *n gets the pairs written. */
 int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n);
+/* Drop every prefix-cache entry of m's pool and, with a host tier, of the host pool (tier.c).
+ * All or nothing: KVB_EPENDING while offloads or onloads are pending (err_a, err_b: how many;
+ * evictions since the last flush are flushed first), KVB_ESTATE while a cached device block
+ * is referenced (err_a: how many, err_b: cached). */
+int kvb_mgr_reset_cache(kvb_mgr_t *m);
 /* Verify m's tier (holds, flags, counts; none flagged without one); refs / hrefs (device, host)
  * get the references its pairs and deferred blocks hold. Detail in m->err_*. */
 int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs);

@@ -43,6 +43,16 @@
  *     early when it has too few other blocks. (Every other reuse of such a block is written
  *     after the swap pairs ran; docs/host-tier.md tabulates every pair kind and claimant.)
  * The step declared by schedule/metadata also settles all three (the drain has run by then).
+ *
+ * Events. The flush gives a batch's evictions their host blocks parent first: a sequence
+ * frees its tail first, so one allocation evicts a chain child first, and a router that skips
+ * a BlockStored whose parent it does not know (llm-d, Dynamo) would drop all but the chain's
+ * first block. The offload pairs (and so the host's LRU order, set as take_offloads releases
+ * them) stay in eviction order: the host still evicts a chain's tail first.
+ *
+ * Reset. kvb_mgr_reset_cache clears both tiers, all or nothing (refused while pairs are
+ * pending). Both pools are flagged `tiered`: a reset of either records one BlockRemoved per
+ * entry in its own medium, never AllBlocksCleared, which names no medium (cache.c).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -91,6 +101,7 @@ int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through) {
     }
     t->block_size = m->block_size;
     t->write_through = write_through != 0;
+    p->tiered = h->tiered = 1; /* their resets name their medium (cache.c) */
     return KVB_OK;
 }
 
@@ -110,28 +121,43 @@ void kvb_tier_destroy(kvb_pool_t *p) {
     free(t->scratch);
     free(t->dem);
     free(t->demtok);
+    free(t->ord);
     free(t);
     p->tier = NULL;
+    p->tiered = 0; /* (the host pool may be gone already: its flag is left alone) */
 }
 
 /* ---- offloads: demotion and write-through ----------------------------------------------- */
+/* Give the entry (hash, parent, tokens) a host block, cached on the host and held for the
+ * offload the caller queues (capacity for it reserved). Returns it, or 0 when no host block
+ * is free (nothing changed then). */
+static int32_t take_host_block(kvb_tier_t *t, const kvb_hash_t *hash, const kvb_hash_t *parent,
+                               const int32_t *tokens) {
+    kvb_pool_t *h = t->host;
+    if (h->num_free == 0) return 0;
+    int32_t hb;
+    KVB_MUST(kvb_pool_allocate(h, 1, &hb)); /* may evict the LRU host entry; ref 1: the hold */
+    h->flags[hb] |= KVB_F_WRITTEN;          /* promised by the offload, run before any read */
+    kvb_cache_put(h, hb, hash, parent->lo | parent->hi ? parent : NULL, tokens, t->block_size);
+    t->stats.offloads++;
+    return hb;
+}
+
+KVB_INLINE void push_offload(kvb_tier_t *t, int32_t b, int32_t hb) {
+    t->off[2 * t->noff] = b;
+    t->off[2 * t->noff + 1] = hb;
+    t->noff++;
+}
+
 /* Give the entry (device block b, hash, parent, tokens) a host block and queue (b, host
  * block). Returns 1 when queued, 0 when no host block is free or the queue cannot grow
  * (nothing changed then). */
 static int queue_offload(kvb_tier_t *t, int32_t b, const kvb_hash_t *hash,
                          const kvb_hash_t *parent, const int32_t *tokens) {
-    kvb_pool_t *h = t->host;
-    if (h->num_free == 0 ||
+    if (t->host->num_free == 0 ||
         kvb_grow((void **)&t->off, &t->offcap, 2 * (t->noff + 1), sizeof *t->off))
         return 0;
-    int32_t hb;
-    KVB_MUST(kvb_pool_allocate(h, 1, &hb)); /* may evict the LRU host entry; ref 1: the hold */
-    h->flags[hb] |= KVB_F_WRITTEN;          /* promised by the offload, run before any read */
-    kvb_cache_put(h, hb, hash, parent->lo | parent->hi ? parent : NULL, tokens, t->block_size);
-    t->off[2 * t->noff] = b;
-    t->off[2 * t->noff + 1] = hb;
-    t->noff++;
-    t->stats.offloads++;
+    push_offload(t, b, take_host_block(t, hash, parent, tokens));
     return 1;
 }
 
@@ -147,29 +173,101 @@ KVB_NOINLINE void kvb_tier_demote(kvb_pool_t *p, int32_t b) {
     d->hash = p->hash[b];
     d->block = b;
     d->has_tokens = 0;
-    if (t->host->record_events) { /* only the host's events read them */
-        d->parent = t->parent[b];
-        if (t->has_tokens[b] && t->ndem < (int64_t)p->num_blocks) { /* demtok's rows */
-            memcpy(t->demtok + t->ndem * t->block_size, t->tokens + (size_t)b * t->block_size,
-                   (size_t)t->block_size * sizeof *t->demtok);
-            d->has_tokens = 1;
-        }
-    } else {
-        d->parent.lo = d->parent.hi = 0;
+    d->parent = t->parent[b]; /* the flush's order and the host's events */
+    if (t->host->record_events && t->has_tokens[b] &&
+        t->ndem < (int64_t)p->num_blocks) { /* demtok's rows; only the host's events read them */
+        memcpy(t->demtok + t->ndem * t->block_size, t->tokens + (size_t)b * t->block_size,
+               (size_t)t->block_size * sizeof *t->demtok);
+        d->has_tokens = 1;
     }
     t->ndem++;
 }
 
+/* The first demotion of [0, n) under hash h (index: t->dem's hashes, open addressing), or -1
+ * (also for the zero hash: no parent). */
+static int64_t dem_find(const kvb_tier_t *t, const int64_t *index, uint64_t mask,
+                        const kvb_hash_t *h) {
+    if (!(h->lo | h->hi)) return -1;
+    for (uint64_t s = h->lo & mask;; s = (s + 1) & mask) {
+        int64_t i = index[s];
+        if (i < 0 || (t->dem[i].hash.lo == h->lo && t->dem[i].hash.hi == h->hi)) return i;
+    }
+}
+
+/* The order in which the flush stores demotions [0, n) on the host: each entry after the
+ * entry of its parent hash when that one is in the batch too, else in eviction order (a walk
+ * up each entry's ancestors in the batch; a cycle, possible only through pool.cache's caller
+ * given parents, is cut where it closes). Returns ord (t->ord[0, n)), with room for each
+ * entry's host block at ord + n; NULL when the scratch cannot grow. O(n). */
+static int64_t *parents_first(kvb_tier_t *t, int64_t n) {
+    uint64_t tsize = 8;
+    while (tsize < 2 * (uint64_t)n) tsize <<= 1;
+    if (n > (INT64_MAX - (int64_t)tsize) / 3 ||
+        kvb_grow((void **)&t->ord, &t->ordcap, 3 * n + (int64_t)tsize, sizeof *t->ord))
+        return NULL;
+    int64_t *ord = t->ord, *state = ord + n, *stack = ord + 2 * n, *index = ord + 3 * n;
+    uint64_t mask = tsize - 1;
+    memset(index, 0xff, (size_t)tsize * sizeof *index); /* all -1 */
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t s = t->dem[i].hash.lo & mask;
+        while (index[s] >= 0 && (t->dem[index[s]].hash.lo != t->dem[i].hash.lo ||
+                                 t->dem[index[s]].hash.hi != t->dem[i].hash.hi))
+            s = (s + 1) & mask;
+        if (index[s] < 0) index[s] = i;
+        state[i] = 0; /* 0: not seen, 1: on the walk, 2: placed */
+    }
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t top = 0, j = i;
+        while (state[j] == 0) { /* climb to the first ancestor in the batch not placed yet */
+            state[j] = 1;
+            stack[top++] = j;
+            int64_t a = dem_find(t, index, mask, &t->dem[j].parent);
+            if (a < 0 || state[a]) break;
+            j = a;
+        }
+        while (top) { /* place the walk, ancestor first */
+            int64_t e = stack[--top];
+            state[e] = 2;
+            ord[k++] = e;
+        }
+    }
+    KVB_ASSERT(k == n);
+    return ord;
+}
+
 void kvb_tier_flush(kvb_tier_t *t) {
-    for (int64_t i = 0; i < t->ndem; i++) {
+    int64_t n = t->ndem, *ord = NULL;
+    if (!n) return;
+    if (n > 1 && !kvb_grow((void **)&t->off, &t->offcap, 2 * (t->noff + n), sizeof *t->off))
+        ord = parents_first(t, n);
+    if (!ord) { /* one entry, or no memory for the order: eviction order (events best-effort) */
+        for (int64_t i = 0; i < n; i++) {
+            const kvb_demotion_t *d = &t->dem[i];
+            if (kvb_cache_find(t->host, &d->hash) != KVB_NONE ||
+                queue_offload(t, d->block, &d->hash, &d->parent,
+                              d->has_tokens ? t->demtok + i * t->block_size : NULL))
+                t->stats.demotions++;
+            else
+                t->stats.dropped++;
+        }
+        t->ndem = 0;
+        return;
+    }
+    int64_t *hb = ord + n; /* each entry's host block, 0: none taken */
+    for (int64_t k = 0; k < n; k++) { /* stored on the host (and its events) parent first */
+        int64_t i = ord[k];
         const kvb_demotion_t *d = &t->dem[i];
+        hb[i] = 0;
         if (kvb_cache_find(t->host, &d->hash) != KVB_NONE ||
-            queue_offload(t, d->block, &d->hash, &d->parent,
-                          d->has_tokens ? t->demtok + i * t->block_size : NULL))
+            (hb[i] = take_host_block(t, &d->hash, &d->parent,
+                                     d->has_tokens ? t->demtok + i * t->block_size : NULL)))
             t->stats.demotions++;
         else
             t->stats.dropped++;
     }
+    for (int64_t i = 0; i < n; i++) /* queued in eviction order: the host's LRU order */
+        if (hb[i]) push_offload(t, t->dem[i].block, (int32_t)hb[i]);
     t->ndem = 0;
 }
 
@@ -333,6 +431,37 @@ int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n) {
     return KVB_OK;
 }
 
+/* ---- reset ------------------------------------------------------------------------------ */
+int kvb_mgr_reset_cache(kvb_mgr_t *m) {
+    KVB_CLEAR_ERR(m);
+    kvb_pool_t *p = m->pool, *h = m->host;
+    kvb_tier_t *t = p->tier;
+    if (t) {
+        kvb_tier_flush(t); /* evictions since the last flush are host entries (not observable) */
+        if (t->noff || t->non) { /* they hold host entries, and an onload a device entry */
+            m->err_a = t->noff;
+            m->err_b = t->non;
+            m->err_what = "host-tier copies are pending";
+            return KVB_EPENDING;
+        }
+    }
+    if (p->num_cached != p->num_evictable) {
+        m->err_a = p->num_cached - p->num_evictable;
+        m->err_b = p->num_cached;
+        m->err_what = "cached device blocks are referenced";
+        return KVB_ESTATE;
+    }
+    if (t && h->num_cached != h->num_evictable) { /* only pending pairs hold host entries */
+        m->err_a = h->num_cached - h->num_evictable;
+        m->err_b = h->num_cached;
+        m->err_what = "cached host blocks are referenced";
+        return KVB_ESTATE;
+    }
+    KVB_MUST(kvb_pool_reset_cache(p)); /* validated above: cannot fail */
+    if (t) KVB_MUST(kvb_pool_reset_cache(h));
+    return KVB_OK;
+}
+
 /* ---- check ------------------------------------------------------------------------------ */
 #define TFAIL(what, item) do { m->err_what = (what); m->err_b = (item); \
                                return KVB_ECORRUPT; } while (0)
@@ -344,9 +473,11 @@ int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
         for (int32_t b = 1; b < p->num_blocks; b++)
             if (p->flags[b] & (KVB_F_INFLIGHT | KVB_F_SWAP_SRC))
                 TFAIL("in-flight or swap-source flag without a host tier", b);
+        if (p->tiered || (h && h->tiered)) TFAIL("pool flagged tiered without a host tier", 0);
         return KVB_OK;
     }
     if (t->pool != p || t->host != h || !h->caching) TFAIL("host tier not wired to the pools", 0);
+    if (!p->tiered || !h->tiered) TFAIL("host tier's pools not flagged tiered", 0);
     for (int64_t i = 0; i < t->noff; i++) {
         int64_t d = t->off[2 * i], hb = t->off[2 * i + 1];
         if (d <= 0 || d >= p->num_blocks || hb <= 0 || hb >= h->num_blocks)

@@ -123,6 +123,9 @@ cdef extern from "kvblocks.h" nogil:
     void kvb_events_clear(kvb_events_t *ev)
     void kvb_events_detach(kvb_events_t *ev, kvb_events_t *out)
     void kvb_events_reattach(kvb_events_t *ev, kvb_events_t *snap)
+    void kvb_events_destroy(kvb_events_t *ev)
+    int kvb_events_merge(const kvb_events_t *a, const kvb_events_t *b, kvb_events_t *out,
+                         uint8_t *src)
 
     ctypedef struct kvb_chain_t:
         int32_t tag
@@ -217,6 +220,7 @@ cdef extern from "kvblocks.h" nogil:
     void kvb_tier_flush(kvb_tier_t *t)
     int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out)
     int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n)
+    int kvb_mgr_reset_cache(kvb_mgr_t *m)
 
     ctypedef struct kvb_meta_t:
         int64_t *slot_mapping
@@ -257,9 +261,10 @@ cdef class BlockPool:
     cdef bytes _key
     cdef object _block_size
     cdef BlockPool _tier_pool  # a host pool: the device pool whose tier feeds it
-    cdef list _build_events(self, kvb_events_t *ev)
+    cdef void _sync(self) noexcept
+    cdef list _build_events(self, kvb_events_t *ev, const uint8_t *src=*, list media=*)
     cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,
-                              bint has, int64_t ntok)
+                              bint has, int64_t ntok, str medium)
     cdef bint _initialized
     cdef int32_t _algo
     cdef str _seed

@@ -880,6 +880,100 @@ cdef class BlockManager:
         finally:
             self._leave()
 
+    def take_events(self):
+        """Drain the KV events of ``pool`` and ``host_pool`` as one list, in the order they
+        were recorded (``medium`` tells them apart: ``"GPU"``, ``"CPU"``); publish this list.
+
+        With a host tier only this order keeps every ``BlockStored``'s parent known when it
+        is named: a host entry may chain on a device block the device evicts a moment later
+        (its ``BlockRemoved(medium="GPU")`` then comes after the host's ``BlockStored``), and
+        a device block may be stored and evicted in one step before its host copy is stored.
+        Draining the two pools separately loses that order: do not mix both ways of
+        draining on one manager. Without a host tier this is ``pool.take_events()`` (the
+        host pool of swapping records none).
+        """
+        cdef kvb_tier_t *t = self.pool.p.tier
+        if t is NULL:
+            return self.pool.take_events()
+        cdef kvb_events_t a, b, merged
+        cdef int rc
+        self._enter()
+        try:
+            kvb_tier_flush(t)  # evictions since: their host entries are stored now
+            if self.pool.p.events.n == 0 and self.host_pool.p.events.n == 0:
+                return []
+            src = np.empty(self.pool.p.events.n + self.host_pool.p.events.n, dtype=np.uint8)
+            # moved out before Python objects are built (another thread may record meanwhile)
+            kvb_events_detach(&self.pool.p.events, &a)
+            kvb_events_detach(&self.host_pool.p.events, &b)
+            memset(&merged, 0, sizeof(merged))
+            try:
+                if cnp.PyArray_DIM(<cnp.ndarray>src, 0) != a.n + b.n:
+                    src = np.empty(a.n + b.n, dtype=np.uint8)
+                rc = kvb_events_merge(&a, &b, &merged,
+                                      <uint8_t *>cnp.PyArray_DATA(<cnp.ndarray>src))
+                if rc:
+                    raise MemoryError("take_events: out of memory merging the event logs")
+                return self.pool._build_events(&merged,
+                                               <uint8_t *>cnp.PyArray_DATA(<cnp.ndarray>src),
+                                               [self.pool._medium, self.host_pool._medium])
+            finally:
+                kvb_events_destroy(&merged)
+                kvb_events_reattach(&self.pool.p.events, &a)
+                kvb_events_reattach(&self.host_pool.p.events, &b)
+        finally:
+            self._leave()
+
+    def reset_prefix_cache(self):
+        """Drop every prefix-cache entry, on the device and, with a host tier, on the host.
+
+        Sequences keep their blocks (swapped-out ones their host blocks); only the cache
+        entries go, so nothing is a prefix hit until blocks are cached again. All or nothing:
+        raises InvalidStateError and changes nothing while a cached device block is
+        referenced (a live sequence or a pending copy or onload holds it: free them first),
+        or while host-tier copies are pending (drain take_offloads() and take_onloads()
+        first). Evictions since the last drain are demoted first, so they are cleared too.
+
+        KV events (docs/host-tier.md, "Events"): without a host tier the device pool records
+        one ``AllBlocksCleared`` (as vLLM's reset does): a router drops every entry it holds
+        for this engine. With a host tier no ``AllBlocksCleared`` is recorded, since it names
+        no medium: ``pool`` records one ``BlockRemoved(medium="GPU")`` and ``host_pool`` one
+        ``BlockRemoved(medium="CPU")`` listing every entry each dropped, so a router that
+        removes those hashes from that medium ends empty, in whichever order it merges the
+        two pools' events. (``pool.reset_prefix_cache()`` and
+        ``host_pool.reset_prefix_cache()`` clear one tier each and record the same way.)
+
+        >>> from kvblocks import BlockManager
+        >>> mgr = BlockManager(3, 2, num_host_blocks=4, host_prefix_cache=True,
+        ...                    enable_kv_events=True)
+        >>> mgr.add("a", [1, 2, 3]); _ = mgr.metadata(["a"], [3]); mgr.free("a")
+        0
+        >>> mgr.add("b", [7, 8, 9]); mgr.free("b")  # a's block goes to the host
+        0
+        >>> _ = mgr.take_offloads(); _ = mgr.pool.take_events(); _ = mgr.host_pool.take_events()
+        >>> mgr.reset_prefix_cache()
+        >>> [(type(e).__name__, e.medium) for e in mgr.host_pool.take_events()]
+        [('BlockRemoved', 'CPU')]
+        >>> mgr.host_pool.num_cached, mgr.add("c", [1, 2, 3])
+        (0, 0)
+        """
+        cdef int rc
+        self._enter()
+        try:
+            rc = kvb_mgr_reset_cache(&self.m)
+            if rc == KVB_EPENDING:
+                raise InvalidStateError(
+                    f"reset_prefix_cache: {self.m.err_a} offloads and {self.m.err_b} onloads "
+                    f"are pending; drain take_offloads() and take_onloads() first (they hold "
+                    f"cache entries)")
+            if rc:
+                what = (<bytes>self.m.err_what).decode() if self.m.err_what else "cached blocks"
+                raise InvalidStateError(
+                    f"reset_prefix_cache: {self.m.err_a} of {self.m.err_b} {what} (free the "
+                    f"sequences holding them, or drain the copies that hold them, first)")
+        finally:
+            self._leave()
+
     # -- swap -----------------------------------------------------------------------------------
     def swap_out(self, seq_id):
         """Move a sequence's blocks to the host pool: (device block, host block) int64 pairs

@@ -49,6 +49,11 @@ cdef class BlockPool:
 
     Block 0 is the reserved null block: it pads block tables and is never handed out.
 
+    A BlockManager's host pool (``mgr.host_pool``) with a host tier is always current: every
+    call and property first demotes the evictions the device pool made since (the tier
+    records them on the allocation path and flushes them lazily), so counters, lookups and
+    events never lag behind the manager.
+
     >>> from kvblocks import BlockPool
     >>> pool = BlockPool(8)
     >>> ids = pool.allocate(3)
@@ -90,7 +95,15 @@ cdef class BlockPool:
     def __reduce__(self):
         raise TypeError("BlockPool cannot be pickled")
 
+    cdef void _sync(self) noexcept:
+        """A host pool of a tier: give the device evictions recorded since the last flush
+        their host blocks (kvb_tier_flush), so that what this pool reports is current."""
+        if self._tier_pool is not None and self._tier_pool.p.tier is not NULL:
+            if self._tier_pool.p.tier.ndem:
+                kvb_tier_flush(self._tier_pool.p.tier)
+
     def __repr__(self):
+        self._sync()
         return (f"BlockPool(num_blocks={self.p.num_blocks}, free={self.p.num_free}, "
                 f"cached={self.p.num_cached}, evictable={self.p.num_evictable})")
 
@@ -102,27 +115,34 @@ cdef class BlockPool:
 
     @property
     def num_free(self):
-        """Allocatable now: never-cached free blocks plus evictable cached ones."""
+        """Allocatable now: never-cached free blocks plus evictable cached ones (current
+        on a host tier's pool: the device's evictions since are demoted first)."""
+        self._sync()
         return self.p.num_free
 
     @property
     def num_evictable(self):
         """Cached blocks with no reference (free, but still holding a cache entry)."""
+        self._sync()
         return self.p.num_evictable
 
     @property
     def num_cached(self):
-        """Blocks holding a prefix-cache entry, referenced or evictable."""
+        """Blocks holding a prefix-cache entry, referenced or evictable (current on a host
+        tier's pool: the device's evictions since are demoted first)."""
+        self._sync()
         return self.p.num_cached
 
     @property
     def num_used(self):
         """Blocks with at least one reference."""
+        self._sync()
         return self.p.num_blocks - 1 - self.p.num_free
 
     @property
     def usage(self):
         """Fraction of the non-null blocks that are referenced, 0..1."""
+        self._sync()
         return (self.p.num_blocks - 1 - self.p.num_free) / <double>(self.p.num_blocks - 1)
 
     @property
@@ -195,6 +215,7 @@ cdef class BlockPool:
 
         Raises OutOfBlocksError when fewer than ``n`` blocks are free or evictable.
         """
+        self._sync()
         cdef int64_t k = as_int(n, "allocate: n", 0, INT32_MAX)
         cdef cnp.ndarray out = new_i32(k)
         cdef int rc = kvb_pool_allocate(&self.p, <int32_t>k, i32_data(out))
@@ -208,6 +229,7 @@ cdef class BlockPool:
         Blocks join the free list in the order given: pass a block table reversed so that
         the longest prefixes are evicted first.
         """
+        self._sync()
         cdef cnp.ndarray v = as_int32(ids, "ids")
         cdef int rc = kvb_pool_free(&self.p, i32_data(v), cnp.PyArray_DIM(v, 0))
         if rc:
@@ -215,6 +237,7 @@ cdef class BlockPool:
 
     def incref(self, ids):
         """Add one reference to each block (share it); pins evictable cached blocks."""
+        self._sync()
         cdef cnp.ndarray v = as_int32(ids, "ids")
         cdef int rc = kvb_pool_incref(&self.p, i32_data(v), cnp.PyArray_DIM(v, 0))
         if rc:
@@ -222,6 +245,7 @@ cdef class BlockPool:
 
     def ref_count(self, block_id):
         block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
+        self._sync()
         if block_id < 0 or block_id >= self.p.num_blocks:
             raise InvalidArgumentError(f"ref_count: block {block_id} out of range "
                                        f"[0, {self.p.num_blocks})")
@@ -229,17 +253,22 @@ cdef class BlockPool:
 
     def ref_counts(self):
         """All ref counts as a read-only int32 view (zero-copy, live)."""
+        self._sync()
         return int32_view(self, self.p.ref_count, self.p.num_blocks)
 
     def is_cached(self, block_id):
+        """Whether block ``block_id`` holds a prefix-cache entry (current on a host tier's
+        pool: the device's evictions since are demoted first)."""
         block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
+        self._sync()
         if block_id < 0 or block_id >= self.p.num_blocks:
             raise InvalidArgumentError(f"is_cached: block {block_id} out of range")
         return bool(self.p.flags[block_id] & KVB_F_CACHED)
 
     def block_hash(self, block_id):
-        block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
         """The 128-bit hash a cached block is registered under, or None."""
+        block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
+        self._sync()
         if block_id < 0 or block_id >= self.p.num_blocks:
             raise InvalidArgumentError(f"block_hash: block {block_id} out of range")
         if not self.p.flags[block_id] & KVB_F_CACHED:
@@ -248,6 +277,7 @@ cdef class BlockPool:
 
     def free_list(self):
         """Block ids in the free list, next to be allocated first (a debugging aid)."""
+        self._sync()
         out = []
         cdef int32_t b = self.p.free_head
         while b != KVB_NONE:
@@ -257,6 +287,7 @@ cdef class BlockPool:
 
     def check(self):
         """Verify every invariant in C; raises CorruptionError if one does not hold."""
+        self._sync()
         cdef int rc = kvb_pool_check(&self.p)
         if rc:
             raise_code(rc, "BlockPool.check", self.p.err_a, self.p.err_b, self.p.err_what)
@@ -275,6 +306,7 @@ cdef class BlockPool:
         tokens. ``group`` is the KV cache group the blocks belong to (hash them with
         ``hash_blocks(..., group=group)``); events carry it.
         """
+        self._sync()
         lora = as_lora(lora_name)
         cdef cnp.ndarray v = as_int32(ids, "ids")
         cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
@@ -322,6 +354,7 @@ cdef class BlockPool:
     def lookup(self, hashes, *, group=0):
         """Ids of the longest cached prefix of ``hashes`` (int32), NOT pinned; only blocks
         cached for KV cache group ``group`` count."""
+        self._sync()
         cdef uint64_t[:, ::1] h = as_hashes(hashes)
         cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
         cdef Py_ssize_t n = h.shape[0]
@@ -333,6 +366,7 @@ cdef class BlockPool:
     def lookup_and_pin(self, hashes, *, group=0):
         """Like lookup, and takes one reference to each hit in the same step (no window in
         which a hit can be evicted). Release them with free()."""
+        self._sync()
         cdef uint64_t[:, ::1] h = as_hashes(hashes)
         cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
         cdef Py_ssize_t n = h.shape[0]
@@ -353,7 +387,12 @@ cdef class BlockPool:
         return k
 
     def reset_prefix_cache(self):
-        """Drop every cache entry. Only when no cached block is referenced (else raises)."""
+        """Drop every cache entry. Only when no cached block is referenced (else raises
+        InvalidStateError, nothing changed). Its event is one ``AllBlocksCleared``, except on
+        either pool of a BlockManager with a host tier: there the other tier keeps its
+        entries, so this pool records one ``BlockRemoved`` of its own ``medium`` listing every
+        entry it dropped (``BlockManager.reset_prefix_cache()`` clears both tiers)."""
+        self._sync()
         cdef int rc = kvb_pool_reset_cache(&self.p)
         if rc:
             raise InvalidStateError(f"reset_prefix_cache: {self.p.err_a} of {self.p.err_b} "
@@ -389,6 +428,7 @@ cdef class BlockPool:
     @property
     def stats(self):
         """Counters since creation: a CacheStats (also readable like a dict)."""
+        self._sync()
         s = self.p.stats
         return CacheStats(queries=s.queries, query_blocks=s.query_blocks,
                           hit_blocks=s.hit_blocks, query_tokens=s.query_tokens,
@@ -405,8 +445,7 @@ cdef class BlockPool:
         ``parent_block_hash=None``. Hashes are 128-bit ints; ``kvblocks.events.encode_batch``
         and ``ZmqEventPublisher`` put them on the wire as vLLM does.
         """
-        if self._tier_pool is not None and self._tier_pool.p.tier is not NULL:
-            kvb_tier_flush(self._tier_pool.p.tier)  # demotions recorded since: stored now
+        self._sync()  # demotions recorded since: stored now
         if self.p.events.n == 0:
             return []
         # the events are moved out first: building the Python objects runs Python code, during
@@ -418,8 +457,10 @@ cdef class BlockPool:
         finally:
             kvb_events_reattach(&self.p.events, &snap)
 
-    cdef list _build_events(self, kvb_events_t *ev):
-        """The events of a detached log, merged in one pass (see take_events)."""
+    cdef list _build_events(self, kvb_events_t *ev, const uint8_t *src=NULL, list media=None):
+        """The events of a detached log, merged in one pass (see take_events). With ``src``
+        (a merged log of a host tier's two pools), record i is of medium ``media[src[i]]``
+        and runs never merge across media."""
         cdef int64_t n = ev.n
         # one pass, merging in C what coalesce() would merge: a stored block whose parent is
         # the previous stored block's hash (same group, adapter and token-ness) extends its
@@ -441,11 +482,14 @@ cdef class BlockPool:
         cdef int32_t last_tag = 0
         cdef bint last_toks = False, has
         cdef int64_t last_ntok = 0
+        cdef uint8_t s = 0, last_s = 0
         for i in range(n):
             kind = ev.kind[i]
+            if src != NULL:
+                s = src[i]
             if kind == KVB_EV_STORED:
                 has = ev.tok_off[i] >= 0
-                if (last == KVB_EV_STORED and ev.parent[i].lo == last_h.lo and
+                if (last == KVB_EV_STORED and s == last_s and ev.parent[i].lo == last_h.lo and
                         ev.parent[i].hi == last_h.hi and (last_h.lo or last_h.hi) and
                         ev.group[i] == last_g and ev.tag[i] == last_tag and has == last_toks
                         and (not has or e_end[i] - ev.tok_off[i] == last_ntok)):
@@ -455,24 +499,26 @@ cdef class BlockPool:
                     if last == KVB_EV_STORED and last_toks:
                         run.token_ids = toks_all[t0:t1].tolist()
                     run = self._stored_event(ev.hash[i], ev.parent[i], ev.group[i], ev.tag[i],
-                                             has, e_end[i] - ev.tok_off[i] if has else 0)
+                                             has, e_end[i] - ev.tok_off[i] if has else 0,
+                                             self._medium if src == NULL else media[s])
                     out.append(run)
                     t0 = ev.tok_off[i]
                     t1 = e_end[i]
-                last, last_h, last_g = KVB_EV_STORED, ev.hash[i], ev.group[i]
+                last, last_h, last_g, last_s = KVB_EV_STORED, ev.hash[i], ev.group[i], s
                 last_tag, last_toks = ev.tag[i], has
                 last_ntok = e_end[i] - ev.tok_off[i] if has else 0
                 continue
             if last == KVB_EV_STORED and last_toks:
                 run.token_ids = toks_all[t0:t1].tolist()
             if kind == KVB_EV_REMOVED:
-                if last == KVB_EV_REMOVED and ev.group[i] == last_g:
+                if last == KVB_EV_REMOVED and ev.group[i] == last_g and s == last_s:
                     run.block_hashes.append(hash_int(ev.hash[i]))
                 else:
                     run = BlockRemoved(block_hashes=[hash_int(ev.hash[i])],
-                                       group_idx=ev.group[i], medium=self._medium)
+                                       group_idx=ev.group[i],
+                                       medium=self._medium if src == NULL else media[s])
                     out.append(run)
-                last, last_g = KVB_EV_REMOVED, ev.group[i]
+                last, last_g, last_s = KVB_EV_REMOVED, ev.group[i], s
             else:
                 out.append(AllBlocksCleared())
                 last = -1
@@ -481,7 +527,7 @@ cdef class BlockPool:
         return out
 
     cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,
-                              bint has, int64_t ntok):
+                              bint has, int64_t ntok, str medium):
         """A one-block BlockStored (its tokens are filled in by take_events)."""
         spec = self._groups[g] if self._groups is not None and g < len(self._groups) else None
         return BlockStored(block_hashes=[hash_int(h)],
@@ -494,4 +540,4 @@ cdef class BlockPool:
                                                else "full_attention"),
                            kv_cache_spec_sliding_window=spec.window if spec is not None else None,
                            lora_name=self._lora_names[tag],
-                           medium=self._medium)
+                           medium=medium)

@@ -205,6 +205,34 @@ def test_identical_block_cached_twice_keeps_the_first():
     mgr.check()
 
 
+def test_duplicate_stays_uncached_after_the_first_copy_is_evicted():
+    """Pins today's rule (docs/prefix-caching.md, "Duplicate full blocks"): the second copy
+    of a full block never takes the entry, not even once the first copy is evicted, so the
+    hash is gone while the second copy still holds its K/V, and the second sequence's next
+    block is stored under a parent a router was told is removed. vLLM caches both copies
+    (its chain stays reachable); its integration will need that behaviour."""
+    mgr = BlockManager(6, 2, hash_key=KEY, enable_kv_events=True)
+    mgr.add("a", [1, 2, 3])
+    mgr.add("b", [1, 2, 3])  # nothing cached yet: b computes its own copy
+    mgr.schedule(["a", "b"], [3, 3])  # one step: a's block 0 first, b's is a duplicate
+    a0, b0 = int(mgr.block_table("a")[0]), int(mgr.block_table("b")[0])
+    assert mgr.pool.is_cached(a0) and not mgr.pool.is_cached(b0)
+    (stored,) = mgr.pool.take_events()
+    h0 = stored.block_hashes[0]
+    mgr.free("a")
+    mgr.add("x", [9] * 6)  # evicts a0, the entry's only block
+    assert mgr.pool.take_events() == [BlockRemoved([h0])]
+    assert not mgr.pool.is_cached(b0)  # the duplicate did not take the entry over
+    assert len(mgr.pool.lookup(kvblocks.hash_from_int(h0)[None])) == 0
+    mgr.free("x")
+    mgr.append("b", [4])
+    compute(mgr, "b")  # b's block 1 is cached, chained on the removed hash
+    (ev,) = mgr.pool.take_events()
+    assert ev.parent_block_hash == h0 and not mgr.pool.is_cached(b0)
+    assert mgr.add("c", [1, 2, 3, 4, 5]) == 0  # the chain is unreachable from its start
+    mgr.check()
+
+
 def test_truncate_then_rewrite_drops_a_private_cached_block():
     mgr = BlockManager(16, 4, hash_key=KEY)
     mgr.add("a", list(range(8)))
