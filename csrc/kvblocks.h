@@ -310,6 +310,10 @@ typedef struct {
     int32_t next_free;         /* free-slot stack link */
     int32_t swapped;           /* blocks refer to the host pool (swap_out) */
     int32_t lo;                /* blocks[0..lo) were released (window / chunk groups): 0 */
+    int64_t room;              /* STATE: the blocks a token group's table of this sequence
+                                * holds (its tokens' blocks, grown by reserve, cut by
+                                * truncate), which its draft slots must lie within as in
+                                * every kind; other kinds: unused (0) */
 } kvb_seq_t;
 
 /* KV cache group kinds: a manager is one group; groups.c runs several over one pool. */

@@ -970,6 +970,8 @@ cdef class BlockManager:
               if group < 0 else
               kvb_mgr_schedule(self.gp[group], i32_data(slots), i32_data(q),
                                i32_data(<cnp.ndarray>d) if d is not None else NULL, B, 0))
+        if rc and group > 0:  # the details are in that group's fields
+            _copy_err(&self.m, self.gp[group], rc)
         if rc == KVB_EINVAL:
             raise InvalidArgumentError(
                 f"{what}: query_lens[{self.m.err_a}] / draft_lens[{self.m.err_a}] = "
