@@ -464,31 +464,40 @@ class ReferencePool:
         return blocks
 
     def _allocate(self, n: int) -> List[int]:
-        if self.second_chance is None:
+        """``n`` blocks from the head of the free list. Each block's cache entry goes as the
+        block is taken (lazy eviction), before the next block is chosen: with KV cache
+        groups' second chances, whether a later window block's full twin is still cached
+        depends on the entries this same allocation already evicted."""
+        if self.second_chance is None:  # no choice depends on the entries: one slice
             out = self._free[:n]
             del self._free[:n]
-        else:
-            out = []
-            for _ in range(n):
-                while True:
-                    b = self._free[0]
-                    if (
-                        b not in self._hash_of
-                        or b in self._spent
-                        or len(self._free) == 1
-                        or not self.second_chance(b)
-                    ):
-                        break
-                    self._free.append(self._free.pop(0))
-                    self._spent.add(b)
-                out.append(self._free.pop(0))
-                self._spent.discard(out[-1])
-        for b in out:
-            if b in self._hash_of:  # lazy eviction: the entry goes when reused
-                del self._block_of[self._hash_of.pop(b)]
-                self.evictions += 1
-            self._ref[b] = 1
+            for b in out:
+                self._take(b)
+            return out
+        out = []
+        for _ in range(n):
+            while True:
+                b = self._free[0]
+                if (
+                    b not in self._hash_of
+                    or b in self._spent
+                    or len(self._free) == 1
+                    or not self.second_chance(b)
+                ):
+                    break
+                self._free.append(self._free.pop(0))
+                self._spent.add(b)
+            b = self._free.pop(0)
+            self._spent.discard(b)
+            self._take(b)
+            out.append(b)
         return out
+
+    def _take(self, b: int) -> None:
+        if b in self._hash_of:  # lazy eviction: the entry goes when reused
+            del self._block_of[self._hash_of.pop(b)]
+            self.evictions += 1
+        self._ref[b] = 1
 
     def _release(self, b: int) -> bool:
         """Drop one reference; True if the block became free."""
