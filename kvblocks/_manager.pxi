@@ -1077,6 +1077,22 @@ cdef class BlockManager:
                                 qo[:B + 1], kvp[:B + 1], kvi[:ni], last[:B], nt, B)
         return res.view_of(out)
 
+    def _debug_corrupt(self, what, seq_id=None, group=0):
+        """Testing only, debug builds only (csrc/debug.c): break one invariant of kind
+        ``what`` (a key of ``_DEBUG_CORRUPTIONS``) in group ``group``, of sequence ``seq_id``
+        for the per-sequence kinds, so that a test can see ``check()`` name it. The manager
+        is unusable afterwards. Raises InvalidStateError in a release build or when there is
+        nothing of that kind to corrupt."""
+        if what not in _DEBUG_CORRUPTIONS:
+            raise InvalidArgumentError(f"_debug_corrupt: unknown kind {what!r}")
+        if not KVB_DEBUG_LEVEL:
+            raise InvalidStateError("_debug_corrupt: debug builds only (KVBLOCKS_DEBUG=1)")
+        cdef int32_t g = self._group(group)
+        cdef int32_t slot = -1 if seq_id is None else self._slot(seq_id)
+        rc = kvb_debug_corrupt(self.gp[g], _DEBUG_CORRUPTIONS[what], slot)
+        if rc:
+            raise InvalidStateError(f"_debug_corrupt: nothing to corrupt as {what!r} here")
+
     def check(self):
         """Verify the pool, the host pool, every block table and the pending copies (ref
         counts equal the references held, hashes match the tokens, no cached block that
@@ -1193,6 +1209,20 @@ cdef class BlockManager:
                               bt[:B] if bt is not None else None, r.n_read, r.n_write, B)
         finally:
             self._leave()
+
+
+#: BlockManager._debug_corrupt's kinds (csrc/debug.c) and the check each must trip
+_DEBUG_CORRUPTIONS = {
+    "cache_slot": KVB_DBG_CACHE_SLOT,
+    "table_entry": KVB_DBG_TABLE_ENTRY,
+    "unwritten": KVB_DBG_UNWRITTEN,
+    "free_link": KVB_DBG_FREE_LINK,
+    "ref_count": KVB_DBG_REF_COUNT,
+    "seq_hash": KVB_DBG_SEQ_HASH,
+    "computed": KVB_DBG_COMPUTED,
+    "table_block": KVB_DBG_TABLE_BLOCK,
+    "state_room": KVB_DBG_STATE_ROOM,
+}
 
 
 cdef int _copy_err(kvb_mgr_t *dst, kvb_mgr_t *src, int rc) noexcept:
