@@ -451,6 +451,70 @@ cdef class BlockManager:
         finally:
             self._leave()
 
+    def blocks_needed_batch(self, seq_ids, num_new_tokens=1, *, draft_lens=None, forks=None,
+                            bint watermark=False):
+        """Blocks a scheduler's step takes for a batch, counted exactly as the calls would
+        take them: for each sequence in order, ``reserve(seq, num_new_tokens[i] +
+        draft_lens[i])`` (its decode token or prefill chunk, and its draft slots), then
+        ``forks[i]`` children forked from it, each reserving as many slots. So the step fits
+        when the result is at most ``pool.num_free`` (``watermark=True`` adds
+        ``watermark_blocks``, for a step that must also keep the watermark).
+
+        Counted in every KV cache group: growth, copy-on-write (k sequences of the batch
+        writing into one shared block make min(k, holders - 1) copies), a child's copy of
+        the partly filled write block it shares with its parent (or its first new block),
+        and a state group's blocks, which a fork copies at once: with G groups a child takes
+        up to G blocks, not one. Slots already in a table (reserved earlier) cost nothing,
+        and what a sliding-window or chunked-local group's release returns is not counted
+        (conservative, as ``blocks_needed``).
+
+        ``num_new_tokens`` is an int for every sequence or one per sequence; ``draft_lens``
+        and ``forks`` one per sequence (default 0). Raises UnknownSequenceError,
+        InvalidArgumentError (a sequence twice, a negative count, lengths that differ) or
+        InvalidStateError (a swapped-out sequence: ``blocks_needed(seq)`` counts its
+        swap-in).
+        """
+        ids = self._id_list(seq_ids)
+        scalar = np.ndim(num_new_tokens) == 0  # one count for every sequence (ints only)
+        n_one = as_int(num_new_tokens, "num_new_tokens", 0, INT32_MAX) if scalar else 0
+        arrays = []
+        if not scalar:
+            arrays.append(("num_new_tokens", as_int32(num_new_tokens, "num_new_tokens")))
+        if draft_lens is not None:
+            arrays.append(("draft_lens", as_int32(draft_lens, "draft_lens")))
+        if forks is not None:
+            arrays.append(("forks", as_int32(forks, "forks")))
+        for name, arr in arrays:
+            if len(arr) and arr.min() < 0:
+                raise InvalidArgumentError(f"blocks_needed_batch: {name} must be >= 0")
+        cdef int64_t need = 0
+        cdef Py_ssize_t count
+        cdef cnp.ndarray ns, fk = None
+        self._enter()
+        try:
+            slots = self._slots_of(ids, &count)
+            for name, arr in arrays:
+                if len(arr) != count:
+                    raise InvalidArgumentError(f"blocks_needed_batch: {count} sequences but "
+                                               f"{len(arr)} {name}")
+            ns = np.full(count, n_one, dtype=np.int64)
+            for name, arr in arrays:
+                if name == "forks":
+                    fk = np.ascontiguousarray(arr, dtype=np.int64)
+                else:
+                    ns += arr
+            rc = kvb_grp_step_need(self.gp, self.ng, i32_data(slots),
+                                   <int64_t *>cnp.PyArray_DATA(ns),
+                                   <int64_t *>cnp.PyArray_DATA(fk) if fk is not None else NULL,
+                                   count, &need)
+            if rc:
+                self._err(rc, "blocks_needed_batch")
+        finally:
+            self._leave()
+        if watermark and need < INT64_MAX:
+            need += self._watermark_blocks
+        return need
+
     def can_swap_out(self, seq_id):
         """Whether ``swap_out(seq_id)`` would succeed now (host blocks available)."""
         cdef kvb_seq_t *s

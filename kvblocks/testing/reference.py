@@ -719,6 +719,55 @@ class ReferenceManager:
             return False
         return self._need([(s, n) for s in seqs]) <= self.pool.num_free
 
+    def blocks_needed_batch(
+        self, seq_ids, num_new_tokens=1, *, draft_lens=None, forks=None, watermark=False
+    ) -> int:
+        """Blocks a scheduler's step takes: for each sequence in order ``reserve(seq, n_i +
+        d_i)``, then ``forks[i]`` children of it, each reserving as many slots (a child
+        shares its parent's committed blocks only: it copies a partly filled write block, or
+        takes a new one, plus the growth; a state group's fork copies its blocks at once).
+        Saturates at 2**63 - 1; ``watermark=True`` adds the watermark blocks."""
+        sids = seq_ids_of(seq_ids)
+        B = len(sids)
+        if np.ndim(num_new_tokens) == 0:  # one count for every sequence (ints only)
+            n = [scalar_of(num_new_tokens, "num_new_tokens", 0, INT32_MAX)] * B
+        else:
+            n = tokens_of(num_new_tokens, "num_new_tokens").tolist()
+        d = [0] * B if draft_lens is None else tokens_of(draft_lens, "draft_lens").tolist()
+        f = [0] * B if forks is None else tokens_of(forks, "forks").tolist()
+        for name, xs in (("num_new_tokens", n), ("draft_lens", d), ("forks", f)):
+            if any(x < 0 for x in xs):
+                raise _err(InvalidArgumentError, f"blocks_needed_batch: {name} < 0")
+        for name, xs in (("num_new_tokens", n), ("draft_lens", d), ("forks", f)):
+            if len(xs) != B:
+                raise _err(InvalidArgumentError, f"blocks_needed_batch: {len(xs)} {name}")
+        seen = set()
+        for sid in sids:
+            s = self._seq(sid)
+            if sid in seen:
+                raise _err(InvalidArgumentError, f"blocks_needed_batch: {sid!r} twice")
+            seen.add(sid)
+            if s.swapped:
+                raise _err(InvalidStateError, f"blocks_needed_batch: {sid!r} is swapped out")
+        seqs = [self._seq(sid) for sid in sids]
+        ns = [a + b for a, b in zip(n, d)]
+        need = min(INT64_MAX, self._step_need(seqs, ns, f))
+        if watermark and need < INT64_MAX:
+            need += self._watermark_blocks
+        return need
+
+    def _child_need(self, s, n: int) -> int:
+        """A token table's blocks for a child of s reserving n slots."""
+        if n <= 0:
+            return 0
+        bs, t = self.block_size, len(s.tokens)
+        return _ceil_div(t + n, bs) - _ceil_div(t, bs) + (1 if t % bs else 0)
+
+    def _step_need(self, seqs, ns, forks) -> int:
+        return self._need(list(zip(seqs, ns))) + sum(
+            k * self._child_need(s, n) for s, n, k in zip(seqs, ns, forks)
+        )
+
     # -- lifecycle ----------------------------------------------------------------------------
     def add(self, seq_id, token_ids, *, salt=None) -> int:
         """Allocate a table for a prompt, reusing cached full blocks (pinned before anything
