@@ -489,11 +489,14 @@ int kvb_grp_schedule(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                      const int32_t *qlens, const int32_t *drafts, int64_t B, int apply);
 int kvb_grp_check(kvb_mgr_t *const *g, int32_t G);
 /* Blocks a scheduler's step takes (groups.c): ns[i] more slots for each sequence and forks[i]
- * children of it (forks may be NULL), exactly; *need_out saturates at INT64_MAX. */
+ * children of it (forks may be NULL) taking cn[i] slots each, exactly; *need_out saturates
+ * at INT64_MAX. */
 int kvb_grp_step_need(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, const int64_t *ns,
-                      const int64_t *forks, int64_t count, int64_t *need_out);
+                      const int64_t *cn, const int64_t *forks, int64_t count,
+                      int64_t *need_out);
 int kvb_mgr_step_need(kvb_mgr_t *m, const int32_t *slots, const int64_t *ns,
-                      const int64_t *forks, int64_t count, int64_t *need_out);
+                      const int64_t *cn, const int64_t *forks, int64_t count,
+                      int64_t *need_out);
 /* Testing only (debug.c): break one invariant of kind KVB_DBG_* in m (a group; slot: a live
  * sequence for the per-sequence kinds) so that a test can see kvb_grp_check name it. Corrupts
  * only in KVB_DEBUG builds; release builds return KVB_ESTATE. KVB_ESTATE also when m holds

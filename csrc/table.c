@@ -707,15 +707,17 @@ KVB_INLINE int64_t mul_sat(int64_t a, int64_t b) { /* a, b >= 0 */
 }
 
 /* A scheduler's step in this group, counted exactly (kvb_grp_step_need): for each i in turn,
- * reserve(slots[i], ns[i]) (growth, and copy-on-write counted as exact_batch_need does: the k
- * members writing into one shared block b make min(k, users(b) - 1) copies), then forks[i]
- * children of it, each reserving ns[i] slots too. A child shares its parent's committed
- * blocks only: its slots take a copy of a partly filled write block (the parent's reserve
- * made that block private, the fork shares it again) and the blocks beyond; a state group's
- * fork copies its span blocks at once. Window release is not counted (conservative, as
- * blocks_needed). The slots were validated by the caller (groups.c). */
+ * reserve(slots[i], ns[i]) (its new tokens and draft slots: growth, and copy-on-write counted
+ * as exact_batch_need does: the k members writing into one shared block b make
+ * min(k, users(b) - 1) copies), then forks[i] children of it, each reserving cn[i] slots (the
+ * tokens committed with the fork). A child shares its parent's committed blocks only: its
+ * slots take a copy of a partly filled write block (the parent's reserve made that block
+ * private, the fork shares it again) and the blocks beyond; a state group's fork copies its
+ * span blocks at once. Window release is not counted (conservative, as blocks_needed). The
+ * slots were validated by the caller (groups.c). */
 int kvb_mgr_step_need(kvb_mgr_t *m, const int32_t *slots, const int64_t *ns,
-                      const int64_t *forks, int64_t count, int64_t *need_out) {
+                      const int64_t *cn, const int64_t *forks, int64_t count,
+                      int64_t *need_out) {
     int64_t need = 0;
     if (m->kind == KVB_G_STATE) {
         for (int64_t i = 0; forks && i < count; i++) need = add_sat(need, mul_sat(forks[i], m->span));
@@ -727,16 +729,17 @@ int kvb_mgr_step_need(kvb_mgr_t *m, const int32_t *slots, const int64_t *ns,
     int64_t nshared = 0;
     for (int64_t i = 0; i < count; i++) {
         const kvb_seq_t *s = &m->seqs[slots[i]];
+        if (forks && forks[i] > 0 && cn[i] > 0) { /* each child: its write block, growth */
+            int64_t after = blocks_after(m, s, cn[i]);
+            int64_t child = after == INT64_MAX ? INT64_MAX
+                            : after - blocks_for(m, s->ntokens) + (off_in(m, s->ntokens) != 0);
+            need = add_sat(need, mul_sat(forks[i], child));
+        }
         if (ns[i] <= 0) continue;
         int64_t after = blocks_after(m, s, ns[i]);
         if (after > s->nblocks) need = add_sat(need, after - s->nblocks);
         int64_t w = blk_of(m, s->ntokens);
         if (w < s->nblocks && users(m, s->blocks[w]) > 1) shared[nshared++] = s->blocks[w];
-        if (forks && forks[i] > 0) { /* each child: its own write block and growth */
-            int64_t child = after == INT64_MAX ? INT64_MAX
-                            : after - blocks_for(m, s->ntokens) + (off_in(m, s->ntokens) != 0);
-            need = add_sat(need, mul_sat(forks[i], child));
-        }
     }
     qsort(shared, (size_t)nshared, sizeof *shared, cmp_i32);
     for (int64_t i = 0; i < nshared;) {

@@ -226,7 +226,8 @@ cdef extern from "kvblocks.h" nogil:
     int kvb_grp_check(kvb_mgr_t **g, int32_t G)
     int kvb_debug_corrupt(kvb_mgr_t *m, int32_t what, int32_t slot)
     int kvb_grp_step_need(kvb_mgr_t **g, int32_t G, const int32_t *slots, const int64_t *ns,
-                          const int64_t *forks, int64_t count, int64_t *need_out)
+                          const int64_t *cn, const int64_t *forks, int64_t count,
+                          int64_t *need_out)
     int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through)
     void kvb_tier_flush(kvb_tier_t *t)
     int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out)

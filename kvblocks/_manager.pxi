@@ -51,7 +51,7 @@ cdef class BlockManager:
 
     ``BlockManager(num_blocks, block_size, *, enable_prefix_caching=True, watermark=0.0,
     num_host_blocks=0, hash_key=None, enable_kv_events=False, host_prefix_cache=False,
-    host_write_through=False)``
+    host_write_through=False, groups=None, hash_algo="siphash", hash_seed=None)``
 
     - ``num_blocks``: device blocks, including the null block 0 (so ``num_blocks - 1`` usable).
     - ``block_size``: tokens per block.
@@ -70,6 +70,9 @@ cdef class BlockManager:
       prefix on it (``take_onloads``); see docs/host-tier.md. Needs ``num_host_blocks``.
     - ``host_write_through``: with the host tier, copy each newly cached device block to the
       host at once, so that its eviction later costs no copy.
+    - ``groups``: KV cache groups of a hybrid model, a sequence of ``KVGroup`` (full
+      attention, sliding window, chunked local, recurrent state) that share the pool; None
+      is one full-attention group. See docs/hybrid-models.md.
 
     Sequence ids are ``int`` or ``str`` (numpy integers count as ints; bools and floats are
     refused). Each public call is atomic with respect to other threads; calling the manager
@@ -456,7 +459,8 @@ cdef class BlockManager:
         """Blocks a scheduler's step takes for a batch, counted exactly as the calls would
         take them: for each sequence in order, ``reserve(seq, num_new_tokens[i] +
         draft_lens[i])`` (its decode token or prefill chunk, and its draft slots), then
-        ``forks[i]`` children forked from it, each reserving as many slots. So the step fits
+        ``forks[i]`` children forked from it, each reserving ``num_new_tokens[i]`` slots (the
+        token it commits with the fork; a child's drafts come in a later step). The step fits
         when the result is at most ``pool.num_free`` (``watermark=True`` adds
         ``watermark_blocks``, for a step that must also keep the watermark).
 
@@ -489,7 +493,7 @@ cdef class BlockManager:
                 raise InvalidArgumentError(f"blocks_needed_batch: {name} must be >= 0")
         cdef int64_t need = 0
         cdef Py_ssize_t count
-        cdef cnp.ndarray ns, fk = None
+        cdef cnp.ndarray ns, cn, fk = None
         self._enter()
         try:
             slots = self._slots_of(ids, &count)
@@ -497,14 +501,19 @@ cdef class BlockManager:
                 if len(arr) != count:
                     raise InvalidArgumentError(f"blocks_needed_batch: {count} sequences but "
                                                f"{len(arr)} {name}")
-            ns = np.full(count, n_one, dtype=np.int64)
+            cn = np.full(count, n_one, dtype=np.int64)
+            for name, arr in arrays:
+                if name == "num_new_tokens":
+                    cn += arr
+            ns = cn.copy()
             for name, arr in arrays:
                 if name == "forks":
                     fk = np.ascontiguousarray(arr, dtype=np.int64)
-                else:
+                elif name == "draft_lens":
                     ns += arr
             rc = kvb_grp_step_need(self.gp, self.ng, i32_data(slots),
                                    <int64_t *>cnp.PyArray_DATA(ns),
+                                   <int64_t *>cnp.PyArray_DATA(cn),
                                    <int64_t *>cnp.PyArray_DATA(fk) if fk is not None else NULL,
                                    count, &need)
             if rc:

@@ -723,7 +723,7 @@ class ReferenceManager:
         self, seq_ids, num_new_tokens=1, *, draft_lens=None, forks=None, watermark=False
     ) -> int:
         """Blocks a scheduler's step takes: for each sequence in order ``reserve(seq, n_i +
-        d_i)``, then ``forks[i]`` children of it, each reserving as many slots (a child
+        d_i)``, then ``forks[i]`` children of it, each reserving ``n_i`` slots (a child
         shares its parent's committed blocks only: it copies a partly filled write block, or
         takes a new one, plus the growth; a state group's fork copies its blocks at once).
         Saturates at 2**63 - 1; ``watermark=True`` adds the watermark blocks."""
@@ -751,7 +751,7 @@ class ReferenceManager:
                 raise _err(InvalidStateError, f"blocks_needed_batch: {sid!r} is swapped out")
         seqs = [self._seq(sid) for sid in sids]
         ns = [a + b for a, b in zip(n, d)]
-        need = min(INT64_MAX, self._step_need(seqs, ns, f))
+        need = min(INT64_MAX, self._step_need(seqs, ns, n, f))
         if watermark and need < INT64_MAX:
             need += self._watermark_blocks
         return need
@@ -763,9 +763,9 @@ class ReferenceManager:
         bs, t = self.block_size, len(s.tokens)
         return _ceil_div(t + n, bs) - _ceil_div(t, bs) + (1 if t % bs else 0)
 
-    def _step_need(self, seqs, ns, forks) -> int:
+    def _step_need(self, seqs, ns, cn, forks) -> int:
         return self._need(list(zip(seqs, ns))) + sum(
-            k * self._child_need(s, n) for s, n, k in zip(seqs, ns, forks)
+            k * self._child_need(s, n) for s, n, k in zip(seqs, cn, forks)
         )
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -210,14 +210,14 @@ class GroupedReference(ReferenceManager):
             return False
         return self._need_all([(s, n) for s in seqs]) <= self.pool.num_free
 
-    def _step_need(self, seqs, ns, forks) -> int:
+    def _step_need(self, seqs, ns, cn, forks) -> int:
         need = 0
         for j, g in enumerate(self.groups):
             if self._kind(j) == "state":  # a fork copies the state at once
                 need += sum(forks) * g.span
                 continue
             need += self._need(list(zip(seqs, ns)), j)
-            need += sum(k * self._child_need(s, n) for s, n, k in zip(seqs, ns, forks))
+            need += sum(k * self._child_need(s, n) for s, n, k in zip(seqs, cn, forks))
         return need
 
     def _check_fits(self, s, n: int) -> None:
