@@ -114,7 +114,7 @@ def test_step_count_is_exact_and_the_specs(kinds, bs, ops, data):
         return
     for sid, a, b in zip(batch, ns, ds):
         mgr.reserve(sid, a + b)
-    for sid, a, b, k in zip(batch, ns, ds, fs):
+    for sid, a, k in zip(batch, ns, fs):
         for c in range(k):
             mgr.fork(sid, f"{sid}/{c}")
             mgr.reserve(f"{sid}/{c}", a)  # a child's first tokens (its drafts come later)

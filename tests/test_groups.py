@@ -514,9 +514,7 @@ def test_exact_count_of_a_tight_step_in_every_kind(other):
 
 
 TWIN_ORDERS = [
-    order
-    for n in (2, 3)
-    for order in itertools.permutations(("full", "window", "state")[:n])
+    order for n in (2, 3) for order in itertools.permutations(("full", "window", "state")[:n])
 ]
 
 

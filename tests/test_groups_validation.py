@@ -157,9 +157,9 @@ def step(mgr, name, g, sids, q, d):
     return mgr.row_indices(sids, q, stride=BS, group=g, **kw)
 
 
-def outcome(call):
+def outcome(call, *args, **kw):
     try:
-        call()
+        call(*args, **kw)
     except Exception as e:  # noqa: BLE001 - compared by type below
         return type(e)
     return None
@@ -175,12 +175,12 @@ def test_every_step_validation_in_every_kind(kinds, case):
         setup(ref)
         want = exc if any(k in applies for k in checked) else None
         before = snapshot(mgr)
-        got = outcome(lambda: step(mgr, name, g, sids, q, d))
+        got = outcome(step, mgr, name, g, sids, q, d)
         assert got is want, (name, g, got)
         if want is not None:
             assert snapshot(mgr) == before, (name, g)  # a refused step changes nothing
         if name != "row_indices":  # (the reference builds no rows)
-            assert outcome(lambda: step(ref, name, g, sids, q, d)) is want, (name, g)
+            assert outcome(step, ref, name, g, sids, q, d) is want, (name, g)
             assert snapshot(ref) == snapshot(mgr), (name, g)
         mgr.check()
 
@@ -213,13 +213,12 @@ def test_computed_appends_need_each_groups_draft_slots(kinds):
             mgr.metadata(["a"], [1], group=g, draft_lens=[2])
             if len(kinds) > 1:  # the other groups scheduled no draft slots
                 before = snapshot(mgr)
-                assert outcome(lambda: mgr.append("a", [1, 2], computed=True)) is (
-                    InvalidStateError
-                ), (cls, g)
+                got = outcome(mgr.append, "a", [1, 2], computed=True)
+                assert got is InvalidStateError, (cls, g)
                 assert snapshot(mgr) == before
                 mgr.schedule(["a"], [1], draft_lens=[2])
             before = snapshot(mgr)
-            assert outcome(lambda: mgr.append("a", [1, 2, 3], computed=True)) is InvalidStateError
+            assert outcome(mgr.append, "a", [1, 2, 3], computed=True) is InvalidStateError
             assert snapshot(mgr) == before
             mgr.append("a", [1, 2], computed=True)
             assert mgr.num_computed("a") == 12

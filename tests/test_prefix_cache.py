@@ -3,9 +3,9 @@ atomic lookup-and-pin, first-block-wins, reset, stats and KV events."""
 
 import numpy as np
 import pytest
+from helpers import KEY, compute
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import KEY, compute
 
 import kvblocks
 from kvblocks import (

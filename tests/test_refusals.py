@@ -78,7 +78,11 @@ CASES = {
         InvalidStateError,
     ),
     "append_out_of_blocks": (base, lambda m: m.append("a", [1] * 200), OutOfBlocksError),
-    "append_batch_twice": (base, lambda m: m.append_batch(["a", "a"], [1, 2]), InvalidArgumentError),
+    "append_batch_twice": (
+        base,
+        lambda m: m.append_batch(["a", "a"], [1, 2]),
+        InvalidArgumentError,
+    ),
     "append_batch_swapped": (swapped, lambda m: m.append_batch(["a"], [1]), InvalidStateError),
     "reserve_negative": (base, lambda m: m.reserve("a", -1), InvalidArgumentError),
     "reserve_swapped": (swapped, lambda m: m.reserve("a", 1), InvalidStateError),
