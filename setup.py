@@ -30,6 +30,7 @@ C_SOURCES = [
     "csrc/events.c",
     "csrc/pool.c",
     "csrc/cache.c",
+    "csrc/debug.c",
     "csrc/table.c",
     "csrc/tier.c",
     "csrc/meta.c",

@@ -245,6 +245,35 @@ int kvb_grp_batch_need(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, int
     return need_all(g, G, slots, count, n, g[0]->pool->num_free, need_out);
 }
 
+/* Blocks a scheduler's step takes in all groups (BlockManager.blocks_needed_batch): for
+ * each sequence ns[i] more slots (its new tokens and draft slots) and forks[i] children
+ * (NULL: none) taking cn[i] slots each, counted exactly in each group (table.c,
+ * kvb_mgr_step_need). Validation first: unknown, repeated or swapped-out sequences, negative
+ * counts. */
+int kvb_grp_step_need(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, const int64_t *ns,
+                      const int64_t *cn, const int64_t *forks, int64_t count,
+                      int64_t *need_out) {
+    kvb_mgr_t *m = g[0];
+    int rc = kvb_mgr_batch_check(m, slots, count);
+    if (rc) return rc;
+    for (int64_t i = 0; i < count; i++) {
+        if (ns[i] < 0 || cn[i] < 0 || (forks && forks[i] < 0)) {
+            m->err_a = i;
+            m->err_b = ns[i] < 0 ? ns[i] : cn[i] < 0 ? cn[i] : forks[i];
+            return KVB_EINVAL;
+        }
+    }
+    int64_t need = 0;
+    for (int32_t j = 0; j < G; j++) {
+        int64_t nj = 0;
+        rc = kvb_mgr_step_need(g[j], slots, ns, cn, forks, count, &nj);
+        if (rc) return fail_from(g, j, rc);
+        need = add_sat(need, nj);
+    }
+    *need_out = need;
+    return KVB_OK;
+}
+
 /* ---- truncate, fork, free --------------------------------------------------------------- */
 int kvb_grp_truncate(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t ntokens) {
     for (int32_t j = 0; j < G; j++) {

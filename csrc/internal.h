@@ -24,6 +24,11 @@ KVB_INLINE int64_t off_in(const kvb_mgr_t *m, int64_t t) { /* token t's offset i
 KVB_INLINE int64_t blocks_for(const kvb_mgr_t *m, int64_t t) { /* blocks t tokens take */
     return blk_of(m, t + m->block_size - 1);
 }
+/* Blocks a step's context (committed tokens and draft slots) may span: the table, or for a
+ * state group the blocks a token group's table would hold (kvb_seq_t.room). */
+KVB_INLINE int64_t table_room(const kvb_mgr_t *m, const kvb_seq_t *s) {
+    return m->kind == KVB_G_STATE ? s->room : s->nblocks;
+}
 KVB_INLINE kvb_seq_t *live_seq(const kvb_mgr_t *m, int32_t slot) { /* NULL if not live */
     if (KVB_UNLIKELY(slot < 0 || slot >= m->scap || !(m->seqs[slot].gen & 1u))) return NULL;
     return &m->seqs[slot];

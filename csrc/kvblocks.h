@@ -322,6 +322,10 @@ typedef struct {
     int32_t next_free;         /* free-slot stack link */
     int32_t swapped;           /* blocks refer to the host pool (swap_out) */
     int32_t lo;                /* blocks[0..lo) were released (window / chunk groups): 0 */
+    int64_t room;              /* STATE: the blocks a token group's table of this sequence
+                                * holds (its tokens' blocks, grown by reserve, cut by
+                                * truncate), which its draft slots must lie within as in
+                                * every kind; other kinds: unused (0) */
 } kvb_seq_t;
 
 /* KV cache group kinds: a manager is one group; groups.c runs several over one pool. */
@@ -496,6 +500,31 @@ int kvb_grp_swap_in(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pairs
 int kvb_grp_schedule(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                      const int32_t *qlens, const int32_t *drafts, int64_t B, int apply);
 int kvb_grp_check(kvb_mgr_t *const *g, int32_t G);
+/* Blocks a scheduler's step takes (groups.c): ns[i] more slots for each sequence and forks[i]
+ * children of it (forks may be NULL) taking cn[i] slots each, exactly; *need_out saturates
+ * at INT64_MAX. */
+int kvb_grp_step_need(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, const int64_t *ns,
+                      const int64_t *cn, const int64_t *forks, int64_t count,
+                      int64_t *need_out);
+int kvb_mgr_step_need(kvb_mgr_t *m, const int32_t *slots, const int64_t *ns,
+                      const int64_t *cn, const int64_t *forks, int64_t count,
+                      int64_t *need_out);
+/* Testing only (debug.c): break one invariant of kind KVB_DBG_* in m (a group; slot: a live
+ * sequence for the per-sequence kinds) so that a test can see kvb_grp_check name it. Corrupts
+ * only in KVB_DEBUG builds; release builds return KVB_ESTATE. KVB_ESTATE also when m holds
+ * nothing of that kind to corrupt; KVB_EINVAL for an unknown kind. */
+enum {
+    KVB_DBG_CACHE_SLOT = 1,   /* a cached block's table slot off its probe path */
+    KVB_DBG_TABLE_ENTRY = 2,  /* a held uncached block in the hash table */
+    KVB_DBG_UNWRITTEN = 3,    /* a cached block's written flag cleared */
+    KVB_DBG_FREE_LINK = 4,    /* the free list's second prev link */
+    KVB_DBG_REF_COUNT = 5,    /* one reference too many on a held block */
+    KVB_DBG_SEQ_HASH = 6,     /* a bit of a sequence's first block hash */
+    KVB_DBG_COMPUTED = 7,     /* computed tokens past the committed ones */
+    KVB_DBG_TABLE_BLOCK = 8,  /* a table entry out of the pool's range */
+    KVB_DBG_STATE_ROOM = 9,   /* a state group's room below its tokens' blocks */
+};
+int kvb_debug_corrupt(kvb_mgr_t *m, int32_t what, int32_t slot);
 /* check of one group's tables adding its references into refs / hrefs (pool sized) */
 int kvb_mgr_check_tables(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs);
 

@@ -43,7 +43,9 @@ int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
         }
         int64_t d = drafts ? drafts[i] : 0;
         int64_t nb = state ? s->nblocks : blocks_for(m, s->ntokens + d);
-        if (d < 0 || nb > s->nblocks) { m->err_a = i; m->err_b = d; return KVB_ESTATE; }
+        if (d < 0 || blocks_for(m, s->ntokens + d) > table_room(m, s)) { /* every kind */
+            m->err_a = i; m->err_b = d; return KVB_ESTATE;
+        }
         if (out->block_tables && nb > out->max_blocks) {
             m->err_a = nb; m->err_b = out->max_blocks; m->err_what = "block_tables";
             return KVB_ERANGE;

@@ -35,6 +35,10 @@ int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                  const int32_t *drafts, int64_t B, kvb_rows_t *out) {
     int64_t bs = m->block_size, stride = out->stride, offset = out->offset;
     KVB_CLEAR_ERR(m);
+    if (m->kind == KVB_G_STATE) { /* no per-token rows (the binding refuses it first) */
+        m->err_what = "a state group has no per-token rows";
+        return KVB_EINVAL;
+    }
     /* geometry: blocks do not overlap and the last row of the last block fits in int64 */
     int64_t nblk = m->pool->num_blocks;
     if (stride < bs || offset < 0 ||

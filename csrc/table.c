@@ -417,6 +417,7 @@ static void take_slot(kvb_mgr_t *m, int32_t slot) {
     s->nhashed = 0;
     s->swapped = 0;
     s->lo = 0;
+    s->room = 0;
     m->nseqs++;
 }
 
@@ -530,6 +531,7 @@ void kvb_mgr_add_fill(kvb_mgr_t *m, int32_t slot) {
     int64_t total = table_blocks(m, s->ntokens);
     KVB_MUST(kvb_pool_allocate(m->pool, (int32_t)(total - s->nblocks), s->blocks + s->nblocks));
     s->nblocks = (int32_t)total;
+    if (m->kind == KVB_G_STATE) s->room = blocks_for(m, s->ntokens);
 }
 
 int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
@@ -588,7 +590,9 @@ static int make_room(kvb_mgr_t *m, kvb_seq_t *s, int64_t n, int64_t tokens) {
     if (n == 0) return KVB_OK;
     if (m->kind == KVB_G_STATE) { /* the state blocks do not grow */
         if (n > max_tokens(m)) return out_of_blocks(m, INT64_MAX, m->pool->num_free);
-        return ensure_tokens(s, s->ntokens + tokens) ? KVB_ENOMEM : KVB_OK;
+        if (ensure_tokens(s, s->ntokens + tokens)) return KVB_ENOMEM;
+        if (blocks_for(m, s->ntokens + n) > s->room) s->room = blocks_for(m, s->ntokens + n);
+        return KVB_OK;
     }
     if (n > max_tokens(m)) return out_of_blocks(m, blocks_for(m, max_tokens(m)) + 1,
                                                 m->pool->num_free);
@@ -698,6 +702,58 @@ KVB_NOINLINE static int exact_batch_need(kvb_mgr_t *m, const int32_t *slots, int
     return KVB_OK;
 }
 
+KVB_INLINE int64_t mul_sat(int64_t a, int64_t b) { /* a, b >= 0 */
+    return a && b > INT64_MAX / a ? INT64_MAX : a * b;
+}
+
+/* A scheduler's step in this group, counted exactly (kvb_grp_step_need): for each i in turn,
+ * reserve(slots[i], ns[i]) (its new tokens and draft slots: growth, and copy-on-write counted
+ * as exact_batch_need does: the k members writing into one shared block b make
+ * min(k, users(b) - 1) copies), then forks[i] children of it, each reserving cn[i] slots (the
+ * tokens committed with the fork). A child shares its parent's committed blocks only: its
+ * slots take a copy of a partly filled write block (the parent's reserve made that block
+ * private, the fork shares it again) and the blocks beyond; a state group's fork copies its
+ * span blocks at once. Window release is not counted (conservative, as blocks_needed). The
+ * slots were validated by the caller (groups.c). */
+int kvb_mgr_step_need(kvb_mgr_t *m, const int32_t *slots, const int64_t *ns,
+                      const int64_t *cn, const int64_t *forks, int64_t count,
+                      int64_t *need_out) {
+    int64_t need = 0;
+    if (m->kind == KVB_G_STATE) {
+        for (int64_t i = 0; forks && i < count; i++) need = add_sat(need, mul_sat(forks[i], m->span));
+        *need_out = need;
+        return KVB_OK;
+    }
+    int32_t *shared = malloc((size_t)(count ? count : 1) * sizeof *shared);
+    if (!shared) return KVB_ENOMEM;
+    int64_t nshared = 0;
+    for (int64_t i = 0; i < count; i++) {
+        const kvb_seq_t *s = &m->seqs[slots[i]];
+        if (forks && forks[i] > 0 && cn[i] > 0) { /* each child: its write block, growth */
+            int64_t after = blocks_after(m, s, cn[i]);
+            int64_t child = after == INT64_MAX ? INT64_MAX
+                            : after - blocks_for(m, s->ntokens) + (off_in(m, s->ntokens) != 0);
+            need = add_sat(need, mul_sat(forks[i], child));
+        }
+        if (ns[i] <= 0) continue;
+        int64_t after = blocks_after(m, s, ns[i]);
+        if (after > s->nblocks) need = add_sat(need, after - s->nblocks);
+        int64_t w = blk_of(m, s->ntokens);
+        if (w < s->nblocks && users(m, s->blocks[w]) > 1) shared[nshared++] = s->blocks[w];
+    }
+    qsort(shared, (size_t)nshared, sizeof *shared, cmp_i32);
+    for (int64_t i = 0; i < nshared;) {
+        int64_t j = i;
+        while (j < nshared && shared[j] == shared[i]) j++;
+        int64_t k = j - i, copies = users(m, shared[i]) - 1;
+        need = add_sat(need, k < copies ? k : copies);
+        i = j;
+    }
+    free(shared);
+    *need_out = need;
+    return KVB_OK;
+}
+
 int kvb_mgr_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_t n,
                        int64_t *need_out) {
     KVB_CLEAR_ERR(m);
@@ -779,6 +835,7 @@ static int batch_commit(kvb_mgr_t *m, const int32_t *slots, const int32_t *token
             kvb_seq_t *s = &m->seqs[slots[i]];
             s->tokens[s->ntokens++] = tokens[i];
             s->drafted = 0;
+            if (blocks_for(m, s->ntokens) > s->room) s->room = blocks_for(m, s->ntokens);
         }
         return KVB_OK;
     }
@@ -881,11 +938,11 @@ int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
         }
         m->err_b = d;
         if (d < 0) return KVB_EINVAL;
-        if (m->kind == KVB_G_STATE) continue;
-        if (blocks_for(m, s->ntokens + d) > s->nblocks) {
+        if (blocks_for(m, s->ntokens + d) > table_room(m, s)) { /* every kind, state too */
             m->err_what = "draft slots must be reserved first (reserve)";
             return KVB_ESTATE;
         }
+        if (m->kind == KVB_G_STATE) continue; /* its blocks are private and never cached */
         /* draft slots are written without being committed: their blocks must be this
          * sequence's alone (a truncate into a shared block leaves it shared until reserve
          * copies it), or the drafts would overwrite another sequence's K/V */
@@ -944,6 +1001,7 @@ int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens) {
     if (rc) return rc;
     kvb_seq_t *s = &m->seqs[slot];
     if (m->kind != KVB_G_STATE) release_tail(m, s, (int32_t)blocks_for(m, ntokens));
+    else if (s->room > blocks_for(m, ntokens)) s->room = blocks_for(m, ntokens); /* as a table */
     s->ntokens = ntokens;
     if (s->ncomputed > ntokens) s->ncomputed = ntokens;
     s->drafted = 0;
@@ -975,6 +1033,7 @@ int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out) {
         s->ntokens = ps->ntokens;
         s->ncomputed = ps->ncomputed;
         s->nblocks = (int32_t)nb;
+        s->room = blocks_for(m, ps->ntokens); /* a token table's fork shares only these */
         *child_out = slot;
         return KVB_OK;
     }
@@ -1106,6 +1165,8 @@ int kvb_mgr_check_tables(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
                                                              : s->nblocks < want))
             MFAIL("table shorter than its tokens or beyond capacity", s->nblocks);
         if (s->ntokens > s->tcap) MFAIL("tokens beyond capacity", s->ntokens);
+        if (m->kind == KVB_G_STATE ? s->room < blocks_for(m, s->ntokens) : s->room != 0)
+            MFAIL("a state group's room short of its tokens (or room outside one)", s->room);
         if (s->ncomputed < 0 || s->ncomputed > s->ntokens)
             MFAIL("computed tokens outside [0, committed]", s->ncomputed);
         if (s->lo < 0 || s->lo > s->nblocks ||

@@ -284,11 +284,14 @@ class Engine:
     def _commit_blocks(self, s: Seq, ndrafts: int) -> int:
         """Blocks s's commit at the end of this step takes at most, once its step's tokens
         and draft slots are in its table: the bonus token (after the accepted drafts, which
-        fill reserved slots), and one block per child forked then (a copy of the shared
-        partial block, or a new block)."""
+        fill reserved slots), and what each child forked then takes (a copy of the shared
+        partial block, or a new block; with KV cache groups, in each group)."""
         if s.generated + 1 >= s.req.max_new:
             return 0  # it finishes: nothing is committed
-        return self.mgr.blocks_needed(s.sid, ndrafts + 1) + s.pending_forks
+        # its token after ndrafts reserved draft slots; each child takes its first token
+        return self.mgr.blocks_needed_batch(
+            [s.sid], 1, draft_lens=[ndrafts], forks=[s.pending_forks]
+        )
 
     def propose(self, s: Seq, limit: int) -> List[int]:
         """A bigram drafter: follow, from the last token, the successor each token had the
@@ -411,7 +414,8 @@ class Engine:
         # step's commit, which may dip into the watermark like any running sequence
         if not mgr.can_add_prompt(toks) or mgr.probe(toks)[1] + extra > self._room():
             return False
-        n_cached = mgr.add(s.sid, toks)
+        # a re-admission after a recompute preemption: its hits are counted as recompute
+        n_cached = mgr.add(s.sid, toks, recompute=s.admitted)
         assert n_cached == cached  # nothing ran between the probe and the add
         st = self.stats
         st["prompt_tokens_added"] += chunk

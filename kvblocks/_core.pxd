@@ -34,6 +34,17 @@ cdef extern from "kvblocks.h" nogil:
                         int64_t n_blocks, int32_t block_size, kvb_hash_t *out)
 
     enum:
+        KVB_DBG_CACHE_SLOT
+        KVB_DBG_TABLE_ENTRY
+        KVB_DBG_UNWRITTEN
+        KVB_DBG_FREE_LINK
+        KVB_DBG_REF_COUNT
+        KVB_DBG_SEQ_HASH
+        KVB_DBG_COMPUTED
+        KVB_DBG_TABLE_BLOCK
+        KVB_DBG_STATE_ROOM
+
+    enum:
         KVB_HASH_SIPHASH
         KVB_HASH_VLLM_SHA256_CBOR
         KVB_HASH_VLLM_SHA256_CBOR_V030
@@ -216,6 +227,10 @@ cdef extern from "kvblocks.h" nogil:
     int kvb_grp_schedule(kvb_mgr_t **g, int32_t G, const int32_t *slots,
                          const int32_t *qlens, const int32_t *drafts, int64_t B, int apply)
     int kvb_grp_check(kvb_mgr_t **g, int32_t G)
+    int kvb_debug_corrupt(kvb_mgr_t *m, int32_t what, int32_t slot)
+    int kvb_grp_step_need(kvb_mgr_t **g, int32_t G, const int32_t *slots, const int64_t *ns,
+                          const int64_t *cn, const int64_t *forks, int64_t count,
+                          int64_t *need_out)
     int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through)
     void kvb_tier_flush(kvb_tier_t *t)
     int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out)

@@ -51,7 +51,7 @@ cdef class BlockManager:
 
     ``BlockManager(num_blocks, block_size, *, enable_prefix_caching=True, watermark=0.0,
     num_host_blocks=0, hash_key=None, enable_kv_events=False, host_prefix_cache=False,
-    host_write_through=False)``
+    host_write_through=False, groups=None, hash_algo="siphash", hash_seed=None)``
 
     - ``num_blocks``: device blocks, including the null block 0 (so ``num_blocks - 1`` usable).
     - ``block_size``: tokens per block.
@@ -70,6 +70,9 @@ cdef class BlockManager:
       prefix on it (``take_onloads``); see docs/host-tier.md. Needs ``num_host_blocks``.
     - ``host_write_through``: with the host tier, copy each newly cached device block to the
       host at once, so that its eviction later costs no copy.
+    - ``groups``: KV cache groups of a hybrid model, a sequence of ``KVGroup`` (full
+      attention, sliding window, chunked local, recurrent state) that share the pool; None
+      is one full-attention group. See docs/hybrid-models.md.
 
     Sequence ids are ``int`` or ``str`` (numpy integers count as ints; bools and floats are
     refused). Each public call is atomic with respect to other threads; calling the manager
@@ -450,6 +453,76 @@ cdef class BlockManager:
             return need <= self.pool.p.num_free
         finally:
             self._leave()
+
+    def blocks_needed_batch(self, seq_ids, num_new_tokens=1, *, draft_lens=None, forks=None,
+                            bint watermark=False):
+        """Blocks a scheduler's step takes for a batch, counted exactly as the calls would
+        take them: for each sequence in order, ``reserve(seq, num_new_tokens[i] +
+        draft_lens[i])`` (its decode token or prefill chunk, and its draft slots), then
+        ``forks[i]`` children forked from it, each reserving ``num_new_tokens[i]`` slots (the
+        token it commits with the fork; a child's drafts come in a later step). The step fits
+        when the result is at most ``pool.num_free`` (``watermark=True`` adds
+        ``watermark_blocks``, for a step that must also keep the watermark).
+
+        Counted in every KV cache group: growth, copy-on-write (k sequences of the batch
+        writing into one shared block make min(k, holders - 1) copies), a child's copy of
+        the partly filled write block it shares with its parent (or its first new block),
+        and a state group's blocks, which a fork copies at once: with G groups a child takes
+        up to G blocks, not one. Slots already in a table (reserved earlier) cost nothing,
+        and what a sliding-window or chunked-local group's release returns is not counted
+        (conservative, as ``blocks_needed``).
+
+        ``num_new_tokens`` is an int for every sequence or one per sequence; ``draft_lens``
+        and ``forks`` one per sequence (default 0). Raises UnknownSequenceError,
+        InvalidArgumentError (a sequence twice, a negative count, lengths that differ) or
+        InvalidStateError (a swapped-out sequence: ``blocks_needed(seq)`` counts its
+        swap-in).
+        """
+        ids = self._id_list(seq_ids)
+        scalar = np.ndim(num_new_tokens) == 0  # one count for every sequence (ints only)
+        n_one = as_int(num_new_tokens, "num_new_tokens", 0, INT32_MAX) if scalar else 0
+        arrays = []
+        if not scalar:
+            arrays.append(("num_new_tokens", as_int32(num_new_tokens, "num_new_tokens")))
+        if draft_lens is not None:
+            arrays.append(("draft_lens", as_int32(draft_lens, "draft_lens")))
+        if forks is not None:
+            arrays.append(("forks", as_int32(forks, "forks")))
+        for name, arr in arrays:
+            if len(arr) and arr.min() < 0:
+                raise InvalidArgumentError(f"blocks_needed_batch: {name} must be >= 0")
+        cdef int64_t need = 0
+        cdef Py_ssize_t count
+        cdef cnp.ndarray ns, cn, fk = None
+        self._enter()
+        try:
+            slots = self._slots_of(ids, &count)
+            for name, arr in arrays:
+                if len(arr) != count:
+                    raise InvalidArgumentError(f"blocks_needed_batch: {count} sequences but "
+                                               f"{len(arr)} {name}")
+            cn = np.full(count, n_one, dtype=np.int64)
+            for name, arr in arrays:
+                if name == "num_new_tokens":
+                    cn += arr
+            ns = cn.copy()
+            for name, arr in arrays:
+                if name == "forks":
+                    fk = np.ascontiguousarray(arr, dtype=np.int64)
+                elif name == "draft_lens":
+                    ns += arr
+            rc = kvb_grp_step_need(self.gp, self.ng, i32_data(slots),
+                                   <int64_t *>cnp.PyArray_DATA(ns),
+                                   <int64_t *>cnp.PyArray_DATA(cn),
+                                   <int64_t *>cnp.PyArray_DATA(fk) if fk is not None else NULL,
+                                   count, &need)
+            if rc:
+                self._err(rc, "blocks_needed_batch")
+        finally:
+            self._leave()
+        if watermark and need < INT64_MAX:
+            need += self._watermark_blocks
+        return need
 
     def can_swap_out(self, seq_id):
         """Whether ``swap_out(seq_id)`` would succeed now (host blocks available)."""
@@ -1064,6 +1137,8 @@ cdef class BlockManager:
               if group < 0 else
               kvb_mgr_schedule(self.gp[group], i32_data(slots), i32_data(q),
                                i32_data(<cnp.ndarray>d) if d is not None else NULL, B, 0))
+        if rc and group > 0:  # the details are in that group's fields
+            _copy_err(&self.m, self.gp[group], rc)
         if rc == KVB_EINVAL:
             raise InvalidArgumentError(
                 f"{what}: query_lens[{self.m.err_a}] / draft_lens[{self.m.err_a}] = "
@@ -1168,6 +1243,22 @@ cdef class BlockManager:
         res = AttentionMetadata(sm[:nt], bt[:B] if bt is not None else None, sl[:B],
                                 qo[:B + 1], kvp[:B + 1], kvi[:ni], last[:B], nt, B)
         return res.view_of(out)
+
+    def _debug_corrupt(self, what, seq_id=None, group=0):
+        """Testing only, debug builds only (csrc/debug.c): break one invariant of kind
+        ``what`` (a key of ``_DEBUG_CORRUPTIONS``) in group ``group``, of sequence ``seq_id``
+        for the per-sequence kinds, so that a test can see ``check()`` name it. The manager
+        is unusable afterwards. Raises InvalidStateError in a release build or when there is
+        nothing of that kind to corrupt."""
+        if what not in _DEBUG_CORRUPTIONS:
+            raise InvalidArgumentError(f"_debug_corrupt: unknown kind {what!r}")
+        if not KVB_DEBUG_LEVEL:
+            raise InvalidStateError("_debug_corrupt: debug builds only (KVBLOCKS_DEBUG=1)")
+        cdef int32_t g = self._group(group)
+        cdef int32_t slot = -1 if seq_id is None else self._slot(seq_id)
+        rc = kvb_debug_corrupt(self.gp[g], _DEBUG_CORRUPTIONS[what], slot)
+        if rc:
+            raise InvalidStateError(f"_debug_corrupt: nothing to corrupt as {what!r} here")
 
     def check(self):
         """Verify the pool, the host pool, every block table and the pending copies (ref
@@ -1285,6 +1376,20 @@ cdef class BlockManager:
                               bt[:B] if bt is not None else None, r.n_read, r.n_write, B)
         finally:
             self._leave()
+
+
+#: BlockManager._debug_corrupt's kinds (csrc/debug.c) and the check each must trip
+_DEBUG_CORRUPTIONS = {
+    "cache_slot": KVB_DBG_CACHE_SLOT,
+    "table_entry": KVB_DBG_TABLE_ENTRY,
+    "unwritten": KVB_DBG_UNWRITTEN,
+    "free_link": KVB_DBG_FREE_LINK,
+    "ref_count": KVB_DBG_REF_COUNT,
+    "seq_hash": KVB_DBG_SEQ_HASH,
+    "computed": KVB_DBG_COMPUTED,
+    "table_block": KVB_DBG_TABLE_BLOCK,
+    "state_room": KVB_DBG_STATE_ROOM,
+}
 
 
 cdef int _copy_err(kvb_mgr_t *dst, kvb_mgr_t *src, int rc) noexcept:

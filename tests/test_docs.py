@@ -85,7 +85,7 @@ def test_hybrid_models_guide_examples_run():
     blocks = re.findall(
         r"```python\n(.*?)```", (root / "docs" / "hybrid-models.md").read_text(), re.S
     )
-    assert len(blocks) == 6
+    assert len(blocks) == 7
     ns: dict = {"__name__": "docs_hybrid_models"}
     for code in blocks:
         exec(compile(code, "docs/hybrid-models.md", "exec"), ns)

@@ -513,17 +513,36 @@ def test_exact_count_of_a_tight_step_in_every_kind(other):
         assert not steps(pair(BlockManager, nb - 1))
 
 
-def test_window_blocks_with_a_cached_full_twin_get_a_second_chance():
+TWIN_ORDERS = [
+    order for n in (2, 3) for order in itertools.permutations(("full", "window", "state")[:n])
+]
+
+
+def twin_groups(order):
+    kinds = {
+        "full": KVGroup("full"),
+        "window": KVGroup("sliding_window", window=4),
+        "state": KVGroup("state", blocks=1),
+    }
+    return tuple(kinds[k] for k in order)
+
+
+@pytest.mark.parametrize("order", TWIN_ORDERS, ids="-".join)
+def test_window_blocks_with_a_cached_full_twin_get_a_second_chance(order):
     """docs/hybrid-models.md, eviction: a's window blocks were released early (oldest in the
     LRU) while its full blocks are held; plain LRU would evict them first and lose every hit
     on a's prefix (a hit needs both groups). They move to the tail instead, y's blocks go, and
-    the executable spec evicts exactly the same blocks."""
+    the executable spec evicts exactly the same blocks. Every group order: the twin is found
+    relative to the first full-attention group, which need not be group 0 (a core that looks
+    it up relative to group 0 gives no second chance when a state group comes first)."""
     from kvblocks.testing import ReferenceManager
 
-    groups = (KVGroup("full"), KVGroup("sliding_window", window=4))
+    groups = twin_groups(order)
+    win = order.index("window")
+    nb = 16 + 3 * ("state" in order)  # a state group takes a block per live sequence
     hits = []
     for cls in (BlockManager, ReferenceManager):
-        m = cls(16, 4, groups=groups)
+        m = cls(nb, 4, groups=groups)
         m.add("a", list(range(16)))
         m.schedule(["a"], [16])
         for t in range(4):  # the window moves on: a's window blocks 0-3 are released
@@ -532,7 +551,7 @@ def test_window_blocks_with_a_cached_full_twin_get_a_second_chance():
         m.add("y", list(range(100, 108)))
         m.schedule(["y"], [8])
         m.free("y")  # y's blocks: evictable, after a's released ones
-        assert m.block_table("a", group=1).tolist()[:4] == [0, 0, 0, 0]
+        assert m.block_table("a", group=win).tolist()[:4] == [0, 0, 0, 0]
         m.add("x", list(range(200, 212)))  # evicts 5 cached blocks
         hits.append((m.pool.free_list().tolist(), sorted(m.pool.ref_counts().tolist())))
         m.free("a")
@@ -540,7 +559,40 @@ def test_window_blocks_with_a_cached_full_twin_get_a_second_chance():
         hits[-1] += (m.add("b", list(range(12)) + [99, 99]),)
         if cls is BlockManager:
             m.check()
-    assert hits[0] == hits[1] and hits[0][2] == 12
+    assert hits[0] == hits[1]
+    if "state" in order:
+        assert hits[0][2] == 0  # a state group serves no hit
+    elif order == ("full", "window"):  # (window first: y's window blocks get theirs first)
+        assert hits[0][2] == 12
+
+
+@pytest.mark.parametrize("order", TWIN_ORDERS, ids="-".join)
+def test_an_allocation_that_evicts_a_full_block_then_reaches_its_window_twin(order):
+    """Issue 24: each evicted block's cache entry goes as allocation takes it, before the
+    next block is chosen. One allocation that evicts a full block and then reaches its
+    window twin at the head of the free list finds the twin's full block gone: no second
+    chance (the spec once dropped the entries after the whole allocation and moved the twin
+    to the tail). The core and the spec must agree block for block, in every group order."""
+    from kvblocks.testing import ReferenceManager
+
+    groups = twin_groups(order)
+    state = "state" in order
+    results = []
+    for cls in (BlockManager, ReferenceManager):
+        m = cls(16, 4, groups=groups)
+        m.add("a", list(range(8)))  # two full blocks in the full and the window group
+        m.add("z", list(range(500, 504)))  # one more, freed after a's
+        m.schedule(["a", "z"], [8, 4])
+        m.free("a")  # group after group, tail first: evictable, in that order
+        m.free("z")
+        never = m.pool.num_free - m.pool.num_evictable  # taken first
+        free = m.pool.free_list().tolist()
+        per_group = -(-(never + 3 - state) // 2)  # x reaches three of a's cached blocks
+        m.add("x", list(range(300, 300 + 4 * per_group)))
+        results.append((free, m.pool.free_list().tolist(), m.pool.num_evictable))
+        if cls is BlockManager:
+            m.check()
+    assert results[0] == results[1]
 
 
 def test_second_chances_are_bounded():

@@ -318,27 +318,58 @@ def test_block_offloaded_and_reused_as_onload_destination_in_one_step():
 
 def test_swap_in_destination_evicted_before_the_drain_is_dropped_not_offloaded():
     """A swap-in destination's bytes arrive with the swap pair, after the offloads: if it is
-    evicted in the same step, offloading it would copy garbage to the host."""
+    evicted in the same step, offloading it would copy whatever the block held before to the
+    host, under s's hash. The assertion is the hazard itself: s's prefix is on no cache tier
+    but the one that block would fill, so a prompt of the same tokens reads back the bytes
+    the host block holds (a garbage offload would serve x's K/V as s's)."""
+    mgr, rb = engine(num_blocks=8, block_size=2, host=8)
+    rb.add("s", [1, 2, 3, 4, 5])
+    rb.drain()
+    rb.forward(["s"])
+    rb.swap_out("s")
+    rb.drain()
+    mgr.pool.reset_prefix_cache()  # s's device copies lose their entries (none demoted)
+    rb.add("x", list(range(50, 64)))  # every device block now holds x's K/V ...
+    rb.drain()
+    rb.forward(["x"])
+    rb.free("x")
+    mgr.pool.reset_prefix_cache()  # ... and none is a cache entry
+    assert mgr.host_pool.num_cached == 0  # s's prefix is on no tier
+    rb.swap_in("s")  # fresh device blocks (x's bytes until the drain), cached again at once
+    rb.free("s")  # ... and evictable before the drain
+    rb.add("z", [7] * 14)  # takes every device block: evicts them (not demoted: in flight)
+    rb.drain()
+    rb.forward(["z"])
+    rb.assert_all()
+    mgr.check()
+    rb.free("z")
+    rb.add("s2", [1, 2, 3, 4, 0])  # whatever a tier serves of s's prefix must be s's K/V
+    rb.drain()
+    rb.forward(["s2"])
+    rb.assert_all()
+    mgr.check()
+
+
+def test_swap_in_destination_evicted_before_the_drain_reads_back():
+    """The same hazard with s's prefix also demoted to the host before: the host entry stays
+    the first copy, and every prompt of s's tokens reads back exactly."""
     mgr, rb = engine(num_blocks=5, block_size=2, host=8)
     rb.add("s", [1, 2, 3, 4])
     rb.drain()
     rb.forward(["s"])
     rb.swap_out("s")
     rb.drain()
-    rb.add("x", [9, 9, 9, 9, 9, 9, 9, 9])  # evicts s's device copies: already on the host?
+    rb.add("x", [9, 9, 9, 9, 9, 9, 9, 9])  # evicts s's device copies: demoted to the host
     rb.drain()
     rb.forward(["x"])
     rb.free("x")
     rb.swap_in("s")  # fresh device blocks, cached again at once
     rb.free("s")  # ... and evictable before the drain
-    dropped = mgr.host_stats.dropped
     rb.add("z", [5, 5, 5, 5, 5, 5, 5, 5])  # evicts them
-    assert mgr.host_stats.dropped > dropped
     rb.drain()
     rb.forward(["z"])
     rb.assert_all()
     mgr.check()
-    # nothing stale on the host: s's prompt reads back exactly whatever tier serves it
     rb.free("z")
     rb.add("s2", [1, 2, 3, 4, 0])
     rb.drain()

@@ -4,6 +4,8 @@ atomic lookup-and-pin, first-block-wins, reset, stats and KV events."""
 import numpy as np
 import pytest
 from helpers import KEY, compute
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvblocks
 from kvblocks import (
@@ -27,6 +29,66 @@ def test_siphash_known_answers():
     assert siphash128(key, b"").hex() == "a3817f04ba25a8e66df67214c7550293"
     assert siphash128(key, bytes([0])).hex() == "da87c1d86b99af44347659119b22fc45"
     assert siphash128(key, bytes([0, 1])).hex() == "8177228da4a45dc7fca38bdef60affe4"
+
+
+def spec_chain(key, tokens, bs, salt=None, parent=None):
+    """docs/prefix-caching.md's block hash from the byte-wise SipHash (known answers above):
+    h[i] = SipHash128_key(h[i-1] || block i's tokens as little-endian int32), from the root
+    SipHash128_key("kvb" 0x00) (no salt) or ("kvb" 0x01 "s" salt) (a str salt)."""
+    if parent is None:
+        head = b"kvb\x00" if salt is None else b"kvb\x01s" + salt.encode()
+        parent = siphash128(key, head)
+    out = []
+    for i in range(len(tokens) // bs):
+        block = np.array(tokens[i * bs : (i + 1) * bs], dtype="<i4").tobytes()
+        parent = siphash128(key, parent + block)
+        out.append(parent)
+    return out
+
+
+INT32 = st.one_of(
+    st.integers(-(2**31), 2**31 - 1),
+    st.sampled_from([0, 65535, 65536, 65537, 2**31 - 1, -1, -(2**31), -65536, 2**16 + 2**15]),
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.integers(1, 9).flatmap(
+        lambda bs: st.tuples(st.just(bs), st.lists(INT32, min_size=bs, max_size=4 * bs))
+    ),
+    st.sampled_from([None, "t", "tenant-" + "x" * 20]),
+)
+def test_block_hash_is_the_spec_for_token_ids_across_int32(bs_tokens, salt):
+    """Token ids across the whole int32 range, odd block sizes among them: the word-at-a-time
+    block hash (csrc/hash.c: an odd-sized block's last token goes in the final word) equals
+    the byte-wise formula. A hash that dropped any bits of the last odd token (ids of 65,536
+    and more; negative ids) differs here, and so does the manager's chain."""
+    bs, tokens = bs_tokens
+    want = spec_chain(KEY, tokens, bs, salt=salt)
+    got = hash_blocks(tokens, bs, key=KEY, salt=salt, digests=True)[1]
+    assert [d.tobytes() for d in got] == want
+    mgr = BlockManager(4 * len(tokens) + 8, bs, hash_key=KEY)
+    mgr.add("s", tokens, salt=salt)
+    compute(mgr, "s")
+    cached = [mgr.pool.block_hash(b) for b in mgr.block_table("s")[: len(want)]]
+    assert cached == [int.from_bytes(h, "little") for h in want]
+    mgr.check()
+
+
+def test_odd_block_last_token_high_bits_regression():
+    """Issue 24 (mutation testing): two odd-sized blocks that differ only in the high 16 bits
+    of their last token hash differently, in the chain and in the prefix cache."""
+    a, b = [1, 2, 3], [1, 2, 3 + 65536]
+    assert spec_chain(KEY, a, 3) != spec_chain(KEY, b, 3)
+    for toks in (a, b, [1, 2, -(2**31)], [1, 2, 2**31 - 1]):
+        got = hash_blocks(toks, 3, key=KEY, digests=True)[1]
+        assert [d.tobytes() for d in got] == spec_chain(KEY, toks, 3)
+    mgr = BlockManager(16, 3, hash_key=KEY)
+    mgr.add("a", a + [0])
+    compute(mgr, "a")
+    assert mgr.probe(b + [0])[0] == 0  # no false prefix hit
+    assert mgr.probe(a + [0])[0] == 3
 
 
 def test_hashes_stable_for_a_key_and_different_across_keys():

@@ -464,31 +464,40 @@ class ReferencePool:
         return blocks
 
     def _allocate(self, n: int) -> List[int]:
-        if self.second_chance is None:
+        """``n`` blocks from the head of the free list. Each block's cache entry goes as the
+        block is taken (lazy eviction), before the next block is chosen: with KV cache
+        groups' second chances, whether a later window block's full twin is still cached
+        depends on the entries this same allocation already evicted."""
+        if self.second_chance is None:  # no choice depends on the entries: one slice
             out = self._free[:n]
             del self._free[:n]
-        else:
-            out = []
-            for _ in range(n):
-                while True:
-                    b = self._free[0]
-                    if (
-                        b not in self._hash_of
-                        or b in self._spent
-                        or len(self._free) == 1
-                        or not self.second_chance(b)
-                    ):
-                        break
-                    self._free.append(self._free.pop(0))
-                    self._spent.add(b)
-                out.append(self._free.pop(0))
-                self._spent.discard(out[-1])
-        for b in out:
-            if b in self._hash_of:  # lazy eviction: the entry goes when reused
-                del self._block_of[self._hash_of.pop(b)]
-                self.evictions += 1
-            self._ref[b] = 1
+            for b in out:
+                self._take(b)
+            return out
+        out = []
+        for _ in range(n):
+            while True:
+                b = self._free[0]
+                if (
+                    b not in self._hash_of
+                    or b in self._spent
+                    or len(self._free) == 1
+                    or not self.second_chance(b)
+                ):
+                    break
+                self._free.append(self._free.pop(0))
+                self._spent.add(b)
+            b = self._free.pop(0)
+            self._spent.discard(b)
+            self._take(b)
+            out.append(b)
         return out
+
+    def _take(self, b: int) -> None:
+        if b in self._hash_of:  # lazy eviction: the entry goes when reused
+            del self._block_of[self._hash_of.pop(b)]
+            self.evictions += 1
+        self._ref[b] = 1
 
     def _release(self, b: int) -> bool:
         """Drop one reference; True if the block became free."""
@@ -709,6 +718,55 @@ class ReferenceManager:
         if any(s.swapped for s in seqs):
             return False
         return self._need([(s, n) for s in seqs]) <= self.pool.num_free
+
+    def blocks_needed_batch(
+        self, seq_ids, num_new_tokens=1, *, draft_lens=None, forks=None, watermark=False
+    ) -> int:
+        """Blocks a scheduler's step takes: for each sequence in order ``reserve(seq, n_i +
+        d_i)``, then ``forks[i]`` children of it, each reserving ``n_i`` slots (a child
+        shares its parent's committed blocks only: it copies a partly filled write block, or
+        takes a new one, plus the growth; a state group's fork copies its blocks at once).
+        Saturates at 2**63 - 1; ``watermark=True`` adds the watermark blocks."""
+        sids = seq_ids_of(seq_ids)
+        B = len(sids)
+        if np.ndim(num_new_tokens) == 0:  # one count for every sequence (ints only)
+            n = [scalar_of(num_new_tokens, "num_new_tokens", 0, INT32_MAX)] * B
+        else:
+            n = tokens_of(num_new_tokens, "num_new_tokens").tolist()
+        d = [0] * B if draft_lens is None else tokens_of(draft_lens, "draft_lens").tolist()
+        f = [0] * B if forks is None else tokens_of(forks, "forks").tolist()
+        for name, xs in (("num_new_tokens", n), ("draft_lens", d), ("forks", f)):
+            if any(x < 0 for x in xs):
+                raise _err(InvalidArgumentError, f"blocks_needed_batch: {name} < 0")
+        for name, xs in (("num_new_tokens", n), ("draft_lens", d), ("forks", f)):
+            if len(xs) != B:
+                raise _err(InvalidArgumentError, f"blocks_needed_batch: {len(xs)} {name}")
+        seen = set()
+        for sid in sids:
+            s = self._seq(sid)
+            if sid in seen:
+                raise _err(InvalidArgumentError, f"blocks_needed_batch: {sid!r} twice")
+            seen.add(sid)
+            if s.swapped:
+                raise _err(InvalidStateError, f"blocks_needed_batch: {sid!r} is swapped out")
+        seqs = [self._seq(sid) for sid in sids]
+        ns = [a + b for a, b in zip(n, d)]
+        need = min(INT64_MAX, self._step_need(seqs, ns, n, f))
+        if watermark and need < INT64_MAX:
+            need += self._watermark_blocks
+        return need
+
+    def _child_need(self, s, n: int) -> int:
+        """A token table's blocks for a child of s reserving n slots."""
+        if n <= 0:
+            return 0
+        bs, t = self.block_size, len(s.tokens)
+        return _ceil_div(t + n, bs) - _ceil_div(t, bs) + (1 if t % bs else 0)
+
+    def _step_need(self, seqs, ns, cn, forks) -> int:
+        return self._need(list(zip(seqs, ns))) + sum(
+            k * self._child_need(s, n) for s, n, k in zip(seqs, cn, forks)
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
     def add(self, seq_id, token_ids, *, salt=None) -> int:

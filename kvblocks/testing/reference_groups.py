@@ -25,7 +25,9 @@ one for one. The rules it encodes:
   k - 1; a state group no hit at all (no snapshots of the state).
 * State groups: a fixed number of blocks per sequence, never released, no hashing; fork
   copies them at once (pairs in take_copies); truncate below the computed tokens and a step
-  that reads released positions are refused.
+  that reads released positions are refused. Draft slots are validated as in every kind:
+  they must lie within the blocks a token group's table of the sequence holds (its tokens'
+  blocks, grown by reserve, cut by truncate; a fork's child starts from its tokens' blocks).
 * Order where ids depend on it: group after group, in the order given; within a group the
   single-group order (see reference.py).
 """
@@ -72,6 +74,7 @@ class _Tab:
     num_computed: int = 0
     num_offered: int = 0  # leading full blocks already offered to the prefix cache
     drafts: int = 0  # draft slots the last step of this group scheduled
+    room: int = 0  # state: the blocks a token group's table would hold (drafts lie within)
 
 
 @dataclass
@@ -207,6 +210,16 @@ class GroupedReference(ReferenceManager):
             return False
         return self._need_all([(s, n) for s in seqs]) <= self.pool.num_free
 
+    def _step_need(self, seqs, ns, cn, forks) -> int:
+        need = 0
+        for j, g in enumerate(self.groups):
+            if self._kind(j) == "state":  # a fork copies the state at once
+                need += sum(forks) * g.span
+                continue
+            need += self._need(list(zip(seqs, ns)), j)
+            need += sum(k * self._child_need(s, n) for s, n, k in zip(seqs, cn, forks))
+        return need
+
     def _check_fits(self, s, n: int) -> None:
         """A window group's table may outgrow the pool (released entries): only one call's
         tokens beyond every block of the pool never fit; the rest is counted."""
@@ -302,8 +315,11 @@ class GroupedReference(ReferenceManager):
 
     def _grow_g(self, j: int, s: _GSeq, total: int) -> None:
         t = s.tabs[j]
+        if self._kind(j) == "state":
+            t.room = max(t.room, _ceil_div(total, self.block_size))
+            return
         more = _ceil_div(total, self.block_size) - len(t.blocks)
-        if more > 0 and self._kind(j) != "state":
+        if more > 0:
             t.blocks += self.pool._allocate(more)
 
     def _offer_g(self, j: int, s: _GSeq) -> None:
@@ -351,7 +367,7 @@ class GroupedReference(ReferenceManager):
             for b in hits[j]:
                 self.pool._pin(b)
             lo = self._hit_lo(j, n, k)
-            s.tabs.append(_Tab([0] * lo + hits[j], lo, k * bs, k))
+            s.tabs.append(_Tab([0] * lo + hits[j], lo, k * bs, k, room=_ceil_div(n, bs)))
         for j in range(G):
             t = s.tabs[j]
             t.blocks += self.pool._allocate(self._table_blocks(j, n) - len(t.blocks))
@@ -449,6 +465,7 @@ class GroupedReference(ReferenceManager):
                 del t.blocks[keep:]
                 t.lo = min(t.lo, keep)
                 self._drop_dead(j)
+            t.room = min(t.room, keep)
             t.num_computed = min(t.num_computed, n)
             t.num_offered = min(t.num_offered, n // self.block_size)
             t.drafts = 0
@@ -475,7 +492,7 @@ class GroupedReference(ReferenceManager):
                     src = self._copy_source(b, j)
                     self._gcopies[j].append((src, d))
                     self.pool._pin(src)
-                c.tabs.append(_Tab(fresh, 0, t.num_computed, 0))
+                c.tabs.append(_Tab(fresh, 0, t.num_computed, 0, room=nb))
                 continue
             shared = t.blocks[:nb]
             for b in shared[t.lo :]:
@@ -645,14 +662,16 @@ class GroupedReference(ReferenceManager):
                     rules.add(InvalidStateError, f"metadata: {sid!r} reads released positions")
                 if di < 0:
                     rules.add(InvalidArgumentError, f"metadata: draft_len {di} < 0")
-                elif (
-                    di
-                    and self._kind(j) != "state"
-                    and (
-                        n + di > len(t.blocks) * bs
-                        or any(
-                            self._users(j, b) != 1 or b in self.pool._hash_of
-                            for b in t.blocks[n // bs : _ceil_div(n + di, bs)]
+                elif di and (
+                    (self._kind(j) == "state" and _ceil_div(n + di, bs) > t.room)
+                    or (
+                        self._kind(j) != "state"
+                        and (
+                            n + di > len(t.blocks) * bs
+                            or any(
+                                self._users(j, b) != 1 or b in self.pool._hash_of
+                                for b in t.blocks[n // bs : _ceil_div(n + di, bs)]
+                            )
                         )
                     )
                 ):
