@@ -483,7 +483,8 @@ cdef class BlockManager:
         return self.pool.p.num_free
 
     # -- sequence lifecycle -------------------------------------------------------------------
-    def add(self, seq_id, token_ids, *, salt=None, lora_name=None, bint recompute=False):
+    def add(self, seq_id, token_ids, *, salt=None, lora_name=None, lora_id=None,
+            bint recompute=False):
         """Allocate a block table for a prompt; reuse cached full blocks.
 
         Returns how many prompt tokens are already in the cache (and computed): a multiple
@@ -492,14 +493,16 @@ cdef class BlockManager:
         blocks enter the prefix cache. ``salt`` (str or bytes: tenant, LoRA adapter, ...)
         isolates the cache: different salts never share. ``lora_name`` names the LoRA adapter
         the sequence runs with: it isolates like a salt (in the vLLM modes as vLLM's LoRA
-        extra key) and the KV events of its blocks carry it. ``recompute=True`` marks the
+        extra key) and the KV events of its blocks carry it, with ``lora_id`` (vLLM's adapter
+        int id; needs ``lora_name``) and the salt (vLLM's event extra keys: the adapter name on
+        every block, the salt on block 0). ``recompute=True`` marks the
         re-admission of a sequence preempted by ``free``: its hits (often its own blocks)
         are counted in ``stats.recompute_hit_tokens``, not as prefix reuse.
         """
         seq_id = norm_id(seq_id)
         cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
         cdef bytes s = chain_context(self.m.hash_algo, salt, lora_name)
-        cdef int32_t tag = self.pool._lora_tag(as_lora(lora_name))
+        cdef int32_t tag = self.pool._event_tag(as_lora(lora_name), lora_id, salt)
         cdef int32_t slot, j
         cdef int64_t cached
         cdef Py_ssize_t n = cnp.PyArray_DIM(toks, 0)
