@@ -284,13 +284,51 @@ cdef class BlockPool:
         return bool(self.p.flags[block_id] & KVB_F_CACHED)
 
     def block_hash(self, block_id):
+        """The hash a cached block is registered under, as one 128-bit int
+        ``(hi << 64) | lo`` (``kvblocks.hash_to_int`` of its ``[lo, hi]`` row), or None when
+        the block holds no cache entry. Its KV events name it by ``h & (2**64 - 1)``
+        (``kvblocks.events.fold_hash``). Raises InvalidArgumentError for an id outside
+        ``[0, num_blocks)`` and InvalidTypeError for a non-int."""
         block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
-        """The 128-bit hash a cached block is registered under, or None."""
         if block_id < 0 or block_id >= self.p.num_blocks:
             raise InvalidArgumentError(f"block_hash: block {block_id} out of range")
         if not self.p.flags[block_id] & KVB_F_CACHED:
             return None
         return hash_int(self.p.hash[block_id])
+
+    def cached_hashes(self, *, group=None, bint wire=False):
+        """Every hash this pool's prefix cache holds now, in block-id order: an (n, 2)
+        uint64 array of ``[lo, hi]`` rows (the form of ``hash_blocks``), or with
+        ``wire=True`` the (n,) uint64 values its KV events carry (the low halves). For a
+        router consistency check: a router that applied every event of this pool holds
+        exactly ``set(pool.cached_hashes(wire=True))`` for it (per medium; per group with
+        ``group=``, the KV cache group index). Raises InvalidTypeError / InvalidArgumentError
+        for a bad ``group``.
+
+        >>> from kvblocks import BlockPool, hash_blocks
+        >>> pool = BlockPool(8)
+        >>> h = hash_blocks(range(8), 4)
+        >>> pool.cache(pool.allocate(2), h)
+        2
+        >>> (pool.cached_hashes() == h).all(), pool.cached_hashes(wire=True).shape
+        (True, (2,))
+        """
+        cdef int g = -1
+        if group is not None:
+            g = <int>as_int(group, "group", 0, 254)
+        cdef int32_t b, n = 0
+        for b in range(1, self.p.num_blocks):
+            if self.p.flags[b] & KVB_F_CACHED and (g < 0 or self.p.gid[b] == g):
+                n += 1
+        cdef cnp.ndarray out = np.empty((n, 2), dtype=np.uint64)
+        cdef uint64_t *o = <uint64_t *>cnp.PyArray_DATA(out)
+        cdef int32_t k = 0
+        for b in range(1, self.p.num_blocks):
+            if self.p.flags[b] & KVB_F_CACHED and (g < 0 or self.p.gid[b] == g):
+                o[2 * k] = self.p.hash[b].lo
+                o[2 * k + 1] = self.p.hash[b].hi
+                k += 1
+        return out[:, 0].copy() if wire else out
 
     def free_list(self):
         """Block ids in the free list, next to be allocated first (a debugging aid)."""

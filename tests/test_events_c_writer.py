@@ -344,3 +344,56 @@ def test_router_consistency_state_unchanged_by_the_c_path():
     assert len(stored(encode_batch(mgr.pool, ts=0))) == 1
     assert (mgr.pool.num_cached, mgr.pool.num_free, mgr.pool.events_dropped) == before
     mgr.check()
+
+
+# -- cached_hashes: the router consistency check -------------------------------------------------
+def test_cached_hashes_equal_what_a_router_applying_every_event_holds():
+    rng = random.Random(11)
+    router: set = set()
+
+    def check(mgrs):
+        for ev in decode(encode_batch(mgrs[0].pool, ts=0))[1]:
+            if ev["type"] == "BlockStored":
+                router.update(ev["block_hashes"])
+            elif ev["type"] == "BlockRemoved":
+                router.difference_update(ev["block_hashes"])
+            else:
+                router.clear()
+        pool = mgrs[0].pool
+        assert set(pool.cached_hashes(wire=True).tolist()) == router
+        full = pool.cached_hashes()
+        assert full.shape == (pool.num_cached, 2) and full.dtype.name == "uint64"
+        assert [kvblocks.hash_to_int(h) for h in full] == [
+            pool.block_hash(b) for b in range(pool.num_blocks) if pool.is_cached(b)]
+
+    drive(twins(num_blocks=20)[:1], rng, 80, check)
+
+
+def test_cached_hashes_by_group_and_bad_input():
+    groups = (KVGroup("full"), KVGroup("sliding_window", window=4))
+    mgr = BlockManager(32, 4, hash_key=KEY, groups=groups)
+    mgr.add("a", list(range(9)))
+    compute(mgr, "a")
+    g0, g1 = mgr.pool.cached_hashes(group=0), mgr.pool.cached_hashes(group=1)
+    assert len(g0) == len(g1) == 2 and len(mgr.pool.cached_hashes()) == 4
+    assert (g0 == mgr.block_hashes("a", group=0)).all()
+    assert mgr.pool.cached_hashes(group=5).shape == (0, 2)
+    with pytest.raises(InvalidTypeError):
+        mgr.pool.cached_hashes(group="0")
+    with pytest.raises(InvalidArgumentError):
+        mgr.pool.cached_hashes(group=-1)
+    with pytest.raises(InvalidArgumentError):
+        mgr.pool.cached_hashes(group=255)
+    with pytest.raises(TypeError):
+        mgr.pool.cached_hashes(0)  # keyword only
+    assert BlockPool(4).cached_hashes(wire=True).shape == (0,)
+
+
+def test_block_hash_bad_input():
+    pool = BlockPool(4)
+    assert pool.block_hash(1) is None
+    with pytest.raises(InvalidArgumentError):
+        pool.block_hash(4)
+    with pytest.raises(InvalidTypeError):
+        pool.block_hash("1")
+    assert "128-bit" in BlockPool.block_hash.__doc__
