@@ -148,15 +148,18 @@ def bench_drain(rows, repeats, n=1000, bs=16):
     third of the events, so extra keys are on the wire."""
     for nb in (1, 8):
         rng = random.Random(nb)
-        pool = BlockPool(n * nb + 2, block_size=bs, hash_key=b"0123456789abcdef",
-                         enable_kv_events=True)
+        pool = BlockPool(
+            n * nb + 2, block_size=bs, hash_key=b"0123456789abcdef", enable_kv_events=True
+        )
         work = []
         for i in range(n):
-            h = np.array([[rng.getrandbits(64), rng.getrandbits(64)] for _ in range(nb)],
-                         dtype=np.uint64)
+            h = np.array(
+                [[rng.getrandbits(64), rng.getrandbits(64)] for _ in range(nb)], dtype=np.uint64
+            )
             kw = {"salt": "tenant-a", "lora_name": "alice", "lora_id": 1} if i % 3 == 0 else {}
-            work.append((h, rng.getrandbits(127) | 1, [rng.randrange(128000)
-                                                       for _ in range(nb * bs)], kw))
+            work.append(
+                (h, rng.getrandbits(127) | 1, [rng.randrange(128000) for _ in range(nb * bs)], kw)
+            )
         held = [pool.allocate(n * nb)]
 
         def fill():
@@ -174,9 +177,18 @@ def bench_drain(rows, repeats, n=1000, bs=16):
         prebuilt = VBatch(
             1.0,
             [
-                VBlockStored([x & m for x in e.block_hashes], e.parent_block_hash & m,
-                             e.token_ids, bs, e.lora_id, "GPU", e.lora_name,
-                             e.extra_keys or [None] * nb, 0, "full_attention")
+                VBlockStored(
+                    [x & m for x in e.block_hashes],
+                    e.parent_block_hash & m,
+                    e.token_ids,
+                    bs,
+                    e.lora_id,
+                    "GPU",
+                    e.lora_name,
+                    e.extra_keys or [None] * nb,
+                    0,
+                    "full_attention",
+                )
                 for e in events
             ],
             0,
@@ -188,11 +200,17 @@ def bench_drain(rows, repeats, n=1000, bs=16):
         fill()
         assert encode_batch(pool.take_events(), ts=1.0) == want
         c = measure(lambda: encode_batch(pool, ts=1.0), inner=1, repeats=repeats, setup=fill)
-        py = measure(lambda: encode_batch(pool.take_events(), ts=1.0), inner=1,
-                     repeats=max(repeats // 4, 10), setup=fill)
+        py = measure(
+            lambda: encode_batch(pool.take_events(), ts=1.0),
+            inner=1,
+            repeats=max(repeats // 4, 10),
+            setup=fill,
+        )
         v = measure(lambda: enc.encode(prebuilt), inner=1, repeats=repeats)
-        for name, r in (("C writer: encode_batch(pool)", c),
-                        ("Python: encode_batch(pool.take_events())", py)):
+        for name, r in (
+            ("C writer: encode_batch(pool)", c),
+            ("Python: encode_batch(pool.take_events())", py),
+        ):
             rows.append(
                 {
                     "op": f"drain {n} stored, {nb} x {bs}-token block(s): {name}",

@@ -290,6 +290,7 @@ cdef class BlockPool:
     cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,
                               bint has, int64_t ntok)
     cdef object _extra_keys(self, int32_t tag, bint first)
+    cdef bytes _wire_bytes(self, ts, data_parallel_rank, fmt, hash_int)
     cdef bint _initialized
     cdef int32_t _algo
     cdef str _seed

@@ -117,6 +117,8 @@ SeqIds = Union[Sequence[SeqId], SeqBatch, Iterable[SeqId]]
 class BlockManager:
     pool: BlockPool
     host_pool: Optional[BlockPool]
+    def take_events_wire(self, *, ts: float, data_parallel_rank: Optional[int] = ...,
+                         fmt: str = ..., hash_int: str = ...) -> bytes: ...
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = ...,
                  watermark: float = ..., num_host_blocks: int = ..., hash_key: HashKey = ...,
                  enable_kv_events: bool = ...,

@@ -1078,6 +1078,20 @@ cdef class BlockManager:
                                 qo[:B + 1], kvp[:B + 1], kvi[:ni], last[:B], nt, B)
         return res.view_of(out)
 
+    def take_events_wire(self, *, ts, data_parallel_rank=0, fmt="map", hash_int="unsigned"):
+        """Drain both pools' KV events into one vLLM msgpack ``KVEventBatch``: the device
+        pool's events, then the host pool's (``pool.take_events_wire``; docs/host-tier.md,
+        "Events"). All or nothing: if either log holds an event that cannot go out, it
+        raises and neither log is drained."""
+        cdef bytes dev = self.pool._wire_bytes(ts, data_parallel_rank, fmt, hash_int)
+        if self.host_pool is None:
+            kvb_events_clear(&self.pool.p.events)
+            return dev
+        cdef bytes host = self.host_pool._wire_bytes(ts, data_parallel_rank, fmt, hash_int)
+        kvb_events_clear(&self.pool.p.events)
+        kvb_events_clear(&self.host_pool.p.events)
+        return _splice_batches(dev, host, data_parallel_rank)
+
     def check(self):
         """Verify the pool, the host pool, every block table and the pending copies (ref
         counts equal the references held, hashes match the tokens, no cached block that
@@ -1240,3 +1254,31 @@ cdef void *_rows_buf(object arr, int typenum, int ndim, Py_ssize_t rows,
         raise InvalidArgumentError(f"row_indices: out.{name} holds {cnp.PyArray_DIM(a, 0)} "
                                    f"rows, the batch needs {rows}")
     return cnp.PyArray_DATA(a)
+
+
+cdef tuple _events_span(bytes b, object dp):
+    """(count, start, end) of the events in a batch ``93 cb <ts 8 B> <events> <rank>``."""
+    cdef int h = b[10]
+    cdef Py_ssize_t n, start, size
+    if h & 0xF0 == 0x90:
+        n, start = h & 0x0F, 11
+    elif h == 0xDC:
+        n, start = int.from_bytes(b[11:13], "big"), 13
+    else:  # 0xdd
+        n, start = int.from_bytes(b[11:15], "big"), 15
+    # the rank: nil or a positive fixint (1 byte), else cc / cd / ce / cf and 1 / 2 / 4 / 8
+    size = 1 if dp is None or dp < 128 else (2 if dp < 1 << 8 else 3 if dp < 1 << 16 else
+                                              5 if dp < 1 << 32 else 9)
+    return n, start, len(b) - size
+
+
+cdef bytes _splice_batches(bytes a, bytes b, object dp):
+    """One batch of a's events, then b's (both encoded with the same ts and rank dp)."""
+    na, sa, ea = _events_span(a, dp)
+    nb, sb, eb = _events_span(b, dp)
+    if nb == 0:
+        return a
+    n = na + nb
+    hdr = (bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16
+           else b"\xdd" + n.to_bytes(4, "big"))
+    return a[:10] + hdr + a[sa:ea] + b[sb:eb] + a[ea:]

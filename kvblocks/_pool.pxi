@@ -310,7 +310,7 @@ cdef class BlockPool:
         >>> h = hash_blocks(range(8), 4)
         >>> pool.cache(pool.allocate(2), h)
         2
-        >>> (pool.cached_hashes() == h).all(), pool.cached_hashes(wire=True).shape
+        >>> bool((pool.cached_hashes() == h).all()), pool.cached_hashes(wire=True).shape
         (True, (2,))
         """
         cdef int g = -1
@@ -607,6 +607,12 @@ cdef class BlockPool:
         InvalidTypeError for bad arguments and for a stored block recorded without its
         tokens; then nothing is drained.
         """
+        out = self._wire_bytes(ts, data_parallel_rank, fmt, hash_int)
+        kvb_events_clear(&self.p.events)
+        return out
+
+    cdef bytes _wire_bytes(self, ts, data_parallel_rank, fmt, hash_int):
+        """The log as a batch (take_events_wire), the log left as it was."""
         cdef kvb_wire_opts_t w
         memset(&w, 0, sizeof(w))
         if fmt == "map":
@@ -666,8 +672,6 @@ cdef class BlockPool:
                     f"token_ids (give token_ids to pool.cache()); nothing was drained")
             raise_code(rc, "take_events_wire", 0, 0)
         try:
-            out = PyBytes_FromStringAndSize(<char *>buf.data, <Py_ssize_t>buf.len)
+            return PyBytes_FromStringAndSize(<char *>buf.data, <Py_ssize_t>buf.len)
         finally:
             kvb_buf_free(&buf)
-        kvb_events_clear(&self.p.events)
-        return out

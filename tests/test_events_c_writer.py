@@ -20,7 +20,7 @@ from helpers import KEY, compute
 
 import kvblocks
 from kvblocks import BlockManager, BlockPool, KVGroup
-from kvblocks.errors import InvalidArgumentError, InvalidStateError, InvalidTypeError
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 from kvblocks.events import AllBlocksCleared, BlockStored, coalesce, encode_batch
 
 decode = msgspec.msgpack.decode
@@ -43,8 +43,9 @@ def stored(payload):
 # -- extra keys ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("algo", ["siphash", "vllm_sha256_cbor_v030"])
 def test_salt_on_block_0_and_the_adapter_on_every_block(algo):
-    mgr = BlockManager(32, 4, hash_key=KEY if algo == "siphash" else None, hash_algo=algo,
-                       enable_kv_events=True)
+    mgr = BlockManager(
+        32, 4, hash_key=KEY if algo == "siphash" else None, hash_algo=algo, enable_kv_events=True
+    )
     mgr.add("a", list(range(13)), salt="t", lora_name="L", lora_id=7)
     compute(mgr, "a")
     (a1,) = stored(encode_batch(mgr.pool.take_events(), ts=0.0))  # the Python path
@@ -80,8 +81,7 @@ def test_the_salt_is_only_on_a_chains_first_block():
     """pool.cache with a parent continues a chain: its first block carries no salt."""
     pool = BlockPool(8, block_size=2, hash_key=KEY, enable_kv_events=True)
     h = kvblocks.hash_blocks([1, 2, 3, 4], 2, key=KEY)
-    pool.cache(pool.allocate(1), h[1:], parent=h[0], token_ids=[3, 4], salt="s",
-               lora_name="A")
+    pool.cache(pool.allocate(1), h[1:], parent=h[0], token_ids=[3, 4], salt="s", lora_name="A")
     (ev,) = pool.take_events()
     assert ev.extra_keys == [("A",)]
     assert ev.lora_id is None
@@ -218,7 +218,8 @@ def test_c_writer_matches_with_groups(seed):
 
     def check(mgrs):
         assert encode_batch(mgrs[1].pool, ts=0.5) == encode_batch(
-            mgrs[0].pool.take_events(), ts=0.5)
+            mgrs[0].pool.take_events(), ts=0.5
+        )
 
     drive(twins(groups=groups, num_blocks=40), rng, 40, check)
 
@@ -233,7 +234,8 @@ def test_manager_batch_is_device_then_host_events(seed):
         a, b = mgrs
         evs = a.pool.take_events() + a.host_pool.take_events()
         assert encode_batch(b, ts=1.0, data_parallel_rank=300) == encode_batch(
-            evs, ts=1.0, data_parallel_rank=300)
+            evs, ts=1.0, data_parallel_rank=300
+        )
 
     mgrs = twins(num_host_blocks=16, host_prefix_cache=True, num_blocks=16)
     drive(mgrs, rng, 60, check)
@@ -247,15 +249,46 @@ def test_wide_values_take_msgpack_s_wider_forms():
     bs = 20
     pool = BlockPool(64, block_size=bs, hash_key=KEY, enable_kv_events=True)
     rng = random.Random(5)
-    toks = [rng.choice([0, 127, 128, 255, 256, 65535, 65536, 2**31 - 1, -1, -32, -33, -128,
-                        -129, -32768, -32769, -(2**31)]) for _ in range(bs * 20)]
+    toks = [
+        rng.choice(
+            [
+                0,
+                127,
+                128,
+                255,
+                256,
+                65535,
+                65536,
+                2**31 - 1,
+                -1,
+                -32,
+                -33,
+                -128,
+                -129,
+                -32768,
+                -32769,
+                -(2**31),
+            ]
+        )
+        for _ in range(bs * 20)
+    ]
     h = kvblocks.hash_blocks(toks, bs, key=KEY)
     ids = pool.allocate(20)
-    pool.cache(ids[:18], h[:18], token_ids=toks[: 18 * bs], lora_name="x" * 40,
-               salt="s" * 300, lora_id=2**40)
+    pool.cache(
+        ids[:18],
+        h[:18],
+        token_ids=toks[: 18 * bs],
+        lora_name="x" * 40,
+        salt="s" * 300,
+        lora_id=2**40,
+    )
     for i in (18, 19):  # separate events: 19 events in all
-        pool.cache(ids[i : i + 1], h[i : i + 1], parent=h[i - 1] if i == 18 else 12345,
-                   token_ids=toks[i * bs : (i + 1) * bs])
+        pool.cache(
+            ids[i : i + 1],
+            h[i : i + 1],
+            parent=h[i - 1] if i == 18 else 12345,
+            token_ids=toks[i * bs : (i + 1) * bs],
+        )
     for k in range(17):
         pool.free(ids[k : k + 1])
     pool.free(ids[17:])
@@ -265,11 +298,21 @@ def test_wide_values_take_msgpack_s_wider_forms():
     c = pool.take_events_wire(ts=1e9, data_parallel_rank=70000)
     # replay the same calls on the twin for the Python path
     ids2 = twin.allocate(20)
-    twin.cache(ids2[:18], h[:18], token_ids=toks[: 18 * bs], lora_name="x" * 40,
-               salt="s" * 300, lora_id=2**40)
+    twin.cache(
+        ids2[:18],
+        h[:18],
+        token_ids=toks[: 18 * bs],
+        lora_name="x" * 40,
+        salt="s" * 300,
+        lora_id=2**40,
+    )
     for i in (18, 19):
-        twin.cache(ids2[i : i + 1], h[i : i + 1], parent=h[i - 1] if i == 18 else 12345,
-                   token_ids=toks[i * bs : (i + 1) * bs])
+        twin.cache(
+            ids2[i : i + 1],
+            h[i : i + 1],
+            parent=h[i - 1] if i == 18 else 12345,
+            token_ids=toks[i * bs : (i + 1) * bs],
+        )
     for k in range(17):
         twin.free(ids2[k : k + 1])
     twin.free(ids2[17:])
@@ -287,7 +330,8 @@ def test_empty_log_and_cleared():
     assert pool.take_events_wire(ts=1.5) == encode_batch([AllBlocksCleared()], ts=1.5)
     pool.reset_prefix_cache()
     assert pool.take_events_wire(ts=1.5, fmt="array") == encode_batch(
-        [AllBlocksCleared()], ts=1.5, fmt="array")
+        [AllBlocksCleared()], ts=1.5, fmt="array"
+    )
 
 
 @pytest.mark.parametrize(
@@ -314,20 +358,23 @@ def test_c_writer_bad_arguments_drain_nothing(kw, exc):
 
 def test_c_writer_refuses_a_stored_block_without_tokens_and_drains_nothing():
     """A block cached without token_ids while events were off, demoted to the host tier
-    once its events are on: the host's BlockStored has no tokens. Both paths refuse it; the
-    C writer leaves the log as it was."""
-    mgr = BlockManager(6, 4, hash_key=KEY, num_host_blocks=8, host_prefix_cache=True,
-                       enable_kv_events=False)
+    once events are on: the host's BlockStored has no tokens. Both paths refuse it; the C
+    writer drains neither log (the device's removal stays too)."""
+    mgr = BlockManager(
+        6, 4, hash_key=KEY, num_host_blocks=8, host_prefix_cache=True, enable_kv_events=True
+    )
+    mgr.pool.record_events = mgr.host_pool.record_events = False
     ids = mgr.pool.allocate(1)
     mgr.pool.cache(ids, kvblocks.hash_blocks(range(4), 4, key=KEY))  # no tokens kept
     mgr.pool.free(ids)
-    mgr.host_pool.record_events = True
+    mgr.pool.record_events = mgr.host_pool.record_events = True
     mgr.pool.free(mgr.pool.allocate(mgr.pool.num_free))  # evicts it: demoted to the host
     mgr.take_offloads()
     with pytest.raises(InvalidArgumentError, match="token_ids"):
-        encode_batch(mgr.host_pool, ts=0)
-    with pytest.raises(InvalidArgumentError, match="token_ids"):
         encode_batch(mgr, ts=0)
+    with pytest.raises(InvalidArgumentError, match="token_ids"):
+        encode_batch(mgr.host_pool, ts=0)
+    assert [type(e).__name__ for e in mgr.pool.take_events()] == ["BlockRemoved"]
     evs = mgr.host_pool.take_events()  # still there
     assert [type(e).__name__ for e in evs] == ["BlockStored"] and evs[0].token_ids == []
     with pytest.raises(InvalidArgumentError, match="token_ids"):
@@ -364,7 +411,8 @@ def test_cached_hashes_equal_what_a_router_applying_every_event_holds():
         full = pool.cached_hashes()
         assert full.shape == (pool.num_cached, 2) and full.dtype.name == "uint64"
         assert [kvblocks.hash_to_int(h) for h in full] == [
-            pool.block_hash(b) for b in range(pool.num_blocks) if pool.is_cached(b)]
+            pool.block_hash(b) for b in range(pool.num_blocks) if pool.is_cached(b)
+        ]
 
     drive(twins(num_blocks=20)[:1], rng, 80, check)
 

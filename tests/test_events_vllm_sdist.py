@@ -66,9 +66,21 @@ def _fetch(version: str) -> Optional[Path]:
     try:
         env = dict(os.environ, TMPDIR=str(work / "tmp"))
         (work / "tmp").mkdir()
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--no-build-isolation", "--no-clean", "-q", "-d", str(work / "dl"),
-               f"vllm=={version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--no-build-isolation",
+            "--no-clean",
+            "-q",
+            "-d",
+            str(work / "dl"),
+            f"vllm=={version}",
+        ]
         try:
             subprocess.run(cmd, env=env, capture_output=True, timeout=900)
         except (OSError, subprocess.TimeoutExpired):
@@ -100,10 +112,12 @@ def _fetch(version: str) -> Optional[Path]:
 def _defs(path: Path, names, ns):
     """Run the top-level definitions ``names`` of a source file in namespace ns."""
     tree = ast.parse(path.read_text())
-    body = [n for n in tree.body
-            if (isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names)
-            or (isinstance(n, ast.Assign) and any(getattr(t, "id", None) in names
-                                                   for t in n.targets))]
+    body = [
+        n
+        for n in tree.body
+        if (isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names)
+        or (isinstance(n, ast.Assign) and any(getattr(t, "id", None) in names for t in n.targets))
+    ]
     found = {getattr(n, "name", None) or n.targets[0].id for n in body}
     assert found == set(names), f"{path.name}: missing {set(names) - found}"
     exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), ns)
@@ -119,26 +133,59 @@ def vllm(request):
     mod = ModuleType(f"_vllm_{request.param.replace('.', '_')}_sdist")
     sys.modules[mod.__name__] = mod
     ns = mod.__dict__
-    ns.update({"msgspec": msgspec, "Any": Any, "List": List, "Optional": Optional,
-               "Union": Union, "ExternalBlockHash": Union[bytes, int]})
-    _defs(root / FILES[0], ["EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved",
-                            "AllBlocksCleared", "KVEventBatch"], ns)
-    ns.update({
-        "_gen_mm_extra_hash_keys": lambda req, s, e, i: ([], i),  # a text request
-        "_gen_prompt_embeds_extra_hash_keys": lambda req, s, e: [],
-        "Request": object, "Iterable": Any,
-    })
-    _defs(root / FILES[1], ["_gen_lora_extra_hash_keys", "generate_block_hash_extra_keys",
-                            "to_event_extra_keys"], ns)
+    ns.update(
+        {
+            "msgspec": msgspec,
+            "Any": Any,
+            "List": List,
+            "Optional": Optional,
+            "Union": Union,
+            "ExternalBlockHash": Union[bytes, int],
+        }
+    )
+    _defs(
+        root / FILES[0],
+        [
+            "EventBatch",
+            "KVCacheEvent",
+            "BlockStored",
+            "BlockRemoved",
+            "AllBlocksCleared",
+            "KVEventBatch",
+        ],
+        ns,
+    )
+    ns.update(
+        {
+            "_gen_mm_extra_hash_keys": lambda req, s, e, i: ([], i),  # a text request
+            "_gen_prompt_embeds_extra_hash_keys": lambda req, s, e: [],
+            "Request": object,
+            "Iterable": Any,
+        }
+    )
+    _defs(
+        root / FILES[1],
+        ["_gen_lora_extra_hash_keys", "generate_block_hash_extra_keys", "to_event_extra_keys"],
+        ns,
+    )
     return SimpleNamespace(version=request.param, **ns)
 
 
 def vllm_request(salt, lora):
-    lr = None if lora is None else SimpleNamespace(
-        lora_name=lora[0], name=lora[0], adapter_id=lora[1], lora_int_id=lora[1],
-        lora_path=f"/adapters/{lora[0]}")
-    return SimpleNamespace(cache_salt=salt, lora_request=lr, mm_features=[],
-                           prompt_embeds=None, session_id=None)
+    lr = (
+        None
+        if lora is None
+        else SimpleNamespace(
+            lora_name=lora[0],
+            name=lora[0],
+            adapter_id=lora[1],
+            lora_int_id=lora[1],
+            lora_path=f"/adapters/{lora[0]}",
+        )
+    )
+    return SimpleNamespace(
+        cache_salt=salt, lora_request=lr, mm_features=[], prompt_embeds=None, session_id=None
+    )
 
 
 CASES = {
@@ -171,8 +218,7 @@ def test_bytes_equal_vllms_own_structs(vllm, case, path):
 
     # vLLM: the request's extra keys per block, its hashes, its events
     req = vllm_request(salt, lora)
-    keys = [vllm.generate_block_hash_extra_keys(req, i * bs, (i + 1) * bs, 0)[0]
-            for i in range(5)]
+    keys = [vllm.generate_block_hash_extra_keys(req, i * bs, (i + 1) * bs, 0)[0] for i in range(5)]
     if lora is None:
         hash_keys = keys  # >= 0.31: tagged, what vllm_sha256_cbor hashes
     else:  # <= 0.30: untagged (lora_name, salt), what vllm_sha256_cbor_v030 hashes
@@ -182,11 +228,18 @@ def test_bytes_equal_vllms_own_structs(vllm, case, path):
 
     def stored(lo, hi, parent):
         ev = vllm.BlockStored(
-            block_hashes=wire[lo:hi], parent_block_hash=parent, token_ids=toks[lo * bs : hi * bs],
-            block_size=bs, lora_id=lora[1] if lora else None, medium="GPU",
+            block_hashes=wire[lo:hi],
+            parent_block_hash=parent,
+            token_ids=toks[lo * bs : hi * bs],
+            block_size=bs,
+            lora_id=lora[1] if lora else None,
+            medium="GPU",
             lora_name=lora[0] if lora else None,
-            extra_keys=vllm.to_event_extra_keys(keys[lo:hi]), group_idx=0, session_id=None,
-            lookahead_token_ids=None)
+            extra_keys=vllm.to_event_extra_keys(keys[lo:hi]),
+            group_idx=0,
+            session_id=None,
+            lookahead_token_ids=None,
+        )
         ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window = "full_attention", None
         return vllm.KVEventBatch(ts=1.25, events=[ev], data_parallel_rank=0)
 
@@ -197,7 +250,9 @@ def test_bytes_equal_vllms_own_structs(vllm, case, path):
     dec = msgspec.msgpack.Decoder(vllm.KVEventBatch)
     ev = dec.decode(ours[0]).events[0]
     if salt:
-        assert ev.extra_keys[0][-1] == salt and all(salt not in (k or ()) for k in ev.extra_keys[1:])
+        assert ev.extra_keys[0][-1] == salt and all(
+            salt not in (k or ()) for k in ev.extra_keys[1:]
+        )
     if lora:
         assert all(k[0] == lora[0] for k in ev.extra_keys) and ev.lora_id == lora[1]
     if case == "neither":

@@ -250,49 +250,15 @@ def encode_batch(
     """
     from .. import _core
 
-    if isinstance(events, _core.BlockPool):
+    if isinstance(events, (_core.BlockPool, _core.BlockManager)):
         return events.take_events_wire(
             ts=ts, data_parallel_rank=data_parallel_rank, fmt=fmt, hash_int=hash_int
         )
-    if isinstance(events, _core.BlockManager):
-        kw = dict(ts=ts, data_parallel_rank=data_parallel_rank, fmt=fmt, hash_int=hash_int)
-        host = events.host_pool
-        if host is None:
-            return events.pool.take_events_wire(**kw)
-        # validate once (both pools take the same arguments), then drain both
-        dev = events.pool.take_events_wire(**kw)
-        return _splice(dev, host.take_events_wire(**kw), data_parallel_rank)
     batch = _batch(events, ts, data_parallel_rank, fmt, hash_int)
     try:
         return _encoder.encode(batch)
     except TypeError as exc:  # a value msgpack cannot carry (in extra_keys)
         raise InvalidTypeError(f"encode_batch: {exc}") from None
-
-
-def _events_span(b: bytes, dp: Optional[int]) -> Tuple[int, int, int]:
-    """(count, start, end) of the events in an encoded batch ``93 cb <ts> <events> <dp>``."""
-    h = b[10]
-    if h & 0xF0 == 0x90:
-        n, start = h & 0x0F, 11
-    elif h == 0xDC:
-        n, start = int.from_bytes(b[11:13], "big"), 13
-    else:  # 0xdd
-        n, start = int.from_bytes(b[11:15], "big"), 15
-    # the rank: nil or a positive fixint (1 byte), else cc / cd / ce / cf and 1 / 2 / 4 / 8
-    size = 1 if dp is None or dp < 128 else next(1 + k for k in (1, 2, 4, 8) if dp < 1 << 8 * k)
-    return n, start, len(b) - size
-
-
-def _splice(a: bytes, b: bytes, dp: Optional[int]) -> bytes:
-    """One batch of a's events then b's (same ts and rank dp)."""
-    na, sa, ea = _events_span(a, dp)
-    nb, sb, eb = _events_span(b, dp)
-    if nb == 0:
-        return a
-    n = na + nb
-    hdr = bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16
-                                            else b"\xdd" + n.to_bytes(4, "big"))
-    return a[:10] + hdr + a[sa:ea] + b[sb:eb] + a[ea:]
 
 
 def _batch(events, ts, dp, fmt, hash_int) -> _Batch:
