@@ -1267,8 +1267,10 @@ cdef tuple _events_span(bytes b, object dp):
     else:  # 0xdd
         n, start = int.from_bytes(b[11:15], "big"), 15
     # the rank: nil or a positive fixint (1 byte), else cc / cd / ce / cf and 1 / 2 / 4 / 8
-    size = 1 if dp is None or dp < 128 else (2 if dp < 1 << 8 else 3 if dp < 1 << 16 else
-                                              5 if dp < 1 << 32 else 9)
+    if dp is None or dp < 128:
+        size = 1
+    else:
+        size = 2 if dp < 1 << 8 else 3 if dp < 1 << 16 else 5 if dp < 1 << 32 else 9
     return n, start, len(b) - size
 
 
