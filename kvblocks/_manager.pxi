@@ -1082,14 +1082,20 @@ cdef class BlockManager:
         """Drain both pools' KV events into one vLLM msgpack ``KVEventBatch``: the device
         pool's events, then the host pool's (``pool.take_events_wire``; docs/host-tier.md,
         "Events"). All or nothing: if either log holds an event that cannot go out, it
-        raises and neither log is drained."""
-        cdef bytes dev = self.pool._wire_bytes(ts, data_parallel_rank, fmt, hash_int)
-        if self.host_pool is None:
+        raises and neither log is drained. Atomic with respect to the manager's other calls
+        (no event recorded by another thread between the encoding and the drain is lost)."""
+        cdef bytes dev, host
+        self._enter()
+        try:
+            dev = self.pool._wire_bytes(ts, data_parallel_rank, fmt, hash_int)
+            if self.host_pool is None:
+                kvb_events_clear(&self.pool.p.events)
+                return dev
+            host = self.host_pool._wire_bytes(ts, data_parallel_rank, fmt, hash_int)
             kvb_events_clear(&self.pool.p.events)
-            return dev
-        cdef bytes host = self.host_pool._wire_bytes(ts, data_parallel_rank, fmt, hash_int)
-        kvb_events_clear(&self.pool.p.events)
-        kvb_events_clear(&self.host_pool.p.events)
+            kvb_events_clear(&self.host_pool.p.events)
+        finally:
+            self._leave()
         return _splice_batches(dev, host, data_parallel_rank)
 
     def check(self):
