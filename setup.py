@@ -28,6 +28,7 @@ C_SOURCES = [
     "csrc/sha256.c",
     "csrc/chain.c",
     "csrc/events.c",
+    "csrc/wire.c",
     "csrc/pool.c",
     "csrc/cache.c",
     "csrc/debug.c",

@@ -8,6 +8,9 @@
   its msgspec ``BlockStored`` (declared here as vLLM 0.34 declares it), then encode the batch
   with msgspec. kvblocks' side starts from the events ``take_events()`` returns. A lower
   bound is also timed: the structs built from already folded ints, then encoded.
+- drain (issue 24): take_events + encode of 1,000 stored events from a pool's log, the C
+  writer (``encode_batch(pool)``) and the Python path, p50/p99 per batch and the ratio to
+  msgspec encoding vLLM's own structs for the same events, prebuilt (its encode step alone).
 - publish: ``ZmqEventPublisher.publish`` of one small batch, on the calling (engine) thread,
   per call, while the background thread sends.
 
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import measure, save, table  # noqa: E402
 
+from kvblocks import BlockPool  # noqa: E402
 from kvblocks.events import BlockStored, ZmqEventPublisher, encode_batch  # noqa: E402
 
 
@@ -135,6 +139,92 @@ def bench_encode(rows, repeats, n=1000, bs=16):
         )
 
 
+def bench_drain(rows, repeats, n=1000, bs=16):
+    """take_events + encode of a pool's 1,000 stored events (issue 24, finding 7): the C
+    writer (``encode_batch(pool)``) and the Python path (``encode_batch(pool.take_events())``),
+    each timed from a full log (refilled untimed before each sample), against msgspec
+    encoding vLLM's own structs for the same events, built beforehand (the floor of any
+    Python publisher: vLLM's encode step alone). Requests carry a salt and an adapter on a
+    third of the events, so extra keys are on the wire."""
+    for nb in (1, 8):
+        rng = random.Random(nb)
+        pool = BlockPool(
+            n * nb + 2, block_size=bs, hash_key=b"0123456789abcdef", enable_kv_events=True
+        )
+        work = []
+        for i in range(n):
+            h = np.array(
+                [[rng.getrandbits(64), rng.getrandbits(64)] for _ in range(nb)], dtype=np.uint64
+            )
+            kw = {"salt": "tenant-a", "lora_name": "alice", "lora_id": 1} if i % 3 == 0 else {}
+            work.append(
+                (h, rng.getrandbits(127) | 1, [rng.randrange(128000) for _ in range(nb * bs)], kw)
+            )
+        held = [pool.allocate(n * nb)]
+
+        def fill():
+            pool.free(held[0])
+            pool.reset_prefix_cache()
+            pool.take_events()
+            ids = held[0] = pool.allocate(n * nb)
+            for i, (h, par, t, kw) in enumerate(work):
+                pool.cache(ids[i * nb : (i + 1) * nb], h, parent=par, token_ids=t, **kw)
+
+        fill()
+        events = pool.take_events()
+        assert len(events) == n
+        m = (1 << 64) - 1
+        prebuilt = VBatch(
+            1.0,
+            [
+                VBlockStored(
+                    [x & m for x in e.block_hashes],
+                    e.parent_block_hash & m,
+                    e.token_ids,
+                    bs,
+                    e.lora_id,
+                    "GPU",
+                    e.lora_name,
+                    e.extra_keys or [None] * nb,
+                    0,
+                    "full_attention",
+                )
+                for e in events
+            ],
+            0,
+        )
+        enc = msgspec.msgpack.Encoder()
+        want = enc.encode(prebuilt)
+        fill()
+        assert encode_batch(pool, ts=1.0) == want
+        fill()
+        assert encode_batch(pool.take_events(), ts=1.0) == want
+        c = measure(lambda: encode_batch(pool, ts=1.0), inner=1, repeats=repeats, setup=fill)
+        py = measure(
+            lambda: encode_batch(pool.take_events(), ts=1.0),
+            inner=1,
+            repeats=max(repeats // 4, 10),
+            setup=fill,
+        )
+        v = measure(lambda: enc.encode(prebuilt), inner=1, repeats=repeats)
+        for name, r in (
+            ("C writer: encode_batch(pool)", c),
+            ("Python: encode_batch(pool.take_events())", py),
+        ):
+            rows.append(
+                {
+                    "op": f"drain {n} stored, {nb} x {bs}-token block(s): {name}",
+                    "p50_ns": r["p50_ns"] / n,
+                    "p99_ns": r["p99_ns"] / n,
+                    "batch_p50_us": r["p50_ns"] / 1e3,
+                    "batch_p99_us": r["p99_ns"] / 1e3,
+                    "msgspec_prebuilt_p50_us": v["p50_ns"] / 1e3,
+                    "msgspec_prebuilt_p99_us": v["p99_ns"] / 1e3,
+                    "ratio_vs_msgspec_prebuilt": r["p50_ns"] / v["p50_ns"],
+                }
+            )
+
+
 def bench_publish(rows, calls):
     events = [BlockStored([1, 2, 3], None, list(range(48)), 16)]
     with ZmqEventPublisher("tcp://127.0.0.1:0", bind=True, max_queue_size=1 << 20) as pub:
@@ -163,6 +253,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows: list = []
     bench_encode(rows, 50 if args.quick else 300)
+    drain: list = []
+    bench_drain(drain, 30 if args.quick else 200)
     bench_publish(rows, 2000 if args.quick else 20000)
     print(
         table(
@@ -179,7 +271,20 @@ def main(argv=None) -> int:
             ],
         )
     )
-    print(f"wrote {save('bench_events', rows)}")
+    print(
+        table(
+            drain,
+            [
+                "op",
+                "batch_p50_us",
+                "batch_p99_us",
+                "msgspec_prebuilt_p50_us",
+                "msgspec_prebuilt_p99_us",
+                "ratio_vs_msgspec_prebuilt",
+            ],
+        )
+    )
+    print(f"wrote {save('bench_events', rows + drain)}")
     return 0
 
 

@@ -292,6 +292,54 @@ void kvb_events_reattach(kvb_events_t *ev, kvb_events_t *snap);
 int kvb_events_merge(const kvb_events_t *a, const kvb_events_t *b, kvb_events_t *out,
                      uint8_t *src);
 
+/* ---- the log on the wire (wire.c) ------------------------------------------------------- */
+enum { KVB_WIRE_MAP = 0, KVB_WIRE_ARRAY = 1 };
+
+typedef struct {               /* what the stored blocks of one event tag carry */
+    const uint8_t *lora_name;  /* UTF-8 adapter name, NULL: none (lora_name nil) */
+    int32_t lora_name_len;     /* its bytes */
+    int32_t has_lora_id;       /* lora_id is an int (else nil) */
+    int64_t lora_id;           /* vLLM's adapter int id */
+    const uint8_t *salt;       /* cache salt, an extra key of a chain's first block; NULL: none */
+    int32_t salt_len;          /* its bytes */
+    int32_t salt_bin;          /* 1: msgpack bin (a bytes salt), 0: str */
+} kvb_wire_tag_t;
+
+typedef struct {               /* what the events of one KV cache group carry */
+    const uint8_t *kind;       /* kv_cache_spec_kind (UTF-8), NULL: none (omitted in map form) */
+    int32_t kind_len;          /* its bytes */
+    int32_t has_window;        /* kv_cache_spec_sliding_window is an int (else omitted / nil) */
+    int64_t window;            /* tokens */
+} kvb_wire_group_t;
+
+typedef struct kvb_wire_opts { /* one batch's settings */
+    int32_t fmt;               /* KVB_WIRE_MAP (vLLM >= 0.24) or KVB_WIRE_ARRAY (0.22/0.23) */
+    int32_t hash_signed;       /* hashes as int64 (else uint64, vLLM's) */
+    double ts;                 /* seconds, the batch's float64 */
+    int32_t has_dp;            /* data_parallel_rank is an int (else nil) */
+    int64_t dp;                /* the rank */
+    const uint8_t *medium;     /* medium of every event (UTF-8), NULL: nil */
+    int32_t medium_len;        /* its bytes */
+    const kvb_wire_tag_t *tags; /* [ntags] by event tag (tag 0: no adapter, no salt) */
+    int32_t ntags;
+    const kvb_wire_group_t *groups; /* [ngroups] by group index */
+    int32_t ngroups;
+    const uint8_t *src;        /* [ev->n] a merged log's source of each record (kvb_events_merge):
+                                * 1 takes medium, tags and groups from `alt`; NULL: all 0 */
+    const struct kvb_wire_opts *alt; /* settings of records of source 1 (fmt, hash_signed, ts
+                                * and the rank are this struct's) */
+} kvb_wire_opts_t;
+
+typedef struct { uint8_t *data; size_t len, cap; } kvb_buf_t; /* bytes written, capacity */
+
+/* Write ev as vLLM's msgpack KVEventBatch into out (grown as needed; the caller frees it with
+ * kvb_buf_free), grouped as take_events groups it. The log is only read. KVB_EINVAL when a
+ * stored event has no tokens or a tag / group outside the tables (*bad: its index), else
+ * KVB_ENOMEM or 0. */
+int kvb_events_encode(const kvb_events_t *ev, const kvb_wire_opts_t *w, kvb_buf_t *out,
+                      int64_t *bad);
+void kvb_buf_free(kvb_buf_t *b);
+
 /* ---- manager (table.c) ------------------------------------------------------------------ */
 typedef struct {               /* per-sequence hash chain state beside hashes[] (chain.c) */
     kvb_digest_t start;        /* block 0's parent (start.h == root) */

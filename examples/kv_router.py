@@ -14,6 +14,14 @@ builds a prefix index the way llm-d's indexer and Dynamo's radix tree do:
 * a request goes to the replica holding the longest run of its leading blocks (ties: the
   replica that has served the fewest requests).
 
+It follows the replay/gap protocol of a late or lagging subscriber (docs/cluster.md): it
+tracks the last sequence number applied per replica, ignores a batch it already applied,
+and when a batch arrives past a gap, or an expected batch does not arrive (ZeroMQ drops what
+a PUB sends before a subscription reaches it), it asks that replica's replay socket for every
+batch from the first one missing, then goes on with the live stream. It never asks an engine
+to publish anything: in particular no ``AllBlocksCleared``, which would tell every router
+that a live engine's cache is empty.
+
 The requests are the built-in conversation workload (multi-turn chats under shared system
 prompts, documents, questions), served one at a time: prefill, the reply appended, free.
 The report compares the prefix-cache hit rate under KV-aware routing with round-robin.
@@ -41,7 +49,8 @@ import numpy as np
 import zmq
 
 from kvblocks import BlockManager
-from kvblocks.events import AllBlocksCleared, ZmqEventPublisher
+from kvblocks.events import ZmqEventPublisher
+from kvblocks.events.zmq import END_SEQ
 from kvblocks.sim.tokens import stream
 from kvblocks.sim.workload import builtin_workload
 
@@ -58,6 +67,7 @@ class Replica:
         self.pub = ZmqEventPublisher(
             "tcp://127.0.0.1:0",
             bind=True,
+            replay_endpoint="tcp://127.0.0.1:0",
             context=ctx,
             topic=f"kv@127.0.0.{index + 1}:8000@{MODEL}",
         )
@@ -92,6 +102,13 @@ class Router:
         self.by_topic = {r.topic: r.index for r in replicas}
         for r in replicas:
             self.sub.connect(r.pub.endpoint)
+        self.replay = []  # one DEALER per replica, on its replay socket
+        for r in replicas:
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(r.pub.replay_endpoint)
+            self.replay.append(d)
+        self.replayed = 0  # batches recovered through replay
         self.key_of: List[Dict[int, bytes]] = [dict() for _ in replicas]  # engine hash -> key
         self.holders: Dict[bytes, Set[int]] = defaultdict(set)  # key -> replicas
         self.seen: List[int] = [-1] * len(replicas)  # last seq per replica
@@ -134,22 +151,53 @@ class Router:
                     self.holders[k].discard(r)
                 keys.clear()
 
+    def deliver(self, r: int, seq: int, payload: bytes) -> None:
+        """Apply batch ``seq`` of replica r exactly once and in order: a duplicate (already
+        applied, e.g. live after replay) is ignored; a gap is filled from replay first."""
+        if seq <= self.seen[r]:
+            return
+        if seq > self.seen[r] + 1:
+            self.fill(r)
+            if seq <= self.seen[r]:
+                return
+            # batches the replay buffer no longer holds are lost: a real router would
+            # drop this replica's entries (and rebuild them from later events)
+        self.seen[r] = seq
+        self.apply(r, payload)
+
+    def fill(self, r: int, timeout_ms: int = 5000) -> None:
+        """Ask replica r's replay socket for every kept batch after the last one applied."""
+        d = self.replay[r]
+        d.send_multipart([b"", (self.seen[r] + 1).to_bytes(8, "big")])
+        while True:
+            if not d.poll(timeout_ms):
+                raise TimeoutError(f"replica {r}: no replay answer")
+            _, _topic, seq, payload = d.recv_multipart()  # vLLM >= 0.26 layout
+            if seq == END_SEQ:
+                return
+            n = int.from_bytes(seq, "big")
+            if n > self.seen[r]:
+                self.seen[r] = n
+                self.replayed += 1
+                self.apply(r, payload)
+
     def poll(self, timeout_ms: int) -> bool:
-        """Apply one message if one arrives within ``timeout_ms``."""
+        """Deliver one live message if one arrives within ``timeout_ms``."""
         if not self.sub.poll(timeout_ms):
             return False
         topic, seq, payload = self.sub.recv_multipart()
-        r = self.by_topic[topic]
-        self.seen[r] = int.from_bytes(seq, "big")
-        self.apply(r, payload)
+        self.deliver(self.by_topic[topic], int.from_bytes(seq, "big"), payload)
         return True
 
     def catch_up(self, r: int, seq: Optional[int], timeout_s: float = 5.0) -> None:
+        """Wait until batch ``seq`` of replica r is applied; if the live stream stays silent
+        (the batch was sent before the subscription took), fetch it from replay."""
         deadline = time.monotonic() + timeout_s
         while seq is not None and self.seen[r] < seq:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replica {r}: batch {seq} never arrived")
-            self.poll(50)
+            if not self.poll(50):
+                self.fill(r)
 
     def route(self, prompt, served: List[int]) -> int:
         """The replica holding the longest run of the prompt's leading blocks."""
@@ -168,26 +216,11 @@ class Router:
         return max(best, key=lambda r: (best[r], -served[r], -r))
 
 
-def wait_subscribed(router: Router, replicas: List[Replica]) -> None:
-    """ZeroMQ drops what a PUB sends before a subscription reaches it: send markers
-    (AllBlocksCleared, harmless on empty caches) until the router hears every replica."""
-    deadline = time.monotonic() + 10
-    while min(router.seen) < 0:
-        if time.monotonic() > deadline:
-            raise TimeoutError("the router never heard every replica")
-        for r in replicas:
-            if router.seen[r.index] < 0:
-                r.pub.publish([AllBlocksCleared()])
-        while router.poll(20):
-            pass
-
-
 def run(policy: str, args, workload) -> Dict[str, float]:
     ctx = zmq.Context()
     replicas = [Replica(i, args.num_blocks, args.block_size, ctx) for i in range(args.replicas)]
     router = Router(replicas, args.block_size, ctx)
     try:
-        wait_subscribed(router, replicas)
         t0 = time.perf_counter()
         for n, req in enumerate(workload):
             prompt = workload.prompt_tokens(req)
@@ -205,12 +238,15 @@ def run(policy: str, args, workload) -> Dict[str, float]:
             "hit_rate": hit / total,
             "events": router.events,
             "skipped": router.skipped,
+            "replayed": router.replayed,
             "batches": sum(x.pub.sent for x in replicas),
             "seconds": elapsed,
             "served": [x.served for x in replicas],
         }
     finally:
         router.sub.close()
+        for d in router.replay:
+            d.close()
         for x in replicas:
             x.pub.close()
         ctx.term()

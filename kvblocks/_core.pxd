@@ -138,6 +138,37 @@ cdef extern from "kvblocks.h" nogil:
     int kvb_events_merge(const kvb_events_t *a, const kvb_events_t *b, kvb_events_t *out,
                          uint8_t *src)
 
+    enum: KVB_WIRE_MAP, KVB_WIRE_ARRAY
+    ctypedef struct kvb_wire_tag_t:
+        const uint8_t *lora_name
+        int32_t lora_name_len, has_lora_id
+        int64_t lora_id
+        const uint8_t *salt
+        int32_t salt_len, salt_bin
+    ctypedef struct kvb_wire_group_t:
+        const uint8_t *kind
+        int32_t kind_len, has_window
+        int64_t window
+    ctypedef struct kvb_wire_opts_t:
+        int32_t fmt, hash_signed
+        double ts
+        int32_t has_dp
+        int64_t dp
+        const uint8_t *medium
+        int32_t medium_len
+        const kvb_wire_tag_t *tags
+        int32_t ntags
+        const kvb_wire_group_t *groups
+        int32_t ngroups
+        const uint8_t *src
+        const kvb_wire_opts_t *alt
+    ctypedef struct kvb_buf_t:
+        uint8_t *data
+        size_t len, cap
+    int kvb_events_encode(const kvb_events_t *ev, const kvb_wire_opts_t *w, kvb_buf_t *out,
+                          int64_t *bad)
+    void kvb_buf_free(kvb_buf_t *b)
+
     ctypedef struct kvb_chain_t:
         int32_t tag
 
@@ -280,13 +311,20 @@ cdef class BlockPool:
     cdef list _build_events(self, kvb_events_t *ev, const uint8_t *src=*, list media=*)
     cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,
                               bint has, int64_t ntok, str medium)
+    cdef object _extra_keys(self, int32_t tag, bint first)
+    cdef bytes _wire_bytes(self, ts, data_parallel_rank, fmt, hash_int)
+    cdef int _wire_opts(self, kvb_wire_opts_t *w, kvb_wire_group_t *gt, list keep, ts,
+                        data_parallel_rank, fmt, hash_int) except -1
     cdef bint _initialized
     cdef int32_t _algo
     cdef str _seed
     cdef bytes _none_hash
-    cdef list _lora_names
-    cdef dict _lora_tags
-    cdef int32_t _lora_tag(self, object name) except -1
+    cdef list _tag_ctx        # [tag] (lora_name, lora_id, salt) the events of a tag carry
+    cdef dict _tags           # (lora_name, lora_id, salt) -> tag
+    cdef list _wire_keep      # the bytes _wire_tags points into
+    cdef kvb_wire_tag_t *_wire_tags  # [len(_tag_ctx)] the same, for the C writer
+    cdef int32_t _wire_cap
+    cdef int32_t _event_tag(self, object lora_name, object lora_id, object salt) except -1
     cdef str _medium
 
 

@@ -93,7 +93,10 @@ class BlockPool:
     def cache(self, ids: IntArray, hashes: npt.NDArray[np.uint64], *,
               parent: Union[int, npt.NDArray[np.uint64], None] = ...,
               token_ids: Optional[IntArray] = ..., lora_name: Optional[str] = ...,
+              lora_id: Optional[int] = ..., salt: Salt = ...,
               group: int = ...) -> int: ...
+    def cached_hashes(self, *, group: Optional[int] = ...,
+                      wire: bool = ...) -> npt.NDArray[np.uint64]: ...
     def lookup(self, hashes: npt.NDArray[np.uint64], *,
                group: int = ...) -> npt.NDArray[np.int32]: ...
     def lookup_and_pin(self, hashes: npt.NDArray[np.uint64], *,
@@ -102,6 +105,8 @@ class BlockPool:
     @property
     def stats(self) -> CacheStats: ...
     def take_events(self) -> List[Union[BlockStored, BlockRemoved, AllBlocksCleared]]: ...
+    def take_events_wire(self, *, ts: float, data_parallel_rank: Optional[int] = ...,
+                         fmt: str = ..., hash_int: str = ...) -> bytes: ...
 
 class SeqBatch:
     seq_ids: tuple
@@ -112,6 +117,8 @@ SeqIds = Union[Sequence[SeqId], SeqBatch, Iterable[SeqId]]
 class BlockManager:
     pool: BlockPool
     host_pool: Optional[BlockPool]
+    def take_events_wire(self, *, ts: float, data_parallel_rank: Optional[int] = ...,
+                         fmt: str = ..., hash_int: str = ...) -> bytes: ...
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = ...,
                  watermark: float = ..., num_host_blocks: int = ..., hash_key: HashKey = ...,
                  enable_kv_events: bool = ...,
@@ -149,7 +156,7 @@ class BlockManager:
                             *, draft_lens: Optional[IntArray] = ...,
                             forks: Optional[IntArray] = ..., watermark: bool = ...) -> int: ...
     def add(self, seq_id: SeqId, token_ids: IntArray, *, salt: Salt = ...,
-            lora_name: Optional[str] = ...,
+            lora_name: Optional[str] = ..., lora_id: Optional[int] = ...,
             recompute: bool = ...) -> int: ...
     def append(self, seq_id: SeqId, token_ids: IntArray, *, computed: bool = ...) -> None: ...
     def append_batch(self, seq_ids: SeqIds, token_ids: IntArray) -> None: ...

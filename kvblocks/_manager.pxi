@@ -556,7 +556,8 @@ cdef class BlockManager:
         return self.pool.p.num_free
 
     # -- sequence lifecycle -------------------------------------------------------------------
-    def add(self, seq_id, token_ids, *, salt=None, lora_name=None, bint recompute=False):
+    def add(self, seq_id, token_ids, *, salt=None, lora_name=None, lora_id=None,
+            bint recompute=False):
         """Allocate a block table for a prompt; reuse cached full blocks.
 
         Returns how many prompt tokens are already in the cache (and computed): a multiple
@@ -565,14 +566,16 @@ cdef class BlockManager:
         blocks enter the prefix cache. ``salt`` (str or bytes: tenant, LoRA adapter, ...)
         isolates the cache: different salts never share. ``lora_name`` names the LoRA adapter
         the sequence runs with: it isolates like a salt (in the vLLM modes as vLLM's LoRA
-        extra key) and the KV events of its blocks carry it. ``recompute=True`` marks the
+        extra key) and the KV events of its blocks carry it, with ``lora_id`` (vLLM's adapter
+        int id; needs ``lora_name``) and the salt (vLLM's event extra keys: the adapter name on
+        every block, the salt on block 0). ``recompute=True`` marks the
         re-admission of a sequence preempted by ``free``: its hits (often its own blocks)
         are counted in ``stats.recompute_hit_tokens``, not as prefix reuse.
         """
         seq_id = norm_id(seq_id)
         cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
         cdef bytes s = chain_context(self.m.hash_algo, salt, lora_name)
-        cdef int32_t tag = self.pool._lora_tag(as_lora(lora_name))
+        cdef int32_t tag = self.pool._event_tag(as_lora(lora_name), lora_id, salt)
         cdef int32_t slot, j
         cdef int64_t cached
         cdef Py_ssize_t n = cnp.PyArray_DIM(toks, 0)
@@ -1259,6 +1262,46 @@ cdef class BlockManager:
         rc = kvb_debug_corrupt(self.gp[g], _DEBUG_CORRUPTIONS[what], slot)
         if rc:
             raise InvalidStateError(f"_debug_corrupt: nothing to corrupt as {what!r} here")
+
+    def take_events_wire(self, *, ts, data_parallel_rank=0, fmt="map", hash_int="unsigned"):
+        """Drain both pools' KV events into one vLLM msgpack ``KVEventBatch``, in the order
+        they were recorded (the events of ``take_events``, written in C;
+        ``pool.take_events_wire`` has the arguments). All or nothing: if either log holds an
+        event that cannot go out, it raises and neither log is drained. Atomic with respect
+        to the manager's other calls (no event recorded by another thread between the
+        encoding and the drain is lost)."""
+        cdef kvb_tier_t *t = self.pool.p.tier
+        cdef kvb_wire_opts_t wd, wh
+        cdef kvb_wire_group_t gd[256]
+        cdef kvb_wire_group_t gh[256]
+        cdef kvb_events_t merged
+        cdef list keep = []
+        cdef bytes out
+        self._enter()
+        try:
+            if t is NULL:  # the host pool of swapping records no events
+                out = self.pool._wire_bytes(ts, data_parallel_rank, fmt, hash_int)
+                kvb_events_clear(&self.pool.p.events)
+                return out
+            kvb_tier_flush(t)  # evictions since: their host entries are stored now
+            self.pool._wire_opts(&wd, gd, keep, ts, data_parallel_rank, fmt, hash_int)
+            self.host_pool._wire_opts(&wh, gh, keep, ts, data_parallel_rank, fmt, hash_int)
+            src = np.empty(self.pool.p.events.n + self.host_pool.p.events.n, dtype=np.uint8)
+            memset(&merged, 0, sizeof(merged))
+            try:
+                if kvb_events_merge(&self.pool.p.events, &self.host_pool.p.events, &merged,
+                                    <uint8_t *>cnp.PyArray_DATA(<cnp.ndarray>src)):
+                    raise MemoryError("take_events_wire: out of memory merging the event logs")
+                wd.src = <const uint8_t *>cnp.PyArray_DATA(<cnp.ndarray>src)
+                wd.alt = &wh
+                out = _encode_log(&merged, &wd)
+            finally:
+                kvb_events_destroy(&merged)
+            kvb_events_clear(&self.pool.p.events)
+            kvb_events_clear(&self.host_pool.p.events)
+            return out
+        finally:
+            self._leave()
 
     def check(self):
         """Verify the pool, the host pool, every block table and the pending copies (ref

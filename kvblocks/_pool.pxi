@@ -76,8 +76,13 @@ cdef class BlockPool:
                                        f"{hash_algo!r}")
         self._seed = effective_seed(self._algo, hash_seed)
         self._none_hash = none_hash_of(self._algo, self._seed)
-        self._lora_names = [None]
-        self._lora_tags = {}
+        self._tag_ctx = [(None, None, None)]
+        self._tags = {}
+        self._wire_keep = []
+        self._wire_cap = 16
+        self._wire_tags = <kvb_wire_tag_t *>calloc(self._wire_cap, sizeof(kvb_wire_tag_t))
+        if self._wire_tags is NULL:
+            raise MemoryError()
         self._key = as_key(hash_key)
         self._block_size = (None if block_size is None else
                             as_int(block_size, "block_size", 1, INT32_MAX))
@@ -91,6 +96,7 @@ cdef class BlockPool:
     def __dealloc__(self):
         if self._initialized:
             kvb_pool_destroy(&self.p)
+        free(self._wire_tags)
 
     def __reduce__(self):
         raise TypeError("BlockPool cannot be pickled")
@@ -182,18 +188,58 @@ cdef class BlockPool:
                            algo=HASH_ALGOS[self._algo], seed=self._seed,
                            lora_name=lora_name, digests=digests)
 
-    cdef int32_t _lora_tag(self, object name) except -1:
-        """The event tag of an adapter name (0: None), registered on first use."""
-        if name is None:
+    cdef int32_t _event_tag(self, object lora_name, object lora_id, object salt) except -1:
+        """The event tag of what a request's stored blocks carry (0: no adapter, no salt),
+        registered on first use: the adapter's name and int id, and the cache salt (vLLM's
+        extra key of a chain's first block; an empty salt is none, as in vLLM). One entry per
+        distinct (adapter, id, salt) seen, kept for the pool's life."""
+        if lora_id is not None:
+            lora_id = as_int(lora_id, "lora_id", 0, INT64_MAX)
+            if lora_name is None:
+                raise InvalidArgumentError("lora_id needs lora_name (vLLM's adapter has both)")
+        if salt is not None:
+            if isinstance(salt, (bytearray, memoryview)):
+                salt = bytes(salt)
+            elif not isinstance(salt, (str, bytes)):
+                raise InvalidTypeError(f"salt must be str or bytes, got {type(salt).__name__}")
+            if not salt:
+                salt = None
+        if lora_name is None and salt is None:
             return 0
-        cdef object t = self._lora_tags.get(name)
-        if t is None:
-            if len(self._lora_names) >= INT32_MAX:
-                raise InvalidArgumentError("too many distinct LoRA adapter names")
-            t = len(self._lora_names)
-            self._lora_names.append(name)
-            self._lora_tags[name] = t
-        return <int32_t>t
+        cdef tuple k = (lora_name, lora_id, salt)
+        cdef object t = self._tags.get(k)
+        if t is not None:
+            return <int32_t>t
+        if len(self._tag_ctx) >= INT32_MAX:
+            raise InvalidArgumentError("too many distinct (LoRA adapter, salt) pairs")
+        cdef int32_t n = <int32_t>len(self._tag_ctx)
+        cdef kvb_wire_tag_t *grown
+        if n >= self._wire_cap:
+            grown = <kvb_wire_tag_t *>realloc(self._wire_tags,
+                                              2 * self._wire_cap * sizeof(kvb_wire_tag_t))
+            if grown is NULL:
+                raise MemoryError()
+            self._wire_tags = grown
+            self._wire_cap *= 2
+        cdef bytes ln = lora_name.encode() if lora_name is not None else None
+        cdef bytes sb = (salt.encode() if isinstance(salt, str) else salt) if salt is not None \
+            else None
+        cdef kvb_wire_tag_t *w = &self._wire_tags[n]
+        memset(w, 0, sizeof(kvb_wire_tag_t))
+        if ln is not None:
+            w.lora_name = <const uint8_t *><char *>ln
+            w.lora_name_len = <int32_t>len(ln)
+        if lora_id is not None:
+            w.has_lora_id = 1
+            w.lora_id = lora_id
+        if sb is not None:
+            w.salt = <const uint8_t *><char *>sb
+            w.salt_len = <int32_t>len(sb)
+            w.salt_bin = not isinstance(salt, str)
+        self._wire_keep.append((ln, sb))
+        self._tag_ctx.append(k)
+        self._tags[k] = n
+        return n
 
     @property
     def metadata_bytes(self):
@@ -266,7 +312,11 @@ cdef class BlockPool:
         return bool(self.p.flags[block_id] & KVB_F_CACHED)
 
     def block_hash(self, block_id):
-        """The 128-bit hash a cached block is registered under, or None."""
+        """The hash a cached block is registered under, as one 128-bit int
+        ``(hi << 64) | lo`` (``kvblocks.hash_to_int`` of its ``[lo, hi]`` row), or None when
+        the block holds no cache entry. Its KV events name it by ``h & (2**64 - 1)``
+        (``kvblocks.events.fold_hash``). Raises InvalidArgumentError for an id outside
+        ``[0, num_blocks)`` and InvalidTypeError for a non-int."""
         block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
         self._sync()
         if block_id < 0 or block_id >= self.p.num_blocks:
@@ -274,6 +324,40 @@ cdef class BlockPool:
         if not self.p.flags[block_id] & KVB_F_CACHED:
             return None
         return hash_int(self.p.hash[block_id])
+
+    def cached_hashes(self, *, group=None, bint wire=False):
+        """Every hash this pool's prefix cache holds now, in block-id order: an (n, 2)
+        uint64 array of ``[lo, hi]`` rows (the form of ``hash_blocks``), or with
+        ``wire=True`` the (n,) uint64 values its KV events carry (the low halves). For a
+        router consistency check: a router that applied every event of this pool holds
+        exactly ``set(pool.cached_hashes(wire=True))`` for it (per medium; per group with
+        ``group=``, the KV cache group index). Raises InvalidTypeError / InvalidArgumentError
+        for a bad ``group``.
+
+        >>> from kvblocks import BlockPool, hash_blocks
+        >>> pool = BlockPool(8)
+        >>> h = hash_blocks(range(8), 4)
+        >>> pool.cache(pool.allocate(2), h)
+        2
+        >>> bool((pool.cached_hashes() == h).all()), pool.cached_hashes(wire=True).shape
+        (True, (2,))
+        """
+        cdef int g = -1
+        if group is not None:
+            g = <int>as_int(group, "group", 0, 254)
+        cdef int32_t b, n = 0
+        for b in range(1, self.p.num_blocks):
+            if self.p.flags[b] & KVB_F_CACHED and (g < 0 or self.p.gid[b] == g):
+                n += 1
+        cdef cnp.ndarray out = np.empty((n, 2), dtype=np.uint64)
+        cdef uint64_t *o = <uint64_t *>cnp.PyArray_DATA(out)
+        cdef int32_t k = 0
+        for b in range(1, self.p.num_blocks):
+            if self.p.flags[b] & KVB_F_CACHED and (g < 0 or self.p.gid[b] == g):
+                o[2 * k] = self.p.hash[b].lo
+                o[2 * k + 1] = self.p.hash[b].hi
+                k += 1
+        return out[:, 0].copy() if wire else out
 
     def free_list(self):
         """Block ids in the free list, next to be allocated first (a debugging aid)."""
@@ -294,20 +378,23 @@ cdef class BlockPool:
 
     # -- prefix cache -------------------------------------------------------------------------
     def cache(self, ids, hashes, *, parent=None, token_ids=None, lora_name=None,
-              group=0):
+              lora_id=None, salt=None, group=0):
         """Register referenced full blocks under their hashes (from hash_blocks).
 
         Call it once the blocks' K/V are written: a cached block serves prefix hits at once.
         A hash that is already cached keeps its first block; the newcomer stays uncached.
         Returns how many entries were added. ``parent`` (None for the first block of a
         sequence), ``token_ids`` (the blocks' tokens, concatenated) and ``lora_name`` (the
-        adapter they were computed with) only feed the BlockStored event; while events are
+        adapter they were computed with; ``lora_id`` its int id) and ``salt`` (the request's
+        cache salt: vLLM's extra key of a chain's first block, sent when ``parent`` is None)
+        only feed the BlockStored event; while events are
         recorded ``token_ids`` is required, since routers drop a BlockStored without its
         tokens. ``group`` is the KV cache group the blocks belong to (hash them with
         ``hash_blocks(..., group=group)``); events carry it.
         """
         self._sync()
         lora = as_lora(lora_name)
+        cdef int32_t tag = self._event_tag(lora, lora_id, salt)
         cdef cnp.ndarray v = as_int32(ids, "ids")
         cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
         cdef uint64_t[:, ::1] h = as_hashes(hashes)
@@ -342,7 +429,7 @@ cdef class BlockPool:
             b = i32_data(v)[i]
             if 0 < b < self.p.num_blocks and not (self.p.flags[b] & KVB_F_CACHED):
                 self.p.gid[b] = g
-        self.p.events.cur_tag = self._lora_tag(lora)
+        self.p.events.cur_tag = tag
         cdef int rc = kvb_cache_insert(&self.p, i32_data(v),
                                        <kvb_hash_t *>&h[0, 0] if n else NULL, n, ppar, tp, bs,
                                        &stored)
@@ -494,6 +581,8 @@ cdef class BlockPool:
                         ev.group[i] == last_g and ev.tag[i] == last_tag and has == last_toks
                         and (not has or e_end[i] - ev.tok_off[i] == last_ntok)):
                     run.block_hashes.append(hash_int(ev.hash[i]))
+                    if run.extra_keys is not None:
+                        run.extra_keys.append(self._extra_keys(ev.tag[i], False))
                     t1 = e_end[i]
                 else:
                     if last == KVB_EV_STORED and last_toks:
@@ -526,18 +615,123 @@ cdef class BlockPool:
             run.token_ids = toks_all[t0:t1].tolist()
         return out
 
+    cdef object _extra_keys(self, int32_t tag, bint first):
+        """vLLM's event extra keys of one stored block (to_event_extra_keys): None, or the
+        adapter name and, on a chain's first block, the cache salt."""
+        if tag == 0:
+            return None
+        lora, _, salt = self._tag_ctx[tag]
+        keys = ((lora,) if lora is not None else ()) + (
+            (salt,) if first and salt is not None else ())
+        return keys or None
+
     cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,
                               bint has, int64_t ntok, str medium):
         """A one-block BlockStored (its tokens are filled in by take_events)."""
         spec = self._groups[g] if self._groups is not None and g < len(self._groups) else None
+        cdef bint first = not (parent.lo or parent.hi)
+        lora, lora_id, _ = self._tag_ctx[tag]
         return BlockStored(block_hashes=[hash_int(h)],
-                           parent_block_hash=hash_int(parent) if parent.lo or parent.hi
-                           else None,
+                           parent_block_hash=None if first else hash_int(parent),
                            token_ids=[],
                            block_size=ntok if has and ntok else self._block_size,
                            group_idx=g,
                            kv_cache_spec_kind=(spec.spec_kind if spec is not None
                                                else "full_attention"),
                            kv_cache_spec_sliding_window=spec.window if spec is not None else None,
-                           lora_name=self._lora_names[tag],
+                           lora_name=lora, lora_id=lora_id,
+                           extra_keys=None if tag == 0 else [self._extra_keys(tag, first)],
                            medium=medium)
+
+    def take_events_wire(self, *, ts, data_parallel_rank=0, fmt="map", hash_int="unsigned"):
+        """Drain the recorded KV events straight to vLLM's msgpack ``KVEventBatch``: the bytes
+        of ``kvblocks.events.encode_batch(pool.take_events(), ts=ts, ...)``, written in C
+        from the event log (no Python event objects), several times faster.
+
+        ``fmt`` "map" (vLLM >= 0.24) or "array" (0.22/0.23); ``hash_int`` "unsigned" (vLLM's)
+        or "signed". An empty log gives an empty batch. Raises InvalidArgumentError /
+        InvalidTypeError for bad arguments and for a stored block recorded without its
+        tokens; then nothing is drained.
+        """
+        out = self._wire_bytes(ts, data_parallel_rank, fmt, hash_int)
+        kvb_events_clear(&self.p.events)
+        return out
+
+    cdef bytes _wire_bytes(self, ts, data_parallel_rank, fmt, hash_int):
+        """The log as a batch (take_events_wire), the log left as it was."""
+        cdef kvb_wire_opts_t w
+        cdef kvb_wire_group_t gt[256]
+        cdef list keep = []
+        self._wire_opts(&w, gt, keep, ts, data_parallel_rank, fmt, hash_int)
+        return _encode_log(&self.p.events, &w)
+
+    cdef int _wire_opts(self, kvb_wire_opts_t *w, kvb_wire_group_t *gt, list keep, ts,
+                        data_parallel_rank, fmt, hash_int) except -1:
+        """Fill w (and gt[256], the group table; ``keep`` holds the bytes they point into)
+        with this pool's settings for kvb_events_encode; bad arguments raise."""
+        memset(w, 0, sizeof(w[0]))
+        if fmt == "map":
+            w[0].fmt = KVB_WIRE_MAP
+        elif fmt == "array":
+            w[0].fmt = KVB_WIRE_ARRAY
+        else:
+            raise InvalidArgumentError(f"fmt must be one of ('map', 'array'), got {fmt!r}")
+        if hash_int not in ("unsigned", "signed"):
+            raise InvalidArgumentError(f"hash_int must be one of ('unsigned', 'signed'), got "
+                                       f"{hash_int!r}")
+        w[0].hash_signed = hash_int == "signed"
+        if data_parallel_rank is not None:
+            if type(data_parallel_rank) is not int or data_parallel_rank < 0:
+                raise InvalidArgumentError(f"data_parallel_rank must be an int >= 0, got "
+                                           f"{data_parallel_rank!r}")
+            w[0].dp = as_int(data_parallel_rank, "data_parallel_rank", 0, INT64_MAX)
+            w[0].has_dp = 1
+        try:
+            w[0].ts = float(ts)
+        except (TypeError, ValueError):
+            raise InvalidTypeError(f"ts must be a number (seconds), got {ts!r}") from None
+        if self._tier_pool is not None and self._tier_pool.p.tier is not NULL:
+            kvb_tier_flush(self._tier_pool.p.tier)  # demotions recorded since: stored now
+        cdef bytes medium = self._medium.encode() if self._medium is not None else None
+        if medium is not None:
+            keep.append(medium)
+            w[0].medium = <const uint8_t *><char *>medium
+            w[0].medium_len = <int32_t>len(medium)
+        cdef bytes kb
+        cdef int32_t ng = 1 if self._groups is None else <int32_t>len(self._groups)
+        cdef int32_t g
+        memset(gt, 0, 256 * sizeof(gt[0]))
+        for g in range(ng):
+            spec = self._groups[g] if self._groups is not None else None
+            kb = (spec.spec_kind if spec is not None else "full_attention").encode()
+            keep.append(kb)
+            gt[g].kind = <const uint8_t *><char *>kb
+            gt[g].kind_len = <int32_t>len(kb)
+            if spec is not None and spec.window is not None:
+                gt[g].has_window = 1
+                gt[g].window = spec.window
+        w[0].groups = gt
+        w[0].ngroups = ng
+        w[0].tags = self._wire_tags
+        w[0].ntags = <int32_t>len(self._tag_ctx)
+        return 0
+
+
+cdef bytes _encode_log(const kvb_events_t *ev, const kvb_wire_opts_t *w):
+    """kvb_events_encode of a log (not drained) as bytes; raises on an event that cannot go
+    out."""
+    cdef kvb_buf_t buf
+    memset(&buf, 0, sizeof(buf))
+    cdef int64_t bad = -1
+    cdef int rc = kvb_events_encode(ev, w, &buf, &bad)
+    if rc:
+        kvb_buf_free(&buf)
+        if rc == KVB_EINVAL:
+            raise InvalidArgumentError(
+                f"take_events_wire: logged event {bad} is a BlockStored without its "
+                f"token_ids (give token_ids to pool.cache()); nothing was drained")
+        raise_code(rc, "take_events_wire", 0, 0)
+    try:
+        return PyBytes_FromStringAndSize(<char *>buf.data, <Py_ssize_t>buf.len)
+    finally:
+        kvb_buf_free(&buf)

@@ -15,7 +15,7 @@ concatenated into one batch).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from ..errors import InvalidTypeError
 
@@ -32,6 +32,10 @@ class BlockStored:
     ``group_idx`` is the KV cache group; ``kv_cache_spec_kind`` its kind in vLLM's terms
     (``"full_attention"``, ``"sliding_window"``, ``"chunked_local_attention"``, ``"mamba"``)
     and ``kv_cache_spec_sliding_window`` its window (None unless a sliding window).
+    ``extra_keys`` holds one entry per block, vLLM's event extra keys: None for a block
+    without, else a tuple of the adapter name (every block of a LoRA request) and the cache
+    salt (a chain's first block only), in that order; ``extra_keys=None`` means none on any
+    block (the wire carries one nil per block).
     """
 
     block_hashes: List[int]
@@ -44,6 +48,7 @@ class BlockStored:
     group_idx: int = 0
     kv_cache_spec_kind: Optional[str] = "full_attention"
     kv_cache_spec_sliding_window: Optional[int] = None
+    extra_keys: Optional[List[Optional[Tuple[Any, ...]]]] = None
 
 
 @dataclass
@@ -83,6 +88,8 @@ def coalesce(events: Sequence[AnyEvent]) -> List[AnyEvent]:
                 and (last.block_size, last.medium, last.lora_id, last.lora_name, last.group_idx)
                 == (ev.block_size, ev.medium, ev.lora_id, ev.lora_name, ev.group_idx)
             ):
+                if last.extra_keys is not None or ev.extra_keys is not None:
+                    last.extra_keys = _extra(last) + _extra(ev)
                 last.block_hashes.extend(ev.block_hashes)
                 last.token_ids.extend(ev.token_ids)
                 continue
@@ -98,6 +105,7 @@ def coalesce(events: Sequence[AnyEvent]) -> List[AnyEvent]:
                     ev.group_idx,
                     ev.kv_cache_spec_kind,
                     ev.kv_cache_spec_sliding_window,
+                    None if ev.extra_keys is None else list(ev.extra_keys),
                 )
             )
         elif isinstance(ev, BlockRemoved):
@@ -114,3 +122,8 @@ def coalesce(events: Sequence[AnyEvent]) -> List[AnyEvent]:
         else:
             raise InvalidTypeError(f"coalesce: not a KV event: {type(ev).__name__}")
     return out
+
+
+def _extra(ev: BlockStored) -> List[Optional[Tuple[Any, ...]]]:
+    """A stored event's extra keys, one entry per block."""
+    return list(ev.extra_keys) if ev.extra_keys is not None else [None] * len(ev.block_hashes)
