@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 from . import limits as L
 from .errors import SimulationError
 from .hybrid_models import parse_layer_kinds
+from .gpus import DEFAULT_GPU, GPUS, GpuSpec, get_gpu
 from .models import DEFAULT_MODEL, PRESETS, ModelSpec, custom_model, get_model, memory_bill
 from .plan import DIST_HELP, format_plan, make_plan, parse_dist, plan_json
 
@@ -78,16 +79,27 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         metavar="BILLIONS",
         help="custom model: parameters (weights)",
     )
-    g.add_argument(
-        "--dtype", metavar="DTYPE", help="KV cache dtype: bf16 (default), fp16, fp8, fp32"
-    )
+    g.add_argument("--dtype", "--kv-dtype", dest="dtype", metavar="DTYPE",
+                   help="KV cache dtype: bf16 (default), fp16, fp8, fp4 (NVFP4, one fp8 scale per 16), fp32")  # fmt: skip
+    g.add_argument("--weight-dtype", metavar="DTYPE",
+                   help="weights: bf16 (default), fp8, int4 (group-128 scales), fp4; changes the "
+                   "memory bill and the bytes each step reads")  # fmt: skip
+    g.add_argument("--gpu", metavar="NAME",
+                   help=f"GPU from the catalog: {', '.join(GPUS)} (memory, bandwidth, FLOP/s, link, "
+                   f"price; default {DEFAULT_GPU} with --gpu-mem 80)")  # fmt: skip
+    g.add_argument("--tp", type=L.TP.parse, default=1, metavar="N",
+                   help="tensor parallel GPUs per replica (1): weights and KV split, all-reduce per layer")  # fmt: skip
+    g.add_argument("--pp", type=L.PP.parse, default=1, metavar="N",
+                   help="pipeline stages per replica (1): layers split, stages run in turn")  # fmt: skip
     g.add_argument(
         "--gpu-mem",
         type=L.GPU_MEM.parse,
-        default=DEFAULT_GPU_MEM,
+        default=None,
         metavar="GiB",
-        help="GPU memory (default 80)",
+        help="memory per GPU (default: the --gpu's, else 80)",
     )
+    g.add_argument("--usd-per-hour", type=L.USD_PER_HOUR.parse, metavar="USD",
+                   help="price of one GPU-hour (default: the catalog's)")  # fmt: skip
     g.add_argument(
         "--reserve",
         type=L.RESERVE.parse,
@@ -127,6 +139,41 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pcie-gbps", type=L.PCIE_GBPS.parse, default=DEFAULT_PCIE_GBPS, metavar="GB/s",
                    help=f"host <-> device bandwidth for swaps and host-tier copies ({DEFAULT_PCIE_GBPS:g}, "
                    "PCIe Gen4 x16 effective)")  # fmt: skip
+
+
+def _add_time_args(p: argparse.ArgumentParser) -> None:
+    from .timing import Efficiency
+
+    e = Efficiency()
+    g = p.add_argument_group("time model (a roofline per step from the model and --gpu; docs/simulator.md)")
+    g.add_argument("--compute-eff", type=L.COMPUTE_EFF.parse, metavar="F",
+                   help=f"GEMM FLOP/s over the peak ({e.compute:g})")  # fmt: skip
+    g.add_argument("--bandwidth-eff", type=L.BANDWIDTH_EFF.parse, metavar="F",
+                   help=f"HBM bytes/s over the peak ({e.bandwidth:g})")  # fmt: skip
+    g.add_argument("--attention-eff", type=L.ATTENTION_EFF.parse, metavar="F",
+                   help=f"attention FLOP/s over the bf16 peak ({e.attention:g})")  # fmt: skip
+    g.add_argument("--link-eff", type=L.LINK_EFF.parse, metavar="F",
+                   help=f"all-reduce bandwidth over the link's ({e.link:g})")  # fmt: skip
+    g.add_argument("--collective-us", type=L.COLLECTIVE_US.parse, metavar="US",
+                   help=f"latency of one all-reduce or pipeline send ({e.collective_us:g})")  # fmt: skip
+    g.add_argument("--step-overhead-ms", type=L.STEP_OVERHEAD_MS.parse, metavar="MS",
+                   help=f"host work per step: scheduling, sampling, launches ({e.host_ms:g})")  # fmt: skip
+    g.add_argument("--peak-tflops", type=L.PEAK_TFLOPS.parse, help="GEMM peak (default: the GPU's)")
+    g.add_argument("--hbm-tbs", type=L.HBM_TBS.parse, help="HBM bandwidth (default: the GPU's)")
+    g.add_argument("--link-gbs", type=L.LINK_GBS.parse, help="GPU-GPU link (default: the GPU's)")
+    g.add_argument("--prefill-us", type=L.PREFILL_US.parse,
+                   help="fixed compute cost per prefill token, instead of FLOPs / peak")  # fmt: skip
+    g.add_argument("--decode-us", type=L.DECODE_US.parse,
+                   help="fixed compute cost per decode token, instead of FLOPs / peak")  # fmt: skip
+    g.add_argument("--kv-read-ns", type=L.KV_READ_NS.parse,
+                   help="cost per cached token read by a decoding token (default: KV bytes / bandwidth)")  # fmt: skip
+    g.add_argument("--calibrate", metavar="CSV",
+                   help="fit the efficiencies and host overhead to measured steps "
+                   "(prefill_tokens,decode_tokens,context_tokens,ms[,prefill_context]) and use them")  # fmt: skip
+    g.add_argument("--ttft-slo", type=L.TTFT_SLO.parse, metavar="S",
+                   help="goodput: time to first token target (2)")  # fmt: skip
+    g.add_argument("--tpot-slo", type=L.TPOT_SLO.parse, metavar="S",
+                   help="goodput: time per output token target (0.1)")  # fmt: skip
 
 
 def add_commands(sub: "argparse._SubParsersAction") -> None:
@@ -193,15 +240,7 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
                    help="hybrid models: replay again with every layer billed as full attention "
                    "and print the gain (concurrency, throughput, hit rate)")  # fmt: skip
     _add_cluster_args(sim)
-    g = sim.add_argument_group("time model (defaults derived from the model, H100-class GPU)")
-    g.add_argument("--step-overhead-ms", type=L.STEP_OVERHEAD_MS.parse, help="fixed cost per step")
-    g.add_argument("--prefill-us", type=L.PREFILL_US.parse, help="cost per prefill token")
-    g.add_argument("--decode-us", type=L.DECODE_US.parse, help="cost per decode token")
-    g.add_argument(
-        "--kv-read-ns",
-        type=L.KV_READ_NS.parse,
-        help="cost per cached token read by a decoding token",
-    )
+    _add_time_args(sim)
     g = sim.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print the report as JSON")
     g.add_argument(
@@ -276,32 +315,94 @@ def _model(args: argparse.Namespace) -> ModelSpec:
         raise SimulationError(
             "--layer-groups describes a custom model: give it with --layers, not --model"
         )
-    return get_model(args.model or DEFAULT_MODEL).with_kv_dtype(args.dtype)
+    m = get_model(args.model or DEFAULT_MODEL).with_kv_dtype(args.dtype)
+    return m.with_weight_dtype(getattr(args, "weight_dtype", None))
+
+
+def _gpu(args: argparse.Namespace) -> GpuSpec:
+    """The ``--gpu`` (H100-SXM by default), its price overridden by ``--usd-per-hour``."""
+    name = getattr(args, "gpu", None) or DEFAULT_GPU
+    return get_gpu(name, getattr(args, "usd_per_hour", None))
+
+
+def _gpu_mem(args: argparse.Namespace, gpu: Optional[GpuSpec] = None) -> float:
+    """GiB per GPU: ``--gpu-mem``, else the ``--gpu``'s, else 80."""
+    if args.gpu_mem is not None:
+        return float(args.gpu_mem)
+    if getattr(args, "gpu", None):
+        return (gpu or _gpu(args)).mem_gib
+    return DEFAULT_GPU_MEM
+
+
+def _efficiency(args: argparse.Namespace) -> Any:
+    from dataclasses import replace
+
+    from .timing import Efficiency
+
+    e = Efficiency()
+    for flag, attr in (("compute_eff", "compute"), ("bandwidth_eff", "bandwidth"),
+                       ("attention_eff", "attention"), ("link_eff", "link"),
+                       ("collective_us", "collective_us"), ("step_overhead_ms", "host_ms")):  # fmt: skip
+        v = getattr(args, flag, None)
+        if v is not None:
+            e = replace(e, **{attr: v})
+    return e
+
+
+def _time_model(args: argparse.Namespace, model: ModelSpec, gpu: GpuSpec, tp: int, pp: int) -> Any:
+    """The roofline the flags ask for (calibrated first when ``--calibrate`` is given)."""
+    from dataclasses import replace
+
+    from .timing import TimeModel
+
+    def build(eff: Any) -> Any:
+        return TimeModel.for_model(
+            model, None, getattr(args, "prefill_us", None), getattr(args, "decode_us", None),
+            getattr(args, "kv_read_ns", None), gpu, tp, pp, eff, getattr(args, "peak_tflops", None),
+            getattr(args, "hbm_tbs", None), getattr(args, "link_gbs", None),
+        )  # fmt: skip
+
+    eff = _efficiency(args)
+    tm = build(eff)
+    path = getattr(args, "calibrate", None)
+    if path:
+        from .calibrate import calibrate
+
+        cal = getattr(args, "_calibration", None)
+        if cal is None or cal.path != path:
+            cal = calibrate(tm, path)
+            args._calibration = cal
+        e = cal.eff
+        if getattr(args, "step_overhead_ms", None) is not None:  # an explicit flag wins
+            e = replace(e, host_ms=args.step_overhead_ms)
+        tm = build(e)
+    return tm
 
 
 def _engine(args: argparse.Namespace, model: ModelSpec, host_cache_gib: float = 0.0,
-            all_full: Optional[bool] = None) -> Any:  # fmt: skip
+            all_full: Optional[bool] = None, gpu: Optional[GpuSpec] = None, tp: int = 0,
+            pp: int = 0) -> Any:  # fmt: skip
     """The memory bill, the scheduler config and the time model the flags ask for
-    (``all_full`` overrides ``--all-full``)."""
+    (``all_full`` overrides ``--all-full``; ``gpu``, ``tp``, ``pp`` override the flags)."""
     from dataclasses import replace
 
     from .batching import SchedulerConfig
     from .hosttier import DEFAULT_PCIE_GBPS, host_cache_blocks
-    from .timing import TimeModel
+    from .metrics import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
+    from .roofline import parallel_layout
 
     preemption = getattr(args, "preemption", "recompute")
     host_mem = getattr(args, "host_mem", None)
     host = host_mem if host_mem is not None else (DEFAULT_SWAP_GIB if preemption == "swap" else 0.0)
     full = args.all_full if all_full is None else all_full
-    bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks, host,
-                       max_blocks=L.MAX_SIM_BLOCKS, all_full=full)  # fmt: skip
-    tm = TimeModel.for_model(
-        model,
-        getattr(args, "step_overhead_ms", None),
-        getattr(args, "prefill_us", None),
-        getattr(args, "decode_us", None),
-        getattr(args, "kv_read_ns", None),
-    )
+    gpu = gpu or _gpu(args)
+    tp = tp or getattr(args, "tp", 1)
+    pp = pp or getattr(args, "pp", 1)
+    par = parallel_layout(model, tp, pp)
+    bill = memory_bill(model, _gpu_mem(args, gpu), args.block_size, args.reserve, args.num_blocks, host,
+                       max_blocks=L.MAX_SIM_BLOCKS, all_full=full, gpus=par.gpus,
+                       kv_copies=par.kv_copies)  # fmt: skip
+    tm = _time_model(args, model, gpu, tp, pp)
     pcie = args.pcie_gbps if args.pcie_gbps is not None else DEFAULT_PCIE_GBPS
     tm = replace(tm, swap_bytes_per_s=pcie * 1e9)
     cfg = SchedulerConfig(
@@ -319,6 +420,8 @@ def _engine(args: argparse.Namespace, model: ModelSpec, host_cache_gib: float = 
         if host_cache_gib
         else 0,
         layout=bill.groups,
+        slo_ttft_s=getattr(args, "ttft_slo", None) or getattr(args, "ttft_p99", None) or DEFAULT_TTFT_SLO_S,
+        slo_tpot_s=getattr(args, "tpot_slo", None) or getattr(args, "tpot_p99", None) or DEFAULT_TPOT_SLO_S,
     )
     cfg.validate()
     return bill, cfg, tm
@@ -328,10 +431,63 @@ def _engine_desc(cfg: Any, tm: Any) -> str:
     return (
         f"continuous batching, {cfg.token_budget:,} tokens/step, <= {cfg.max_num_seqs} seqs, watermark "
         f"{cfg.watermark:g}, prefix caching {'on' if cfg.enable_prefix_caching else 'off'}, "
-        f"preemption by {cfg.preemption}; step = {tm.step_overhead_s * 1e3:.2f} ms + "
-        f"{tm.prefill_s_per_token * 1e6:.1f} us/prefill tok + {tm.decode_s_per_token * 1e6:.1f} us/decode tok + "
-        f"{tm.kv_read_s_per_token * 1e9:.1f} ns/KV tok read"
+        f"preemption by {cfg.preemption}\n"
+        f"time      {tm.describe()}"
     )
+
+
+def _gpu_line(gpu: GpuSpec, tm: Any, replicas: int, bill: Any) -> str:
+    """The GPU / parallelism line of a report: what the GPUs are, how many, at what price."""
+    par = tm.parallel
+    n = replicas * par.gpus
+    per_gpu_w = bill.weight_bytes / par.gpus / (1 << 30)
+    per_gpu_kv = bill.num_blocks * bill.block_bytes * par.kv_copies / par.gpus / (1 << 30)
+    bubble = f", pipeline bubble {100 * (par.pp - 1) / par.pp:.0f}%" if par.pp > 1 else ""
+    return (
+        f"gpus      {n} x {gpu.name} = {replicas} replica{'s' if replicas > 1 else ''} x TP {par.tp} x PP {par.pp}"
+        f" ({bill.gpu_bytes / par.gpus / (1 << 30):.4g} GiB, {gpu.hbm_tb_s:g} TB/s, {gpu.bf16_tflops:g} bf16 TFLOP/s, {gpu.link} "
+        f"{gpu.link_gb_s:g} GB/s); per GPU {per_gpu_w:.2f} GiB weights ({bill.model.weight_dtype}) + "
+        f"{per_gpu_kv:.2f} GiB KV ({bill.model.kv_dtype}){bubble}; ${n * gpu.usd_per_hour:,.2f}/hour"
+    )
+
+
+def _slo_keys(summary: Dict[str, Any], gpus: int, usd_per_hour: float) -> Dict[str, Any]:
+    """The headline figures an operator states SLOs in (top-level ``--json`` keys)."""
+    return {
+        "ttft_p50": summary.get("ttft_p50_s"),
+        "ttft_p99": summary.get("ttft_p99_s"),
+        "tpot_p50": summary.get("tpot_p50_s"),
+        "tpot_p99": summary.get("tpot_p99_s"),
+        "e2e_p50": summary.get("latency_p50_s"),
+        "e2e_p99": summary.get("latency_p99_s"),
+        "throughput_tok_s": summary.get("throughput_tok_s"),
+        "throughput_req_s": summary.get("throughput_req_s"),
+        "goodput": summary.get("goodput"),
+        "goodput_req_s": summary.get("goodput_req_s"),
+        "gpus": gpus,
+        "usd_per_hour": gpus * usd_per_hour,
+    }
+
+
+def _describe(args: argparse.Namespace, cfg: Any, tm: Any, bill: Any, replicas: int) -> str:
+    """The engine, time, GPU (and calibration) lines of a text report."""
+    lines = [_engine_desc(cfg, tm), _gpu_line(_gpu(args), tm, replicas, bill)]
+    cal = getattr(args, "_calibration", None)
+    if cal is not None:
+        lines.append(f"calib     {cal.describe()}")
+    return "\n".join(lines)
+
+
+def _json_head(args: argparse.Namespace, summary: Dict[str, Any], tm: Any, replicas: int) -> Dict[str, Any]:
+    """The top-level ``--json`` keys: SLO figures, GPUs, parallelism, calibration."""
+    gpu = _gpu(args)
+    par = tm.parallel
+    head = _slo_keys(summary, replicas * par.gpus, gpu.usd_per_hour)
+    head.update(gpu=gpu.name, replicas=replicas, tp=par.tp, pp=par.pp, gpu_spec=gpu.as_dict())
+    cal = getattr(args, "_calibration", None)
+    if cal is not None:
+        head["calibration"] = cal.as_dict()
+    return head
 
 
 def _check_host_tier(gib: float, write_through: bool = False) -> None:
@@ -395,16 +551,16 @@ def _simulate(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    desc = _engine_desc(cfg, tm)
+    desc = _describe(args, cfg, tm, bill, 1)
     if args.plot:
         from .plot import plot_results
 
         plot_results([r for r in (paged, contiguous) if r is not None], args.plot,
-                     title=f"{workload.name} on {model.name}, {args.gpu_mem:g} GiB")  # fmt: skip
+                     title=f"{workload.name} on {model.name}, {_gpu_mem(args):g} GiB")  # fmt: skip
     base_bill = base[0] if base is not None else None
     if args.json:
         print(simulation_json(workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), paged, contiguous,
-                              all_full, base_bill))  # fmt: skip
+                              all_full, base_bill, _json_head(args, paged.summary, tm, 1)))  # fmt: skip
     else:
         print(
             format_simulation(
@@ -443,9 +599,11 @@ def _simulate_cluster(args: argparse.Namespace, model: ModelSpec, bill: Any, cfg
                      title=f"{workload.name} on {model.name}: replica 0 of {args.replicas}")  # fmt: skip
     if args.json:
         cluster = {"host_cache_gib": args.host_cache, "pcie_gbps": args.pcie_gbps}
-        print(cluster_json(workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), res, cluster))
+        head = _json_head(args, res.summary, tm, args.replicas)
+        print(cluster_json(workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), res, cluster, head))
     else:
-        print(format_cluster(workload.name, wstats, bill, _engine_desc(cfg, tm), res, host_desc))
+        desc = _describe(args, cfg, tm, bill, args.replicas)
+        print(format_cluster(workload.name, wstats, bill, desc, res, host_desc))
         if args.plot:
             print(f"plot written to {args.plot} (replica 0)")
     return 0
@@ -460,12 +618,16 @@ def _plan(args: argparse.Namespace) -> int:
             "(or --trace FILE --ttft-p99 SECONDS for a cluster plan)"
         )
     model = _model(args)
-    bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks,
-                       all_full=args.all_full)  # fmt: skip
+    from .roofline import parallel_layout
+
+    par = parallel_layout(model, args.tp, args.pp)
+    mem = _gpu_mem(args)
+    bill = memory_bill(model, mem, args.block_size, args.reserve, args.num_blocks,
+                       all_full=args.all_full, gpus=par.gpus, kv_copies=par.kv_copies)  # fmt: skip
     base = None
     if bill.groups.hybrid and not args.all_full:  # the all-full baseline costs nothing here
-        base = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks,
-                           all_full=True)  # fmt: skip
+        base = memory_bill(model, mem, args.block_size, args.reserve, args.num_blocks,
+                           all_full=True, gpus=par.gpus, kv_copies=par.kv_copies)  # fmt: skip
     prompt = parse_dist(args.prompt_len, "--prompt-len")
     output = parse_dist(args.output_len, "--output-len")
     plan = make_plan(bill, prompt, output, args.max_len, args.samples, args.seed, base)
@@ -529,14 +691,14 @@ def _plan_trace(args: argparse.Namespace) -> int:
         from .plot import plot_capacity
 
         plot_capacity(points, args.ttft_p99, args.plot,
-                      title=f"{workload.name} on {model.name}, {args.gpu_mem:g} GiB per GPU")  # fmt: skip
+                      title=f"{workload.name} on {model.name}, {_gpu_mem(args):g} GiB per GPU")  # fmt: skip
     if args.json:
         extra = {"workload": dict(workload.stats(), name=workload.name), "memory": bill.as_dict()}
         print(capacity_json(plan, extra))
     else:
         header = [
             f"workload  {workload.name}: {len(workload):,} requests",
-            f"replica   {model.name} on {args.gpu_mem:g} GiB: {bill.num_blocks:,} blocks x "
+            f"replica   {model.name} on {_gpu_mem(args):g} GiB: {bill.num_blocks:,} blocks x "
             f"{bill.block_size} tokens",
         ]
         print(format_capacity(plan, header))

@@ -220,7 +220,8 @@ def _aggregate(
 ) -> Dict[str, Any]:
     """The cluster's summary: request figures over all requests, the rest per replica."""
     first = engines[0].rec
-    merged = Recorder(first.arrival, first.capacity_slots * len(engines), first.output_tokens)
+    merged = Recorder(first.arrival, first.capacity_slots * len(engines), first.output_tokens,
+                      first.samples, first.slo)  # fmt: skip
     for i, e in enumerate(engines):
         m = owner == i
         for name in (
