@@ -54,7 +54,7 @@ examples:
 """
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, plan: bool = False) -> None:
     g = p.add_argument_group("model and memory")
     names = ", ".join(m.name.lower() for m in PRESETS.values())
     g.add_argument("--model", metavar="NAME", help=f"preset: {names} (default {DEFAULT_MODEL})")
@@ -87,10 +87,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", metavar="NAME",
                    help=f"GPU from the catalog: {', '.join(GPUS)} (memory, bandwidth, FLOP/s, link, "
                    f"price; default {DEFAULT_GPU} with --gpu-mem 80)")  # fmt: skip
-    g.add_argument("--tp", type=L.TP.parse, default=1, metavar="N",
-                   help="tensor parallel GPUs per replica (1): weights and KV split, all-reduce per layer")  # fmt: skip
-    g.add_argument("--pp", type=L.PP.parse, default=1, metavar="N",
-                   help="pipeline stages per replica (1): layers split, stages run in turn")  # fmt: skip
+    if plan:
+        g.add_argument("--tp", default=None, metavar="N[,N...]",
+                       help="tensor parallel sizes to consider (cluster plan: 1,2,4,8; else 1)")  # fmt: skip
+        g.add_argument("--pp", default=None, metavar="N[,N...]",
+                       help="pipeline stage counts to consider (1)")  # fmt: skip
+    else:
+        g.add_argument("--tp", type=L.TP.parse, default=1, metavar="N",
+                       help="tensor parallel GPUs per replica (1): weights and KV split, all-reduce per layer")  # fmt: skip
+        g.add_argument("--pp", type=L.PP.parse, default=1, metavar="N",
+                       help="pipeline stages per replica (1): layers split, stages run in turn")  # fmt: skip
     g.add_argument(
         "--gpu-mem",
         type=L.GPU_MEM.parse,
@@ -265,7 +271,7 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
         epilog=PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_model_args(plan)
+    _add_model_args(plan, plan=True)
     plan.add_argument("--prompt-len", metavar="DIST", help="prompt length distribution")
     plan.add_argument("--output-len", metavar="DIST", help="output length distribution")
     plan.add_argument(
@@ -288,10 +294,16 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
                    help="multiply arrival times by F")  # fmt: skip
     g.add_argument("--ttft-p99", type=L.TTFT_P99.parse, metavar="SECONDS",
                    help="target: time to first token, 99th percentile")  # fmt: skip
+    g.add_argument("--tpot-p99", type=L.TPOT_P99.parse, metavar="SECONDS",
+                   help="target: time per output token, 99th percentile (with --gpu)")  # fmt: skip
+    g.add_argument("--cost", action="store_true",
+                   help="with --gpu: cheapest in $/hour, not in GPUs (prices: --usd-per-hour or the catalog)")  # fmt: skip
+    g.add_argument("--kv-dtypes", metavar="D[,D...]",
+                   help="with --gpu: KV dtypes to consider, e.g. bf16,fp8 (default: --kv-dtype or bf16)")  # fmt: skip
     g.add_argument("--replicas", default="1-8", metavar="LIST",
                    help="replica counts to simulate, e.g. 1-8 or 2,4,8 (1-8)")  # fmt: skip
-    g.add_argument("--host-cache", default="0,256", metavar="GiB,...",
-                   help="host-cache sizes per replica to simulate (0,256; 0 = no host tier)")  # fmt: skip
+    g.add_argument("--host-cache", default=None, metavar="GiB,...",
+                   help="host-cache sizes per replica to simulate (0,256; with --gpu 0; 0 = no host tier)")  # fmt: skip
     g.add_argument("--router", default="prefix_aware", metavar="NAME",
                    help="round_robin, least_loaded or prefix_aware (prefix_aware)")  # fmt: skip
     g.add_argument("--host-write-through", action="store_true",
@@ -302,6 +314,12 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="progress bar on stderr")  # fmt: skip
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g = plan.add_argument_group("engine (cluster plan)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument("--max-num-seqs", type=L.MAX_NUM_SEQS.parse, default=256, help="sequences per batch (256)")
+    g.add_argument("--token-budget", type=L.TOKEN_BUDGET.parse, default=8192,
+                   help="tokens per step, max_num_batched_tokens (8192)")  # fmt: skip
+    _add_time_args(plan)
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:
@@ -609,8 +627,39 @@ def _simulate_cluster(args: argparse.Namespace, model: ModelSpec, bill: Any, cfg
     return 0
 
 
+def _int_list(text: Optional[str], flag: str, lim: Any, default: List[int]) -> List[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (each within ``lim``); ``default`` when not given."""
+    if text is None:
+        return default
+    out: List[int] = []
+    for part in str(text).split(","):
+        try:
+            v = int(part.strip(), 10)
+        except ValueError:
+            raise SimulationError(f"{flag}: {part.strip()!r} is not an integer (e.g. 1,2,4,8)") from None
+        out.append(lim.check_int(v))
+    return sorted(set(out))
+
+
 def _plan(args: argparse.Namespace) -> int:
+    v2 = args.gpu is not None and (args.trace is not None or args.ttft_p99 is not None)
+    args.tp_list = _int_list(args.tp, "--tp", L.TP, [1, 2, 4, 8] if v2 and args.tp is None else [1])
+    args.pp_list = _int_list(args.pp, "--pp", L.PP, [1])
+    if not v2:
+        for flag, vals in (("--tp", args.tp_list), ("--pp", args.pp_list)):
+            if len(vals) > 1:
+                raise SimulationError(f"{flag} takes one value here; a list needs --gpu and --trace (a cluster plan)")
+        for flag, v in (("--tpot-p99", args.tpot_p99), ("--kv-dtypes", args.kv_dtypes)):
+            if v is not None:
+                raise SimulationError(f"{flag} belongs to the GPU plan: give --gpu NAME with --trace and --ttft-p99")
+        if args.cost:
+            raise SimulationError("--cost belongs to the GPU plan: give --gpu NAME with --trace and --ttft-p99")
+        args.tp, args.pp = args.tp_list[0], args.pp_list[0]
+    if v2:
+        return _plan_gpus(args)
     if args.trace is not None or args.ttft_p99 is not None:
+        if args.host_cache is None:
+            args.host_cache = "0,256"
         return _plan_trace(args)
     if args.prompt_len is None or args.output_len is None:
         raise SimulationError(
@@ -702,6 +751,92 @@ def _plan_trace(args: argparse.Namespace) -> int:
             f"{bill.block_size} tokens",
         ]
         print(format_capacity(plan, header))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def _plan_gpus(args: argparse.Namespace) -> int:
+    """``plan --gpu NAME[,NAME...] --trace FILE --ttft-p99 S [--tpot-p99 S] [--cost]``."""
+    from .capacity import parse_counts, parse_sizes
+    from .cluster import Cluster, ReplayStopped
+    from .gpuplan import Family, format_gpu_plan, gpu_plan_json, search, ttft_already_missed
+    from .gpus import parse_gpus
+    from .models import GiB, KV_DTYPES
+    from .progress import ProgressBar
+    from .routers import ROUTERS
+    from .workload import load_workload
+
+    if args.trace is None or args.ttft_p99 is None:
+        raise SimulationError("a GPU plan needs both --trace FILE and --ttft-p99 SECONDS")
+    if args.prompt_len is not None or args.output_len is not None:
+        raise SimulationError("--prompt-len/--output-len and --trace are different plans; give one")
+    if args.router not in ROUTERS:
+        raise SimulationError(f"--router must be one of {', '.join(ROUTERS)}; got {args.router!r}")
+    if args.kv_dtypes is not None and args.dtype is not None:
+        raise SimulationError("give --kv-dtype or --kv-dtypes, not both")
+    gpus = parse_gpus(args.gpu, args.usd_per_hour)
+    counts = parse_counts(args.replicas, "--replicas")
+    sizes = parse_sizes(args.host_cache if args.host_cache is not None else "0", "--host-cache")
+    for g in sizes:
+        _check_host_tier(g)
+    dtypes = [d.strip().lower() for d in (args.kv_dtypes or args.dtype or "bf16").split(",")]
+    for d in dtypes:
+        if d not in KV_DTYPES:
+            raise SimulationError(f"unknown KV dtype {d!r} (known: {', '.join(KV_DTYPES)})")
+    workload = load_workload(args.trace, args.format, args.limit)
+    if args.time_scale != 1.0:
+        workload = workload.scaled(args.time_scale)
+    if len(workload) == 0:
+        raise SimulationError("the workload has no requests")
+    base = _model(args)
+    families: List[Family] = []
+    for gpu in gpus:
+        for tp in args.tp_list:
+            for pp in args.pp_list:
+                for d in dtypes:
+                    for h in sizes:
+                        f = Family(gpu.name, tp, pp, d, h, gpu.usd_per_hour)
+                        try:
+                            f.engine = _engine(args, base.with_kv_dtype(d), h, gpu=gpu, tp=tp, pp=pp)
+                        except SimulationError as e:
+                            f.fits, f.why_not = False, str(e)
+                            if "does not" not in f.why_not:
+                                f.why_not = f.why_not.replace("--tp", "TP").replace("--pp", "PP")
+                        families.append(f)
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+
+    def replay(f: Family, n: int) -> Dict[str, Any]:
+        _bill, cfg, tm = f.engine
+        bar = ProgressBar(f"plan: {f.label(n)}", len(workload)) if show else None
+        try:
+            cl = Cluster(workload, cfg, tm, n, args.router)
+            return cl.run(bar, lambda c: ttft_already_missed(c, args.ttft_p99)).summary
+        except ReplayStopped as e:
+            rej = sum(int(x.rec.rejected.sum()) for x in cl.engines)
+            return {"stopped": True, "arrived_share": e.arrived / len(workload), "rejected": rej}
+        finally:
+            if bar is not None:
+                bar.close()
+
+    plan = search(families, counts, replay, args.ttft_p99, args.tpot_p99, args.cost)
+    if args.plot:
+        from .plot import plot_gpu_plan
+
+        plot_gpu_plan(plan, args.plot, title=f"{workload.name} on {base.name}")
+    if args.json:
+        extra = {"workload": dict(workload.stats(), name=workload.name), "model": base.name,
+                 "gpu_catalog": {g.name: g.as_dict() for g in gpus}}  # fmt: skip
+        cal = getattr(args, "_calibration", None)
+        if cal is not None:
+            extra["calibration"] = cal.as_dict()
+        print(gpu_plan_json(plan, extra))
+    else:
+        header = [f"workload  {workload.name}: {len(workload):,} requests",
+                  f"model     {base.name}, weights {base.weight_bytes / GiB:.2f} GiB ({base.weight_dtype}); "
+                  f"GPUs {', '.join(g.name for g in gpus)}; TP {','.join(map(str, args.tp_list))}; "
+                  f"PP {','.join(map(str, args.pp_list))}; replicas {args.replicas}; {len(plan.replayed)} replays"]  # fmt: skip
+        print(format_gpu_plan(plan, header))
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0
