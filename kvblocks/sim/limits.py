@@ -126,8 +126,7 @@ HOST_MEM = Limit("--host-mem", float, 0.0, MAX_GIB, unit="of GiB")
 BLOCK_SIZE = Limit("--block-size", int, 1, 65536)
 GPUS_PER_REPLICA = Limit("--tp x --pp", int, 1, 4096)
 NUM_BLOCKS = Limit("--num-blocks", int, 1, MAX_BLOCK_IDS)
-SIM_GPUS_PER_REPLICA = Limit("--tp x --pp", int, 1, 4096)
-NUM_BLOCKS = Limit("--num-blocks", int, 1, MAX_SIM_BLOCKS)
+SIM_NUM_BLOCKS = Limit("--num-blocks", int, 1, MAX_SIM_BLOCKS)
 
 # simulate: workload and engine
 LIMIT = Limit("--limit", int, 1, (1 << 31) - 1)
