@@ -31,7 +31,16 @@ TRT = "TensorRT-LLM release/0.5.0 docs/source/performance.md, H100 GPUs (FP8), s
 # 64 x 2,176 LLaMA-7B tokens of bf16 KV (512 KiB each, MHA) are 68 GiB, beyond 80 GiB less
 # the weights and a reserve. NIM's fp8 profile is taken with bf16 KV (the vLLM default).
 FP8_KV = ("--kv-dtype", "fp8")
-LLAMA2_7B = ("--layers", "32", "--kv-heads", "32", "--head-dim", "128", "--params", "6.74")  # Llama-2-7B
+LLAMA2_7B = (
+    "--layers",
+    "32",
+    "--kv-heads",
+    "32",
+    "--head-dim",
+    "128",
+    "--params",
+    "6.74",
+)  # Llama-2-7B
 
 # name, source, model flags, gpu flags, (input, output), batch (0: sequential, one at a time),
 # figure (ttft_p50 | tpot_p50 | throughput_tok_s), published value (s or tok/s)
@@ -80,7 +89,17 @@ def trace(path: Path, n: int, isl: int, osl: int, gap_ms: float) -> None:
     with open(path, "w") as f:
         for i in range(n):
             ids = list(range(i * blocks, (i + 1) * blocks))
-            f.write(json.dumps({"timestamp": i * gap_ms, "input_length": isl, "output_length": osl, "hash_ids": ids}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": i * gap_ms,
+                        "input_length": isl,
+                        "output_length": osl,
+                        "hash_ids": ids,
+                    }
+                )
+                + "\n"
+            )
 
 
 def run_case(c: Dict[str, Any], extra: List[str], tmp: Path) -> float:
@@ -88,7 +107,12 @@ def run_case(c: Dict[str, Any], extra: List[str], tmp: Path) -> float:
     path = tmp / "case.jsonl"
     if c["batch"]:  # all at once, the batch as the sequence limit (a static batch)
         n, gap = c["batch"], 0.0
-        engine = ["--max-num-seqs", str(c["batch"]), "--token-budget", str(max(8192, c["batch"] * isl))]
+        engine = [
+            "--max-num-seqs",
+            str(c["batch"]),
+            "--token-budget",
+            str(max(8192, c["batch"] * isl)),
+        ]
     else:  # one at a time: each request arrives after the previous one is long done
         n, gap = 4, 1000.0 * (2.0 + osl * 0.2)
         engine = []
@@ -108,7 +132,9 @@ def fmt(v: float, figure: str) -> str:
 
 
 def main_(argv: List[str]) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json", metavar="OUT", help="also write the rows as JSON")
     args, extra = ap.parse_known_args(argv)
     rows = []
@@ -121,7 +147,9 @@ def main_(argv: List[str]) -> int:
     print("| case | published | predicted | error |")
     print("| :--- | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['name']} | {fmt(r['published'], r['figure'])} | {fmt(r['predicted'], r['figure'])} | {100 * r['error']:+.0f}% |")
+        print(
+            f"| {r['name']} | {fmt(r['published'], r['figure'])} | {fmt(r['predicted'], r['figure'])} | {100 * r['error']:+.0f}% |"
+        )
     print()
     for kind in ("ttft_p50", "tpot_p50", "throughput_tok_s"):
         errs = [abs(r["error"]) for r in rows if r["figure"] == kind]

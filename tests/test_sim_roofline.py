@@ -89,7 +89,10 @@ def test_window_layers_attend_to_at_most_their_window():
 
 def test_step_time_grows_with_work():
     tm = TimeModel.for_model(L8)
-    times = [tm.step(p, d, k) for p, d, k in [(0, 1, 0), (0, 8, 8000), (0, 64, 64000), (512, 64, 64000), (8192, 0, 0)]]
+    times = [
+        tm.step(p, d, k)
+        for p, d, k in [(0, 1, 0), (0, 8, 8000), (0, 64, 64000), (512, 64, 64000), (8192, 0, 0)]
+    ]
     assert times == sorted(times)
 
 
@@ -138,14 +141,20 @@ def test_tp_memory_bill_gains_the_freed_weights():
     one = memory_bill(L8, 80, 16)
     two = memory_bill(L8, 80, 16, gpus=2)
     per_block = one.block_bytes
-    assert two.num_blocks == (2 * 80 * (1 << 30) - L8.weight_bytes - 2 * int(80 * (1 << 30) * 0.1)) // per_block
+    assert (
+        two.num_blocks
+        == (2 * 80 * (1 << 30) - L8.weight_bytes - 2 * int(80 * (1 << 30) * 0.1)) // per_block
+    )
     assert two.num_blocks > 2 * one.num_blocks
     # TP wider than the KV heads stores each head twice
     p = parallel_layout(L8, 16)
     assert p.kv_copies == 2 and p.kv_share == 2 / 16
     copies = memory_bill(L8, 80, 16, gpus=16, kv_copies=2)
     plain = memory_bill(L8, 80, 16, gpus=16, kv_copies=1)
-    assert copies.num_blocks == plain.num_blocks // 2 or abs(copies.num_blocks - plain.num_blocks / 2) <= 1
+    assert (
+        copies.num_blocks == plain.num_blocks // 2
+        or abs(copies.num_blocks - plain.num_blocks / 2) <= 1
+    )
 
 
 @pytest.mark.parametrize(
@@ -211,7 +220,9 @@ def test_gpu_catalog():
     with pytest.raises(SimulationError, match="unknown GPU 'h900'"):
         get_gpu("h900")
     # a faster GPU gives a shorter step
-    assert TimeModel.for_model(L8, gpu=GPUS["h200"]).step(0, 8, 8000) < TimeModel.for_model(L8).step(0, 8, 8000)
+    assert TimeModel.for_model(L8, gpu=GPUS["h200"]).step(0, 8, 8000) < TimeModel.for_model(
+        L8
+    ).step(0, 8, 8000)
 
 
 # ------------------------------------------------------------------------- calibration
@@ -258,7 +269,9 @@ def test_calibration_cli_uses_the_fit(tmp_path, capsys):
     lines += [f"{int(p)},{int(d)},{int(k)},{ms:.6f},{int(s)}" for p, d, k, ms, s in rows]
     path.write_text("\n".join(lines) + "\n")
     assert read_profile(str(path)).shape == (60, 5)
-    rc, out, err = run_main(capsys, "simulate", "--limit", "20", "--no-contiguous", "--calibrate", str(path), "--json")
+    rc, out, err = run_main(
+        capsys, "simulate", "--limit", "20", "--no-contiguous", "--calibrate", str(path), "--json"
+    )
     assert rc == 0, err
     doc = json.loads(out)
     assert doc["calibration"]["rows"] == 60
@@ -293,7 +306,15 @@ def test_missing_calibration_file(tmp_path, capsys):
 # ------------------------------------------------------------------------- CLI
 
 
-SLO_KEYS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "throughput_tok_s", "throughput_req_s", "goodput")
+SLO_KEYS = (
+    "ttft_p50",
+    "ttft_p99",
+    "tpot_p50",
+    "tpot_p99",
+    "throughput_tok_s",
+    "throughput_req_s",
+    "goodput",
+)
 
 
 def test_simulate_json_has_the_slo_keys_and_the_gpus(capsys):
@@ -332,7 +353,9 @@ def test_goodput_follows_the_slo(capsys):
 
 
 def test_70b_does_not_fit_one_gpu_but_does_with_tp(capsys):
-    rc, _, err = run_main(capsys, "simulate", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--limit", "5")
+    rc, _, err = run_main(
+        capsys, "simulate", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--limit", "5"
+    )
     one_line(rc, err, "does not fit", "--tp")
     rc, out, err = run_main(capsys, "simulate", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--tp", "4",
                             "--limit", "10", "--no-contiguous", "--json")  # fmt: skip
@@ -375,7 +398,13 @@ def test_search_bisects_and_explains():
     def replay(f, n):
         calls.append((f.tp, n))
         g = f.tp * n
-        return {"ttft_p99_s": 40.0 / g, "tpot_p99_s": 0.05, "throughput_tok_s": 100.0 * g, "goodput": 1.0, "rejected": 0}
+        return {
+            "ttft_p99_s": 40.0 / g,
+            "tpot_p99_s": 0.05,
+            "throughput_tok_s": 100.0 * g,
+            "goodput": 1.0,
+            "rejected": 0,
+        }
 
     plan = search(_fams((1, False), (2, True), (4, True)), list(range(1, 9)), replay, 3.0)
     b = plan.best
@@ -391,7 +420,13 @@ def test_search_bisects_and_explains():
 
 def test_search_by_cost_and_tpot():
     def replay(f, n):
-        return {"ttft_p99_s": 1.0, "tpot_p99_s": 0.2 / (f.tp * n), "throughput_tok_s": 1.0, "goodput": 1.0, "rejected": 0}
+        return {
+            "ttft_p99_s": 1.0,
+            "tpot_p99_s": 0.2 / (f.tp * n),
+            "throughput_tok_s": 1.0,
+            "goodput": 1.0,
+            "rejected": 0,
+        }
 
     fams = [Family("a100-80gb", 2, 1, "bf16", 0.0, 1.0), Family("h200", 2, 1, "bf16", 0.0, 4.0)]
     plan = search(fams, [1, 2, 4], replay, 2.0, tpot_p99_s=0.05, by_cost=True)
@@ -431,3 +466,57 @@ def test_plan_answers_the_70b_question(tmp_path, capsys):
     assert rc == 0, err
     assert "answer    " in out and "why not cheaper" in out or "answer    " in out
     assert "h100-sxm" in out and "h200" in out
+
+
+def test_idle_prefill_is_the_sum_of_its_chunks():
+    from kvblocks.sim.gpuplan import idle_prefill_s
+
+    tm = TimeModel.for_model(L8)
+    one = idle_prefill_s(tm, 8192, 8192)
+    p, r = tm.prefill_attention([(0, 8192)])
+    assert one == pytest.approx(tm.step(8192, 0, 0, 0, p, r))
+    two = idle_prefill_s(tm, 16384, 8192)
+    p2, r2 = tm.prefill_attention([(8192, 8192)])
+    assert two == pytest.approx(one + tm.step(8192, 0, 0, 0, p2, r2))
+    assert idle_prefill_s(TimeModel.for_model(L8, tp=2), 16384, 8192) < two
+
+
+def test_early_stop_never_ends_a_replay_that_meets_the_target(tmp_path):
+    """The plan's stop rule: a replay that ends with TTFT p99 <= target is never stopped, and
+    an overloaded one is stopped (ReplayStopped) before its end."""
+    from kvblocks.sim import SchedulerConfig, load_workload
+    from kvblocks.sim.cluster import Cluster, ReplayStopped
+    from kvblocks.sim.gpuplan import ttft_already_missed
+
+    w = load_workload(_trace(tmp_path, n=60, prompt=3000, out=32, gap_ms=50))
+    bill = memory_bill(L8, 80, 16)
+    cfg = SchedulerConfig(num_blocks=bill.num_blocks, block_size=16, block_bytes=bill.block_bytes)
+    tm = TimeModel.for_model(L8)
+    full = Cluster(w, cfg, tm, 1, "round_robin").run()
+    p99 = full.summary["ttft_p99_s"]
+    loose = Cluster(w, cfg, tm, 1, "round_robin").run(
+        None, lambda c: ttft_already_missed(c, p99), 1
+    )
+    assert loose.summary["ttft_p99_s"] == pytest.approx(p99)
+    with pytest.raises(ReplayStopped):
+        Cluster(w, cfg, tm, 1, "round_robin").run(
+            None, lambda c: ttft_already_missed(c, p99 / 20), 1
+        )
+
+
+def test_pipeline_parallel_cli(capsys):
+    rc, out, err = run_main(
+        capsys, "simulate", "--limit", "20", "--no-contiguous", "--json", "--pp", "2"
+    )
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert (doc["gpus"], doc["pp"], doc["time_model"]["pipeline_bubble"]) == (2, 2, 0.5)
+
+
+def test_gpu_plan_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out_png = tmp_path / "plan.png"
+    rc, out, err = run_main(capsys, "plan", "--model", "llama-3.1-8b", "--gpu", "l40s", "--trace", _trace(tmp_path),
+                            "--ttft-p99", "5", "--tp", "1,2", "--replicas", "1-2", "--plot", str(out_png), "--no-progress")  # fmt: skip
+    assert rc == 0, err
+    assert out_png.stat().st_size > 0 and "plot written" in out

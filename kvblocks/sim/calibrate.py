@@ -88,7 +88,9 @@ def read_profile(path: str) -> np.ndarray:
         names = [h.strip().lower() for h in header]
         missing = [c for c in REQUIRED if c not in names]
         if missing:
-            raise WorkloadError(f"the header lacks column(s) {', '.join(missing)} (has {', '.join(names)})", path, 1)
+            raise WorkloadError(
+                f"the header lacks column(s) {', '.join(missing)} (has {', '.join(names)})", path, 1
+            )
         idx = [names.index(c) if c in names else -1 for c in COLUMNS]
         out: List[List[float]] = []
         try:
@@ -105,13 +107,21 @@ def read_profile(path: str) -> np.ndarray:
                     try:
                         v = float(row[i])
                     except ValueError:
-                        raise WorkloadError(f"{col} {row[i].strip()!r} is not a number", path, line) from None
+                        raise WorkloadError(
+                            f"{col} {row[i].strip()!r} is not a number", path, line
+                        ) from None
                     if not math.isfinite(v) or v < 0 or (col == "ms" and v <= 0):
                         need = "> 0" if col == "ms" else ">= 0"
-                        raise WorkloadError(f"{col} must be a finite number {need}, got {row[i].strip()!r}", path, line)
+                        raise WorkloadError(
+                            f"{col} must be a finite number {need}, got {row[i].strip()!r}",
+                            path,
+                            line,
+                        )
                     vals.append(v)
                 if vals[0] + vals[1] <= 0:
-                    raise WorkloadError("a step needs prefill_tokens or decode_tokens > 0", path, line)
+                    raise WorkloadError(
+                        "a step needs prefill_tokens or decode_tokens > 0", path, line
+                    )
                 out.append(vals)
         except (csv.Error, UnicodeDecodeError) as e:
             raise WorkloadError(f"not a CSV file: {e}", path) from None

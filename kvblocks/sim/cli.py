@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional
 
 from . import limits as L
 from .errors import SimulationError
-from .hybrid_models import parse_layer_kinds
 from .gpus import DEFAULT_GPU, GPUS, GpuSpec, get_gpu
+from .hybrid_models import parse_layer_kinds
 from .models import DEFAULT_MODEL, PRESETS, ModelSpec, custom_model, get_model, memory_bill
 from .plan import DIST_HELP, format_plan, make_plan, parse_dist, plan_json
 
@@ -151,7 +151,9 @@ def _add_time_args(p: argparse.ArgumentParser) -> None:
     from .timing import Efficiency
 
     e = Efficiency()
-    g = p.add_argument_group("time model (a roofline per step from the model and --gpu; docs/simulator.md)")
+    g = p.add_argument_group(
+        "time model (a roofline per step from the model and --gpu; docs/simulator.md)"
+    )
     g.add_argument("--compute-eff", type=L.COMPUTE_EFF.parse, metavar="F",
                    help=f"GEMM FLOP/s over the peak ({e.compute:g})")  # fmt: skip
     g.add_argument("--bandwidth-eff", type=L.BANDWIDTH_EFF.parse, metavar="F",
@@ -316,7 +318,9 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g = plan.add_argument_group("engine (cluster plan)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    g.add_argument("--max-num-seqs", type=L.MAX_NUM_SEQS.parse, default=256, help="sequences per batch (256)")
+    g.add_argument(
+        "--max-num-seqs", type=L.MAX_NUM_SEQS.parse, default=256, help="sequences per batch (256)"
+    )
     g.add_argument("--token-budget", type=L.TOKEN_BUDGET.parse, default=8192,
                    help="tokens per step, max_num_batched_tokens (8192)")  # fmt: skip
     _add_time_args(plan)
@@ -438,8 +442,12 @@ def _engine(args: argparse.Namespace, model: ModelSpec, host_cache_gib: float = 
         if host_cache_gib
         else 0,
         layout=bill.groups,
-        slo_ttft_s=getattr(args, "ttft_slo", None) or getattr(args, "ttft_p99", None) or DEFAULT_TTFT_SLO_S,
-        slo_tpot_s=getattr(args, "tpot_slo", None) or getattr(args, "tpot_p99", None) or DEFAULT_TPOT_SLO_S,
+        slo_ttft_s=getattr(args, "ttft_slo", None)
+        or getattr(args, "ttft_p99", None)
+        or DEFAULT_TTFT_SLO_S,
+        slo_tpot_s=getattr(args, "tpot_slo", None)
+        or getattr(args, "tpot_p99", None)
+        or DEFAULT_TPOT_SLO_S,
     )
     cfg.validate()
     return bill, cfg, tm
@@ -496,7 +504,9 @@ def _describe(args: argparse.Namespace, cfg: Any, tm: Any, bill: Any, replicas: 
     return "\n".join(lines)
 
 
-def _json_head(args: argparse.Namespace, summary: Dict[str, Any], tm: Any, replicas: int) -> Dict[str, Any]:
+def _json_head(
+    args: argparse.Namespace, summary: Dict[str, Any], tm: Any, replicas: int
+) -> Dict[str, Any]:
     """The top-level ``--json`` keys: SLO figures, GPUs, parallelism, calibration."""
     gpu = _gpu(args)
     par = tm.parallel
@@ -618,7 +628,11 @@ def _simulate_cluster(args: argparse.Namespace, model: ModelSpec, bill: Any, cfg
     if args.json:
         cluster = {"host_cache_gib": args.host_cache, "pcie_gbps": args.pcie_gbps}
         head = _json_head(args, res.summary, tm, args.replicas)
-        print(cluster_json(workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), res, cluster, head))
+        print(
+            cluster_json(
+                workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), res, cluster, head
+            )
+        )
     else:
         desc = _describe(args, cfg, tm, bill, args.replicas)
         print(format_cluster(workload.name, wstats, bill, desc, res, host_desc))
@@ -636,7 +650,9 @@ def _int_list(text: Optional[str], flag: str, lim: Any, default: List[int]) -> L
         try:
             v = int(part.strip(), 10)
         except ValueError:
-            raise SimulationError(f"{flag}: {part.strip()!r} is not an integer (e.g. 1,2,4,8)") from None
+            raise SimulationError(
+                f"{flag}: {part.strip()!r} is not an integer (e.g. 1,2,4,8)"
+            ) from None
         out.append(lim.check_int(v))
     return sorted(set(out))
 
@@ -648,12 +664,18 @@ def _plan(args: argparse.Namespace) -> int:
     if not v2:
         for flag, vals in (("--tp", args.tp_list), ("--pp", args.pp_list)):
             if len(vals) > 1:
-                raise SimulationError(f"{flag} takes one value here; a list needs --gpu and --trace (a cluster plan)")
+                raise SimulationError(
+                    f"{flag} takes one value here; a list needs --gpu and --trace (a cluster plan)"
+                )
         for flag, v in (("--tpot-p99", args.tpot_p99), ("--kv-dtypes", args.kv_dtypes)):
             if v is not None:
-                raise SimulationError(f"{flag} belongs to the GPU plan: give --gpu NAME with --trace and --ttft-p99")
+                raise SimulationError(
+                    f"{flag} belongs to the GPU plan: give --gpu NAME with --trace and --ttft-p99"
+                )
         if args.cost:
-            raise SimulationError("--cost belongs to the GPU plan: give --gpu NAME with --trace and --ttft-p99")
+            raise SimulationError(
+                "--cost belongs to the GPU plan: give --gpu NAME with --trace and --ttft-p99"
+            )
         args.tp, args.pp = args.tp_list[0], args.pp_list[0]
     if v2:
         return _plan_gpus(args)
@@ -760,9 +782,16 @@ def _plan_gpus(args: argparse.Namespace) -> int:
     """``plan --gpu NAME[,NAME...] --trace FILE --ttft-p99 S [--tpot-p99 S] [--cost]``."""
     from .capacity import parse_counts, parse_sizes
     from .cluster import Cluster, ReplayStopped
-    from .gpuplan import Family, format_gpu_plan, gpu_plan_json, search, ttft_already_missed
+    from .gpuplan import (
+        Family,
+        format_gpu_plan,
+        gpu_plan_json,
+        idle_prefill_s,
+        search,
+        ttft_already_missed,
+    )
     from .gpus import parse_gpus
-    from .models import GiB, KV_DTYPES
+    from .models import KV_DTYPES, GiB
     from .progress import ProgressBar
     from .routers import ROUTERS
     from .workload import load_workload
@@ -798,12 +827,20 @@ def _plan_gpus(args: argparse.Namespace) -> int:
                     for h in sizes:
                         f = Family(gpu.name, tp, pp, d, h, gpu.usd_per_hour)
                         try:
-                            f.engine = _engine(args, base.with_kv_dtype(d), h, gpu=gpu, tp=tp, pp=pp)
+                            f.engine = _engine(
+                                args, base.with_kv_dtype(d), h, gpu=gpu, tp=tp, pp=pp
+                            )
                         except SimulationError as e:
                             f.fits, f.why_not = False, str(e)
                             if "does not" not in f.why_not:
                                 f.why_not = f.why_not.replace("--tp", "TP").replace("--pp", "PP")
                         families.append(f)
+    import numpy as np
+
+    p99_prompt = int(np.percentile([r.prompt_len for r in workload.requests], 99, method="higher"))
+    for f in families:
+        if f.fits:
+            f.idle_ttft_s = idle_prefill_s(f.engine[2], p99_prompt, args.token_budget)
     show = args.progress if args.progress is not None else sys.stderr.isatty()
 
     def replay(f: Family, n: int) -> Dict[str, Any]:

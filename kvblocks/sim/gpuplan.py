@@ -31,7 +31,28 @@ from .errors import SimulationError
 from .fmt import json_safe
 from .report import _secs
 
-__all__ = ["Candidate", "Family", "GpuPlan", "search", "format_gpu_plan", "gpu_plan_json"]
+__all__ = [
+    "Candidate",
+    "Family",
+    "GpuPlan",
+    "search",
+    "format_gpu_plan",
+    "gpu_plan_json",
+    "idle_prefill_s",
+]
+
+
+def idle_prefill_s(tm: Any, prompt_len: int, token_budget: int) -> float:
+    """Seconds an idle replica takes to prefill one ``prompt_len``-token prompt (no prefix hit),
+    chunk by chunk of ``token_budget``: a lower bound on that prompt's TTFT under any load."""
+    total, pos = 0.0, 0
+    while pos < prompt_len:
+        c = min(token_budget, prompt_len - pos)
+        pairs, reads = tm.prefill_attention([(pos, c)])
+        total += tm.step(c, 0, 0, 0, pairs, reads)
+        pos += c
+    return total
+
 
 MAX_REPLAYS = 64
 
@@ -48,6 +69,7 @@ class Family:
     usd_per_gpu_hour: float
     fits: bool = True
     why_not: str = ""  # when it does not fit
+    idle_ttft_s: Optional[float] = None  # the p99 prompt's prefill alone on an idle replica
     engine: Any = None  # (bill, cfg, tm) when it fits
 
     @property
@@ -96,6 +118,7 @@ class Candidate:
             "host_cache_gib": f.host_cache_gib,
             "usd_per_hour": self.usd_per_hour,
             "simulated": self.ran,
+            "idle_p99_prompt_ttft": f.idle_ttft_s,
             "ttft_p99": self.ttft_p99_s,
             "tpot_p99": self.tpot_p99_s,
             "throughput_tok_s": self.throughput_tok_s,
@@ -224,7 +247,9 @@ def search(
     fit = [f for f in families if f.fits]
     unfit = [f for f in families if not f.fits]
     if not fit:
-        why = "; ".join(f"{f.gpu} TP{f.tp} PP{f.pp} KV {f.kv_dtype}: {f.why_not}" for f in unfit[:4])
+        why = "; ".join(
+            f"{f.gpu} TP{f.tp} PP{f.pp} KV {f.kv_dtype}: {f.why_not}" for f in unfit[:4]
+        )
         raise SimulationError(f"no configuration fits in memory ({why}); widen --tp, --pp or --gpu")
     cands: Dict[Tuple[int, int], Candidate] = {}
     replayed: List[Candidate] = []
@@ -293,14 +318,17 @@ def format_gpu_plan(plan: GpuPlan, header: List[str], show_cheaper: int = 8) -> 
     slo = f"TTFT p99 <= {_secs(plan.ttft_p99_s)}"
     if plan.tpot_p99_s is not None:
         slo += f", TPOT p99 <= {_secs(plan.tpot_p99_s)}"
-    out.append(f"target    {slo}; cheapest by {'$/hour' if plan.by_cost else 'GPU count'}")
+    out.append(
+        f"target    {slo}; cheapest by {'$/hour' if plan.by_cost else 'GPU count'}; "
+        "'idle p99': the 99th-percentile prompt's prefill on an idle replica (no prefix hit: a floor under TTFT p99 when few prompts hit the cache)"
+    )
     out.append("")
-    cols = [("configuration", 44), ("GPUs", 6), ("$/hour", 9), ("TTFT p99", 11), ("TPOT p99", 11),
-            ("tok/s", 9), ("goodput", 9), ("", 4)]  # fmt: skip
+    cols = [("configuration", 44), ("GPUs", 6), ("$/hour", 9), ("idle p99", 10), ("TTFT p99", 11),
+            ("TPOT p99", 11), ("tok/s", 9), ("goodput", 9), ("", 4)]  # fmt: skip
     out.append("".join(f"{t:<{w}}" if i == 0 else f"{t:>{w}}" for i, (t, w) in enumerate(cols)))
     for c in sorted(plan.replayed, key=lambda c: _key(c, plan.by_cost)):
         out.append(
-            f"{c.family.label(c.replicas):<44}{c.gpus:>6}{c.usd_per_hour:>9.2f}"
+            f"{c.family.label(c.replicas):<44}{c.gpus:>6}{c.usd_per_hour:>9.2f}{_secs(c.family.idle_ttft_s):>10}"
             f"{_secs(c.ttft_p99_s) if c.ttft_p99_s is not None else '> ' + self_t(plan):>11}"
             f"{_secs(c.tpot_p99_s):>11}{c.throughput_tok_s:>9,.0f}{100 * c.goodput:>8.1f}%"
             f"{'  ok' if c.meets else '  --'}"
@@ -314,6 +342,19 @@ def format_gpu_plan(plan: GpuPlan, header: List[str], show_cheaper: int = 8) -> 
                     key=lambda c: c.ttft_p99_s or 0.0, default=None)  # fmt: skip
         out.append("answer    no configuration in range meets the SLOs"
                    + (f"; closest: {close.family.label(close.replicas)} ({close.reason})" if close else ""))  # fmt: skip
+        fast = [
+            f
+            for f in {id(c.family): c.family for c in plan.replayed}.values()
+            if f.idle_ttft_s is not None
+        ]
+        if fast:
+            f = min(fast, key=lambda f: f.idle_ttft_s or 0.0)
+            if (f.idle_ttft_s or 0.0) > plan.ttft_p99_s:
+                out.append(
+                    f"why      the 99th-percentile prompt alone takes {_secs(f.idle_ttft_s)} to prefill on an idle "
+                    f"{f.gpu} TP{f.tp} replica (the fastest here), more than the {_secs(plan.ttft_p99_s)} target "
+                    "at any replica count: widen --tp, take a faster --gpu, or relax --ttft-p99"
+                )
         return "\n".join(out)
     out.append(
         f"answer    {b.gpus} x {b.family.gpu}: {b.replicas} replica{'s' if b.replicas > 1 else ''} x TP {b.family.tp}"

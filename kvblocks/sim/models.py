@@ -62,6 +62,8 @@ def kv_nbytes(dtype: str, elems: int) -> int:
     if dtype == "fp4":
         return -(-elems // 2) + -(-elems // FP4_GROUP)
     return elems * DTYPE_BYTES[dtype]
+
+
 DEFAULT_RESERVE_FRACTION = 0.10
 
 

@@ -118,5 +118,7 @@ def parallel_layout(model: ModelSpec, tp: int = 1, pp: int = 1) -> Parallel:
             )
         copies = tp // model.num_kv_heads
     if model.num_layers % pp:
-        raise SimulationError(f"--pp {pp} does not divide the {model.num_layers} layers of {model.name}")
+        raise SimulationError(
+            f"--pp {pp} does not divide the {model.num_layers} layers of {model.name}"
+        )
     return Parallel(tp, pp, copies)

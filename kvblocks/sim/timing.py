@@ -175,15 +175,21 @@ class TimeModel:
         if self.expert_bytes and t:
             wbytes += self.expert_bytes * (1.0 - self.expert_skip**t)
         if self.prefill_s_per_token or self.decode_s_per_token:
-            flop_s = prefill_tokens * (self.prefill_s_per_token or self.flops_per_token / self.gemm_flops_per_s)
-            flop_s += decode_tokens * (self.decode_s_per_token or self.flops_per_token / self.gemm_flops_per_s)
+            flop_s = prefill_tokens * (
+                self.prefill_s_per_token or self.flops_per_token / self.gemm_flops_per_s
+            )
+            flop_s += decode_tokens * (
+                self.decode_s_per_token or self.flops_per_token / self.gemm_flops_per_s
+            )
         else:
             flop_s = t * self.flops_per_token / self.gemm_flops_per_s
         read_s = wbytes / self.mem_bytes_per_s
         gemm = read_s if read_s > flop_s else flop_s
         kv_s = (kv_tokens_read * self.kv_read_s_per_token
                 + (prefill_reads + t) * self.kv_bytes_per_token / self.mem_bytes_per_s)  # fmt: skip
-        attn_f = (kv_tokens_read * self.decode_pair_flops + prefill_pairs * self.prefill_pair_flops) / self.attn_flops_per_s
+        attn_f = (
+            kv_tokens_read * self.decode_pair_flops + prefill_pairs * self.prefill_pair_flops
+        ) / self.attn_flops_per_s
         attn = kv_s if kv_s > attn_f else attn_f
         return (
             self.host_s
@@ -274,12 +280,18 @@ class TimeModel:
         p = self.parallel
         flop_us = self.flops_per_token / self.gemm_flops_per_s * 1e6
         read_us = (self.dense_bytes + self.expert_bytes) / self.mem_bytes_per_s * 1e6
-        ridge = f" (compute-bound above {read_us / flop_us:,.0f} tokens/step)" if flop_us > 0 else ""
+        ridge = (
+            f" (compute-bound above {read_us / flop_us:,.0f} tokens/step)" if flop_us > 0 else ""
+        )
         return (
             f"roofline on {p.describe()} {self.gpu}: {self.host_s * 1e3:.2f} ms host + "
             f"max({read_us * 1e-3:.2f} ms weights, {flop_us:.2f} us/token){ridge} + "
             f"{self.kv_read_s_per_token * 1e9:.1f} ns/KV token read"
-            + (f" + {self.comm_s_per_step * 1e3:.2f} ms collectives" if self.comm_s_per_step else "")
+            + (
+                f" + {self.comm_s_per_step * 1e3:.2f} ms collectives"
+                if self.comm_s_per_step
+                else ""
+            )
         )
 
     def as_dict(self) -> Dict[str, Any]:
