@@ -208,7 +208,8 @@ def _verdict(c: Candidate, s: Dict[str, Any], ttft: float, tpot: Optional[float]
                     f"{100 * s['arrived_share']:.0f}% of the arrivals (replay stopped there)")  # fmt: skip
         if s.get("rejected"):
             c.rejected = int(s["rejected"])
-            c.reason = f"{c.rejected} requests rejected (do not fit the KV pool); replay stopped"
+            c.reason = (f"{c.rejected} request{'s' if c.rejected > 1 else ''} rejected (longer than the KV pool); "
+                        "replay stopped")  # fmt: skip
         return
     c.ttft_p99_s = s.get("ttft_p99_s")
     c.tpot_p99_s = s.get("tpot_p99_s")
@@ -217,7 +218,9 @@ def _verdict(c: Candidate, s: Dict[str, Any], ttft: float, tpot: Optional[float]
     c.rejected = int(s.get("rejected") or 0)
     why = []
     if c.rejected:
-        why.append(f"{c.rejected} requests rejected (do not fit the KV pool)")
+        why.append(
+            f"{c.rejected} request{'s' if c.rejected > 1 else ''} rejected (longer than the KV pool)"
+        )
     if c.ttft_p99_s is None or c.ttft_p99_s > ttft:
         got = "-" if c.ttft_p99_s is None else _secs(c.ttft_p99_s)
         ratio = f" ({c.ttft_p99_s / ttft:.2f}x)" if c.ttft_p99_s else ""
