@@ -520,3 +520,34 @@ def test_gpu_plan_plot(tmp_path, capsys):
                             "--ttft-p99", "5", "--tp", "1,2", "--replicas", "1-2", "--plot", str(out_png), "--no-progress")  # fmt: skip
     assert rc == 0, err
     assert out_png.stat().st_size > 0 and "plot written" in out
+
+
+def test_every_constant_is_a_flag(capsys):
+    rc, out, err = run_main(capsys, "simulate", "--limit", "10", "--no-contiguous", "--json", "--tp", "2",
+                            "--compute-eff", "0.4", "--bandwidth-eff", "0.5", "--attention-eff", "0.3",
+                            "--link-eff", "0.9", "--collective-us", "20", "--step-overhead-ms", "2",
+                            "--peak-tflops", "500", "--hbm-tbs", "2", "--link-gbs", "100")  # fmt: skip
+    assert rc == 0, err
+    tm = json.loads(out)["time_model"]
+    assert tm["gemm_flops_per_s"] == pytest.approx(500e12 * 0.4)
+    assert tm["attention_flops_per_s"] == pytest.approx(500e12 * 0.3)
+    assert tm["mem_bytes_per_s"] == pytest.approx(2e12 * 0.5)
+    assert tm["host_ms"] == 2 and tm["collectives_ms_per_step"] == pytest.approx(64 * 20e-3)
+    assert tm["collectives_ns_per_token"] == pytest.approx(
+        64 * 2 * 0.5 * 4096 * 2 / (100e9 * 0.9) * 1e9
+    )
+
+
+def test_plan_kv_dtypes_and_cost(tmp_path, capsys):
+    trace = _trace(tmp_path, n=12)
+    rc, out, err = run_main(capsys, "plan", "--model", "llama-3.1-8b", "--gpu", "l40s,h100-sxm", "--trace", trace,
+                            "--ttft-p99", "5", "--tp", "1", "--replicas", "1-2", "--kv-dtypes", "bf16,fp8",
+                            "--cost", "--json", "--no-progress")  # fmt: skip
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["objective"] == "usd_per_hour" and doc["kv_dtype"] in ("bf16", "fp8")
+    cheapest = min(GPUS["l40s"].usd_per_hour, GPUS["h100-sxm"].usd_per_hour)
+    assert doc["usd_per_hour"] >= cheapest
+    rc, _, err = run_main(capsys, "plan", "--gpu", "h100-sxm", "--trace", trace, "--ttft-p99", "5",
+                          "--kv-dtypes", "bf16,fp3")  # fmt: skip
+    one_line(rc, err, "unknown KV dtype 'fp3'")
