@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 
+cimport cython
 cimport numpy as cnp
 from cpython.buffer cimport PyBUF_WRITABLE
 from cpython.dict cimport PyDict_GetItem

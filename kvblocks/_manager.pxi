@@ -46,6 +46,9 @@ cdef class SeqBatch:
         return self.n
 
 
+# no_gc_clear: kvb_mgr_destroy reads the pool it manages (m->pool->tier); when the garbage
+# collector breaks a cycle holding a manager, tp_clear must not free that pool first
+@cython.no_gc_clear
 cdef class BlockManager:
     """Block tables per sequence on top of a BlockPool: the KV memory manager of an engine.
 

@@ -44,6 +44,9 @@ cdef object int32_view(object owner, int32_t *ptr, Py_ssize_t n):
 # ---------------------------------------------------------------------------------------------
 # BlockPool
 # ---------------------------------------------------------------------------------------------
+# no_gc_clear: __dealloc__ must find the objects it points into (a host pool's device pool)
+# still alive when a reference cycle holding it is collected
+@cython.no_gc_clear
 cdef class BlockPool:
     """A pool of ``num_blocks`` KV blocks with ref counts, a free list and a prefix cache.
 

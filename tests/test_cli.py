@@ -309,9 +309,12 @@ def test_every_numeric_flag_has_a_limit():
     assert (
         ("simulate", "--gpu-mem") in flags
         and ("plan", "--seed") in flags
-        # shared, simulate, plan; cluster: simulate --replicas --overlap-weight --host-cache
-        # --pcie-gbps, plan --limit --time-scale --ttft-p99 --pcie-gbps
-        and len(flags) == 2 * 9 + 11 + 3 + 4 + 4
+        # shared (+ --usd-per-hour), simulate, plan; cluster: simulate --replicas
+        # --overlap-weight --host-cache --pcie-gbps, plan --limit --time-scale --ttft-p99
+        # --pcie-gbps; v2: the 14 time-model flags in both, simulate --tp --pp (plan's take
+        # lists), plan --tpot-p99 --max-num-seqs --token-budget (the simulate time-model
+        # flags --step-overhead-ms --prefill-us --decode-us --kv-read-ns moved to the shared 14)
+        and len(flags) == 2 * 10 + (11 - 4) + 3 + 4 + 4 + 2 * 14 + 2 + 3
     )
 
 

@@ -11,7 +11,7 @@ chunk prompts with :meth:`StepBudget.take_chunk`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from . import limits
 from .errors import SimulationError
@@ -36,6 +36,8 @@ class SchedulerConfig:
     block_bytes: int = 0  # bytes per block (swap and host-tier transfer time)
     host_cache_blocks: int = 0  # host prefix-cache tier in blocks (0: none; needs the core's tier)
     layout: Optional[GroupLayout] = None  # hybrid models: layers -> kvblocks groups (None: one)
+    slo_ttft_s: float = 2.0  # goodput: a request meets TTFT <= this ...
+    slo_tpot_s: float = 0.1  # ... and time per output token <= this
 
     @property
     def kv_groups(self) -> Any:
@@ -68,16 +70,21 @@ class SchedulerConfig:
 class StepBudget:
     """The tokens one engine step may still compute, and the prefill work given out so far."""
 
-    __slots__ = ("left", "prefill_tokens", "completed")
+    __slots__ = ("left", "prefill_tokens", "completed", "chunks")
 
     def __init__(self, tokens: int) -> None:
         self.left = tokens  # tokens still to give out (the decodes' tokens already taken)
         self.prefill_tokens = 0  # prompt tokens given out as chunks
         self.completed: List[Any] = []  # prompts whose last chunk is in this step, in order
+        self.chunks: List[Tuple[int, int]] = []  # (first position, tokens) of each chunk
 
     def take_chunk(self, s: Any) -> None:
-        """Give ``s`` (anything with a ``prefill_left`` count) its next prefill chunk."""
+        """Give ``s`` (anything with a ``prefill_left`` count; with ``prompt_len`` and ``gen``
+        the chunk's first position is known, else it counts from 0) its next prefill chunk."""
         c = s.prefill_left if s.prefill_left < self.left else self.left
+        if c > 0:
+            total = getattr(s, "prompt_len", s.prefill_left) + getattr(s, "gen", 0)
+            self.chunks.append((total - s.prefill_left, c))
         s.prefill_left -= c
         self.left -= c
         self.prefill_tokens += c

@@ -10,18 +10,26 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict
 
 from . import limits as L
+from .cli_engine import (
+    DEFAULT_SWAP_GIB,
+    _add_time_args,
+    _check_host_tier,
+    _describe,
+    _engine,
+    _gpu_mem,
+    _json_head,
+    _model,
+)
+from .cli_plan import plan_command
 from .errors import SimulationError
-from .hybrid_models import parse_layer_kinds
-from .models import DEFAULT_MODEL, PRESETS, ModelSpec, custom_model, get_model, memory_bill
-from .plan import DIST_HELP, format_plan, make_plan, parse_dist, plan_json
+from .gpus import DEFAULT_GPU, GPUS
+from .models import DEFAULT_MODEL, PRESETS, ModelSpec
+from .plan import DIST_HELP
 
 __all__ = ["add_commands", "run"]
-
-DEFAULT_GPU_MEM = 80.0
-DEFAULT_SWAP_GIB = 4.0
 
 SIM_EPILOG = """\
 workloads:
@@ -53,7 +61,7 @@ examples:
 """
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, plan: bool = False) -> None:
     g = p.add_argument_group("model and memory")
     names = ", ".join(m.name.lower() for m in PRESETS.values())
     g.add_argument("--model", metavar="NAME", help=f"preset: {names} (default {DEFAULT_MODEL})")
@@ -78,16 +86,33 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         metavar="BILLIONS",
         help="custom model: parameters (weights)",
     )
-    g.add_argument(
-        "--dtype", metavar="DTYPE", help="KV cache dtype: bf16 (default), fp16, fp8, fp32"
-    )
+    g.add_argument("--dtype", "--kv-dtype", dest="dtype", metavar="DTYPE",
+                   help="KV cache dtype: bf16 (default), fp16, fp8, fp4 (NVFP4, one fp8 scale per 16), fp32")  # fmt: skip
+    g.add_argument("--weight-dtype", metavar="DTYPE",
+                   help="weights: bf16 (default), fp8, int4 (group-128 scales), fp4; changes the "
+                   "memory bill and the bytes each step reads")  # fmt: skip
+    g.add_argument("--gpu", metavar="NAME",
+                   help=f"GPU from the catalog: {', '.join(GPUS)} (memory, bandwidth, FLOP/s, link, "
+                   f"price; default {DEFAULT_GPU} with --gpu-mem 80)")  # fmt: skip
+    if plan:
+        g.add_argument("--tp", default=None, metavar="N[,N...]",
+                       help="tensor parallel sizes to consider (cluster plan: 1,2,4,8; else 1)")  # fmt: skip
+        g.add_argument("--pp", default=None, metavar="N[,N...]",
+                       help="pipeline stage counts to consider (1)")  # fmt: skip
+    else:
+        g.add_argument("--tp", type=L.TP.parse, default=1, metavar="N",
+                       help="tensor parallel GPUs per replica (1): weights and KV split, all-reduce per layer")  # fmt: skip
+        g.add_argument("--pp", type=L.PP.parse, default=1, metavar="N",
+                       help="pipeline stages per replica (1): layers split, stages run in turn")  # fmt: skip
     g.add_argument(
         "--gpu-mem",
         type=L.GPU_MEM.parse,
-        default=DEFAULT_GPU_MEM,
+        default=None,
         metavar="GiB",
-        help="GPU memory (default 80)",
+        help="memory per GPU (default: the --gpu's, else 80)",
     )
+    g.add_argument("--usd-per-hour", type=L.USD_PER_HOUR.parse, metavar="USD",
+                   help="price of one GPU-hour (default: the catalog's)")  # fmt: skip
     g.add_argument(
         "--reserve",
         type=L.RESERVE.parse,
@@ -193,15 +218,7 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
                    help="hybrid models: replay again with every layer billed as full attention "
                    "and print the gain (concurrency, throughput, hit rate)")  # fmt: skip
     _add_cluster_args(sim)
-    g = sim.add_argument_group("time model (defaults derived from the model, H100-class GPU)")
-    g.add_argument("--step-overhead-ms", type=L.STEP_OVERHEAD_MS.parse, help="fixed cost per step")
-    g.add_argument("--prefill-us", type=L.PREFILL_US.parse, help="cost per prefill token")
-    g.add_argument("--decode-us", type=L.DECODE_US.parse, help="cost per decode token")
-    g.add_argument(
-        "--kv-read-ns",
-        type=L.KV_READ_NS.parse,
-        help="cost per cached token read by a decoding token",
-    )
+    _add_time_args(sim)
     g = sim.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print the report as JSON")
     g.add_argument(
@@ -226,7 +243,7 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
         epilog=PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_model_args(plan)
+    _add_model_args(plan, plan=True)
     plan.add_argument("--prompt-len", metavar="DIST", help="prompt length distribution")
     plan.add_argument("--output-len", metavar="DIST", help="output length distribution")
     plan.add_argument(
@@ -249,10 +266,16 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
                    help="multiply arrival times by F")  # fmt: skip
     g.add_argument("--ttft-p99", type=L.TTFT_P99.parse, metavar="SECONDS",
                    help="target: time to first token, 99th percentile")  # fmt: skip
+    g.add_argument("--tpot-p99", type=L.TPOT_P99.parse, metavar="SECONDS",
+                   help="target: time per output token, 99th percentile (with --gpu)")  # fmt: skip
+    g.add_argument("--cost", action="store_true",
+                   help="with --gpu: cheapest in $/hour, not in GPUs (prices: --usd-per-hour or the catalog)")  # fmt: skip
+    g.add_argument("--kv-dtypes", metavar="D[,D...]",
+                   help="with --gpu: KV dtypes to consider, e.g. bf16,fp8 (default: --kv-dtype or bf16)")  # fmt: skip
     g.add_argument("--replicas", default="1-8", metavar="LIST",
                    help="replica counts to simulate, e.g. 1-8 or 2,4,8 (1-8)")  # fmt: skip
-    g.add_argument("--host-cache", default="0,256", metavar="GiB,...",
-                   help="host-cache sizes per replica to simulate (0,256; 0 = no host tier)")  # fmt: skip
+    g.add_argument("--host-cache", default=None, metavar="GiB,...",
+                   help="host-cache sizes per replica to simulate (0,256; with --gpu 0; 0 = no host tier)")  # fmt: skip
     g.add_argument("--router", default="prefix_aware", metavar="NAME",
                    help="round_robin, least_loaded or prefix_aware (prefix_aware)")  # fmt: skip
     g.add_argument("--host-write-through", action="store_true",
@@ -263,84 +286,14 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="progress bar on stderr")  # fmt: skip
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-
-
-def _model(args: argparse.Namespace) -> ModelSpec:
-    if args.layers is not None:
-        if args.model:
-            raise SimulationError("give either --model or --layers/--kv-heads/--head-dim, not both")
-        kinds = parse_layer_kinds(args.layer_groups, args.layers) if args.layer_groups else ()
-        return custom_model(args.layers, args.kv_heads, args.head_dim, args.dtype or "bf16", args.params * 1e9,
-                            args.latent_dim, layer_kinds=kinds)  # fmt: skip
-    if args.layer_groups:
-        raise SimulationError(
-            "--layer-groups describes a custom model: give it with --layers, not --model"
-        )
-    return get_model(args.model or DEFAULT_MODEL).with_kv_dtype(args.dtype)
-
-
-def _engine(args: argparse.Namespace, model: ModelSpec, host_cache_gib: float = 0.0,
-            all_full: Optional[bool] = None) -> Any:  # fmt: skip
-    """The memory bill, the scheduler config and the time model the flags ask for
-    (``all_full`` overrides ``--all-full``)."""
-    from dataclasses import replace
-
-    from .batching import SchedulerConfig
-    from .hosttier import DEFAULT_PCIE_GBPS, host_cache_blocks
-    from .timing import TimeModel
-
-    preemption = getattr(args, "preemption", "recompute")
-    host_mem = getattr(args, "host_mem", None)
-    host = host_mem if host_mem is not None else (DEFAULT_SWAP_GIB if preemption == "swap" else 0.0)
-    full = args.all_full if all_full is None else all_full
-    bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks, host,
-                       max_blocks=L.MAX_SIM_BLOCKS, all_full=full)  # fmt: skip
-    tm = TimeModel.for_model(
-        model,
-        getattr(args, "step_overhead_ms", None),
-        getattr(args, "prefill_us", None),
-        getattr(args, "decode_us", None),
-        getattr(args, "kv_read_ns", None),
+    g = plan.add_argument_group("engine (cluster plan)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument(
+        "--max-num-seqs", type=L.MAX_NUM_SEQS.parse, default=256, help="sequences per batch (256)"
     )
-    pcie = args.pcie_gbps if args.pcie_gbps is not None else DEFAULT_PCIE_GBPS
-    tm = replace(tm, swap_bytes_per_s=pcie * 1e9)
-    cfg = SchedulerConfig(
-        num_blocks=bill.num_blocks,
-        block_size=bill.block_size,
-        enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
-        watermark=getattr(args, "watermark", 0.01),
-        max_num_seqs=getattr(args, "max_num_seqs", 256),
-        token_budget=getattr(args, "token_budget", 8192),
-        preemption=preemption,
-        host_write_through=args.host_write_through and host_cache_gib > 0,
-        host_blocks=bill.host_blocks,
-        block_bytes=bill.block_bytes,
-        host_cache_blocks=host_cache_blocks(host_cache_gib, bill.block_bytes)
-        if host_cache_gib
-        else 0,
-        layout=bill.groups,
-    )
-    cfg.validate()
-    return bill, cfg, tm
-
-
-def _engine_desc(cfg: Any, tm: Any) -> str:
-    return (
-        f"continuous batching, {cfg.token_budget:,} tokens/step, <= {cfg.max_num_seqs} seqs, watermark "
-        f"{cfg.watermark:g}, prefix caching {'on' if cfg.enable_prefix_caching else 'off'}, "
-        f"preemption by {cfg.preemption}; step = {tm.step_overhead_s * 1e3:.2f} ms + "
-        f"{tm.prefill_s_per_token * 1e6:.1f} us/prefill tok + {tm.decode_s_per_token * 1e6:.1f} us/decode tok + "
-        f"{tm.kv_read_s_per_token * 1e9:.1f} ns/KV tok read"
-    )
-
-
-def _check_host_tier(gib: float, write_through: bool = False) -> None:
-    from .hosttier import HOST_TIER_MISSING, host_tier_available
-
-    if gib > 0 and not host_tier_available():
-        raise SimulationError(HOST_TIER_MISSING)
-    if write_through and gib <= 0:
-        raise SimulationError("--host-write-through needs a host tier (--host-cache GiB > 0)")
+    g.add_argument("--token-budget", type=L.TOKEN_BUDGET.parse, default=8192,
+                   help="tokens per step, max_num_batched_tokens (8192)")  # fmt: skip
+    _add_time_args(plan)
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -395,16 +348,16 @@ def _simulate(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    desc = _engine_desc(cfg, tm)
+    desc = _describe(args, cfg, tm, bill, 1)
     if args.plot:
         from .plot import plot_results
 
         plot_results([r for r in (paged, contiguous) if r is not None], args.plot,
-                     title=f"{workload.name} on {model.name}, {args.gpu_mem:g} GiB")  # fmt: skip
+                     title=f"{workload.name} on {model.name}, {_gpu_mem(args):g} GiB")  # fmt: skip
     base_bill = base[0] if base is not None else None
     if args.json:
         print(simulation_json(workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), paged, contiguous,
-                              all_full, base_bill))  # fmt: skip
+                              all_full, base_bill, _json_head(args, paged.summary, tm, 1)))  # fmt: skip
     else:
         print(
             format_simulation(
@@ -443,108 +396,20 @@ def _simulate_cluster(args: argparse.Namespace, model: ModelSpec, bill: Any, cfg
                      title=f"{workload.name} on {model.name}: replica 0 of {args.replicas}")  # fmt: skip
     if args.json:
         cluster = {"host_cache_gib": args.host_cache, "pcie_gbps": args.pcie_gbps}
-        print(cluster_json(workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), res, cluster))
+        head = _json_head(args, res.summary, tm, args.replicas)
+        print(
+            cluster_json(
+                workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), res, cluster, head
+            )
+        )
     else:
-        print(format_cluster(workload.name, wstats, bill, _engine_desc(cfg, tm), res, host_desc))
+        desc = _describe(args, cfg, tm, bill, args.replicas)
+        print(format_cluster(workload.name, wstats, bill, desc, res, host_desc))
         if args.plot:
             print(f"plot written to {args.plot} (replica 0)")
     return 0
 
 
-def _plan(args: argparse.Namespace) -> int:
-    if args.trace is not None or args.ttft_p99 is not None:
-        return _plan_trace(args)
-    if args.prompt_len is None or args.output_len is None:
-        raise SimulationError(
-            "the following arguments are required: --prompt-len, --output-len "
-            "(or --trace FILE --ttft-p99 SECONDS for a cluster plan)"
-        )
-    model = _model(args)
-    bill = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks,
-                       all_full=args.all_full)  # fmt: skip
-    base = None
-    if bill.groups.hybrid and not args.all_full:  # the all-full baseline costs nothing here
-        base = memory_bill(model, args.gpu_mem, args.block_size, args.reserve, args.num_blocks,
-                           all_full=True)  # fmt: skip
-    prompt = parse_dist(args.prompt_len, "--prompt-len")
-    output = parse_dist(args.output_len, "--output-len")
-    plan = make_plan(bill, prompt, output, args.max_len, args.samples, args.seed, base)
-    print(plan_json(plan) if args.json else format_plan(plan))
-    return 0
-
-
-def _plan_trace(args: argparse.Namespace) -> int:
-    """``plan --trace FILE --ttft-p99 S``: simulate the range, print the curve and the answer."""
-    from .capacity import (
-        CapacityPlan,
-        capacity_json,
-        cheapest,
-        format_capacity,
-        parse_counts,
-        parse_sizes,  # fmt: skip
-        sweep,
-    )
-    from .progress import ProgressBar
-    from .routers import ROUTERS
-    from .workload import load_workload
-
-    if args.trace is None or args.ttft_p99 is None:
-        raise SimulationError("a cluster plan needs both --trace FILE and --ttft-p99 SECONDS")
-    if args.prompt_len is not None or args.output_len is not None:
-        raise SimulationError("--prompt-len/--output-len and --trace are different plans; give one")
-    if args.router not in ROUTERS:
-        raise SimulationError(f"--router must be one of {', '.join(ROUTERS)}; got {args.router!r}")
-    counts = parse_counts(args.replicas, "--replicas")
-    sizes = parse_sizes(args.host_cache, "--host-cache")
-    for g in sizes:
-        _check_host_tier(g)
-    _check_host_tier(max(sizes), args.host_write_through)
-    model = _model(args)
-    bill, cfg, tm = _engine(args, model)
-    workload = load_workload(args.trace, args.format, args.limit)
-    if args.time_scale != 1.0:
-        workload = workload.scaled(args.time_scale)
-    show = args.progress if args.progress is not None else sys.stderr.isatty()
-    total = len(counts) * len(sizes)
-    labels = [(n, g) for n in counts for g in sizes]
-    bars: List[ProgressBar] = []
-
-    def replay_bar(k: int) -> Any:
-        if not show:
-            return None
-        n, g = labels[k]
-        host = f" +{g:g}G" if g else ""
-        bars.append(ProgressBar(f"plan {k + 1}/{total}: {n} GPU{host}", len(workload)))
-        return bars[-1]
-
-    def done(k: int, _total: int) -> None:
-        if bars:
-            bars[-1].close()
-
-    points = sweep(workload, cfg, tm, args.ttft_p99, counts, sizes, args.router, done, replay_bar,
-                   args.host_write_through)  # fmt: skip
-    best = cheapest(points, args.ttft_p99)
-    plan = CapacityPlan(args.ttft_p99, args.router, points, best, args.host_write_through)
-    if args.plot:
-        from .plot import plot_capacity
-
-        plot_capacity(points, args.ttft_p99, args.plot,
-                      title=f"{workload.name} on {model.name}, {args.gpu_mem:g} GiB per GPU")  # fmt: skip
-    if args.json:
-        extra = {"workload": dict(workload.stats(), name=workload.name), "memory": bill.as_dict()}
-        print(capacity_json(plan, extra))
-    else:
-        header = [
-            f"workload  {workload.name}: {len(workload):,} requests",
-            f"replica   {model.name} on {args.gpu_mem:g} GiB: {bill.num_blocks:,} blocks x "
-            f"{bill.block_size} tokens",
-        ]
-        print(format_capacity(plan, header))
-        if args.plot:
-            print(f"plot written to {args.plot}")
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the parsed ``simulate`` or ``plan`` command; returns the exit status."""
-    return _simulate(args) if args.command == "simulate" else _plan(args)
+    return _simulate(args) if args.command == "simulate" else plan_command(args)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -55,7 +55,7 @@ from .scheduler import PagedEngine
 from .timing import TimeModel
 from .workload import Workload
 
-__all__ = ["Cluster", "ClusterResult", "simulate_cluster", "CLUSTER_HASH_KEY"]
+__all__ = ["Cluster", "ClusterResult", "ReplayStopped", "simulate_cluster", "CLUSTER_HASH_KEY"]
 
 CLUSTER_HASH_KEY = b"kvblocks-cluster"  # the hash key every replica (and the router) uses
 
@@ -146,8 +146,16 @@ class Cluster:
         loads = [Load(e.queued_tokens, e.blocks_in_use) for e in self.engines]
         return router.choose(hashes, req.prompt_len, loads)
 
-    def run(self, progress: Optional[Progress] = None) -> ClusterResult:
-        """Replay the whole workload; every engine's pool is checked at the end."""
+    def run(
+        self,
+        progress: Optional[Progress] = None,
+        stop: Optional[Callable[["Cluster"], bool]] = None,
+        stop_every: int = 512,
+    ) -> ClusterResult:
+        """Replay the whole workload; every engine's pool is checked at the end.
+
+        ``stop(cluster)``, asked every ``stop_every`` steps, may end the replay early: it then
+        raises :class:`ReplayStopped` (a planner's verdict is already known)."""
         reqs = self.workload.requests
         engines = self.engines
         router = self.router
@@ -170,6 +178,8 @@ class Cluster:
                 if not e.idle:
                     heapq.heappush(busy, (e.now, i))
                 done_steps += 1
+                if stop is not None and done_steps % stop_every == 0 and stop(self):
+                    raise ReplayStopped(done_steps, nxt)
                 if tick is not None:
                     tick.step(done_steps, sum(x.finished_reqs for x in engines), e.now)
                 continue
@@ -208,6 +218,16 @@ class Cluster:
         return ClusterResult(summary, per, router, results)
 
 
+class ReplayStopped(Exception):
+    """A replay ended early by its ``stop`` callback (after ``steps`` steps and ``arrived``
+    arrivals)."""
+
+    def __init__(self, steps: int, arrived: int) -> None:
+        super().__init__(f"replay stopped after {steps} steps, {arrived} arrivals")
+        self.steps = steps
+        self.arrived = arrived
+
+
 def _replica_summary(rec: Recorder, mine: np.ndarray, full: Dict[str, Any]) -> Dict[str, Any]:
     """One replica's summary over its own requests (the recorder has a slot for every one)."""
     own = rec.summary(mask=mine)  # the request figures of its own requests, its counters
@@ -220,7 +240,8 @@ def _aggregate(
 ) -> Dict[str, Any]:
     """The cluster's summary: request figures over all requests, the rest per replica."""
     first = engines[0].rec
-    merged = Recorder(first.arrival, first.capacity_slots * len(engines), first.output_tokens)
+    merged = Recorder(first.arrival, first.capacity_slots * len(engines), first.output_tokens,
+                      first.samples, first.slo)  # fmt: skip
     for i, e in enumerate(engines):
         m = owner == i
         for name in (

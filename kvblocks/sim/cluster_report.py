@@ -119,9 +119,12 @@ def cluster_json(
     time_model: Dict[str, float],
     res: ClusterResult,
     cluster: Dict[str, Any],
+    extra: Optional[Dict[str, Any]] = None,
 ) -> str:
-    """The machine-readable cluster report: ``paged`` is the aggregate, ``replicas`` the rest."""
+    """The machine-readable cluster report: ``paged`` is the aggregate, ``replicas`` the rest;
+    ``extra`` keys first."""
     doc = {
+        **(extra or {}),
         "workload": dict(wstats, name=workload_name),
         "memory": bill.as_dict(),
         "config": config,

@@ -98,6 +98,8 @@ def simulate_contiguous(
         np.array([r.arrival for r in reqs], dtype=np.float64),
         capacity,
         np.array([r.output_len * r.n for r in reqs], dtype=np.int64),
+        np.array([r.n for r in reqs], dtype=np.int64),
+        (cfg.slo_ttft_s, cfg.slo_tpot_s),
     )
     waiting: Deque[_Job] = deque()
     running: List[_Job] = []
@@ -165,12 +167,13 @@ def simulate_contiguous(
             # nothing but decoding: jump to the next finish or the next admissible arrival
             k = min(j.output_len - j.gen for j in decoders)
             base = tm.step(0, n_dec, kv_read + n_dec)
-            slope = n_dec * tm.kv_read_s_per_token
+            slope = tm.step(0, n_dec, kv_read + 2 * n_dec) - base
             if nxt < n_req and in_use < regions and not waiting:
                 k = _steps_until(reqs[nxt].arrival - now, base, slope, k)
             dt = k * base + slope * k * (k - 1) / 2.0
         else:
-            dt = tm.step(pf_tokens, n_dec, kv_read + n_dec)
+            pairs, reads = tm.prefill_attention(budget.chunks) if budget.chunks else (0.0, 0.0)
+            dt = tm.step(pf_tokens, n_dec, kv_read + n_dec, 0, pairs, reads)
         reserved = in_use * region
         live_mid = live + n_dec * (k + 1) / 2.0 if lay is None else live
         rec.step(now, dt, reserved, reserved - live_mid, n_seqs, n_waiting, steps=k)

@@ -212,7 +212,7 @@ def group_layout(model: "ModelSpec", block_size: int, all_full: bool = False) ->
     shares = []
     for k in kinds:
         if k.kind == "state":
-            state_bytes = L * k.state_elems * model.kv_dtype_bytes
+            state_bytes = model.kv_nbytes(L * k.state_elems)
             group = KVGroup("state", blocks=max(1, -(-state_bytes // block_bytes)))
         elif k.kind == "sliding_window":
             group = KVGroup("sliding_window", window=k.span)

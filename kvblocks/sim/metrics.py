@@ -9,11 +9,14 @@ contiguous baseline, everything reserved up to the maximum length and not yet wr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["Recorder", "SimResult", "percentile"]
+__all__ = ["Recorder", "SimResult", "percentile", "DEFAULT_TTFT_SLO_S", "DEFAULT_TPOT_SLO_S"]
+
+DEFAULT_TTFT_SLO_S = 2.0  # goodput targets unless --ttft-slo / --tpot-slo say otherwise
+DEFAULT_TPOT_SLO_S = 0.1
 
 
 def percentile(values: np.ndarray, q: float) -> Optional[float]:
@@ -26,12 +29,19 @@ class Recorder:
     """Collects the samples and timings one simulation produces."""
 
     def __init__(
-        self, arrivals: np.ndarray, capacity_slots: int, output_tokens: np.ndarray
+        self,
+        arrivals: np.ndarray,
+        capacity_slots: int,
+        output_tokens: np.ndarray,
+        samples: Optional[np.ndarray] = None,
+        slo: Tuple[float, float] = (DEFAULT_TTFT_SLO_S, DEFAULT_TPOT_SLO_S),
     ) -> None:
         n = arrivals.shape[0]
         self.capacity_slots = max(1, capacity_slots)
         self.arrival = arrivals
         self.output_tokens = output_tokens  # per request, all samples
+        self.samples = samples if samples is not None else np.ones(n, dtype=np.int64)
+        self.slo = slo  # (TTFT, TPOT) seconds a request must meet to count as goodput
         self.admit = np.full(n, np.nan)  # first time any of its work was scheduled
         self.first_token = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
@@ -96,6 +106,12 @@ class Recorder:
         queue = admit - arrival
         ttft = first - arrival
         e2e = finish - arrival
+        # time per output token after the first, per request (one-token outputs: 0)
+        per_sample = self.output_tokens[sel] // np.maximum(self.samples[sel], 1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tpot = np.where(per_sample > 1, (finish - first) / np.maximum(per_sample - 1, 1), 0.0)
+        tpot[~done] = np.nan
+        good = done & (ttft <= self.slo[0]) & (tpot <= self.slo[1])
         res: Dict[str, Any] = {
             "requests": int(arrival.size),
             "completed": int(done.sum()),
@@ -119,6 +135,12 @@ class Recorder:
             "ttft_p99_s": percentile(ttft, 99),
             "latency_p50_s": percentile(e2e, 50),
             "latency_p99_s": percentile(e2e, 99),
+            "tpot_p50_s": percentile(tpot, 50),
+            "tpot_p99_s": percentile(tpot, 99),
+            "goodput": float(good.sum()) / arrival.size if arrival.size else 0.0,
+            "goodput_req_s": float(good.sum()) / makespan if makespan > 0 else 0.0,
+            "slo_ttft_s": self.slo[0],
+            "slo_tpot_s": self.slo[1],
         }
         res.update(self.counters)
         return res

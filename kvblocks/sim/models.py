@@ -46,6 +46,24 @@ GiB = 1 << 30
 # the one dtype table (kvblocks.layout.DTYPES), plus int8: a KV format the memory bill can
 # price (quantized caches) but that KVCache does not store
 DTYPE_BYTES: Dict[str, int] = {**dtype_bytes(), "int8": 1}
+# fp4 KV (NVFP4): 4-bit elements plus one fp8 scale per 16 elements, 0.5625 bytes an element
+FP4_GROUP = 16
+KV_DTYPES = sorted({*DTYPE_BYTES, "fp4"})
+# weights: bytes per parameter; int4 (AWQ/GPTQ) carries an fp16 scale and zero per group of
+# 128, fp4 (NVFP4/MXFP4) an 8-bit scale per 16 (or 32) elements
+WEIGHT_BYTES: Dict[str, float] = {
+    "bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0, "int8": 1.0,
+    "int4": 0.5 + 4 / 128, "fp4": 0.5 + 1 / 16,
+}  # fmt: skip
+
+
+def kv_nbytes(dtype: str, elems: int) -> int:
+    """Bytes of ``elems`` KV elements of ``dtype`` (fp4: packed nibbles plus the scales)."""
+    if dtype == "fp4":
+        return -(-elems // 2) + -(-elems // FP4_GROUP)
+    return elems * DTYPE_BYTES[dtype]
+
+
 DEFAULT_RESERVE_FRACTION = 0.10
 
 
@@ -82,21 +100,26 @@ class ModelSpec:
         return sum(k.layers for k in self.kinds if k.kind != "state")
 
     @property
-    def kv_dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.kv_dtype]
+    def kv_dtype_bytes(self) -> float:
+        """Bytes per KV element (fp4: 0.5625, its scales included)."""
+        return kv_nbytes(self.kv_dtype, 1 << 20) / (1 << 20)
+
+    def kv_nbytes(self, elems: int) -> int:
+        """Bytes of ``elems`` elements in the KV dtype."""
+        return kv_nbytes(self.kv_dtype, elems)
 
     @property
     def weight_bytes(self) -> int:
         if self.weights_gib:
             return int(self.weights_gib * GiB)
-        return int(self.params * DTYPE_BYTES[self.weight_dtype])
+        return int(self.params * WEIGHT_BYTES[self.weight_dtype])
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
         """Bytes of KV one token occupies in one attention layer."""
         if self.latent_dim:
-            return self.latent_dim * self.kv_dtype_bytes
-        return 2 * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+            return self.kv_nbytes(self.latent_dim)
+        return 2 * self.kv_nbytes(self.num_kv_heads * self.head_dim)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -107,11 +130,11 @@ class ModelSpec:
     @property
     def state_bytes_per_seq(self) -> int:
         """Bytes of recurrent state one sequence keeps (before rounding to blocks)."""
-        return sum(k.layers * k.state_elems for k in self.kinds) * self.kv_dtype_bytes
+        return self.kv_nbytes(sum(k.layers * k.state_elems for k in self.kinds))
 
     def kv_formula(self) -> str:
         """The per-token KV bill as a readable product."""
-        b = self.kv_dtype_bytes
+        b = f"{self.kv_dtype_bytes:g}"
         layers = f"{self.attention_layers} layers"
         if self.hybrid:
             parts = " + ".join(k.describe() for k in self.kinds if k.kind != "state")
@@ -131,6 +154,18 @@ class ModelSpec:
             return self
         _check_dtype(dtype)
         return replace(self, kv_dtype=dtype.lower())
+
+    def with_weight_dtype(self, dtype: Optional[str]) -> "ModelSpec":
+        """The model with its weights stored as ``dtype`` (params x bytes per parameter, the
+        checkpoint size a preset may give replaced)."""
+        if dtype is None:
+            return self
+        d = dtype.lower()
+        if d not in WEIGHT_BYTES:
+            raise SimulationError(
+                f"unknown weight dtype {dtype!r} (known: {', '.join(sorted(WEIGHT_BYTES))})"
+            )
+        return replace(self, weight_dtype=d, weights_gib=0.0)
 
 
 PRESETS: Dict[str, ModelSpec] = {
@@ -194,10 +229,8 @@ DEFAULT_MODEL = "llama-3.1-8b"
 
 
 def _check_dtype(dtype: str) -> None:
-    if dtype.lower() not in DTYPE_BYTES:
-        raise SimulationError(
-            f"unknown dtype {dtype!r} (known: {', '.join(sorted(set(DTYPE_BYTES)))})"
-        )
+    if dtype.lower() not in KV_DTYPES:
+        raise SimulationError(f"unknown KV dtype {dtype!r} (known: {', '.join(KV_DTYPES)})")
 
 
 def get_model(name: str) -> ModelSpec:
@@ -333,8 +366,8 @@ class MemoryBill:
                 d["bytes_per_token"] = 0
                 d["blocks_per_seq"] = g.span * sh.copies
                 d["bytes_per_seq"] = g.span * sh.copies * lay.block_bytes
-                d["state_bytes_per_seq_exact"] = (
-                    sh.kind.layers * sh.kind.state_elems * self.model.kv_dtype_bytes
+                d["state_bytes_per_seq_exact"] = self.model.kv_nbytes(
+                    sh.kind.layers * sh.kind.state_elems
                 )
             else:
                 d["bytes_per_token"] = sh.kind.layers * per_layer
@@ -355,6 +388,10 @@ class MemoryBill:
             "kv_pool_gib": self.kv_pool_bytes / GiB,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_formula": self.model.kv_formula(),
+            "kv_dtype": self.model.kv_dtype,
+            "weight_dtype": self.model.weight_dtype,
+            "gpus_per_replica": int(self.extra.get("gpus_per_replica", 1)),
+            "kv_copies": int(self.extra.get("kv_copies", 1)),
             "block_size": self.block_size,
             "block_bytes": self.block_bytes,
             "num_blocks": self.num_blocks,
@@ -375,6 +412,8 @@ def memory_bill(
     host_mem_gib: float = 0.0,
     max_blocks: int = limits.MAX_BLOCK_IDS,
     all_full: bool = False,
+    gpus: int = 1,
+    kv_copies: int = 1,
 ) -> MemoryBill:
     """Split ``gpu_mem_gib`` into weights, reserve and KV blocks (``num_blocks`` overrides).
 
@@ -385,19 +424,28 @@ def memory_bill(
     A pool (or host swap space) of more than ``max_blocks`` blocks is refused, naming the
     flags that give fewer: int32 block ids by default, :data:`~kvblocks.sim.limits.MAX_SIM_BLOCKS`
     for a simulation (which allocates metadata for every block).
+
+    ``gpus`` > 1: one replica spread over that many GPUs (tensor x pipeline parallel); GPU
+    memory and reserve are per GPU, the weights and the KV split over them, and the KV is
+    stored ``kv_copies`` times (tensor parallelism wider than the KV heads replicates them).
+    The bill is then the replica's: ``gpu_bytes`` and ``reserve_bytes`` summed over its GPUs.
     """
     block_size = limits.BLOCK_SIZE.check_int(block_size)
     gpu_mem_gib = limits.GPU_MEM.check_float(gpu_mem_gib)
     host_mem_gib = limits.HOST_MEM.check(host_mem_gib)
-    gpu = int(gpu_mem_gib * GiB)
+    gpus = limits.GPUS_PER_REPLICA.check_int(gpus)
+    gpu = int(gpu_mem_gib * GiB) * gpus
     if reserve_gib is None:
         reserve = int(gpu * DEFAULT_RESERVE_FRACTION)
         note = f"{DEFAULT_RESERVE_FRACTION:.0%} of GPU memory (CUDA context, activations, slack)"
     else:
-        reserve = int(limits.RESERVE.check(reserve_gib) * GiB)
-        note = "set by --reserve"
+        reserve = int(limits.RESERVE.check(reserve_gib) * GiB) * gpus
+        note = "set by --reserve" + (" (per GPU)" if gpus > 1 else "")
     layout = group_layout(model, block_size, all_full)
-    per_block = layout.block_bytes
+    per_block = layout.block_bytes * kv_copies
+    extra: Dict[str, float] = {}
+    if gpus > 1:
+        extra = {"gpus_per_replica": gpus, "kv_copies": kv_copies}
     host_blocks = int(host_mem_gib * GiB) // per_block
     if host_blocks > max_blocks:
         raise SimulationError(
@@ -411,12 +459,14 @@ def memory_bill(
                 f"--num-blocks {num_blocks:,} is more than {_cap_words(max_blocks)}"
             )
         return MemoryBill(model, gpu, model.weight_bytes, reserve, note, block_size, model.kv_bytes_per_token,
-                          num_blocks, host_blocks, layout=layout)  # fmt: skip
+                          num_blocks, host_blocks, extra, layout=layout)  # fmt: skip
     pool = gpu - model.weight_bytes - reserve
     if pool < per_block:
+        on = f"{gpus} x {gpu_mem_gib:g}" if gpus > 1 else f"{gpu_mem_gib:g}"
         raise SimulationError(
-            f"{model.name} does not fit: {gpu_mem_gib:g} GiB GPU memory - {model.weight_bytes / GiB:.2f} GiB weights"
+            f"{model.name} does not fit: {on} GiB GPU memory - {model.weight_bytes / GiB:.2f} GiB weights"
             f" - {reserve / GiB:.2f} GiB reserve leaves no room for one KV block ({per_block / (1 << 20):.2f} MiB)"
+            + ("" if gpus > 1 else "; split it with --tp or --pp")
         )
     if pool // per_block > max_blocks:
         raise SimulationError(
@@ -424,7 +474,7 @@ def memory_bill(
             f"more than {_cap_words(max_blocks)}; raise --block-size, lower --gpu-mem or set --num-blocks"
         )
     return MemoryBill(model, gpu, model.weight_bytes, reserve, note, block_size, model.kv_bytes_per_token,
-                      pool // per_block, host_blocks, layout=layout)  # fmt: skip
+                      pool // per_block, host_blocks, extra, layout=layout)  # fmt: skip
 
 
 def _cap_words(max_blocks: int) -> str:

@@ -88,3 +88,39 @@ def plot_capacity(points: Sequence[Any], target_s: float, path: str, title: str 
         raise SimulationError(f"cannot write plot {path}: {e}") from None
     finally:
         plt.close(fig)
+
+
+def plot_gpu_plan(plan: Any, path: str, title: str = "") -> None:
+    """``kvblocks plan --gpu ... --plot FILE``: TTFT p99 of every replay against GPUs (or
+    $/hour with ``--cost``), one series per GPU x TP x PP x KV dtype, the target dotted."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SimulationError("--plot needs matplotlib: pip install 'kvblocks[plot]'") from None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    series: dict = {}
+    for c in plan.replayed:
+        f = c.family
+        series.setdefault((f.gpu, f.tp, f.pp, f.kv_dtype, f.host_cache_gib), []).append(c)
+    for n, (k, cs) in enumerate(sorted(series.items())):
+        cs.sort(key=lambda c: c.gpus)
+        xs = [c.usd_per_hour if plan.by_cost else c.gpus for c in cs]
+        ax.plot(xs, [c.ttft_p99_s for c in cs], marker="o", color=f"C{n % 10}",
+                label=f"{k[0]} TP{k[1]} PP{k[2]} KV {k[3]}" + (f" +{k[4]:g}G" if k[4] else ""))  # fmt: skip
+    ax.axhline(plan.ttft_p99_s, color="k", linewidth=0.8, linestyle=":", label="target TTFT p99")
+    ax.set_yscale("log")
+    ax.set_ylabel("time to first token p99 (s)")
+    ax.set_xlabel("$/hour" if plan.by_cost else "GPUs (replicas x TP x PP)")
+    ax.legend(loc="upper right", fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except (OSError, ValueError) as e:
+        raise SimulationError(f"cannot write plot {path}: {e}") from None
+    finally:
+        plt.close(fig)

@@ -46,6 +46,11 @@ ROWS: List[Tuple[str, str, Any]] = [
     ("queueing delay p99", "queue_p99_s", _secs),
     ("time to first token p50", "ttft_p50_s", _secs),
     ("time to first token p99", "ttft_p99_s", _secs),
+    ("time per output token p50", "tpot_p50_s", _secs),
+    ("time per output token p99", "tpot_p99_s", _secs),
+    ("end-to-end latency p50", "latency_p50_s", _secs),
+    ("end-to-end latency p99", "latency_p99_s", _secs),
+    ("goodput (meet TTFT & TPOT)", "goodput", _pct),
     ("makespan (simulated)", "makespan_s", _secs),
     ("engine steps", "steps", _num),
 ]
@@ -131,10 +136,12 @@ def simulation_json(
     contiguous: Optional[SimResult],
     all_full: Optional[SimResult] = None,
     all_full_bill: Optional[MemoryBill] = None,
+    extra: Optional[Dict[str, Any]] = None,
 ) -> str:
     """The machine-readable report (one JSON object); with ``all_full``, also its summary,
-    its memory bill and ``hybrid_gain`` (hybrid / all-full ratios)."""
+    its memory bill and ``hybrid_gain`` (hybrid / all-full ratios); ``extra`` keys first."""
     doc: Dict[str, Any] = {
+        **(extra or {}),
         "workload": dict(wstats, name=workload_name),
         "memory": bill.as_dict(),
         "config": config,

@@ -217,6 +217,8 @@ class PagedEngine:
             np.array([r.arrival for r in reqs], dtype=np.float64),
             self.usable * cfg.block_size,
             np.array([r.output_len * r.n for r in reqs], dtype=np.int64),
+            np.array([r.n for r in reqs], dtype=np.int64),
+            (cfg.slo_ttft_s, cfg.slo_tpot_s),
         )
         self.remaining_samples = np.array([r.n for r in reqs], dtype=np.int64)  # per request
         self.now = reqs[0].arrival if reqs else 0.0  # simulated seconds
@@ -275,7 +277,7 @@ class PagedEngine:
         self._joined = joined
         self._drain()
         self._compute(n_dec, budget.completed)
-        dt = self._advance(n_dec, budget.prefill_tokens, self.swapped_blocks - swapped_before)
+        dt = self._advance(n_dec, budget, self.swapped_blocks - swapped_before)
         self._finish(n_dec, budget.completed, joined)
         return dt
 
@@ -527,18 +529,20 @@ class PagedEngine:
             self.copies.after_schedule(mgr)
         self.alloc_s += _perf() - t0
 
-    def _advance(self, n_dec: int, prefill_tokens: int, swapped_blocks: int) -> float:
+    def _advance(self, n_dec: int, budget: StepBudget, swapped_blocks: int) -> float:
         """5. The step's duration and its sample (KV in use, waste, batch, queue); the clock moves."""
         bs = self.cfg.block_size
         ctx = self.decoding.ctx
-        kv_read = (
-            (self.tm.kv_tokens_read(ctx) if self.tm.read_kinds else int(ctx.sum())) if n_dec else 0
-        )
+        tm = self.tm
+        kv_read = (tm.kv_tokens_read(ctx) if tm.read_kinds else int(ctx.sum())) if n_dec else 0
+        prefill_tokens = budget.prefill_tokens
+        pairs, reads = tm.prefill_attention(budget.chunks) if budget.chunks else (0.0, 0.0)
         moved = swapped_blocks
         if self.host_tier:  # the drained copies, then the forward pass (hostdrain)
-            dt = self.copies.step_seconds(self.tm.step(prefill_tokens, n_dec, kv_read), moved)
+            fwd = tm.step(prefill_tokens, n_dec, kv_read, 0, pairs, reads)
+            dt = self.copies.step_seconds(fwd, moved)
         else:
-            dt = self.tm.step(prefill_tokens, n_dec, kv_read, moved * self.cfg.block_bytes)
+            dt = tm.step(prefill_tokens, n_dec, kv_read, moved * self.cfg.block_bytes, pairs, reads)
         waste = int(((-ctx) % bs).sum()) if n_dec else 0
         for s in self.prefilling:
             waste += -s.ctx % bs
