@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kvblocks.errors import InvalidStateError, NotSupportedError  # noqa: E402
-from kvblocks.integrations import transformers_cb, transformers_cb_step  # noqa: E402
+from kvblocks.integrations import transformers_cb
+from kvblocks.integrations.transformers_cb import step as transformers_cb_step  # noqa: E402
 
 if transformers_cb._IMPORT_PROBLEM is not None:  # pragma: no cover - depends on the environment
     pytest.skip(transformers_cb._IMPORT_PROBLEM, allow_module_level=True)

@@ -72,8 +72,8 @@ except ImportError as exc:  # pragma: no cover - depends on the installed versio
 
 import transformers
 
-from .. import ops
-from ..errors import (
+from ... import ops
+from ...errors import (
     DeviceError,
     InvalidArgumentError,
     InvalidStateError,
@@ -81,9 +81,9 @@ from ..errors import (
     NotSupportedError,
     OutOfBlocksError,
 )
-from ..layout import KVLayout
-from ..storage import KVCache, parse_device
-from ._layer_groups import GroupPlan, layer_windows, plan_groups
+from ...layout import KVLayout
+from ...storage import KVCache, parse_device
+from .._layer_groups import GroupPlan, layer_windows, plan_groups
 
 __all__ = ["PagedKVCache", "dynamic_cache_bytes"]
 
@@ -378,7 +378,7 @@ class PagedKVCache(Cache):
         dtype: Any,
         enable_prefix_caching: Any,
     ) -> None:
-        from .. import BlockManager  # the allocator (C core)
+        from ... import BlockManager  # the allocator (C core)
 
         num_blocks = _count(num_blocks, "num_blocks")
         block_size = _count(block_size, "block_size")
@@ -485,7 +485,7 @@ class PagedKVCache(Cache):
         t = t.detach().to(device=self.device, dtype=sh.store_dtype)
         raw = t.view(sh.raw_dtype) if sh.raw_dtype is not sh.store_dtype else t
         if self._storage.is_cuda:
-            from .._cuda import get_cupy
+            from ..._cuda import get_cupy
 
             cp = get_cupy()
             a = cp.from_dlpack(raw.contiguous())

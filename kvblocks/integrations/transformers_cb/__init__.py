@@ -59,10 +59,10 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from .. import BlockManager, BlockPool, KVGroup, hash_blocks
-from ..errors import InvalidStateError, NotSupportedError
-from ..stats import CacheStats
-from ._layer_groups import _WHY
+from ... import BlockManager, BlockPool, KVGroup, hash_blocks
+from ...errors import InvalidStateError, NotSupportedError
+from ...stats import CacheStats
+from .._layer_groups import _WHY
 
 __all__ = ["KVBlocksCB", "SUPPORTED_TRANSFORMERS", "check_version", "enabled"]
 
@@ -331,7 +331,7 @@ class KVBlocksCachePool(CachePool):
         if kb.native_step or groups != (KVGroup("full"),):
             # stage 2, or any sliding-window layer: the block tables (one group per allocator) live
             # in a BlockManager; the trash is held by a sequence, split evenly over the groups
-            from .transformers_cb_step import TRASH_SEQ
+            from .step import TRASH_SEQ
 
             kwargs["enable_prefix_caching"] = kb.enable_prefix_caching and self.sharing
             mgr = BlockManager(num_blocks, self.page_size, groups=groups, **kwargs)
@@ -439,7 +439,7 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
         # needs KV cache groups, which live in a BlockManager: its full-attention allocator is the
         # manager-backed one then (transformers still builds the indices, from kvblocks' tables)
         if cls is KVBlocksAllocator and len(_attention_kinds(kwargs.get("config"))) > 1:
-            from .transformers_cb_step import KVBlocksStepAllocator
+            from .step import KVBlocksStepAllocator
 
             cls = KVBlocksStepAllocator
         return super().__new__(cls)
@@ -664,8 +664,8 @@ def enabled(
     if _IMPORT_PROBLEM is not None:  # pragma: no cover - version patched after import
         raise NotSupportedError(_IMPORT_PROBLEM)
     kb = KVBlocksCB(enable_prefix_caching, hash_key, enable_kv_events, native_step)
-    from . import transformers_cb_step as step
-    from .transformers_cb_window import KVBlocksWindowAllocator
+    from . import step
+    from .window import KVBlocksWindowAllocator
 
     with _LOCK:
         if _ACTIVE is not None:

@@ -34,10 +34,10 @@ from typing import Any, List
 
 import numpy as np
 
-from .. import KVGroup, RowIndices
-from ..errors import InvalidStateError
-from .transformers_cb import refused
-from .transformers_cb_step import KVBlocksStepAllocator
+from ... import KVGroup, RowIndices
+from ...errors import InvalidStateError
+from . import refused
+from .step import KVBlocksStepAllocator
 
 __all__ = ["KVBlocksWindowAllocator", "keep_window_rows"]
 

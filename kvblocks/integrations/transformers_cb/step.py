@@ -42,9 +42,9 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from .. import BlockManager, RowIndices
-from ..errors import InvalidStateError
-from .transformers_cb import KVBlocksAllocator
+from ... import BlockManager, RowIndices
+from ...errors import InvalidStateError
+from . import KVBlocksAllocator
 
 try:  # the names of the supported transformers version (checked by transformers_cb)
     from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
