@@ -8,6 +8,7 @@ import pytest
 
 import kvblocks
 import kvblocks._core
+import kvblocks.groups
 import kvblocks.layout
 import kvblocks.metadata
 import kvblocks.ops
@@ -28,6 +29,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
     "module",
     [
         kvblocks._core,
+        kvblocks.groups,
         kvblocks.metadata,
         kvblocks.ops,
         kvblocks.rows,

@@ -817,7 +817,7 @@ def test_deepcopy_prompt_reuse_recipe(llama):
 )
 def test_constructor_refuses_instead_of_coercing(llama, monkeypatch, kw, exc):
     """Found 11: typed errors, raised before any storage is allocated."""
-    import kvblocks.integrations.transformers.cache as integration
+    import kvblocks.integrations.transformers.storage as integration
 
     allocated = []
     monkeypatch.setattr(integration, "KVCache", lambda *a, **k: allocated.append(a))
@@ -828,7 +828,7 @@ def test_constructor_refuses_instead_of_coercing(llama, monkeypatch, kw, exc):
 
 
 def test_constructor_refusals_allocate_nothing(monkeypatch):
-    import kvblocks.integrations.transformers.cache as integration
+    import kvblocks.integrations.transformers.storage as integration
 
     allocated = []
     monkeypatch.setattr(integration, "KVCache", lambda *a, **k: allocated.append(a))

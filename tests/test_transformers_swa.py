@@ -22,8 +22,9 @@ from kvblocks import (  # noqa: E402
     NotSupportedError,
     OutOfBlocksError,
 )
-from kvblocks.integrations._layer_groups import layer_windows, plan_groups  # noqa: E402
+from kvblocks.groups import plan_groups  # noqa: E402
 from kvblocks.integrations.transformers import PagedKVCache, dynamic_cache_bytes  # noqa: E402
+from kvblocks.integrations.transformers.config import layer_windows  # noqa: E402
 
 torch.set_num_threads(1)
 

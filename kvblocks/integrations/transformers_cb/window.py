@@ -36,7 +36,7 @@ import numpy as np
 
 from ... import KVGroup, RowIndices
 from ...errors import InvalidStateError
-from . import refused
+from .context import refused
 from .step import KVBlocksStepAllocator
 
 __all__ = ["KVBlocksWindowAllocator", "keep_window_rows"]
