@@ -8,7 +8,7 @@ requests, and blocks not allocatable (referenced + transformers' cached blocks, 
 until it evicts them all at once; kvblocks' evictable blocks count as free). The cache tensor
 itself is the same size for both (transformers preallocates it). Outputs are checked identical.
 
-    PYTHONPATH=. python bench/bench_transformers_cb.py [--json out.json] [--repeat 3]
+    PYTHONPATH=. python benchmarks/bench_transformers_cb.py [--json out.json] [--repeat 3]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ call writing into the same storage). Two batches: 64 requests decoding at ~2K co
 prefill-heavy mix (16 requests prefilling 128-token chunks, 48 decoding). Each sample is one
 step; p50 and p99 over ``--steps`` steps, GC off.
 
-    PYTHONPATH=. python bench/bench_transformers_cb_step.py [--json FILE] [--steps 40]
+    PYTHONPATH=. python benchmarks/bench_transformers_cb_step.py [--json FILE] [--steps 40]
 """
 
 from __future__ import annotations
