@@ -8,10 +8,8 @@ sequence's K/V back (``kvblocks.testing.KVReadback``); this file is the command 
 of calls is an engine step's (docs/engine-integration.md): schedule (add, append, fork, free,
 swap_out / swap_in, reserve, truncate, hostile calls), then the drain (swap pairs ->
 ``ops.swap_blocks``, take_copies -> ``ops.copy_blocks``), ``metadata`` -> ``write_slots``,
-``append_batch``.
-
-A broken rule raises ``Finding`` with a short kind (e.g. ``kv-readback``) and the trace of
-calls that led there, written as Python.
+``append_batch``. A broken rule raises ``Finding``: a short kind (e.g. ``kv-readback``) and the
+calls that led there, as Python.
 
 Runs:
     python fuzz/fuzz_manager.py fuzz/corpus -max_total_time=3600      # atheris (libFuzzer flags)
@@ -45,7 +43,7 @@ if glob.glob(os.path.join(_ROOT, "kvblocks", "_core*.so")):
     sys.path.insert(0, _ROOT)
 
 from decoder import Input  # (kvblocks is not instrumented: hot and well tested)
-from harness import Finding, Harness
+from harness import Finding, Harness, PoolEngine
 
 IGNORE = {k for k in os.environ.get("KVB_FUZZ_IGNORE", "").split(",") if k}
 
@@ -57,8 +55,7 @@ def run_input(data: bytes) -> None:
         raise f
 
 
-def test_one_input(data: bytes) -> None:  # atheris entry
-    run_input(data)
+test_one_input = run_input  # the atheris entry
 
 
 # hot checking code whose branches say nothing new about the core (and cost time)
@@ -71,9 +68,10 @@ _NOT_INSTRUMENTED = set(
 def _instrument_harness() -> None:
     """Coverage of the harness's own branches (which call failed how, which rule held): the
     C core built by gcc gives libFuzzer no coverage, so these branches are its proxy."""
-    for name, obj in list(Harness.__dict__.items()):
-        if callable(obj) and hasattr(obj, "__code__") and name not in _NOT_INSTRUMENTED:
-            setattr(Harness, name, atheris.instrument_func(obj))
+    for cls in (Harness, PoolEngine):
+        for name, obj in list(vars(cls).items()):
+            if callable(obj) and hasattr(obj, "__code__") and name not in _NOT_INSTRUMENTED:
+                setattr(cls, name, atheris.instrument_func(obj))
 
 
 def _inputs(paths: List[str]) -> List[str]:

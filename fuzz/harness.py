@@ -5,11 +5,9 @@ which writes and reads back every token's K/V) and on :class:`kvblocks.testing.R
 side by side: the reference decides success or the error (``same_error``), results must be
 equal, and after every call the whole state is compared (block tables, tokens, computed counts,
 ref counts, free lists, prefix cache, pending copies), ``check()`` runs and every settled
-sequence must read back exactly its own K/V. A block-level engine drives its own ``BlockPool``
-against a ``ReferencePool`` the vLLM way (``hash_blocks``, ``lookup_and_pin``, ``allocate``,
-``cache``, ``free`` tail first). Hostile ids, scalars and token arrays come from
-:mod:`kvblocks.testing.strategies` (its int / str subclasses whose hooks raise, ``IndexOnly``,
-``HUGE``). A broken rule raises :class:`Finding` with the trace of calls as Python.
+sequence must read back exactly its own K/V. :class:`PoolEngine` drives a ``BlockPool`` against
+a ``ReferencePool``. Hostile ids, scalars and token arrays come from
+:mod:`kvblocks.testing.strategies` (hooked int and str subclasses, ``IndexOnly``, ``HUGE``).
 """
 
 from __future__ import annotations
@@ -61,7 +59,63 @@ def _as_list(x: Any) -> Any:
     return np.asarray(x).tolist()
 
 
-class Harness:
+class PoolEngine:
+    """The block-level engine of a :class:`Harness`: its own BlockPool against a ReferencePool,
+    the vLLM way (hash, lookup_and_pin, allocate, cache after the K/V are written, free)."""
+
+    def pcall(self, name: str, *args, sub: str = ""):
+        self.sync_free_order()
+        ok, want, got = self.do(name, *args, real=self.pool, spec=self.rpool, sub=sub)
+        if ok and name in ("allocate", "lookup", "lookup_and_pin", "ref_count"):
+            self.same(name, want, got)
+        return ok, want
+
+    def op_pool_admit(self) -> None:
+        bs, toks, salt = self.cfg.block_size, self.tokens(1, 12), self.inp.pick(SALTS)
+        hashes = kvblocks.hash_blocks(toks, bs, salt=salt, key=KEY)
+        ok, hits = self.pcall("lookup_and_pin", hashes)
+        if not ok:
+            return
+        ok, new = self.pcall("allocate", -(-len(toks) // bs) - len(hits))
+        if not ok:
+            self.pcall("free", hits)
+            return
+        ids = [int(b) for b in hits] + [int(b) for b in new]
+        full = len(toks) // bs  # after the K/V are written: the full blocks enter the cache
+        if full > len(hits) and self.inp.bool():
+            self.pcall("cache", np.asarray(ids[len(hits) : full]), hashes[len(hits) : full])
+        self.pseqs.append((ids, toks))
+
+    def op_pool_decode(self) -> None:
+        if self.pseqs:
+            ids, _ = self.inp.pick(self.pseqs)
+            ok, new = self.pcall("allocate", 1)
+            if ok:
+                ids.append(int(new[0]))
+
+    def op_pool_free(self) -> None:
+        if self.pseqs:  # tail first: the longest prefixes are evicted first
+            self.pcall("free", self.pseqs.pop(self.inp.int(0, len(self.pseqs) - 1))[0][::-1])
+
+    def op_pool_probe(self) -> None:
+        self.pcall("lookup", kvblocks.hash_blocks(self.tokens(1, 12), self.cfg.block_size, key=KEY))
+
+    def op_pool_bad(self) -> None:
+        """Block ids that must be refused (null block, out of range, float, bool, huge) or
+        normalized (numpy ints), into free / incref / ref_count."""
+        n = self.cfg.pool_blocks
+        bad = self.inp.pick([0, n, -1, 1.0, True, np.int64(1), 2**63, [1, 1], [2.5], IndexOnly(1)])
+        name = self.inp.pick(["free", "incref", "ref_count"])
+        arg = bad if name == "ref_count" or isinstance(bad, list) else [bad]
+        ok, _ = self.pcall(name, arg, sub=f" {type(bad).__name__}")
+        if ok and name != "ref_count":  # a valid block: undo, so that held blocks keep owners
+            self.pcall("incref" if name == "free" else "free", arg)
+
+    def op_pool_reset(self) -> None:
+        self.pcall("reset_prefix_cache")
+
+
+class Harness(PoolEngine):
     def __init__(self, inp: Input) -> None:
         self.inp = inp
         self.op, self.changed = "setup", True
@@ -371,58 +425,6 @@ class Harness:
             e.computed, e.drafts = min(e.computed, k), []
         if k < len(want):
             self.rb._commit(e, want[k:])
-
-    # -- the block-level engine: its own BlockPool against a ReferencePool ----------------------
-    def pcall(self, name: str, *args, sub: str = ""):
-        self.sync_free_order()
-        ok, want, got = self.do(name, *args, real=self.pool, spec=self.rpool, sub=sub)
-        if ok and name in ("allocate", "lookup", "lookup_and_pin", "ref_count"):
-            self.same(name, want, got)
-        return ok, want
-
-    def op_pool_admit(self) -> None:
-        bs, toks, salt = self.cfg.block_size, self.tokens(1, 12), self.inp.pick(SALTS)
-        hashes = kvblocks.hash_blocks(toks, bs, salt=salt, key=KEY)
-        ok, hits = self.pcall("lookup_and_pin", hashes)
-        if not ok:
-            return
-        ok, new = self.pcall("allocate", -(-len(toks) // bs) - len(hits))
-        if not ok:
-            self.pcall("free", hits)
-            return
-        ids = [int(b) for b in hits] + [int(b) for b in new]
-        full = len(toks) // bs  # after the K/V are written: the full blocks enter the cache
-        if full > len(hits) and self.inp.bool():
-            self.pcall("cache", np.asarray(ids[len(hits) : full]), hashes[len(hits) : full])
-        self.pseqs.append((ids, toks))
-
-    def op_pool_decode(self) -> None:
-        if self.pseqs:
-            ids, _ = self.inp.pick(self.pseqs)
-            ok, new = self.pcall("allocate", 1)
-            if ok:
-                ids.append(int(new[0]))
-
-    def op_pool_free(self) -> None:
-        if self.pseqs:  # tail first: the longest prefixes are evicted first
-            self.pcall("free", self.pseqs.pop(self.inp.int(0, len(self.pseqs) - 1))[0][::-1])
-
-    def op_pool_probe(self) -> None:
-        self.pcall("lookup", kvblocks.hash_blocks(self.tokens(1, 12), self.cfg.block_size, key=KEY))
-
-    def op_pool_bad(self) -> None:
-        """Block ids that must be refused (null block, out of range, float, bool, huge) or
-        normalized (numpy ints), into free / incref / ref_count."""
-        n = self.cfg.pool_blocks
-        bad = self.inp.pick([0, n, -1, 1.0, True, np.int64(1), 2**63, [1, 1], [2.5], IndexOnly(1)])
-        name = self.inp.pick(["free", "incref", "ref_count"])
-        arg = bad if name == "ref_count" or isinstance(bad, list) else [bad]
-        ok, _ = self.pcall(name, arg, sub=f" {type(bad).__name__}")
-        if ok and name != "ref_count":  # a valid block: undo, so that held blocks keep owners
-            self.pcall("incref" if name == "free" else "free", arg)
-
-    def op_pool_reset(self) -> None:
-        self.pcall("reset_prefix_cache")
 
     # -- the check after every call ------------------------------------------------------------
     def sync_free_order(self) -> None:
