@@ -9,6 +9,7 @@ import numpy as np
 
 from ... import BlockPool, KVGroup, hash_blocks
 from ...errors import InvalidStateError
+from ...groups import layer_group
 from .compat import FULL_ATTENTION, FullAttentionCacheAllocator, _cb_cache
 from .pool import KVBlocksCachePool
 
@@ -69,7 +70,7 @@ class KVBlocksAllocator(FullAttentionCacheAllocator):
     @property
     def kv_group(self) -> KVGroup:
         """The KV cache group holding this allocator's block tables."""
-        return KVGroup("full")
+        return layer_group(None)  # the integrations' one layer -> group mapper
 
     @property
     def kv(self) -> BlockPool:
