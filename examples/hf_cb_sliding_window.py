@@ -23,20 +23,12 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from kvblocks.integrations import transformers_cb
+from kvblocks.testing import tiny_lm
 
 
 def _model(family: str, window, layers: int = 4):
     torch.manual_seed(0)
-    kw = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=layers,
-        max_position_embeddings=512,
-    )
+    kw = tiny_lm(head_dim=16, num_hidden_layers=layers, max_position_embeddings=512)
     if family == "gemma2":
         cfg = transformers.Gemma2Config(**kw, sliding_window=window, attn_logit_softcapping=None)
         if window is None:

@@ -19,9 +19,10 @@ import argparse
 
 import numpy as np
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
 from kvblocks.integrations.transformers import PagedKVCache, dynamic_cache_bytes
+from kvblocks.testing import tiny_config
 
 PAD = 0
 CACHE_KW = (
@@ -62,13 +63,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = tiny_config(  # the tests' tiny model, twice as wide and deep
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=1024,
         pad_token_id=PAD,
         bos_token_id=1,

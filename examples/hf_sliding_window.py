@@ -19,6 +19,7 @@ import transformers
 from transformers import DynamicCache
 
 from kvblocks.integrations.transformers import PagedKVCache, dynamic_cache_bytes
+from kvblocks.testing import tiny_lm
 
 CACHE_KW = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 
@@ -28,15 +29,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--window", type=int, default=32)
     args = ap.parse_args()
-    kw = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=4,
-        sliding_window=args.window,
+    kw = tiny_lm(
+        head_dim=16, num_hidden_layers=4, max_position_embeddings=512, sliding_window=args.window
     )
     families = (
         ("Gemma 2", transformers.Gemma2ForCausalLM, transformers.Gemma2Config),

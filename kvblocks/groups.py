@@ -17,15 +17,19 @@ and the block size; each sequence keeps one block table per group.
 9
 
 See docs/hybrid-models.md for the exact release rule and prefix caching across groups.
+
+The layer -> group mapper of the integrations lives here too (:func:`layer_group`,
+:func:`plan_groups`): both transformers integrations turn a model's layer types into these
+groups through it.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["KVGroup", "KINDS"]
+__all__ = ["KVGroup", "KINDS", "GroupPlan", "layer_group", "plan_groups"]
 
 #: kind -> (the size argument it takes, vLLM's ``kv_cache_spec_kind`` for KV events)
 KINDS = {
@@ -133,3 +137,84 @@ class KVGroup:
 
 def _rebuild(kind, window, chunk, blocks):
     return KVGroup(kind, window=window, chunk=chunk, blocks=blocks)
+
+
+# --- layers -> groups (the transformers integrations) ---------------------------------------------
+#: transformers' layer type of full-attention and of sliding-window layers
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+#: why a layer type transformers knows cannot be held (the refusal messages say it)
+UNSUPPORTED_LAYERS = {
+    "chunked_attention": "chunked local attention",
+    "linear_attention": "linear-attention / recurrent state",
+    "conv": "convolution state",
+    "hybrid": "linear-attention state plus attention",
+    "hybrid_sliding": "linear-attention state plus sliding-window attention",
+    "indexed_attention": "indexed sparse attention",
+    "dummy": "no K/V of its own (shared with another layer, or no attention)",
+}
+
+
+def layer_group(window: Optional[int]) -> KVGroup:
+    """The group of a layer of this sliding window (None: full attention).
+
+    transformers' default cache gives a ``"sliding_attention"`` layer of window ``W`` the K/V of
+    the last ``W - 1`` cached positions plus the new ones (``DynamicSlidingWindowLayer``), and its
+    mask lets position ``p`` attend to ``[p - W + 1, p]`` (``kv_idx > q_idx - W``). That is exactly
+    what ``KVGroup("sliding_window", window=W)`` keeps.
+
+    >>> layer_group(None), layer_group(4)
+    (KVGroup('full'), KVGroup('sliding_window', window=4))
+    """
+    return KVGroup("full") if window is None else KVGroup("sliding_window", window=window)
+
+
+class GroupPlan(NamedTuple):
+    """How the layers of a model map onto KV cache groups."""
+
+    groups: Tuple[KVGroup, ...]  #: empty when every layer is full attention (default manager)
+    layer_group: Tuple[int, ...]  #: group of each layer
+    layer_slot: Tuple[int, ...]  #: index of each layer within its group's blocks
+    windows: Tuple[Optional[int], ...]  #: sliding window of each layer (None: full attention)
+    layers_per_block: int  #: layers one block holds K/V for
+
+
+def plan_groups(windows: List[Optional[int]]) -> GroupPlan:
+    """Groups for layers of these windows (None: full attention), each kind of layer a group.
+
+    One block of the storage holds ``block_size`` tokens of K and V for ``layers_per_block``
+    layers of one group. With full-attention layers, ``layers_per_block`` is their count, so the
+    full-attention K/V take exactly one block per ``block_size`` tokens; each kind of
+    sliding-window layer is split into groups of that many layers (the last one partly used; its
+    blocks are bounded by the window). Without full-attention layers, ``layers_per_block`` is the
+    largest count of layers of one window.
+
+    >>> plan = plan_groups([4, None, 4, None])          # Gemma 2 style: sliding, full, ...
+    >>> plan.groups, plan.layer_group, plan.layer_slot, plan.layers_per_block
+    ((KVGroup('full'), KVGroup('sliding_window', window=4)), (1, 0, 1, 0), (0, 0, 1, 1), 2)
+    >>> plan_groups([None, None]).groups                # all full: the default single group
+    ()
+    """
+    L = len(windows)
+    if all(w is None for w in windows):
+        return GroupPlan((), (0,) * L, tuple(range(L)), tuple(windows), L)
+    kinds: Dict[Optional[int], List[int]] = {}
+    if None in windows:
+        kinds[None] = []  # full attention first: group 0
+    for i, w in enumerate(windows):
+        kinds.setdefault(w, []).append(i)
+    per_block = len(kinds[None]) if None in kinds else max(len(v) for v in kinds.values())
+    groups: List[KVGroup] = []
+    layer_group_ = [0] * L
+    layer_slot = [0] * L
+    for w, layers in kinds.items():
+        for start in range(0, len(layers), per_block):
+            g = len(groups)
+            groups.append(layer_group(w))
+            for j, layer in enumerate(layers[start : start + per_block]):
+                layer_group_[layer] = g
+                layer_slot[layer] = j
+    return GroupPlan(
+        tuple(groups), tuple(layer_group_), tuple(layer_slot), tuple(windows), per_block
+    )

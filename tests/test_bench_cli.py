@@ -518,16 +518,26 @@ def test_machine_description_of_this_build():
 
 
 # ---------------------------------------------------------------------------------------------
-# the scripts in bench/ call the same code
+# the scripts in benchmarks/ call the same code
 # ---------------------------------------------------------------------------------------------
 def test_bench_script_is_a_thin_caller(tmp_path):
-    out = tmp_path / "m.json"  # a later --json wins over the script's bench/results/ path
-    p = run_python([str(ROOT / "bench" / "bench_metadata.py"), *TINY, "--json", str(out), "-q"])
+    out = tmp_path / "m.json"  # a later --json wins over the script's benchmarks/results/ path
+    script = str(ROOT / "benchmarks" / "bench_prefix.py")
+    p = run_python([script, *TINY, "--no-curve", "--json", str(out), "-q"])
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
-    assert list(doc["suites"]) == ["metadata"] and doc["command"].startswith(
-        "kvblocks bench metadata"
-    )
+    assert list(doc["suites"]) == ["prefix"] and doc["command"].startswith("kvblocks bench prefix")
+
+
+def test_standalone_scripts_time_with_the_package_harness():
+    """One timing harness: benchmarks/ has no timing module of its own."""
+    from kvblocks.bench.report import table
+    from kvblocks.bench.timing import measure
+
+    assert not list((ROOT / "benchmarks").glob("_*.py"))
+    r = measure(lambda: None, inner=10, repeats=5)
+    assert r["samples"] == 5 and r["p50_ns"] >= 0
+    assert table([{"a": 1.5, "b": None}], ["a", "b"]).splitlines()[1].split() == ["1.5", "-"]
 
 
 def test_python_api():

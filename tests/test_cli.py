@@ -265,18 +265,10 @@ import argparse
 
 from kvblocks.__main__ import (
     build_parser,
-    main,
 )
 from kvblocks.sim import limits
 
 PLAN_ARGS = ("--prompt-len", "100", "--output-len", "100", "--samples", "10")
-
-
-def run_main(capsys, *argv: str):
-    """``kvblocks *argv`` in this process: (status, stdout, stderr)."""
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def assert_one_line(rc: int, err: str, *needles: str) -> str:
@@ -341,9 +333,9 @@ def bad_values(lim: limits.Limit):
     [(c, f, v) for c, f, lim, _ in limit_flags() for v in bad_values(lim)],
     ids=lambda v: v if len(str(v)) < 20 else "long",
 )
-def test_bad_flag_value_is_one_line_error(capsys, cmd, flag, value):
+def test_bad_flag_value_is_one_line_error(run_main, cmd, flag, value):
     extra = PLAN_ARGS if cmd == "plan" else ()
-    rc, out, err = run_main(capsys, cmd, f"{flag}={value}", *extra)
+    rc, out, err = run_main(cmd, f"{flag}={value}", *extra)
     line = assert_one_line(rc, err, f"argument {flag}: must be ")
     assert len(line) < 200 and out == ""
 
@@ -361,8 +353,8 @@ def test_bad_flag_value_is_one_line_error(capsys, cmd, flag, value):
         (("simulate", "--format", "xml"), "invalid choice"),
     ],
 )
-def test_usage_errors_are_one_line(capsys, argv, needle):
-    rc, _, err = run_main(capsys, *argv)
+def test_usage_errors_are_one_line(run_main, argv, needle):
+    rc, _, err = run_main(*argv)
     assert_one_line(rc, err, needle)
 
 
@@ -383,8 +375,8 @@ def test_usage_errors_are_one_line(capsys, argv, needle):
         ),
     ],
 )
-def test_too_many_blocks_is_refused_before_allocating(capsys, argv, needles):
-    rc, _, err = run_main(capsys, *argv)
+def test_too_many_blocks_is_refused_before_allocating(run_main, argv, needles):
+    rc, _, err = run_main(*argv)
     assert_one_line(rc, err, *needles)
 
 
@@ -392,29 +384,29 @@ def test_block_caps_are_what_the_limits_say():
     assert limits.MAX_SIM_BLOCKS == 1 << 24 and limits.MAX_BLOCK_IDS == 2**31 - 2
 
 
-def test_plan_accepts_a_pool_beyond_the_simulator_cap(capsys):
-    rc, out, err = run_main(capsys, "plan", "--gpu-mem", "1e6", "--json", *PLAN_ARGS)
+def test_plan_accepts_a_pool_beyond_the_simulator_cap(run_main):
+    rc, out, err = run_main("plan", "--gpu-mem", "1e6", "--json", *PLAN_ARGS)
     assert rc == 0, err
     assert json.loads(out)["memory"]["num_blocks"] == 460_792_341
 
 
-def test_boundary_values_are_accepted(capsys):
+def test_boundary_values_are_accepted(run_main):
     rc, out, err = run_main(
-        capsys, "simulate", "--limit", "40", "--time-scale", "0", "--watermark", "0", "--reserve", "0",
+        "simulate", "--limit", "40", "--time-scale", "0", "--watermark", "0", "--reserve", "0",
         "--host-mem", "0", "--max-model-len", "20000000", "--step-overhead-ms", "0", "--prefill-us", "0",
         "--decode-us", "0", "--kv-read-ns", "0", "--num-blocks", "3000", "--json",
     )  # fmt: skip
     assert rc == 0, err
     assert json.loads(out)["paged"]["completed"] > 0
-    rc, out, err = run_main(capsys, "plan", "--seed", str(2**64 - 1), "--max-len", "20000000",
+    rc, out, err = run_main("plan", "--seed", str(2**64 - 1), "--max-len", "20000000",
                             "--layers", "2", "--latent-dim", "64", "--params", "0", *PLAN_ARGS)  # fmt: skip
     assert rc == 0, err
 
 
-def test_defaults_still_run_in_process(capsys):
-    rc, out, err = run_main(capsys, "simulate", "--limit", "30", "--no-contiguous")
+def test_defaults_still_run_in_process(run_main):
+    rc, out, err = run_main("simulate", "--limit", "30", "--no-contiguous")
     assert rc == 0 and err == "" and "peak KV usage" in out
-    rc, out, err = run_main(capsys, "plan", *PLAN_ARGS)
+    rc, out, err = run_main("plan", *PLAN_ARGS)
     assert rc == 0 and err == "" and "paged, all at full length" in out
 
 
@@ -474,13 +466,13 @@ def write_mooncake(tmp_path, line: str):
         )
     ],
 )
-def test_bad_mooncake_integer_field_is_one_line_error(capsys, tmp_path, field, value, needle):
+def test_bad_mooncake_integer_field_is_one_line_error(run_main, tmp_path, field, value, needle):
     text = json.dumps(MOONCAKE_OK).replace(
         f'"{field}": ' + json.dumps(MOONCAKE_OK[field]), f'"{field}": {value}'
     )
     assert text != json.dumps(MOONCAKE_OK)
     t = write_mooncake(tmp_path, text)
-    rc, _, err = run_main(capsys, "simulate", "--trace", str(t))
+    rc, _, err = run_main("simulate", "--trace", str(t))
     line = assert_one_line(rc, err, f"{t}:2: ", needle)
     assert len(line) < 300
 
@@ -488,10 +480,10 @@ def test_bad_mooncake_integer_field_is_one_line_error(capsys, tmp_path, field, v
 @pytest.mark.parametrize(
     "stamp", ["nan", "NaN", "inf", "-inf", "Infinity", "1e400", "1e300", "-1e300"]
 )
-def test_bad_csv_timestamp_is_one_line_error(capsys, tmp_path, stamp):
+def test_bad_csv_timestamp_is_one_line_error(run_main, tmp_path, stamp):
     t = tmp_path / "bad.csv"
     t.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n1.0,12,3\n{stamp},12,3\n")
-    rc, _, err = run_main(capsys, "simulate", "--trace", str(t))
+    rc, _, err = run_main("simulate", "--trace", str(t))
     assert_one_line(rc, err, f"{t}:3: ", "bad TIMESTAMP")
 
 
@@ -546,17 +538,17 @@ ALL_FORMATS = ("auto", "mooncake", "azure", "kvblocks")
         ),
     ],
 )
-def test_non_utf8_trace_is_one_line_error(capsys, tmp_path, name, data, line, needle, formats):
+def test_non_utf8_trace_is_one_line_error(run_main, tmp_path, name, data, line, needle, formats):
     """Decoding errors were UnicodeDecodeError tracebacks; now they name the file and line."""
     t = tmp_path / name
     t.write_bytes(data)
     for fmt in formats:
-        rc, _, err = run_main(capsys, "simulate", "--trace", str(t), "--format", fmt)
+        rc, _, err = run_main("simulate", "--trace", str(t), "--format", fmt)
         assert_one_line(rc, err, f"{t}:{line}: not UTF-8", needle)
 
 
-def test_utf8_byte_order_mark_is_accepted(capsys, tmp_path):
+def test_utf8_byte_order_mark_is_accepted(run_main, tmp_path):
     t = tmp_path / "bom.csv"
     t.write_bytes(b"\xef\xbb\xbfTIMESTAMP,ContextTokens,GeneratedTokens\n1.0,12,3\n2.0,14,3\n")
-    rc, out, err = run_main(capsys, "simulate", "--trace", str(t), "--no-contiguous")
+    rc, out, err = run_main("simulate", "--trace", str(t), "--no-contiguous")
     assert rc == 0 and "2 requests" in out, err

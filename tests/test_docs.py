@@ -8,6 +8,7 @@ import pytest
 
 import kvblocks
 import kvblocks._core
+import kvblocks.groups
 import kvblocks.layout
 import kvblocks.metadata
 import kvblocks.ops
@@ -20,6 +21,7 @@ import kvblocks.storage
 import kvblocks.testing.readback
 import kvblocks.testing.reference
 import kvblocks.testing.strategies
+import kvblocks.testing.tiny
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -28,6 +30,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
     "module",
     [
         kvblocks._core,
+        kvblocks.groups,
         kvblocks.metadata,
         kvblocks.ops,
         kvblocks.rows,
@@ -37,6 +40,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
         kvblocks.testing.readback,
         kvblocks.testing.reference,
         kvblocks.testing.strategies,
+        kvblocks.testing.tiny,
         kvblocks.sim.hybrid_models,
         kvblocks.sim.group_report,
         kvblocks.sim.models,

@@ -79,8 +79,8 @@ def test_take_copies_safe_for_one_copy_blocks_call():
 
 @pytest.mark.parametrize("preempt", ["free", "swap_out", "truncate_then_free"])
 def test_uncomputed_block_is_never_a_prefix_hit(preempt):
-    """spec-round2: 7 prompt tokens (block size 4) computed, an 8th committed but never
-    computed fills block 1. Preempted before the step that computes it, block 1 must not be a
+    """docs/engine-integration.md, *Committed vs computed*: 7 prompt tokens (block size 4)
+    computed, an 8th committed but never computed fills block 1. Preempted before the step that computes it, block 1 must not be a
     prefix hit: a longer prompt with the same 8 tokens hits 4 tokens, not 8."""
     mgr, rb = engine(host=8)
     rb.add("a", [1, 2, 3, 4, 5, 6, 7])

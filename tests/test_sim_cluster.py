@@ -6,13 +6,12 @@ from __future__ import annotations
 import doctest
 import json
 from pathlib import Path
-from typing import List, Tuple
+from typing import List
 
 import numpy as np
 import pytest
 
 import kvblocks
-from kvblocks.__main__ import main
 from kvblocks.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvblocks.sim import (
     PagedEngine,
@@ -325,12 +324,6 @@ def test_parse_counts_and_sizes():
 # ------------------------------------------------------------------------------ command line
 
 
-def run_main(capsys, *argv: str) -> Tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 def one_line_error(rc: int, err: str, *needles: str) -> None:
     assert rc == 2
     lines = err.strip().splitlines()
@@ -339,8 +332,8 @@ def one_line_error(rc: int, err: str, *needles: str) -> None:
         assert n in lines[0], lines[0]
 
 
-def test_simulate_cluster_json_schema(capsys):
-    rc, out, _ = run_main(capsys, "simulate", "--limit", "60", "--replicas", "3", "--router",
+def test_simulate_cluster_json_schema(run_main):
+    rc, out, _ = run_main("simulate", "--limit", "60", "--replicas", "3", "--router",
                           "prefix_aware", "--json", "--no-progress")  # fmt: skip
     assert rc == 0
     doc = json.loads(out)
@@ -354,8 +347,8 @@ def test_simulate_cluster_json_schema(capsys):
     assert doc["time_model"]["swap_gb_per_s"] == 25.0
 
 
-def test_simulate_cluster_table(capsys):
-    rc, out, _ = run_main(capsys, "simulate", "--limit", "40", "--replicas", "2", "--no-progress")
+def test_simulate_cluster_table(run_main):
+    rc, out, _ = run_main("simulate", "--limit", "40", "--replicas", "2", "--no-progress")
     assert rc == 0
     assert "cluster   2 replicas, router round_robin" in out
     assert "per replica" in out and "prefix hit rate (tokens)" in out
@@ -385,22 +378,22 @@ def test_simulate_cluster_table(capsys):
         (("plan", "--trace", str(CONV), "--ttft-p99", "1", "--prompt-len", "9"), ("different",)),
     ],
 )
-def test_cli_errors_are_one_line(capsys, argv, needles):
-    rc, out, err = run_main(capsys, *argv)
+def test_cli_errors_are_one_line(run_main, argv, needles):
+    rc, out, err = run_main(*argv)
     one_line_error(rc, err, *needles)
     assert out == ""
 
 
 @pytest.mark.skipif(hosttier.host_tier_available(), reason="this build has the host tier")
-def test_host_cache_without_core_support_is_one_line(capsys):
-    rc, out, err = run_main(capsys, "simulate", "--host-cache", "4")
+def test_host_cache_without_core_support_is_one_line(run_main):
+    rc, out, err = run_main("simulate", "--host-cache", "4")
     one_line_error(rc, err, "host tier not available in this build")
-    rc, out, err = run_main(capsys, "plan", "--trace", str(CONV), "--ttft-p99", "1",
+    rc, out, err = run_main("plan", "--trace", str(CONV), "--ttft-p99", "1",
                             "--host-cache", "0,8")  # fmt: skip
     one_line_error(rc, err, "host tier not available in this build")
 
 
-def test_plan_trace_prints_curve_and_cheapest_json(capsys, tmp_path):
+def test_plan_trace_prints_curve_and_cheapest_json(run_main, tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text(
         "".join(
@@ -418,20 +411,20 @@ def test_plan_trace_prints_curve_and_cheapest_json(capsys, tmp_path):
     )
     args = ("plan", "--trace", str(trace), "--replicas", "1-3", "--num-blocks", "2000",
             "--router", "least_loaded", "--no-progress", "--host-cache", "0")  # fmt: skip
-    rc, out, _ = run_main(capsys, *args, "--ttft-p99", "1000", "--json")
+    rc, out, _ = run_main(*args, "--ttft-p99", "1000", "--json")
     assert rc == 0
     doc = json.loads(out)
     assert [p["gpus"] for p in doc["curve"]] == [1, 2, 3]
     assert doc["best"]["gpus"] == 1 and doc["best"]["meets"]
     p99 = [p["ttft_p99_s"] for p in doc["curve"]]
     assert p99[0] > p99[2]
-    rc, out, _ = run_main(capsys, *args, "--ttft-p99", str((p99[0] + p99[1]) / 2))
+    rc, out, _ = run_main(*args, "--ttft-p99", str((p99[0] + p99[1]) / 2))
     assert rc == 0 and "cheapest: 2 replicas" in out and "<- cheapest" in out
-    rc, out, err = run_main(capsys, *args, "--ttft-p99", str(p99[2] / 2))
+    rc, out, err = run_main(*args, "--ttft-p99", str(p99[2] / 2))
     one_line_error(rc, err, "no configuration in range meets", "closest: 3 replicas")
 
 
-def test_plan_progress_bar_and_plot(capsys, tmp_path):
+def test_plan_progress_bar_and_plot(run_main, tmp_path):
     pytest.importorskip("matplotlib")
     trace = tmp_path / "t.jsonl"
     trace.write_text(
@@ -449,7 +442,7 @@ def test_plan_progress_bar_and_plot(capsys, tmp_path):
         )  # fmt: skip
     )
     png = tmp_path / "plan.png"
-    rc, out, err = run_main(capsys, "plan", "--trace", str(trace), "--replicas", "1,2",
+    rc, out, err = run_main("plan", "--trace", str(trace), "--replicas", "1,2",
                             "--num-blocks", "500", "--ttft-p99", "100", "--progress",
                             "--plot", str(png))  # fmt: skip
     assert rc == 0 and png.stat().st_size > 1000

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from kvblocks import BlockManager, KVGroup
-from kvblocks.__main__ import main
 from kvblocks.sim import SchedulerConfig, SimulationError, get_model, load_workload, memory_bill
 from kvblocks.sim.hybrid_models import LayerKind, group_layout, parse_layer_kinds
 from kvblocks.sim.models import GiB, custom_model
@@ -178,14 +177,8 @@ def test_plan_gives_the_gain_over_all_full():
     assert [g["kind"] for g in n["groups"]] == ["full", "sliding_window"]
 
 
-def run_main(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def test_cli_reports_per_group_usage_and_the_gain(capsys):
-    rc, out, err = run_main(capsys, "simulate", "--model", "gpt-oss-20b", "--limit", "20",
+def test_cli_reports_per_group_usage_and_the_gain(run_main):
+    rc, out, err = run_main("simulate", "--model", "gpt-oss-20b", "--limit", "20",
                             "--no-contiguous", "--compare-all-full", "--json")  # fmt: skip
     assert rc == 0, err
     doc = json.loads(out)
@@ -196,16 +189,16 @@ def test_cli_reports_per_group_usage_and_the_gain(capsys):
     assert set(doc["hybrid_gain"]) == {"peak_concurrency", "mean_concurrency",
                                        "throughput_tok_s", "prefix_hit_rate"}  # fmt: skip
     assert doc["config"]["groups"][1]["span"] == 128
-    rc, out, err = run_main(capsys, "simulate", "--model", "llama-4-scout", "--gpu-mem", "320",
+    rc, out, err = run_main("simulate", "--model", "llama-4-scout", "--gpu-mem", "320",
                             "--limit", "10", "--compare-all-full")  # fmt: skip
     assert rc == 0, err
     assert "blocks held per layer kind" in out and "chunked_local 8,192" in out
     assert "hybrid groups vs all layers full" in out
-    rc, out, err = run_main(capsys, "plan", "--model", "gemma-3-27b", "--prompt-len", "4000",
+    rc, out, err = run_main("plan", "--model", "gemma-3-27b", "--prompt-len", "4000",
                             "--output-len", "500", "--samples", "100")  # fmt: skip
     assert rc == 0, err
     assert "26 x 2" in out and "hybrid / all layers full" in out
-    rc, out, err = run_main(capsys, "simulate", "--layers", "24", "--kv-heads", "8",
+    rc, out, err = run_main("simulate", "--layers", "24", "--kv-heads", "8",
                             "--head-dim", "64", "--layer-groups", "12:full,12:sliding_window:128",
                             "--limit", "5", "--no-contiguous", "--json")  # fmt: skip
     assert rc == 0, err
@@ -244,8 +237,8 @@ def test_layer_groups_parse():
         ("12;full", "is not COUNT:KIND[:SIZE]"),
     ],
 )
-def test_bad_layer_groups_are_one_line_errors(capsys, spec, needle):
-    rc, out, err = run_main(capsys, "simulate", "--layers", "24", "--kv-heads", "8",
+def test_bad_layer_groups_are_one_line_errors(run_main, spec, needle):
+    rc, out, err = run_main("simulate", "--layers", "24", "--kv-heads", "8",
                             "--head-dim", "64", "--layer-groups", spec)  # fmt: skip
     assert rc == 2 and out == "" and "Traceback" not in err
     lines = err.strip().splitlines()
@@ -266,8 +259,8 @@ def test_bad_layer_groups_are_one_line_errors(capsys, spec, needle):
           "1:full,1999:sliding_window:4"), "2000 kvblocks groups (at most 255)"),
     ],
 )  # fmt: skip
-def test_bad_input_is_one_cli_error_line(capsys, argv, needle):
-    rc, out, err = run_main(capsys, *argv)
+def test_bad_input_is_one_cli_error_line(run_main, argv, needle):
+    rc, out, err = run_main(*argv)
     assert rc == 2 and out == "" and "Traceback" not in err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvblocks: error: ") and needle in lines[0], err

@@ -13,7 +13,6 @@ from typing import List, Tuple
 import pytest
 
 from kvblocks import InvalidStateError
-from kvblocks.__main__ import main
 from kvblocks.sim import PagedEngine, SchedulerConfig, TimeModel, get_model, hostdrain
 from kvblocks.sim.cluster import Cluster
 from kvblocks.sim.hostdrain import StepCopies
@@ -204,22 +203,16 @@ def mooncake(tmp_path: Path, n_fam: int = 6, rounds: int = 4) -> str:
     return str(path)
 
 
-def run_main(capsys, *argv: str) -> Tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def test_simulate_host_cache_report_and_json(capsys, tmp_path):
+def test_simulate_host_cache_report_and_json(run_main, tmp_path):
     trace = mooncake(tmp_path)
     args = ("simulate", "--trace", trace, "--num-blocks", "160", "--no-progress")
-    rc, out, _ = run_main(capsys, *args, "--host-cache", "1")
+    rc, out, _ = run_main(*args, "--host-cache", "1")
     assert rc == 0
     assert "host cache 1 GiB (512 blocks, write-back), PCIe 25 GB/s" in out
     for row in ("from the host tier", "demotions to the host", "onloads (host -> device)",
                 "of which write-through", "PCIe time in steps"):  # fmt: skip
         assert row in out
-    rc, out, _ = run_main(capsys, *args, "--host-cache", "1", "--host-write-through", "--json")
+    rc, out, _ = run_main(*args, "--host-cache", "1", "--host-write-through", "--json")
     doc = json.loads(out)
     assert rc == 0 and doc["config"]["host_write_through"] is True
     p = doc["paged"]
@@ -240,18 +233,18 @@ def test_simulate_host_cache_report_and_json(capsys, tmp_path):
         (("--host-cache", "1", "--no-prefix-caching"), "drop --no-prefix-caching"),
     ],
 )
-def test_bad_host_flags_are_one_line(capsys, extra, needle):
-    rc, out, err = run_main(capsys, "simulate", "--limit", "5", "--no-progress", *extra)
+def test_bad_host_flags_are_one_line(run_main, extra, needle):
+    rc, out, err = run_main("simulate", "--limit", "5", "--no-progress", *extra)
     lines = err.strip().splitlines()
     assert rc == 2 and out == "" and len(lines) == 1, err
     assert lines[0].startswith("kvblocks: error: ") and needle in lines[0]
 
 
-def test_plan_sweeps_host_sizes_and_prefers_the_cheaper_tier(capsys, tmp_path):
+def test_plan_sweeps_host_sizes_and_prefers_the_cheaper_tier(run_main, tmp_path):
     trace = mooncake(tmp_path)
     args = ("plan", "--trace", trace, "--num-blocks", "160", "--replicas", "1",
             "--host-cache", "0,1", "--no-progress", "--router", "round_robin")  # fmt: skip
-    rc, out, _ = run_main(capsys, *args, "--ttft-p99", "1000", "--json")
+    rc, out, _ = run_main(*args, "--ttft-p99", "1000", "--json")
     assert rc == 0
     doc = json.loads(out)
     none, host = doc["curve"]
@@ -261,12 +254,12 @@ def test_plan_sweeps_host_sizes_and_prefers_the_cheaper_tier(capsys, tmp_path):
     assert doc["best"]["host_cache_gib"] == 0 and doc["host_write_through"] is False
     # a target only the host tier meets
     target = (host["ttft_p99_s"] + none["ttft_p99_s"]) / 2
-    rc, out, _ = run_main(capsys, *args, "--ttft-p99", str(target))
+    rc, out, _ = run_main(*args, "--ttft-p99", str(target))
     assert rc == 0 and "cheapest: 1 replica + 1 GiB host cache each" in out
     assert "one host tier per replica (write-back)" in out
     # none meets: the closest is named
-    rc, out, err = run_main(capsys, *args, "--ttft-p99", str(host["ttft_p99_s"] / 2))
+    rc, out, err = run_main(*args, "--ttft-p99", str(host["ttft_p99_s"] / 2))
     assert rc == 2 and "closest: 1 replica + 1 GiB host cache each" in err
-    rc, out, err = run_main(capsys, *args[:7], "--host-cache", "0", "--host-write-through",
+    rc, out, err = run_main(*args[:7], "--host-cache", "0", "--host-write-through",
                             "--ttft-p99", "1")  # fmt: skip
     assert rc == 2 and "needs a host tier" in err

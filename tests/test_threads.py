@@ -1,7 +1,7 @@
 """Threads hammering one BlockManager, each on its own sequences.
 
-spec-round2.md: each public call is atomic with respect to other Python threads. Each worker
-adds, appends (one call and batched), builds metadata, forks and frees its own sequences,
+docs/engine-integration.md (*Threads and callbacks*): each public call is atomic with respect
+to other Python threads. Each worker adds, appends (one call and batched), builds metadata, forks and frees its own sequences,
 passing ids and tokens as Python lists (their conversion runs Python code, so the GIL can
 switch threads in the middle of a call). Every call's result is checked against the worker's
 own model; at the end every sequence holds exactly its own tokens, no block is shared between

@@ -6,7 +6,7 @@ tokens generated with :class:`PagedKVCache` against transformers' default ``Dyna
 
 import numpy as np
 import pytest
-from helpers import TINY_LM
+from helpers import TINY_LM, left_padded
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -130,15 +130,7 @@ def _other_families():
 
 
 def _prompts(lengths, seed=0):
-    """Left-padded batch (transformers' convention for decoder-only generation)."""
-    g = np.random.default_rng(seed)
-    L = max(lengths)
-    ids = np.full((len(lengths), L), PAD, dtype=np.int64)
-    mask = np.zeros((len(lengths), L), dtype=np.int64)
-    for r, n in enumerate(lengths):
-        ids[r, L - n :] = g.integers(3, VOCAB, n)
-        mask[r, L - n :] = 1
-    return torch.from_numpy(ids), torch.from_numpy(mask)
+    return left_padded(lengths, VOCAB, PAD, seed)
 
 
 def _generate(model, ids, mask, cache=None, **kw):
@@ -817,7 +809,7 @@ def test_deepcopy_prompt_reuse_recipe(llama):
 )
 def test_constructor_refuses_instead_of_coercing(llama, monkeypatch, kw, exc):
     """Found 11: typed errors, raised before any storage is allocated."""
-    import kvblocks.integrations.transformers as integration
+    import kvblocks.integrations.transformers.storage as integration
 
     allocated = []
     monkeypatch.setattr(integration, "KVCache", lambda *a, **k: allocated.append(a))
@@ -828,7 +820,7 @@ def test_constructor_refuses_instead_of_coercing(llama, monkeypatch, kw, exc):
 
 
 def test_constructor_refusals_allocate_nothing(monkeypatch):
-    import kvblocks.integrations.transformers as integration
+    import kvblocks.integrations.transformers.storage as integration
 
     allocated = []
     monkeypatch.setattr(integration, "KVCache", lambda *a, **k: allocated.append(a))

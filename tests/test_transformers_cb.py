@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kvblocks.errors import InvalidStateError, NotSupportedError  # noqa: E402
-from kvblocks.integrations import transformers_cb, transformers_cb_step  # noqa: E402
+from kvblocks.integrations import transformers_cb  # noqa: E402
+from kvblocks.integrations.transformers_cb import step as transformers_cb_step  # noqa: E402
 
 if transformers_cb._IMPORT_PROBLEM is not None:  # pragma: no cover - depends on the environment
     pytest.skip(transformers_cb._IMPORT_PROBLEM, allow_module_level=True)
@@ -349,7 +350,7 @@ def test_nested_contexts_refused():
 
 def test_unsupported_version_refused(monkeypatch):
     saved = cb_cache.CachePool
-    monkeypatch.setattr(transformers_cb, "_installed_version", lambda: "5.25.0")
+    monkeypatch.setattr(transformers_cb.compat, "_installed_version", lambda: "5.25.0")
     with pytest.raises(NotSupportedError, match=r"5\.24\.x.*found transformers 5\.25\.0"):
         with transformers_cb.enabled():
             pass

@@ -20,7 +20,8 @@ transformers = pytest.importorskip("transformers")
 
 from kvblocks import KVGroup  # noqa: E402
 from kvblocks.errors import InvalidStateError, NotSupportedError  # noqa: E402
-from kvblocks.integrations import transformers_cb, transformers_cb_window  # noqa: E402
+from kvblocks.integrations import transformers_cb  # noqa: E402
+from kvblocks.integrations.transformers_cb import window as transformers_cb_window  # noqa: E402
 
 if transformers_cb._IMPORT_PROBLEM is not None:  # pragma: no cover - depends on the environment
     pytest.skip(transformers_cb._IMPORT_PROBLEM, allow_module_level=True)

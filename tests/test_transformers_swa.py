@@ -9,6 +9,7 @@ import copy
 
 import numpy as np
 import pytest
+from helpers import TINY_LM, left_padded
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -22,25 +23,17 @@ from kvblocks import (  # noqa: E402
     NotSupportedError,
     OutOfBlocksError,
 )
-from kvblocks.integrations._layer_groups import layer_windows, plan_groups  # noqa: E402
+from kvblocks.groups import plan_groups  # noqa: E402
 from kvblocks.integrations.transformers import PagedKVCache, dynamic_cache_bytes  # noqa: E402
+from kvblocks.integrations.transformers.config import layer_windows  # noqa: E402
 
 torch.set_num_threads(1)
 
 VOCAB, PAD, BOS, EOS = 128, 0, 1, 2
 BLOCK, WINDOW = 4, 5
 CACHE_KW = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    pad_token_id=PAD,
-    bos_token_id=BOS,
-    eos_token_id=EOS,
+_COMMON = dict(  # every family sets its own num_hidden_layers
+    TINY_LM, vocab_size=VOCAB, head_dim=16, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS
 )
 
 
@@ -100,14 +93,7 @@ def _families(*names):
 
 
 def _prompts(lengths, seed=0):
-    g = np.random.default_rng(seed)
-    L = max(lengths)
-    ids = np.full((len(lengths), L), PAD, dtype=np.int64)
-    mask = np.zeros((len(lengths), L), dtype=np.int64)
-    for r, n in enumerate(lengths):
-        ids[r, L - n :] = g.integers(3, VOCAB, n)
-        mask[r, L - n :] = 1
-    return torch.from_numpy(ids), torch.from_numpy(mask)
+    return left_padded(lengths, VOCAB, PAD, seed)
 
 
 def _generate(model, ids, mask, cache, **kw):

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
+import sys
 import textwrap
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from .errors import BenchError
-from .machine import summary_lines
+from .machine import git_commit, summary_lines
 from .runner import SCHEMA
 
-__all__ = ["format_report", "load_baseline", "compare"]
+__all__ = ["format_report", "load_baseline", "compare", "save", "table"]
 
 SLOWDOWN_WARN = 1.3
 _MACHINE_KEYS = ("cpu_model", "arch", "cores_logical", "python", "numpy")
@@ -240,3 +244,48 @@ def format_report(doc: dict) -> str:
             out.append("notes:")
             out += notes
     return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the standalone scripts (benchmarks/): a plain table and a JSON of rows beside the script
+# ---------------------------------------------------------------------------------------------
+def save(
+    name: str, rows: list, extra: Optional[dict] = None, results: Optional[Path] = None
+) -> Path:
+    """Write ``rows`` (with the commit, the machine and the timer overhead) as
+    ``results/<name>.json``; ``results`` defaults to the folder beside the running script."""
+    from .timing import timer_overhead_ns
+
+    if results is None:
+        results = Path(sys.argv[0]).resolve().parent / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "bench": name,
+        "commit": (git_commit() or "unknown").split("+", 1)[0],
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "timer_overhead_ns": timer_overhead_ns(),
+        "rows": rows,
+        **(extra or {}),
+    }
+    path = results / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def table(rows: list, cols: list) -> str:
+    """Rows (dicts) as right-aligned columns; floats with one decimal, None as ``-``."""
+    widths = [max(len(c), *(len(_cell(r.get(c))) for r in rows)) for c in cols]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    for r in rows:
+        lines.append("  ".join(_cell(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
+    return "\n".join(lines)
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.1f}"
+    return str(v)

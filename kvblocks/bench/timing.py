@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 __all__ = ["Settings", "Calibration", "Case", "Op", "Stats", "calibrate", "run_ops"]
+__all__ += ["measure", "timer_overhead_ns"]  # the standalone scripts (benchmarks/)
 
 _clock = time.perf_counter_ns
 
@@ -287,3 +288,51 @@ def run_ops(
         out[id(c)] = Stats(samples=per_call, inner=c._inner)
         c._got = []
     return out, cal
+
+
+# ---------------------------------------------------------------------------------------------
+# the simple loop of the standalone scripts (benchmarks/): batches, GC off, p50/p99
+# ---------------------------------------------------------------------------------------------
+def timer_overhead_ns(samples: int = 2000) -> float:
+    """Median cost of one ``perf_counter_ns`` pair (what the standalone scripts report)."""
+    t = _clock
+    d = [-(t() - t()) for _ in range(samples)]
+    return float(np.median(d))
+
+
+def measure(
+    fn: Callable[[], object],
+    *,
+    inner: int,
+    repeats: int,
+    setup: Optional[Callable[[], object]] = None,
+    teardown: Optional[Callable[[], object]] = None,
+) -> dict:
+    """Time ``inner`` calls of ``fn()`` per sample, ``repeats`` samples, GC off; ns per call
+    (``setup`` / ``teardown`` run around each sample, untimed). For a standalone script that
+    times one thing; the suites of ``kvblocks bench`` use :func:`run_ops`."""
+    samples = []
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            if setup:
+                setup()
+            t0 = _clock()
+            for _ in range(inner):
+                fn()
+            t1 = _clock()
+            if teardown:
+                teardown()
+            samples.append((t1 - t0) / inner)
+    finally:
+        if gc_was:
+            gc.enable()
+    a = np.asarray(samples)
+    return {
+        "p50_ns": float(np.percentile(a, 50)),
+        "p99_ns": float(np.percentile(a, 99)),
+        "min_ns": float(a.min()),
+        "samples": len(a),
+        "inner": inner,
+    }

@@ -6,13 +6,16 @@
   sequence reads back exactly its own K/V;
 * :mod:`kvblocks.testing.strategies`: hypothesis strategies (workloads, hostile inputs);
 * :class:`EngineMachine`: a hypothesis state machine that runs a manager as an engine does;
-  :class:`GroupsEngineMachine` the same over random KV cache groups.
+  :class:`GroupsEngineMachine` the same over random KV cache groups;
+* :func:`tiny_config` / :data:`TINY_LM`: the tiny random transformers model of the tests,
+  examples and benchmarks (transformers is imported only when a config is built).
 
 The last two need hypothesis; importing this package does not.
 """
 
 from .readback import KVReadback, ReadbackError
 from .reference import ReferenceManager, ReferenceMetadata, ReferencePool, same_error
+from .tiny import TINY_LM, tiny_config, tiny_lm
 
 __all__ = [
     "EngineMachine",
@@ -24,6 +27,9 @@ __all__ = [
     "ReferencePool",
     "same_error",
     "strategies",
+    "TINY_LM",
+    "tiny_config",
+    "tiny_lm",
 ]
 
 

@@ -9,7 +9,7 @@ call writing into the same storage). Two batches: 64 requests decoding at ~2K co
 prefill-heavy mix (16 requests prefilling 128-token chunks, 48 decoding). Each sample is one
 step; p50 and p99 over ``--steps`` steps, GC off.
 
-    PYTHONPATH=. python bench/bench_transformers_cb_step.py [--json FILE] [--steps 40]
+    PYTHONPATH=. python benchmarks/bench_transformers_cb_step.py [--json FILE] [--steps 40]
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from transformers import LlamaConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import cache as cb_cache
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 from transformers.generation.continuous_batching.requests import FutureRequestState, RequestState
 
 from kvblocks.integrations import transformers_cb
+from kvblocks.testing import tiny_config
 
 logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
 
@@ -37,15 +37,7 @@ PAGE = 16
 
 
 def build_cache(num_blocks: int, max_batch_tokens: int):
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-    )
+    config = tiny_config(max_position_embeddings=8192)
     cbc = ContinuousBatchingConfig(
         page_size=PAGE,
         num_blocks=num_blocks,

@@ -1,6 +1,6 @@
 """The simulator's time model against published measurements (docs/simulator-validation.md).
 
-    python bench/sim_validation.py [--json OUT] [extra simulate flags, e.g. --compute-eff 0.5]
+    python benchmarks/sim_validation.py [--json OUT] [extra simulate flags, e.g. --compute-eff 0.5]
 
 Each case rebuilds a published benchmark as a synthetic trace (fixed input and output
 lengths, the published batch or a sequential stream for concurrency 1), replays it with

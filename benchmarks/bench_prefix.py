@@ -3,19 +3,35 @@ lookup_and_pin of 2,048 cached blocks, allocation evicting cached blocks) agains
 pure-Python pool; then, from this checkout only, the hit-rate-versus-capacity curve of the
 Mooncake traces (../shared/traces) replayed through BlockManager.
 
-    python bench/bench_prefix.py [--quick] [--no-curve] [any other 'kvblocks bench' flag]
+    python benchmarks/bench_prefix.py [--quick] [--no-curve] [any other 'kvblocks bench' flag]
 
-Prints the tables and writes bench/results/prefix_<commit>.json (the curve under
+Prints the tables and writes benchmarks/results/prefix_<commit>.json (the curve under
 "hit_rate_curve").
 """
 
 import json
 import sys
 import time
+from pathlib import Path
 
-from _suite import REPO, run_suite
-
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
 TRACES = REPO.parent / "shared" / "traces"
+# an in-place build of this checkout wins; without one, the installed kvblocks is used
+if any((REPO / "kvblocks").glob("_core*.so")) and str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def run_suite(suite, argv):
+    """``kvblocks bench SUITE --json benchmarks/results/SUITE_<commit>.json [argv]``."""
+    from kvblocks.__main__ import main
+    from kvblocks.bench.machine import git_commit
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{suite}_{(git_commit() or 'unknown').split('+', 1)[0]}.json"
+    if any(a in ("-h", "--help") for a in argv):
+        return main(["bench", "--help"]), path
+    return main(["bench", suite, "--json", str(path), *argv]), path
 
 
 def hit_rate_curve(quick):

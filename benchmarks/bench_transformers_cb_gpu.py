@@ -7,7 +7,7 @@ transformers alone, kvblocks stage 1 (allocation) and stage 2 (native indices), 
 are identical, and reports wall time and tokens/s (median of ``--repeat``). Without CUDA or
 flash-attn it prints why and exits 0 (skipped).
 
-    python bench/bench_transformers_cb_gpu.py [--json FILE] [--repeat 3]
+    python benchmarks/bench_transformers_cb_gpu.py [--json FILE] [--repeat 3]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """KV-event benchmarks (issue 14): encoding to vLLM's wire format and publish() latency.
 
-    python bench/bench_events.py [--quick]
+    python benchmarks/bench_events.py [--quick]
 
 - encode: ``kvblocks.events.encode_batch`` of 1,000 BlockStored events (16-token blocks; 1 and
   8 blocks per event, the latter a prefill), in ns per event. The baseline, timed in the same
@@ -14,7 +14,7 @@
 - publish: ``ZmqEventPublisher.publish`` of one small batch, on the calling (engine) thread,
   per call, while the background thread sends.
 
-Prints a table and writes bench/results/bench_events.json. Needs msgspec and pyzmq.
+Prints a table and writes benchmarks/results/bench_events.json. Needs msgspec and pyzmq.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _timing import measure, save, table  # noqa: E402
+from kvblocks.bench.report import save, table  # noqa: E402
+from kvblocks.bench.timing import measure  # noqa: E402
 
 from kvblocks import BlockPool  # noqa: E402
 from kvblocks.events import BlockStored, ZmqEventPublisher, encode_batch  # noqa: E402

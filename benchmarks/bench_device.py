@@ -12,11 +12,11 @@ capped so one call moves at most --max-mib MiB (default 256; memory stays < 2 Gi
 and p99 over --repeats timed calls after one warm-up call, with GC off, as GB/s (bytes moved
 per second: the bytes read once, written once counted once) and ns per block.
 
-    python bench/bench_device.py             # CPU, ~1 minute on 2 cores
-    python bench/bench_device.py --quick     # a few seconds
-    python bench/bench_device.py --device cuda
+    python benchmarks/bench_device.py             # CPU, ~1 minute on 2 cores
+    python benchmarks/bench_device.py --quick     # a few seconds
+    python benchmarks/bench_device.py --device cuda
 
-Writes bench/results/device-<device>.json.
+Writes benchmarks/results/device-<device>.json.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kvblocks import KVCache, KVLayout, ops  # noqa: E402
+from kvblocks.bench.timing import timer_overhead_ns  # noqa: E402
 
 # (label, layers, kv_heads, head_dim, block_size) in bf16
 SIZES = [
@@ -46,16 +47,9 @@ SIZES = [
 PAIRS = [1, 10, 100, 1000, 10000]
 
 
-def timer_overhead_ns() -> float:
-    t = []
-    for _ in range(1000):
-        a = time.perf_counter_ns()
-        b = time.perf_counter_ns()
-        t.append(b - a)
-    return float(np.median(t))
-
-
 def measure(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> np.ndarray:
+    """One call per sample, each closed by a device sync (kvblocks.bench.timing's loops time
+    host work only)."""
     fn()
     sync()  # warm-up (kernel compile, page faults)
     out = np.empty(repeats)
@@ -205,7 +199,7 @@ def main() -> None:
         help="cap on MiB moved per call (default 256, quick 32)",
     )
     ap.add_argument(
-        "--out", default=None, help="JSON path (default bench/results/device-<device>.json)"
+        "--out", default=None, help="JSON path (default benchmarks/results/device-<device>.json)"
     )
     args = ap.parse_args()
     repeats = args.repeats or (5 if args.quick else 15)

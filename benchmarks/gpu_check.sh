@@ -2,7 +2,7 @@
 # The device checks, as one short script for a machine with an NVIDIA GPU (the lent device):
 # build, CUDA-vs-numpy bit-for-bit tests, the device bench, then transformers' FlashAttention
 # in-place decode with and without kvblocks (results in $OUT if set).
-# Usage: bash bench/gpu_check.sh            (about 3-5 minutes including installs)
+# Usage: bash benchmarks/gpu_check.sh            (about 3-5 minutes including installs)
 # Without a CUDA device it says so and exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."

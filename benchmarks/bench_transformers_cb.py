@@ -8,7 +8,7 @@ requests, and blocks not allocatable (referenced + transformers' cached blocks, 
 until it evicts them all at once; kvblocks' evictable blocks count as free). The cache tensor
 itself is the same size for both (transformers preallocates it). Outputs are checked identical.
 
-    PYTHONPATH=. python bench/bench_transformers_cb.py [--json out.json] [--repeat 3]
+    PYTHONPATH=. python benchmarks/bench_transformers_cb.py [--json out.json] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import statistics
 import time
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import cache as cb_cache
 from transformers.generation.continuous_batching import continuous_api
 
 from kvblocks.integrations import transformers_cb
+from kvblocks.testing import tiny_config
 
 logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
 
@@ -112,17 +113,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-        )
-    ).eval()
+    model = LlamaForCausalLM(tiny_config(max_position_embeddings=512)).eval()
     model.config._attn_implementation = "sdpa"
     gen = GenerationConfig(
         max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0

@@ -42,9 +42,10 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from .. import BlockManager, RowIndices
-from ..errors import InvalidStateError
-from .transformers_cb import KVBlocksAllocator
+from ... import BlockManager, RowIndices
+from ...errors import InvalidStateError
+from .allocator import KVBlocksAllocator
+from .pool import TRASH_SEQ
 
 try:  # the names of the supported transformers version (checked by transformers_cb)
     from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
@@ -55,7 +56,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = ["KVBlocksStepAllocator", "prepare_batch_tensors"]
 
-TRASH_SEQ = -1  # the sequence holding transformers' trash blocks (request ids are str)
+
 _WARMUP_SALT = b"transformers-cb warmup"  # warmup requests hash apart from every real prompt
 
 
@@ -350,6 +351,9 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
 _ORIGINAL_PREPARE: Any = (
     ContinuousBatchingIOs.prepare_batch_tensors if ContinuousBatchingIOs is not None else None
 )
+
+
+KVBlocksAllocator.grouped = KVBlocksStepAllocator  # what a model with several kinds builds
 
 
 def _step_allocators(cache: Any) -> Optional[List[KVBlocksStepAllocator]]:

@@ -1,7 +1,7 @@
 """The decode step with KV cache groups under memory pressure (docs/hybrid-models.md, "Eviction
 across groups").
 
-    python bench/bench_groups_pressure.py [--runs N]
+    python benchmarks/bench_groups_pressure.py [--runs N]
 
 256 sequences decode at about 2K tokens of context with a full and a sliding-window (128)
 group, block size 16. The pool leaves no never-used block: once the window groups have
@@ -9,7 +9,7 @@ released their old blocks, every evictable block is a window block whose full-at
 is held, so every allocation evicts and meets the second-chance rule. Reported per run: the
 step's ``append_batch`` p50, p99 and max (the max is the one step that gives every evictable
 block its one move, at the onset of pressure), beside the same step on a roomy pool where no
-allocation evicts. Writes bench/results/groups_pressure.json.
+allocation evicts. Writes benchmarks/results/groups_pressure.json.
 """
 
 from __future__ import annotations

@@ -34,10 +34,11 @@ from typing import Any, List
 
 import numpy as np
 
-from .. import KVGroup, RowIndices
-from ..errors import InvalidStateError
-from .transformers_cb import refused
-from .transformers_cb_step import KVBlocksStepAllocator
+from ... import KVGroup, RowIndices
+from ...errors import InvalidStateError
+from ...groups import layer_group
+from .context import refused
+from .step import KVBlocksStepAllocator
 
 __all__ = ["KVBlocksWindowAllocator", "keep_window_rows"]
 
@@ -95,7 +96,7 @@ class KVBlocksWindowAllocator(KVBlocksStepAllocator):
 
     @property
     def kv_group(self) -> KVGroup:
-        return KVGroup("sliding_window", window=self.sliding_window)
+        return layer_group(self.sliding_window)  # KVGroup("sliding_window", window=W)
 
     # -- transformers' per-request questions ---------------------------------------------------
     def get_seqlen_k(self, past_length: int, query_length: int) -> int:

@@ -1,10 +1,10 @@
 """Time a full replay of the Mooncake conversation trace through kvblocks.BlockManager.
 
-    python bench/bench_sim.py [--block-size 16] [--model llama-3.1-8b] [--gpu-mem 80] [--limit N]
+    python benchmarks/bench_sim.py [--block-size 16] [--model llama-3.1-8b] [--gpu-mem 80] [--limit N]
 
 Reads ../shared/traces/mooncake_conversation_trace.jsonl relative to the repository (skips,
 exit 0, when it is missing), replays it with the paged scheduler (the contiguous baseline is
-timed separately), prints a table and writes JSON to bench/results/sim_<commit>.json. The
+timed separately), prints a table and writes JSON to benchmarks/results/sim_<commit>.json. The
 target is under 60 s for the whole trace (12,031 requests, ~4.1M decoded tokens) with
 16-token blocks on a 2-core machine; "allocator share" is the wall time spent inside
 BlockManager calls.
@@ -100,7 +100,7 @@ def main() -> int:
     for k, v in rows:
         print(f"  {k:<28}{v:>24}")
     print(f"  target: paged replay < 60 s -> {'OK' if paged_s < 60 else 'MISSED'}")
-    out = REPO / "bench" / "results"
+    out = REPO / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"sim_{commit()}.json"
     doc = {
