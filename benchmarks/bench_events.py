@@ -31,10 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvblocks import BlockPool  # noqa: E402
 from kvblocks.bench.report import save, table  # noqa: E402
 from kvblocks.bench.timing import measure  # noqa: E402
-
-from kvblocks import BlockPool  # noqa: E402
 from kvblocks.events import BlockStored, ZmqEventPublisher, encode_batch  # noqa: E402
 
 
