@@ -94,8 +94,7 @@ int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through) {
     t->offcap = 2 * (int64_t)h->num_blocks;
     p->tier = t; /* kvb_tier_destroy frees whatever was allocated */
     if (!t->inflight.ids || !t->swapsrc.ids || !t->swapdst.ids || !t->srcafter || !t->deferred ||
-        !t->parent ||
-        !t->has_tokens || !t->tokens || !t->dem || !t->demtok || !t->off) {
+        !t->parent || !t->has_tokens || !t->tokens || !t->dem || !t->demtok || !t->off) {
         kvb_tier_destroy(p);
         return KVB_ENOMEM;
     }
@@ -348,8 +347,8 @@ void kvb_tier_swap_src(kvb_tier_t *t, int32_t b) {
 }
 
 /* A swap-in pair of the coming drain writes b (a fresh block of swap_in). Listed once: a block
- * already in flight when handed out is a released swap-in destination (onload destinations are
- * held), so the rare second listing scans the list. */
+ * already in flight when handed out was released by a swap-in (onload destinations are held
+ * until take_onloads), so only that rare case scans the list. */
 void kvb_tier_swap_dst(kvb_tier_t *t, int32_t b) {
     kvb_marks_t *ms = &t->swapdst;
     if (KVB_UNLIKELY(t->pool->flags[b] & KVB_F_INFLIGHT))

@@ -95,7 +95,8 @@ _FAMILIES = {
         multi_query=False,
         new_decoder_architecture=False,
     ),
-    # Falcon-40B/180B layout: K/V groups broadcast to every head before caching
+    # Falcon-40B/180B layout: K/V groups broadcast to every head before caching (transformers
+    # < 5.25), or cached as groups (5.25+: the config names them in num_key_value_heads)
     "falcon_new_architecture": _family(
         "FalconForCausalLM",
         "FalconConfig",

@@ -57,9 +57,10 @@ class _ModelSpec:
 def _kv_heads(text: Any, heads: int, model_type: str) -> int:
     """K/V heads the attention of this family hands the cache (not always
     ``num_key_value_heads``)."""
-    if model_type == "falcon":
-        # FalconAttention: the new decoder architecture broadcasts its K/V groups to every
-        # head before caching; multi-query (Falcon-7B) caches one head
+    if model_type == "falcon" and not getattr(text, "num_key_value_heads", None):
+        # FalconAttention before transformers 5.25 (whose config names the cached heads in
+        # num_key_value_heads): the new decoder architecture broadcasts its K/V groups to
+        # every head before caching; multi-query (Falcon-7B) caches one head
         if getattr(text, "new_decoder_architecture", False):
             return heads
         if getattr(text, "multi_query", False):
