@@ -1,0 +1,49 @@
+"""Instruction counts of the core's hot paths, for same-binary comparisons on a noisy machine.
+
+Run one case under callgrind twice, with N and 2N iterations, and take the difference over N
+(the start-up, imports and set-up cancel out); callgrind counts instructions, so two builds
+compare without timing noise:
+
+    PY=$(python -c "import sys; print(sys.executable)")   # the real binary, not a shim
+    for n in 200 400; do PYTHONHASHSEED=0 valgrind --tool=callgrind \
+        --callgrind-out-file=/dev/null $PY benchmarks/callgrind_core.py decode $n 2>&1 |
+        grep Collected; done
+
+Cases: alloc (allocate + free of 128 blocks), decode (append_batch + metadata over 256
+sequences at 2K context), prefix (add of a cached 32K-token prompt: hash, lookup, pin; free).
+Results: benchmarks/results/callgrind_core.json.
+"""
+
+import sys
+
+import numpy as np
+
+from kvblocks import BlockManager, BlockPool
+
+case, n = sys.argv[1], int(sys.argv[2])
+if case == "alloc":
+    pool = BlockPool(4096, enable_prefix_caching=True)
+    for _ in range(n):
+        ids = pool.allocate(128)
+        pool.free(ids)
+elif case == "decode":
+    mgr = BlockManager(40000, 16)
+    seqs = list(range(256))
+    for s in seqs:
+        mgr.add(s, np.arange(1000 + s, 1000 + s + 2048, dtype=np.int32) % 30000)
+    mgr.metadata(seqs, [2048] * 256)
+    tok = np.ones(256, dtype=np.int32)
+    for _ in range(n):
+        mgr.append_batch(seqs, tok)
+        mgr.metadata(seqs, [1] * 256)
+elif case == "prefix":
+    mgr = BlockManager(8192, 16)
+    toks = np.arange(32768, dtype=np.int32)
+    mgr.add("warm", toks)
+    mgr.metadata(["warm"], [32768])
+    mgr.free("warm")
+    for i in range(n):
+        mgr.add(i, toks)
+        mgr.free(i)
+else:
+    raise SystemExit(f"unknown case {case!r}: alloc, decode or prefix")
