@@ -15,10 +15,12 @@ Results: benchmarks/results/callgrind_core.json.
 """
 
 import sys
+from pathlib import Path
 
 import numpy as np
 
-from kvblocks import BlockManager, BlockPool
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvblocks import BlockManager, BlockPool  # noqa: E402
 
 case, n = sys.argv[1], int(sys.argv[2])
 if case == "alloc":
