@@ -13,7 +13,7 @@ import sys
 from typing import Any, Dict
 
 from . import limits as L
-from .cli_engine import (
+from .engine.cli import (
     DEFAULT_SWAP_GIB,
     _add_time_args,
     _check_host_tier,
@@ -23,11 +23,11 @@ from .cli_engine import (
     _json_head,
     _model,
 )
-from .cli_plan import plan_command
 from .errors import SimulationError
-from .gpus import DEFAULT_GPU, GPUS
-from .models import DEFAULT_MODEL, PRESETS, ModelSpec
-from .plan import DIST_HELP
+from .models.gpus import DEFAULT_GPU, GPUS
+from .models.spec import DEFAULT_MODEL, PRESETS, ModelSpec
+from .plan.cli import plan_command
+from .plan.lengths import DIST_HELP
 
 __all__ = ["add_commands", "run"]
 
@@ -135,8 +135,8 @@ def _add_model_args(p: argparse.ArgumentParser, plan: bool = False) -> None:
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
-    from .hosttier import DEFAULT_PCIE_GBPS
-    from .routers import ROUTERS
+    from .cluster.routers import ROUTERS
+    from .tier.host import DEFAULT_PCIE_GBPS
 
     g = p.add_argument_group("cluster and host tier")
     g.add_argument("--replicas", type=L.REPLICAS.parse, default=1, metavar="N",
@@ -297,11 +297,11 @@ def add_commands(sub: "argparse._SubParsersAction") -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .contiguous import simulate_contiguous
-    from .progress import ProgressBar
-    from .report import format_simulation, simulation_json
-    from .scheduler import simulate_paged
-    from .workload import load_workload
+    from .engine.contiguous import simulate_contiguous
+    from .engine.paged import simulate_paged
+    from .engine.progress import ProgressBar
+    from .report.simulation import format_simulation, simulation_json
+    from .workload.traces import load_workload
 
     _check_host_tier(args.host_cache, args.host_write_through)
     if args.overlap_weight is not None and args.router != "prefix_aware":
@@ -350,7 +350,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 bar.close()
     desc = _describe(args, cfg, tm, bill, 1)
     if args.plot:
-        from .plot import plot_results
+        from .report.plot import plot_results
 
         plot_results([r for r in (paged, contiguous) if r is not None], args.plot,
                      title=f"{workload.name} on {model.name}, {_gpu_mem(args):g} GiB")  # fmt: skip
@@ -373,9 +373,9 @@ def _simulate_cluster(args: argparse.Namespace, model: ModelSpec, bill: Any, cfg
                       workload: Any, wstats: Dict[str, float], show: bool) -> int:  # fmt: skip
     """``simulate --replicas N --router R``: the cluster replay and its report (no contiguous
     baseline: it models one engine)."""
-    from .cluster import simulate_cluster
-    from .cluster_report import cluster_json, format_cluster
-    from .progress import ProgressBar
+    from .cluster.cluster import simulate_cluster
+    from .cluster.report import cluster_json, format_cluster
+    from .engine.progress import ProgressBar
 
     router = args.router or "round_robin"
     bar = ProgressBar(f"simulate x{args.replicas}", len(workload)) if show else None
@@ -390,7 +390,7 @@ def _simulate_cluster(args: argparse.Namespace, model: ModelSpec, bill: Any, cfg
         host_desc = (f"host cache {args.host_cache:g} GiB ({cfg.host_cache_blocks:,} blocks, "
                      f"{policy}), PCIe {args.pcie_gbps:g} GB/s")  # fmt: skip
     if args.plot:
-        from .plot import plot_results
+        from .report.plot import plot_results
 
         plot_results([res.paged], args.plot,
                      title=f"{workload.name} on {model.name}: replica 0 of {args.replicas}")  # fmt: skip

@@ -1,6 +1,6 @@
 """Cluster simulation: N engines behind one router, driven by one arrival stream.
 
-Each replica is a :class:`~kvblocks.sim.scheduler.PagedEngine` with its own ``BlockManager``
+Each replica is a :class:`~kvblocks.sim.engine.paged.PagedEngine` with its own ``BlockManager``
 (the single-engine loop, reused: no second copy of it). All replicas share one hash key, as a
 cluster configured with one hash seed does, so equal prompts hash alike everywhere and a router
 can match them.
@@ -9,14 +9,14 @@ can match them.
 cluster advances them in lock-step on one clock: it always runs the step of the busy engine
 that is furthest behind (ties: the lowest index), unless the next arrival comes first. A
 request is routed when it arrives, from the replicas' state at that moment: their
-:class:`~kvblocks.sim.routers.Load` and, for the prefix-aware router, the KV events each
+:class:`~kvblocks.sim.cluster.routers.Load` and, for the prefix-aware router, the KV events each
 engine published after each of its steps (``pool.take_events()``, applied in order). An idle
 engine's clock jumps to the arrival it receives.
 
 **Host tiers.** With ``cfg.host_cache_blocks`` every replica has its own host tier. The
 prefix-aware router indexes the host pools' events too (``host_pool.take_events()``, medium
 ``"CPU"``), as Dynamo's router does with KVBM's CPU-tier events and llm-d's with its ``cpu``
-medium: a prefix held on a replica's host counts :data:`~kvblocks.sim.prefixindex.HOST_CREDIT`
+medium: a prefix held on a replica's host counts :data:`~kvblocks.sim.cluster.prefixindex.HOST_CREDIT`
 of a device block (it still costs an onload). ``index_host_events=False`` routes on device
 events only, as a router that subscribes to the GPU stream alone would.
 
@@ -45,15 +45,15 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from . import limits
-from .batching import SchedulerConfig
-from .errors import SimulationError
-from .metrics import Recorder, SimResult
-from .progress import Progress, ProgressThrottle
+from .. import limits
+from ..engine.batching import SchedulerConfig
+from ..engine.metrics import Recorder, SimResult
+from ..engine.paged import PagedEngine
+from ..engine.progress import Progress, ProgressThrottle
+from ..engine.timing import TimeModel
+from ..errors import SimulationError
+from ..workload.traces import Workload
 from .routers import Load, Router, make_router, prompt_hashes
-from .scheduler import PagedEngine
-from .timing import TimeModel
-from .workload import Workload
 
 __all__ = ["Cluster", "ClusterResult", "ReplayStopped", "simulate_cluster", "CLUSTER_HASH_KEY"]
 

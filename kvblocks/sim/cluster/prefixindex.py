@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-from ..errors import InvalidArgumentError
-from ..events import AllBlocksCleared, BlockRemoved, BlockStored
+from ...errors import InvalidArgumentError
+from ...events import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["PrefixIndex", "HOST_CREDIT"]
 

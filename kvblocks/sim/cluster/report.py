@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional
 
+from ..models.spec import MemoryBill
+from ..report.fmt import fmt_bytes, json_safe
+from ..report.groups import bill_lines, usage_lines
+from ..report.simulation import ROWS, _num, _pct, _secs
 from .cluster import ClusterResult
-from .fmt import fmt_bytes, json_safe
-from .group_report import bill_lines, usage_lines
-from .models import MemoryBill
 from .prefixindex import HOST_CREDIT
-from .report import ROWS, _num, _pct, _secs
 
 __all__ = ["format_cluster", "cluster_json", "TIER_ROWS"]
 

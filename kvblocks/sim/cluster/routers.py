@@ -34,8 +34,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from .. import hash_blocks
-from .errors import SimulationError
+from ... import hash_blocks
+from ..errors import SimulationError
 from .prefixindex import PrefixIndex
 
 __all__ = [

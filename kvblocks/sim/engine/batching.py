@@ -4,7 +4,7 @@
 :class:`StepBudget` is one engine step's token budget (``max_num_batched_tokens``): decoding
 sequences take one token each, then running prompts and newly admitted ones take chunks of
 what is left (chunked prefill), in order, until it runs out. The paged replay
-(:mod:`kvblocks.sim.scheduler`) and the contiguous one (:mod:`kvblocks.sim.contiguous`) both
+(:mod:`kvblocks.sim.engine.paged`) and the contiguous one (:mod:`kvblocks.sim.engine.contiguous`) both
 chunk prompts with :meth:`StepBudget.take_chunk`.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from . import limits
-from .errors import SimulationError
-from .hybrid_models import GroupLayout
+from .. import limits
+from ..errors import SimulationError
+from ..models.hybrid import GroupLayout
 
 __all__ = ["SchedulerConfig", "StepBudget"]
 

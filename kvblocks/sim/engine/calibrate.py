@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-from .errors import WorkloadError
+from ..errors import WorkloadError
 from .timing import Efficiency, TimeModel
 
 __all__ = ["Calibration", "read_profile", "fit", "calibrate"]

@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, Optional
 
-from . import limits as L
-from .errors import SimulationError
-from .gpus import DEFAULT_GPU, GpuSpec, get_gpu
-from .hybrid_models import parse_layer_kinds
-from .models import DEFAULT_MODEL, ModelSpec, custom_model, get_model, memory_bill
+from .. import limits as L
+from ..errors import SimulationError
+from ..models.gpus import DEFAULT_GPU, GpuSpec, get_gpu
+from ..models.hybrid import parse_layer_kinds
+from ..models.spec import DEFAULT_MODEL, ModelSpec, custom_model, get_model, memory_bill
 
 __all__ = ["add_time_args", "model_from_args", "engine_from_args"]
 
@@ -138,8 +138,8 @@ def _engine(args: argparse.Namespace, model: ModelSpec, host_cache_gib: float = 
     (``all_full`` overrides ``--all-full``; ``gpu``, ``tp``, ``pp`` override the flags)."""
     from dataclasses import replace
 
+    from ..tier.host import DEFAULT_PCIE_GBPS, host_cache_blocks
     from .batching import SchedulerConfig
-    from .hosttier import DEFAULT_PCIE_GBPS, host_cache_blocks
     from .metrics import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S
     from .roofline import parallel_layout
 
@@ -249,7 +249,7 @@ def _json_head(
 
 
 def _check_host_tier(gib: float, write_through: bool = False) -> None:
-    from .hosttier import HOST_TIER_MISSING, host_tier_available
+    from ..tier.host import HOST_TIER_MISSING, host_tier_available
 
     if gib > 0 and not host_tier_available():
         raise SimulationError(HOST_TIER_MISSING)

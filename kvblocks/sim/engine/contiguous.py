@@ -6,7 +6,7 @@ prefix cache; each parallel sample gets its own region) and nothing is ever pree
 replay needs no allocator: a request of ``n`` samples takes ``n`` of the
 ``floor(KV slots / max length)`` regions.
 
-This is its own, simpler loop, not the paged engine (:mod:`kvblocks.sim.scheduler`). It shares
+This is its own, simpler loop, not the paged engine (:mod:`kvblocks.sim.engine.paged`). It shares
 with it the engine's knobs (:class:`SchedulerConfig`: token budget, sequence limit), the
 chunked prefill (:meth:`StepBudget.take_chunk`: decodes first, then running prompts, then
 admissions), the :class:`TimeModel` and the progress reports. It differs where reservation
@@ -31,11 +31,11 @@ from typing import Deque, List, Optional
 
 import numpy as np
 
+from ..workload.traces import Request, Workload
 from .batching import SchedulerConfig, StepBudget
 from .metrics import Recorder, SimResult
 from .progress import Progress, ProgressThrottle
 from .timing import TimeModel
-from .workload import Request, Workload
 
 __all__ = ["simulate_contiguous"]
 

@@ -34,11 +34,11 @@ cluster simulator can run several engines side by side through ``submit``, ``now
 and ``step``. :func:`simulate_paged` is ``PagedEngine(workload, cfg, tm).run(progress)``.
 
 Between admission and compute, every step drains the manager's copy lists in the order the
-host tier requires (:mod:`kvblocks.sim.hostdrain`: offloads, onloads, then copy-on-write
-pairs); with a host tier (``cfg.host_cache_blocks``, :mod:`kvblocks.sim.hosttier`) the step
+host tier requires (:mod:`kvblocks.sim.tier.drain`: offloads, onloads, then copy-on-write
+pairs); with a host tier (``cfg.host_cache_blocks``, :mod:`kvblocks.sim.tier.host`) the step
 also waits for its PCIe copies, and the report splits the prefix hits by tier.
 
-A cluster (:mod:`kvblocks.sim.cluster`) reads two load figures a real router gets from an
+A cluster (:mod:`kvblocks.sim.cluster.cluster`) reads two load figures a real router gets from an
 engine's metrics: ``queued_tokens`` (prompt tokens waiting or still to prefill) and
 ``blocks_in_use`` (blocks referenced by running sequences); with ``enable_kv_events=True`` it
 drains ``pool.take_events()`` (and the host pool's) after every step.
@@ -56,16 +56,16 @@ from typing import Any, Callable, Deque, Dict, List, Optional, TypeVar
 
 import numpy as np
 
-from .. import BlockManager, OutOfBlocksError
+from ... import BlockManager, OutOfBlocksError
+from ..errors import SimulationError
+from ..tier.drain import StepCopies
+from ..tier.host import host_manager_kwargs, host_stats_dict
+from ..workload.tokens import seed_keys, stream, tokens_at
+from ..workload.traces import Request, Workload
 from .batching import SchedulerConfig, StepBudget
-from .errors import SimulationError
-from .hostdrain import StepCopies
-from .hosttier import host_manager_kwargs, host_stats_dict
 from .metrics import Recorder, SimResult
 from .progress import Progress, ProgressThrottle
 from .timing import TimeModel
-from .tokens import seed_keys, stream, tokens_at
-from .workload import Request, Workload
 
 __all__ = ["PagedEngine", "SchedulerConfig", "SimResult", "simulate_paged"]
 
@@ -495,7 +495,7 @@ class PagedEngine:
 
     def _drain(self) -> None:
         """Between 3 and 4: the step's copy lists, in order (offloads, onloads, copy-on-write
-        pairs; :mod:`kvblocks.sim.hostdrain`). Without a tier only the copies, when a forked
+        pairs; :mod:`kvblocks.sim.tier.drain`). Without a tier only the copies, when a forked
         sequence can have made some."""
         if not self.host_tier and not self.forked_live:
             return

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
-from .errors import SimulationError
-from .models import ModelSpec
+from ..errors import SimulationError
+from ..models.spec import ModelSpec
 
 __all__ = ["Arch", "ARCH", "arch_of", "Parallel", "parallel_layout"]
 
@@ -98,7 +98,7 @@ def parallel_layout(model: ModelSpec, tp: int = 1, pp: int = 1) -> Parallel:
     splits: TP divides the query heads and either divides the KV heads or is a multiple of
     them (each KV head then stored ``tp / kv_heads`` times); an MLA latent is stored whole on
     every TP rank; PP divides the layers."""
-    from . import limits
+    from .. import limits
 
     tp = limits.TP.check_int(tp)
     pp = limits.PP.check_int(pp)

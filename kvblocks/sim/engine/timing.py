@@ -12,7 +12,7 @@ one after the other), the step lasts::
 * **GEMMs** are a roofline, not a sum: a small batch is bound by reading the weights once (the
   decode tokens ride on that read), a large prefill chunk by FLOPs. A mixture-of-experts model
   reads its dense weights and the routed experts its ``T`` tokens are expected to touch
-  (:mod:`kvblocks.sim.roofline`). fp8 weights on an fp8 GPU use its fp8 peak.
+  (:mod:`kvblocks.sim.engine.roofline`). fp8 weights on an fp8 GPU use its fp8 peak.
 * **Attention** reads each decoding sequence's cached KV once (a window layer at most its
   window, a chunk layer its current chunk, a state layer its state: :meth:`kv_tokens_read`),
   reads the prefix of each prefill chunk once and writes the KV of every computed token. Its
@@ -30,7 +30,7 @@ one after the other), the step lasts::
 Every constant is overridable (``--compute-eff``, ``--bandwidth-eff``, ``--attention-eff``,
 ``--link-eff``, ``--collective-us``, ``--peak-tflops``, ``--hbm-tbs``, ``--link-gbs``) and
 ``--calibrate FILE`` fits the efficiencies and the host overhead to measured steps
-(:mod:`kvblocks.sim.calibrate`). The old per-token knobs remain: ``--prefill-us`` /
+(:mod:`kvblocks.sim.engine.calibrate`). The old per-token knobs remain: ``--prefill-us`` /
 ``--decode-us`` replace the FLOP side of the GEMM roofline by that many microseconds a token,
 ``--kv-read-ns`` the cost of each cached token a decode reads.
 """
@@ -42,9 +42,9 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
-from . import limits
-from .gpus import DEFAULT_GPU, GpuSpec, get_gpu
-from .models import ModelSpec
+from .. import limits
+from ..models.gpus import DEFAULT_GPU, GpuSpec, get_gpu
+from ..models.spec import ModelSpec
 from .roofline import Parallel, arch_of, expert_split, parallel_layout
 
 __all__ = ["TimeModel", "Efficiency", "PEAK_FLOPS", "HBM_BYTES_PER_S"]

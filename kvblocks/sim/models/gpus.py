@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional
 
-from .errors import SimulationError
+from ..errors import SimulationError
 
 __all__ = ["GpuSpec", "GPUS", "DEFAULT_GPU", "get_gpu", "parse_gpus"]
 

@@ -24,7 +24,7 @@ way). The state is billed in the KV dtype.
 layer as full attention (vLLM's ``--disable-hybrid-kv-cache-manager``); state layers keep their
 state, since they have no per-token KV to extend.
 
->>> from kvblocks.sim.models import get_model
+>>> from kvblocks.sim.models.spec import get_model
 >>> lay = group_layout(get_model("gpt-oss-20b"), 16)
 >>> lay.layers_per_group, [str(g) for g in lay.kvgroups]
 (12, ["KVGroup('full')", "KVGroup('sliding_window', window=128)"])
@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any, List, Tuple
 
 import numpy as np
 
-from ..groups import KVGroup
-from .errors import SimulationError
+from ...groups import KVGroup
+from ..errors import SimulationError
 
 if TYPE_CHECKING:  # models.py imports this module
-    from .models import ModelSpec
+    from .spec import ModelSpec
 
 __all__ = [
     "LayerKind",

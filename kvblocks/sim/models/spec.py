@@ -7,9 +7,9 @@ KV bytes per token:
   ``layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes``.
 
 Hybrid models (gpt-oss, Gemma 3, Llama 4 Scout, Qwen3-Next) list their layer kinds
-(:class:`~kvblocks.sim.hybrid_models.LayerKind`): a sliding-window or chunked-local layer holds
+(:class:`~kvblocks.sim.models.hybrid.LayerKind`): a sliding-window or chunked-local layer holds
 at most its window or chunk (+1 block) of tokens per sequence, a state layer a fixed size per
-sequence. :func:`~kvblocks.sim.hybrid_models.group_layout` maps the layers to kvblocks groups
+sequence. :func:`~kvblocks.sim.models.hybrid.group_layout` maps the layers to kvblocks groups
 over one pool of equal blocks; the bill below prices blocks of that layout.
 
 The KV pool is ``GPU memory - weights - reserve``. The reserve defaults to 10% of GPU memory:
@@ -25,10 +25,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..layout import dtype_bytes
-from . import limits
-from .errors import SimulationError
-from .hybrid_models import GroupLayout, LayerKind, group_layout
+from ...layout import dtype_bytes
+from .. import limits
+from ..errors import SimulationError
+from .hybrid import GroupLayout, LayerKind, group_layout
 
 __all__ = [
     "ModelSpec",
@@ -255,7 +255,7 @@ def custom_model(
     layer_kinds: Tuple[LayerKind, ...] = (),
 ) -> ModelSpec:
     """A model from explicit shapes (``latent_dim`` > 0 for MLA instead of heads x head_dim;
-    ``layer_kinds`` for a hybrid model, see :func:`~kvblocks.sim.hybrid_models.parse_layer_kinds`)."""
+    ``layer_kinds`` for a hybrid model, see :func:`~kvblocks.sim.models.hybrid.parse_layer_kinds`)."""
     _check_dtype(dtype)
     layers = limits.LAYERS.check_int(layers)
     kv_heads = limits.KV_HEADS.check_int(kv_heads)
@@ -418,7 +418,7 @@ def memory_bill(
     """Split ``gpu_mem_gib`` into weights, reserve and KV blocks (``num_blocks`` overrides).
 
     A block holds ``block_size`` tokens of one kvblocks group's layers
-    (:func:`~kvblocks.sim.hybrid_models.group_layout`); ``all_full`` prices a hybrid model
+    (:func:`~kvblocks.sim.models.hybrid.group_layout`); ``all_full`` prices a hybrid model
     as if its window and chunk layers were full attention (the baseline).
 
     A pool (or host swap space) of more than ``max_blocks`` blocks is refused, naming the

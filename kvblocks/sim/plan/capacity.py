@@ -5,7 +5,7 @@ The planner simulates the trace on every configuration of its range: each replic
 list of GiB, default ``0,256``: none, and the 256 GiB of host memory per GPU of an 8-GPU server
 with 2 TiB), all behind one router (``--router``, default ``prefix_aware``), with the write
 policy of ``--host-write-through``. Each run is a full
-:class:`~kvblocks.sim.cluster.Cluster` replay, so the curve it prints (GPUs, host memory, hit
+:class:`~kvblocks.sim.cluster.cluster.Cluster` replay, so the curve it prints (GPUs, host memory, hit
 rate and its host share, TTFT p50/p99, throughput) is the simulator's, not a formula.
 
 **Cheapest.** Fewest GPUs first; among equal GPU counts, the least host memory in all. A
@@ -25,16 +25,16 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Dict, List, Optional
 
-from . import limits
-from .batching import SchedulerConfig
-from .cluster import Cluster
-from .errors import SimulationError
-from .fmt import json_safe
-from .hosttier import host_cache_blocks
-from .progress import Progress
-from .report import _pct, _secs
-from .timing import TimeModel
-from .workload import Workload
+from .. import limits
+from ..cluster.cluster import Cluster
+from ..engine.batching import SchedulerConfig
+from ..engine.progress import Progress
+from ..engine.timing import TimeModel
+from ..errors import SimulationError
+from ..report.fmt import json_safe
+from ..report.simulation import _pct, _secs
+from ..tier.host import host_cache_blocks
+from ..workload.traces import Workload
 
 __all__ = [
     "PlanPoint",
@@ -169,7 +169,7 @@ def sweep(
         limits.REPLICAS.check(n)
         c.validate()
     if any(g > 0 for g in host_sizes_gib):
-        from .hosttier import HOST_TIER_MISSING, host_tier_available
+        from ..tier.host import HOST_TIER_MISSING, host_tier_available
 
         if not host_tier_available():
             raise SimulationError(HOST_TIER_MISSING)

@@ -7,11 +7,11 @@ import argparse
 import sys
 from typing import Any, Dict, List, Optional
 
-from . import limits as L
-from .cli_engine import _check_host_tier, _engine, _gpu_mem, _model
-from .errors import SimulationError
-from .models import memory_bill
-from .plan import format_plan, make_plan, parse_dist, plan_json
+from .. import limits as L
+from ..engine.cli import _check_host_tier, _engine, _gpu_mem, _model
+from ..errors import SimulationError
+from ..models.spec import memory_bill
+from .lengths import format_plan, make_plan, parse_dist, plan_json
 
 __all__ = ["plan_command"]
 
@@ -64,7 +64,7 @@ def _plan(args: argparse.Namespace) -> int:
             "(or --trace FILE --ttft-p99 SECONDS for a cluster plan)"
         )
     model = _model(args)
-    from .roofline import parallel_layout
+    from ..engine.roofline import parallel_layout
 
     par = parallel_layout(model, args.tp, args.pp)
     mem = _gpu_mem(args)
@@ -83,6 +83,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _plan_trace(args: argparse.Namespace) -> int:
     """``plan --trace FILE --ttft-p99 S``: simulate the range, print the curve and the answer."""
+    from ..cluster.routers import ROUTERS
+    from ..engine.progress import ProgressBar
+    from ..workload.traces import load_workload
     from .capacity import (
         CapacityPlan,
         capacity_json,
@@ -92,9 +95,6 @@ def _plan_trace(args: argparse.Namespace) -> int:
         parse_sizes,  # fmt: skip
         sweep,
     )
-    from .progress import ProgressBar
-    from .routers import ROUTERS
-    from .workload import load_workload
 
     if args.trace is None or args.ttft_p99 is None:
         raise SimulationError("a cluster plan needs both --trace FILE and --ttft-p99 SECONDS")
@@ -134,7 +134,7 @@ def _plan_trace(args: argparse.Namespace) -> int:
     best = cheapest(points, args.ttft_p99)
     plan = CapacityPlan(args.ttft_p99, args.router, points, best, args.host_write_through)
     if args.plot:
-        from .plot import plot_capacity
+        from ..report.plot import plot_capacity
 
         plot_capacity(points, args.ttft_p99, args.plot,
                       title=f"{workload.name} on {model.name}, {_gpu_mem(args):g} GiB per GPU")  # fmt: skip
@@ -155,8 +155,13 @@ def _plan_trace(args: argparse.Namespace) -> int:
 
 def _plan_gpus(args: argparse.Namespace) -> int:
     """``plan --gpu NAME[,NAME...] --trace FILE --ttft-p99 S [--tpot-p99 S] [--cost]``."""
+    from ..cluster.cluster import Cluster, ReplayStopped
+    from ..cluster.routers import ROUTERS
+    from ..engine.progress import ProgressBar
+    from ..models.gpus import parse_gpus
+    from ..models.spec import KV_DTYPES, GiB
+    from ..workload.traces import load_workload
     from .capacity import parse_counts, parse_sizes
-    from .cluster import Cluster, ReplayStopped
     from .gpuplan import (
         Family,
         format_gpu_plan,
@@ -165,11 +170,6 @@ def _plan_gpus(args: argparse.Namespace) -> int:
         search,
         ttft_already_missed,
     )
-    from .gpus import parse_gpus
-    from .models import KV_DTYPES, GiB
-    from .progress import ProgressBar
-    from .routers import ROUTERS
-    from .workload import load_workload
 
     if args.trace is None or args.ttft_p99 is None:
         raise SimulationError("a GPU plan needs both --trace FILE and --ttft-p99 SECONDS")
@@ -233,7 +233,7 @@ def _plan_gpus(args: argparse.Namespace) -> int:
 
     plan = search(families, counts, replay, args.ttft_p99, args.tpot_p99, args.cost)
     if args.plot:
-        from .plot import plot_gpu_plan
+        from ..report.plot import plot_gpu_plan
 
         plot_gpu_plan(plan, args.plot, title=f"{workload.name} on {base.name}")
     if args.json:

@@ -10,7 +10,7 @@ the family is reported as "does not fit" without a replay.
 **Search.** Within a family, more replicas never make the SLOs harder to meet (the same
 arrivals over more engines), so the fewest replicas that meet them is found by bisection:
 about ``log2(len(--replicas))`` replays per family instead of one per count, each replay a
-full :class:`~kvblocks.sim.cluster.Cluster` run through the real allocator. The answer is the
+full :class:`~kvblocks.sim.cluster.cluster.Cluster` run through the real allocator. The answer is the
 cheapest family minimum: fewest GPUs (replicas x TP x PP), or with ``--cost`` the lowest $/hour,
 ties to fewer GPUs, then less host memory, then the wider KV dtype.
 
@@ -27,9 +27,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .errors import SimulationError
-from .fmt import json_safe
-from .report import _secs
+from ..errors import SimulationError
+from ..report.fmt import json_safe
+from ..report.simulation import _secs
 
 __all__ = [
     "Candidate",

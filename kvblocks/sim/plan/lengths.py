@@ -28,12 +28,12 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import limits
-from .errors import SimulationError
-from .fmt import fmt_bytes, json_safe
-from .group_report import bill_lines
-from .limits import MAX_TOKENS
-from .models import MemoryBill, ModelSpec
+from .. import limits
+from ..errors import SimulationError
+from ..limits import MAX_TOKENS
+from ..models.spec import MemoryBill, ModelSpec
+from ..report.fmt import fmt_bytes, json_safe
+from ..report.groups import bill_lines
 
 __all__ = ["LengthDist", "parse_dist", "Plan", "make_plan", "format_plan", "DIST_HELP"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from ..models.spec import MemoryBill
 from .fmt import fmt_bytes
-from .models import MemoryBill
 
 __all__ = ["GAIN_KEYS", "hybrid_gain", "bill_lines", "usage_lines", "gain_line"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .errors import SimulationError
-from .metrics import SimResult
+from ..engine.metrics import SimResult
+from ..errors import SimulationError
 
 __all__ = ["plot_results", "plot_capacity"]
 

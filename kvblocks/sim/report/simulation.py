@@ -6,10 +6,10 @@ import json
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..engine.metrics import SimResult
+from ..models.spec import MemoryBill
 from .fmt import fmt_bytes, json_safe
-from .group_report import bill_lines, gain_line, hybrid_gain, usage_lines
-from .metrics import SimResult
-from .models import MemoryBill
+from .groups import bill_lines, gain_line, hybrid_gain, usage_lines
 
 __all__ = ["format_simulation", "simulation_json"]
 

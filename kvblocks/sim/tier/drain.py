@@ -15,7 +15,7 @@ pending, and ``schedule`` while offloads or onloads are, so a replay that broke 
 fail the same way an engine would.
 
 **Time.** Every copy crosses the host link at ``--pcie-gbps``
-(:func:`~kvblocks.sim.hosttier.transfer_seconds`). Demotion offloads, onloads and swaps sit on
+(:func:`~kvblocks.sim.tier.host.transfer_seconds`). Demotion offloads, onloads and swaps sit on
 the step's critical path: a demoted device block is reused by this step, an onloaded or
 swapped-in block is read by its forward pass. They run one after another before it::
 

@@ -32,9 +32,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Dict
 
-from .. import BlockManager
-from .errors import SimulationError
-from .limits import MAX_SIM_BLOCKS
+from ... import BlockManager
+from ..errors import SimulationError
+from ..limits import MAX_SIM_BLOCKS
 
 __all__ = [
     "DEFAULT_PCIE_GBPS",

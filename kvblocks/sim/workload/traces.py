@@ -3,11 +3,11 @@
 Three sources, one :class:`Workload`:
 
 * **Mooncake JSONL** (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``):
-  each hash id stands for 512 deterministic tokens (:mod:`kvblocks.sim.tokens`); a prompt is
+  each hash id stands for 512 deterministic tokens (:mod:`kvblocks.sim.workload.tokens`); a prompt is
   its ids' tokens cut to ``input_length``, so equal ids at equal positions share content.
 * **Azure LLM inference CSV** (``TIMESTAMP``, ``ContextTokens``, ``GeneratedTokens``): lengths
   only, so every prompt is unique content (no prefix sharing is possible).
-* **kvblocks workload JSONL** (the built-in default, see :mod:`kvblocks.sim.builtin`): each
+* **kvblocks workload JSONL** (the built-in default, see :mod:`kvblocks.sim.workload.builtin`): each
   prompt is a list of ``[segment_id, length]`` pieces (shared system prompts, earlier turns,
   earlier replies), ``n`` parallel samples, and an optional ``output_id`` naming the segment
   whose tokens the first sample generates (so a later turn can quote the reply exactly).
@@ -27,8 +27,8 @@ from typing import Dict, Generator, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import WorkloadError
-from .limits import MAX_SAMPLES, MAX_TOKENS, TIME_SCALE, shown
+from ..errors import WorkloadError
+from ..limits import MAX_SAMPLES, MAX_TOKENS, TIME_SCALE, shown
 from .tokens import ID_BITS, NS_OUTPUT, NS_PROMPT, NS_SEGMENT, TokenBook, seed_of, stream
 
 __all__ = [
