@@ -6,8 +6,11 @@ prefix cache; each parallel sample gets its own region) and nothing is ever pree
 replay needs no allocator: a request of ``n`` samples takes ``n`` of the
 ``floor(KV slots / max length)`` regions.
 
-This is its own, simpler loop, not the paged engine (:mod:`kvblocks.sim.engine.paged`). It shares
-with it the engine's knobs (:class:`SchedulerConfig`: token budget, sequence limit), the
+It needs no allocator, so it is its own, simpler engine (:class:`ContiguousEngine`), not the
+paged one (:mod:`kvblocks.sim.engine.paged`), in the paged engine's shape: the same replay loop
+(:func:`~kvblocks.sim.engine.replay.replay`: arrivals, idle gaps, steps), a step in the same
+phases (decode, prefill, admit, time, finish), one method each. It shares with it the engine's
+knobs (:class:`SchedulerConfig`: token budget, sequence limit), the
 chunked prefill (:meth:`StepBudget.take_chunk`: decodes first, then running prompts, then
 admissions), the :class:`TimeModel` and the progress reports. It differs where reservation
 does: a request's ``n`` samples run as one job, admitted first come first served while regions
@@ -27,17 +30,18 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Deque, List, Optional
+from typing import Deque, List, Optional, Tuple
 
 import numpy as np
 
 from ..workload.traces import Request, Workload
 from .batching import SchedulerConfig, StepBudget
 from .metrics import Recorder, SimResult
-from .progress import Progress, ProgressThrottle
+from .progress import Progress
+from .replay import replay
 from .timing import TimeModel
 
-__all__ = ["simulate_contiguous"]
+__all__ = ["ContiguousEngine", "simulate_contiguous"]
 
 
 class _Job:
@@ -76,6 +80,188 @@ def _steps_until(elapsed: float, base: float, slope: float, limit: int) -> int:
     return k
 
 
+class ContiguousEngine:
+    """One engine under contiguous max-length reservation, advanced a step at a time.
+
+    State: the queue of jobs (a request's samples run as one job), the running jobs in admission
+    order, the regions reserved, the clock ``now`` and the recorder."""
+
+    def __init__(
+        self, workload: Workload, cfg: SchedulerConfig, tm: TimeModel, max_len: int
+    ) -> None:
+        self.wall0 = time.perf_counter()
+        self.workload = workload
+        self.cfg = cfg
+        self.tm = tm
+        self.max_len = max_len
+        capacity = cfg.num_blocks * cfg.block_size  # the same KV memory as the paged run
+        lay = cfg.layout if cfg.layout is not None and cfg.layout.hybrid else None
+        self.lay = lay
+        # a hybrid model's region: max_len slots per full group, a ring of its span per window
+        # or chunk group, its blocks per state group (GroupLayout.reserve_slots)
+        self.region = lay.reserve_slots(max_len) if lay is not None else max_len
+        self.regions = capacity // self.region
+        self.windowed = tm.windowed_reads
+        reqs = workload.requests
+        self.rec = Recorder(
+            np.array([r.arrival for r in reqs], dtype=np.float64),
+            capacity,
+            np.array([r.output_len * r.n for r in reqs], dtype=np.int64),
+            np.array([r.n for r in reqs], dtype=np.int64),
+            (cfg.slo_ttft_s, cfg.slo_tpot_s),
+        )
+        self.waiting: Deque[_Job] = deque()
+        self.running: List[_Job] = []
+        self.in_use = 0  # regions reserved
+        self.n_seqs = 0  # sequences running (samples count one each)
+        self.n_waiting = 0  # sequences queued
+        self.now = reqs[0].arrival if reqs else 0.0
+        self.finished_reqs = 0  # requests done or rejected
+        self.steps = 0
+        self.horizon = math.inf  # the next arrival (replay): a fast-forward stops there
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running or queued."""
+        return not self.running and not self.waiting
+
+    def submit(self, req: Request) -> None:
+        """A request arrives: its samples queue as one job."""
+        self.waiting.append(_Job(req))
+        self.n_waiting += req.n
+
+    def step(self) -> float:
+        """Run one step, or fast-forward over steps in which only decoding happens (stopping at
+        the next finish or at ``horizon``, the next arrival); returns the time it took."""
+        decoders = [j for j in self.running if j.prefill_left == 0]
+        n_dec = sum(j.n for j in decoders)
+        budget = StepBudget(self.cfg.token_budget - n_dec)
+        self._prefill(budget)
+        admitted = self._admit(budget)
+        k, dt = self._advance(decoders, n_dec, budget, admitted)
+        self._finish(decoders, budget.completed, k)
+        return dt
+
+    def run(self, progress: Optional[Progress] = None) -> SimResult:
+        """Replay the whole workload (:func:`~kvblocks.sim.engine.replay.replay`)."""
+        replay(self, self.workload.requests, progress)
+        return self.result()
+
+    def result(self) -> SimResult:
+        """The summary and the recorder, with the reservation's figures."""
+        self.rec.counters.update(
+            {
+                "preemptions": 0,
+                "evictions": 0,
+                "max_len": self.max_len,
+                "region_slots": self.region,
+                "regions": self.regions,
+                "wall_s": time.perf_counter() - self.wall0,
+            }
+        )
+        return SimResult("contiguous", self.rec.summary(), self.rec)
+
+    # ----------------------------------------------------------------------------- the phases
+
+    def _prefill(self, budget: StepBudget) -> None:
+        """2. Chunks of the budget for running prompts, in admission order (1, the decodes,
+        took theirs first)."""
+        for j in self.running:
+            if j.prefill_left and budget.left > 0:
+                budget.take_chunk(j)
+
+    def _admit(self, budget: StepBudget) -> bool:
+        """3. Queued jobs first come first served while regions, seats and budget allow; a job
+        that can never fit is rejected at the head of the queue. Returns whether one joined."""
+        admitted = False
+        waiting, rec = self.waiting, self.rec
+        while waiting and budget.left > 0:
+            j = waiting[0]
+            if j.prompt_len + j.output_len - 1 > self.max_len or j.n > self.regions:
+                waiting.popleft()
+                self.n_waiting -= j.n
+                rec.rejected[j.req.index] = True
+                self.finished_reqs += 1
+                continue
+            if self.in_use + j.n > self.regions or (
+                self.running and self.n_seqs + j.n > self.cfg.max_num_seqs
+            ):
+                break
+            waiting.popleft()
+            self.n_waiting -= j.n
+            self.running.append(j)
+            self.in_use += j.n
+            self.n_seqs += j.n
+            admitted = True
+            i = j.req.index
+            rec.admit[i] = self.now
+            rec.prompt_tokens[i] = j.prompt_len
+            budget.take_chunk(j)
+        return admitted
+
+    def _advance(
+        self, decoders: List[_Job], n_dec: int, budget: StepBudget, admitted: bool
+    ) -> Tuple[int, float]:
+        """4. The step's duration (``k`` steps of it when only decoding happens) and its
+        sample; the clock moves. Returns ``(k, seconds)``."""
+        tm, lay = self.tm, self.lay
+        pf_tokens = budget.prefill_tokens
+        if self.windowed:
+            kv_read = tm.kv_tokens_read(
+                np.repeat([j.ctx for j in decoders], [j.n for j in decoders])
+            )
+        else:
+            kv_read = sum(j.n * j.ctx for j in decoders)
+        if lay is not None:
+            live = sum(j.n * lay.live_slots(j.ctx) for j in self.running)
+        else:
+            live = sum(j.n * j.ctx for j in self.running)
+        k = 1
+        if (decoders and not pf_tokens and not admitted and len(decoders) == len(self.running)
+                and not self.windowed and lay is None):  # fmt: skip
+            # nothing but decoding: jump to the next finish or the next admissible arrival
+            k = min(j.output_len - j.gen for j in decoders)
+            base = tm.step(0, n_dec, kv_read + n_dec)
+            slope = tm.step(0, n_dec, kv_read + 2 * n_dec) - base
+            until = self.horizon
+            if math.isfinite(until) and self.in_use < self.regions and not self.waiting:
+                k = _steps_until(until - self.now, base, slope, k)
+            dt = k * base + slope * k * (k - 1) / 2.0
+        else:
+            pairs, reads = tm.prefill_attention(budget.chunks) if budget.chunks else (0.0, 0.0)
+            dt = tm.step(pf_tokens, n_dec, kv_read + n_dec, 0, pairs, reads)
+        reserved = self.in_use * self.region
+        live_mid = live + n_dec * (k + 1) / 2.0 if lay is None else live
+        self.rec.step(self.now, dt, reserved, reserved - live_mid, self.n_seqs, self.n_waiting,
+                      steps=k)  # fmt: skip
+        self.now += dt
+        self.steps += k
+        return k, dt
+
+    def _finish(self, decoders: List[_Job], completed: List[_Job], k: int) -> None:
+        """5. Decodes advance ``k`` tokens; completed prefills yield their first token; finished
+        jobs give their regions back."""
+        now, rec = self.now, self.rec
+        done: List[_Job] = []
+        for j in decoders:
+            j.gen += k
+            j.ctx += k
+            if j.gen >= j.output_len:
+                done.append(j)
+        for j in completed:
+            j.gen += 1
+            rec.first_token[j.req.index] = now
+            if j.gen >= j.output_len:
+                done.append(j)
+        if done:
+            for j in done:
+                rec.finish[j.req.index] = now
+                self.in_use -= j.n
+                self.n_seqs -= j.n
+                self.finished_reqs += 1
+            self.running = [j for j in self.running if j.gen < j.output_len]
+
+
 def simulate_contiguous(
     workload: Workload,
     cfg: SchedulerConfig,
@@ -84,133 +270,4 @@ def simulate_contiguous(
     progress: Optional[Progress] = None,
 ) -> SimResult:
     """Replay ``workload`` with each sequence reserving ``max_len`` contiguous KV slots."""
-    wall0 = time.perf_counter()
-    capacity = cfg.num_blocks * cfg.block_size  # the same KV memory as the paged run
-    lay = cfg.layout if cfg.layout is not None and cfg.layout.hybrid else None
-    # a hybrid model's region: max_len slots per full group, a ring of its span per window or
-    # chunk group, its blocks per state group (GroupLayout.reserve_slots)
-    region = lay.reserve_slots(max_len) if lay is not None else max_len
-    regions = capacity // region
-    windowed = tm.windowed_reads
-    reqs = workload.requests
-    n_req = len(reqs)
-    rec = Recorder(
-        np.array([r.arrival for r in reqs], dtype=np.float64),
-        capacity,
-        np.array([r.output_len * r.n for r in reqs], dtype=np.int64),
-        np.array([r.n for r in reqs], dtype=np.int64),
-        (cfg.slo_ttft_s, cfg.slo_tpot_s),
-    )
-    waiting: Deque[_Job] = deque()
-    running: List[_Job] = []
-    in_use = 0  # regions reserved
-    n_seqs = 0  # sequences running (samples count one each)
-    n_waiting = 0  # sequences queued
-    nxt = 0
-    now = reqs[0].arrival if n_req else 0.0
-    finished = 0
-    steps = 0
-    tick = ProgressThrottle(progress) if progress is not None else None
-
-    while True:
-        while nxt < n_req and reqs[nxt].arrival <= now:
-            waiting.append(_Job(reqs[nxt]))
-            n_waiting += reqs[nxt].n
-            nxt += 1
-        if not running and not waiting:
-            if nxt >= n_req:
-                break
-            now = reqs[nxt].arrival
-            continue
-        decoders = [j for j in running if j.prefill_left == 0]
-        n_dec = sum(j.n for j in decoders)
-        budget = StepBudget(cfg.token_budget - n_dec)
-        for j in running:
-            if j.prefill_left and budget.left > 0:
-                budget.take_chunk(j)
-        admitted = False
-        while waiting and budget.left > 0:
-            j = waiting[0]
-            if j.prompt_len + j.output_len - 1 > max_len or j.n > regions:
-                waiting.popleft()
-                n_waiting -= j.n
-                rec.rejected[j.req.index] = True
-                finished += 1
-                continue
-            if in_use + j.n > regions or (running and n_seqs + j.n > cfg.max_num_seqs):
-                break
-            waiting.popleft()
-            n_waiting -= j.n
-            running.append(j)
-            in_use += j.n
-            n_seqs += j.n
-            admitted = True
-            i = j.req.index
-            rec.admit[i] = now
-            rec.prompt_tokens[i] = j.prompt_len
-            budget.take_chunk(j)
-
-        pf_tokens = budget.prefill_tokens
-        if windowed:
-            kv_read = tm.kv_tokens_read(
-                np.repeat([j.ctx for j in decoders], [j.n for j in decoders])
-            )
-        else:
-            kv_read = sum(j.n * j.ctx for j in decoders)
-        if lay is not None:
-            live = sum(j.n * lay.live_slots(j.ctx) for j in running)
-        else:
-            live = sum(j.n * j.ctx for j in running)
-        k = 1
-        if (decoders and not pf_tokens and not admitted and len(decoders) == len(running)
-                and not windowed and lay is None):  # fmt: skip
-            # nothing but decoding: jump to the next finish or the next admissible arrival
-            k = min(j.output_len - j.gen for j in decoders)
-            base = tm.step(0, n_dec, kv_read + n_dec)
-            slope = tm.step(0, n_dec, kv_read + 2 * n_dec) - base
-            if nxt < n_req and in_use < regions and not waiting:
-                k = _steps_until(reqs[nxt].arrival - now, base, slope, k)
-            dt = k * base + slope * k * (k - 1) / 2.0
-        else:
-            pairs, reads = tm.prefill_attention(budget.chunks) if budget.chunks else (0.0, 0.0)
-            dt = tm.step(pf_tokens, n_dec, kv_read + n_dec, 0, pairs, reads)
-        reserved = in_use * region
-        live_mid = live + n_dec * (k + 1) / 2.0 if lay is None else live
-        rec.step(now, dt, reserved, reserved - live_mid, n_seqs, n_waiting, steps=k)
-        now += dt
-        steps += k
-
-        done: List[_Job] = []
-        for j in decoders:
-            j.gen += k
-            j.ctx += k
-            if j.gen >= j.output_len:
-                done.append(j)
-        for j in budget.completed:
-            j.gen += 1
-            rec.first_token[j.req.index] = now
-            if j.gen >= j.output_len:
-                done.append(j)
-        if done:
-            for j in done:
-                rec.finish[j.req.index] = now
-                in_use -= j.n
-                n_seqs -= j.n
-                finished += 1
-            running = [j for j in running if j.gen < j.output_len]
-        if tick is not None:
-            tick.step(steps, finished, now)
-
-    if tick is not None:
-        tick.close(finished, now)
-    rec.counters.update(
-        {
-            "preemptions": 0,
-            "evictions": 0,
-            "max_len": max_len,
-            "region_slots": region,
-            "regions": regions,
-            "wall_s": time.perf_counter() - wall0,
-        }
-    )
-    return SimResult("contiguous", rec.summary(), rec)
+    return ContiguousEngine(workload, cfg, tm, max_len).run(progress)

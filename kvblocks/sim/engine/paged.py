@@ -27,7 +27,8 @@ and its clock. :meth:`PagedEngine.step` runs one engine step, in six phases, one
    siblings for parallel sampling: ``mgr.fork`` shares every block, copy-on-write on the first
    append); a sequence that has produced all its tokens is freed.
 
-:meth:`PagedEngine.run` is the single-engine loop: it hands the workload's arrivals in
+:meth:`PagedEngine.run` is the single-engine loop (:func:`~kvblocks.sim.engine.replay.replay`,
+shared with the contiguous baseline): it hands the workload's arrivals in
 (:meth:`PagedEngine.submit`), jumps the clock over idle gaps and steps until every request is
 done, then :meth:`PagedEngine.result` checks the pool and returns the :class:`SimResult`. A
 cluster simulator can run several engines side by side through ``submit``, ``now``, ``idle``
@@ -43,6 +44,10 @@ engine's metrics: ``queued_tokens`` (prompt tokens waiting or still to prefill) 
 ``blocks_in_use`` (blocks referenced by running sequences); with ``enable_kv_events=True`` it
 drains ``pool.take_events()`` (and the host pool's) after every step.
 
+The sequences (:mod:`~kvblocks.sim.engine.sequences`) and the moves between the queues, one
+manager call each (:class:`~kvblocks.sim.engine.queues.SequenceQueues`: admit, swap, preempt,
+fork, free, reject), live in their own modules; this one holds the step and the result.
+
 A request of prompt length P and output length O holds P + O - 1 tokens at its end (the last
 token is returned, never fed back). Time inside ``BlockManager`` calls is measured
 (``allocator_s``).
@@ -50,9 +55,9 @@ token is returned, never fed back). Time inside ``BlockManager`` calls is measur
 
 from __future__ import annotations
 
+import math
 import time
-from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, TypeVar
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -60,111 +65,22 @@ from ... import BlockManager, OutOfBlocksError
 from ..errors import SimulationError
 from ..tier.drain import StepCopies
 from ..tier.host import host_manager_kwargs, host_stats_dict
-from ..workload.tokens import seed_keys, stream, tokens_at
+from ..workload.tokens import tokens_at
 from ..workload.traces import Request, Workload
 from .batching import SchedulerConfig, StepBudget
-from .metrics import Recorder, SimResult
-from .progress import Progress, ProgressThrottle
+from .metrics import SimResult
+from .progress import Progress
+from .queues import SequenceQueues
+from .replay import replay
+from .sequences import Seq
 from .timing import TimeModel
 
 __all__ = ["PagedEngine", "SchedulerConfig", "SimResult", "simulate_paged"]
 
 _perf = time.perf_counter
-_T = TypeVar("_T")
 
 
-class _Seq:
-    """One sequence (a request's sample) as the scheduler sees it."""
-
-    __slots__ = (
-        "uid",
-        "req",
-        "sample",
-        "seed",
-        "prompt_len",
-        "output_len",
-        "gen",
-        "ctx",
-        "prefill_left",
-        "forks",
-        "done",
-        "q0",
-    )
-
-    def __init__(self, uid: int, req: Request, sample: int) -> None:
-        self.uid = uid
-        self.req = req
-        self.sample = sample
-        self.seed = req.output_seed(sample)
-        self.prompt_len = req.prompt_len
-        self.output_len = req.output_len
-        self.gen = 0  # tokens generated so far
-        self.ctx = 0  # tokens in its KV (block table)
-        self.prefill_left = 0  # prompt tokens still to compute
-        self.forks = req.n - 1 if sample == 0 else 0  # siblings to fork when the prefill ends
-        self.done = False
-        self.q0 = 0  # first position the next step queries, while not decoding (group usage)
-
-
-class _Decoding:
-    """The decoding sequences, their state as parallel arrays: one native call a step for all."""
-
-    __slots__ = ("seqs", "uid", "key", "gen", "out", "ctx", "batch", "fresh")
-
-    def __init__(self) -> None:
-        self.seqs: List[_Seq] = []  # in the order of the arrays
-        self.uid: np.ndarray = np.empty(0, dtype=np.int64)  # sequence ids
-        self.key: np.ndarray = np.empty(0, dtype=np.uint64)  # generated-token stream keys
-        self.gen: np.ndarray = np.empty(0, dtype=np.int64)  # tokens generated so far
-        self.out: np.ndarray = np.empty(0, dtype=np.int64)  # tokens to generate in all
-        self.ctx: np.ndarray = np.empty(0, dtype=np.int64)  # tokens in the KV
-        self.batch: Any = None  # mgr.batch(...) of the set; None when the set changed
-        self.fresh: set = set()  # ids that joined since the last append_batch (not yet decoded)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def remove(self, s: _Seq) -> int:
-        """Take ``s`` out, writing its state back to it; returns the index it had."""
-        self.batch = None
-        idx = self.seqs.index(s)
-        s.gen = int(self.gen[idx])
-        s.ctx = int(self.ctx[idx])
-        if s.uid not in self.fresh:  # it decoded: that step queried its newest token
-            s.q0 = s.ctx - 1
-        del self.seqs[idx]
-        self.uid, self.key, self.gen, self.out, self.ctx = (
-            np.delete(a, idx) for a in (self.uid, self.key, self.gen, self.out, self.ctx)
-        )
-        return idx
-
-    def keep(self, mask: np.ndarray) -> None:
-        """Keep only the sequences where ``mask`` is true."""
-        self.seqs = [s for s, k in zip(self.seqs, mask.tolist()) if k]
-        self.batch = None
-        self.uid, self.key, self.gen, self.out, self.ctx = (
-            self.uid[mask],
-            self.key[mask],
-            self.gen[mask],
-            self.out[mask],
-            self.ctx[mask],
-        )
-
-    def extend(self, seqs: List[_Seq]) -> None:
-        """Add sequences whose prefill is done (their ``gen`` and ``ctx`` are current)."""
-        self.batch = None
-        self.fresh.update(s.uid for s in seqs)
-        self.seqs.extend(seqs)
-        self.uid = np.concatenate([self.uid, np.array([s.uid for s in seqs], dtype=np.int64)])
-        self.key = np.concatenate([self.key, seed_keys([s.seed for s in seqs])])
-        self.gen = np.concatenate([self.gen, np.array([s.gen for s in seqs], dtype=np.int64)])
-        self.out = np.concatenate(
-            [self.out, np.array([s.output_len for s in seqs], dtype=np.int64)]
-        )
-        self.ctx = np.concatenate([self.ctx, np.array([s.ctx for s in seqs], dtype=np.int64)])
-
-
-class PagedEngine:
+class PagedEngine(SequenceQueues):
     """One continuous-batching engine over a fresh ``BlockManager``, advanced a step at a time.
 
     State: the manager and its pool, the queues (``waiting``, ``swapped``, ``running`` in
@@ -187,10 +103,8 @@ class PagedEngine:
             raise SimulationError(
                 "--preemption swap needs host memory for swapped blocks (--host-mem GiB)"
             )
-        self.workload = workload
-        self.cfg = cfg
         self.tm = tm
-        self.mgr = BlockManager(
+        mgr = BlockManager(
             cfg.num_blocks + 1,
             cfg.block_size,
             enable_prefix_caching=cfg.enable_prefix_caching,
@@ -200,49 +114,17 @@ class PagedEngine:
             groups=cfg.kv_groups,
             **host_manager_kwargs(cfg),
         )
+        SequenceQueues.__init__(self, mgr, workload, cfg)
         # hybrid models: blocks held per layer kind, sampled every step (see _group_held)
         lay = cfg.layout
         self.shares = lay.shares if lay is not None and lay.hybrid else ()
         self.g_peak = np.zeros(len(self.shares), dtype=np.int64)
         self.g_time = np.zeros(len(self.shares), dtype=np.float64)  # blocks x seconds
-        self._joined: List[_Seq] = []  # swapped in this step, decoding from the next
+        self._joined: List[Seq] = []  # swapped in this step, decoding from the next
         # groups with a partly filled last block per sequence (all but state groups)
         self.tail_groups = sum(sh.copies for sh in self.shares if sh.group.kind != "state") or 1
-        self.host_tier = cfg.host_cache_blocks > 0
         self.copies = StepCopies(cfg.block_bytes, tm.swap_bytes_per_s)  # the step's copy lists
-        self.pool = self.mgr.pool
-        self.usable = self.pool.num_blocks - 1  # blocks a sequence can get (not the null block)
-        reqs = workload.requests
-        self.rec = Recorder(
-            np.array([r.arrival for r in reqs], dtype=np.float64),
-            self.usable * cfg.block_size,
-            np.array([r.output_len * r.n for r in reqs], dtype=np.int64),
-            np.array([r.n for r in reqs], dtype=np.int64),
-            (cfg.slo_ttft_s, cfg.slo_tpot_s),
-        )
-        self.remaining_samples = np.array([r.n for r in reqs], dtype=np.int64)  # per request
-        self.now = reqs[0].arrival if reqs else 0.0  # simulated seconds
-        self.steps = 0
-        self.finished_reqs = 0  # requests done or rejected
-        # queues
-        self.waiting: Deque[_Seq] = deque()  # arrival order; preempted (recompute) ones first
-        self.swapped: Deque[_Seq] = deque()
-        self.running: List[_Seq] = []  # admission order; the tail is preempted first
-        self.prefilling: List[_Seq] = []  # running sequences still in prefill, admission order
-        self.decoding = _Decoding()  # running sequences past their prefill
-        self.forked_live = 0  # live sequences of requests with n > 1 (copy-on-write possible)
-        self.next_uid = 0
-        self.waiting_tokens = 0  # tokens of the sequences in ``waiting`` (to add, then compute)
-        # counters of the report
-        self.alloc_s = 0.0  # seconds inside BlockManager calls
-        self.preempt_recompute = 0
-        self.preempt_swap = 0
-        self.cow_copies = 0
-        self.swapped_blocks = 0  # blocks moved either way
-        self.readds = 0  # re-admissions after recompute preemption
-        self.fork_requeued = 0  # siblings queued because their state copy found no room
-        self.readd_cached = 0  # their tokens served by the prefix cache
-        self.host_hit_tokens = 0  # first-admission prompt tokens served from the host tier
+        self.horizon = math.inf  # the next arrival (replay); a paged step is always one step
 
     # ----------------------------------------------------------------------------- driving
 
@@ -263,7 +145,7 @@ class PagedEngine:
 
     def submit(self, req: Request) -> None:
         """A request arrives (its first sample queues; siblings fork after its prefill)."""
-        self.waiting.append(_Seq(self.next_uid, req, 0))
+        self.waiting.append(Seq(self.next_uid, req, 0))
         self.waiting_tokens += req.prompt_len
         self.next_uid += 1
 
@@ -283,24 +165,7 @@ class PagedEngine:
 
     def run(self, progress: Optional[Progress] = None) -> SimResult:
         """Replay the whole workload: arrivals in order, idle gaps skipped, until all is done."""
-        reqs = self.workload.requests
-        n_req = len(reqs)
-        nxt = 0
-        tick = ProgressThrottle(progress) if progress is not None else None
-        while True:
-            while nxt < n_req and reqs[nxt].arrival <= self.now:
-                self.submit(reqs[nxt])
-                nxt += 1
-            if self.idle:
-                if nxt >= n_req:
-                    break
-                self.now = reqs[nxt].arrival
-                continue
-            self.step()
-            if tick is not None:
-                tick.step(self.steps, self.finished_reqs, self.now)
-        if tick is not None:
-            tick.close(self.finished_reqs, self.now)
+        replay(self, self.workload.requests, progress)
         return self.result()
 
     def result(self) -> SimResult:
@@ -456,12 +321,12 @@ class PagedEngine:
                 break
             budget.take_chunk(s)
 
-    def _admit(self, budget: StepBudget) -> List[_Seq]:
+    def _admit(self, budget: StepBudget) -> List[Seq]:
         """3. Swapped sequences back first, then the queue in order, while budget and seats last.
 
         Returns the swapped-in sequences that decode from the next step on."""
         cfg = self.cfg
-        joined: List[_Seq] = []
+        joined: List[Seq] = []
         seats = len(self.running) + sum(s.forks for s in self.prefilling)  # pending forks included
         while budget.left > 0 and seats < cfg.max_num_seqs:
             if self.swapped:
@@ -505,7 +370,7 @@ class PagedEngine:
         self.alloc_s += _perf() - t0
         self.cow_copies += c.cow
 
-    def _compute(self, n_dec: int, completed: List[_Seq]) -> None:
+    def _compute(self, n_dec: int, completed: List[Seq]) -> None:
         """4. Declare what the step computes, so that its full blocks enter the prefix cache.
 
         One ``schedule`` call for the whole step, as an engine makes one ``metadata`` call:
@@ -559,7 +424,7 @@ class PagedEngine:
         self.steps += 1
         return dt
 
-    def _finish(self, n_dec: int, completed: List[_Seq], joined: List[_Seq]) -> None:
+    def _finish(self, n_dec: int, completed: List[Seq], joined: List[Seq]) -> None:
         """6. Finished decodes freed; completed prefills yield their first token and fork."""
         now = self.now
         any_done = False
@@ -593,143 +458,6 @@ class PagedEngine:
             self.running = [s for s in self.running if not s.done]
         if joined:
             d.extend(joined)
-
-    # ----------------------------------------------------------------------------- helpers
-
-    def _pop_waiting(self) -> None:
-        s = self.waiting.popleft()
-        self.waiting_tokens -= s.prompt_len + s.gen
-
-    def _timed(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)``, its wall time (exception or not) added to ``alloc_s``."""
-        t0 = _perf()
-        try:
-            return fn(*args)
-        finally:
-            self.alloc_s += _perf() - t0
-
-    def _tokens(self, s: _Seq) -> np.ndarray:
-        """What ``s`` holds: its prompt, then the tokens it generated."""
-        base = self.workload.prompt_tokens(s.req)
-        if s.gen == 0:
-            return base
-        return np.concatenate([base, stream(s.seed, 0, s.gen)])
-
-    def _add(self, s: _Seq) -> bool:
-        """Admit queued ``s`` into the manager if ``can_add`` and ``add`` let it; records the hit."""
-        ntok = s.prompt_len + s.gen
-        if not self._timed(self.mgr.can_add, ntok):
-            return False
-        rec = self.rec
-        i = s.req.index
-        first = s.sample == 0 and s.gen == 0 and not np.isfinite(rec.admit[i])
-        tokens = self._tokens(s)
-        onloads_before = self.mgr.num_pending_onloads if self.host_tier else 0
-        t0 = _perf()
-        try:
-            cached = int(self.mgr.add(s.uid, tokens, recompute=not first))
-        except OutOfBlocksError:
-            return False
-        finally:
-            self.alloc_s += _perf() - t0
-        host = 0
-        if self.host_tier:  # the prefix's host part: (host, device) copies for the drain
-            host = (self.mgr.num_pending_onloads - onloads_before) * self.cfg.block_size
-        if first:
-            rec.admit[i] = self.now
-            rec.prompt_tokens[i] = ntok
-            rec.cached_tokens[i] = cached
-            self.host_hit_tokens += host
-        else:
-            self.readds += 1
-            self.readd_cached += cached
-        s.ctx = ntok
-        s.prefill_left = ntok - cached
-        s.q0 = min(cached, ntok - 1)
-        return True
-
-    def _swap_in(self, s: _Seq) -> bool:
-        """Bring the head of ``swapped`` back to the device; False when the pool cannot hold it."""
-        try:
-            pairs = self._timed(self.mgr.swap_in, s.uid)
-        except OutOfBlocksError:
-            return False
-        self.swapped.popleft()
-        self.swapped_blocks += len(pairs)
-        self.running.append(s)
-        return True
-
-    def _preempt(self, victim: _Seq) -> int:
-        """Preempt ``victim``, the tail of ``running``; returns its decode index or -1.
-
-        A victim that was the only running sequence outgrew the whole pool: swapping it out
-        and back would repeat forever, so it is recomputed (and rejected when re-added)."""
-        self.running.pop()
-        idx = -1
-        if victim.prefill_left > 0:
-            self.prefilling.remove(victim)
-        else:
-            idx = self.decoding.remove(victim)
-        if self.cfg.preemption == "swap" and self.running:
-            try:
-                pairs = self._timed(self.mgr.swap_out, victim.uid)
-            except OutOfBlocksError:
-                pairs = None  # host memory full: fall back to recompute
-            if pairs is not None:
-                self.swapped_blocks += len(pairs)
-                self.swapped.append(victim)
-                self.preempt_swap += 1
-                return idx
-        self._timed(self.mgr.free, victim.uid)
-        victim.prefill_left = 0
-        self.waiting.appendleft(victim)
-        self.waiting_tokens += victim.prompt_len + victim.gen
-        self.preempt_recompute += 1
-        return idx
-
-    def _fork(self, s: _Seq) -> List[_Seq]:
-        """Fork the ``n - 1`` siblings of ``s`` after its prefill (they share every block).
-
-        A fork copies state groups' blocks at once (hybrid models with recurrent state); a
-        sibling whose copy finds no free blocks is queued first in line instead, to prefill
-        its prompt again like a recompute-preempted sequence."""
-        self.forked_live += 1 + s.forks
-        children = []
-        for k in range(1, s.forks + 1):
-            child = _Seq(self.next_uid, s.req, k)
-            self.next_uid += 1
-            try:
-                self._timed(self.mgr.fork, s.uid, child.uid)
-            except OutOfBlocksError:
-                self.waiting.appendleft(child)
-                self.waiting_tokens += child.prompt_len
-                self.fork_requeued += 1
-                continue
-            child.gen, child.ctx, child.q0 = s.gen, s.ctx, s.q0
-            self.running.append(child)
-            children.append(child)
-        s.forks = 0
-        return children
-
-    def _free(self, s: _Seq, t: float) -> None:
-        """``s`` produced all its tokens at time ``t``: free it; its request may be done."""
-        s.done = True
-        self._timed(self.mgr.free, s.uid)
-        if s.req.n > 1:
-            self.forked_live -= 1
-        i = s.req.index
-        self.remaining_samples[i] -= 1
-        if self.remaining_samples[i] == 0:
-            self.rec.finish[i] = t
-            self.finished_reqs += 1
-
-    def _reject(self, s: _Seq) -> None:
-        """``s`` cannot fit even in an empty cache: its request is rejected."""
-        i = s.req.index
-        self.rec.rejected[i] = True
-        self.remaining_samples[i] -= 1 + s.forks
-        if self.remaining_samples[i] <= 0:
-            self.finished_reqs += 1
 
 
 def simulate_paged(
