@@ -1,4 +1,5 @@
-"""From parsed flags to what a replay needs: the model, the GPU, the memory bill, the scheduler
+"""The model, memory, engine and time-model flags (``add_model_args``, ``add_time_args``: the
+flags ``kvblocks simulate`` and ``kvblocks plan`` share) and, from them, what a replay needs: the model, the GPU, the memory bill, the scheduler
 config and the roofline time model (calibrated when ``--calibrate`` is given), and the report
 lines and ``--json`` keys they add (``kvblocks simulate`` and ``kvblocks plan`` share them)."""
 
@@ -9,14 +10,87 @@ from typing import Any, Dict, Optional
 
 from .. import limits as L
 from ..errors import SimulationError
-from ..models.gpus import DEFAULT_GPU, GpuSpec, get_gpu
+from ..models.gpus import DEFAULT_GPU, GPUS, GpuSpec, get_gpu
 from ..models.hybrid import parse_layer_kinds
-from ..models.spec import DEFAULT_MODEL, ModelSpec, custom_model, get_model, memory_bill
+from ..models.spec import DEFAULT_MODEL, PRESETS, ModelSpec, custom_model, get_model, memory_bill
 
-__all__ = ["add_time_args", "model_from_args", "engine_from_args"]
+__all__ = ["add_model_args", "add_time_args", "model_from_args", "engine_from_args"]
 
 DEFAULT_GPU_MEM = 80.0
 DEFAULT_SWAP_GIB = 4.0
+
+
+def add_model_args(p: argparse.ArgumentParser, plan: bool = False) -> None:
+    g = p.add_argument_group("model and memory")
+    names = ", ".join(m.name.lower() for m in PRESETS.values())
+    g.add_argument("--model", metavar="NAME", help=f"preset: {names} (default {DEFAULT_MODEL})")
+    g.add_argument("--layers", type=L.LAYERS.parse, help="custom model: transformer layers")
+    g.add_argument("--kv-heads", type=L.KV_HEADS.parse, default=0, help="custom model: KV heads")
+    g.add_argument(
+        "--head-dim", type=L.HEAD_DIM.parse, default=0, help="custom model: head dimension"
+    )
+    g.add_argument("--latent-dim", type=L.LATENT_DIM.parse, default=0,
+                   help="custom MLA model: latent elements per token and layer")  # fmt: skip
+    g.add_argument("--layer-groups", metavar="SPEC",
+                   help="custom hybrid model: COUNT:KIND[:SIZE],... with KIND full, sliding_window "
+                   "(SIZE window), chunked_local (SIZE chunk) or state (SIZE elements per layer and "
+                   "sequence); counts add up to --layers, e.g. 12:full,12:sliding_window:128")  # fmt: skip
+    g.add_argument("--all-full", action="store_true",
+                   help="bill window and chunk layers as full attention (the baseline a hybrid "
+                   "KV cache is measured against)")  # fmt: skip
+    g.add_argument(
+        "--params",
+        type=L.PARAMS.parse,
+        default=0.0,
+        metavar="BILLIONS",
+        help="custom model: parameters (weights)",
+    )
+    g.add_argument("--dtype", "--kv-dtype", dest="dtype", metavar="DTYPE",
+                   help="KV cache dtype: bf16 (default), fp16, fp8, fp4 (NVFP4, one fp8 scale per 16), fp32")  # fmt: skip
+    g.add_argument("--weight-dtype", metavar="DTYPE",
+                   help="weights: bf16 (default), fp8, int4 (group-128 scales), fp4; changes the "
+                   "memory bill and the bytes each step reads")  # fmt: skip
+    g.add_argument("--gpu", metavar="NAME",
+                   help=f"GPU from the catalog: {', '.join(GPUS)} (memory, bandwidth, FLOP/s, link, "
+                   f"price; default {DEFAULT_GPU} with --gpu-mem 80)")  # fmt: skip
+    if plan:
+        g.add_argument("--tp", default=None, metavar="N[,N...]",
+                       help="tensor parallel sizes to consider (cluster plan: 1,2,4,8; else 1)")  # fmt: skip
+        g.add_argument("--pp", default=None, metavar="N[,N...]",
+                       help="pipeline stage counts to consider (1)")  # fmt: skip
+    else:
+        g.add_argument("--tp", type=L.TP.parse, default=1, metavar="N",
+                       help="tensor parallel GPUs per replica (1): weights and KV split, all-reduce per layer")  # fmt: skip
+        g.add_argument("--pp", type=L.PP.parse, default=1, metavar="N",
+                       help="pipeline stages per replica (1): layers split, stages run in turn")  # fmt: skip
+    g.add_argument(
+        "--gpu-mem",
+        type=L.GPU_MEM.parse,
+        default=None,
+        metavar="GiB",
+        help="memory per GPU (default: the --gpu's, else 80)",
+    )
+    g.add_argument("--usd-per-hour", type=L.USD_PER_HOUR.parse, metavar="USD",
+                   help="price of one GPU-hour (default: the catalog's)")  # fmt: skip
+    g.add_argument(
+        "--reserve",
+        type=L.RESERVE.parse,
+        metavar="GiB",
+        help="activation/context reserve (default 10%% of --gpu-mem)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=L.BLOCK_SIZE.parse,
+        default=16,
+        metavar="N",
+        help="tokens per KV block (default 16)",
+    )
+    g.add_argument(
+        "--num-blocks",
+        type=L.NUM_BLOCKS.parse,
+        metavar="N",
+        help="KV blocks, overriding the memory computation",
+    )
 
 
 def _add_time_args(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,6 @@
-"""``kvblocks plan`` with a trace: the replica sweep (``--trace --ttft-p99``) and the GPU plan
-(``--gpu NAME[,NAME...]``); the length-distribution plan stays in :mod:`kvblocks.sim.cli`."""
+"""The ``kvblocks plan`` subcommand: its parser (:func:`add_parser`) and its run: the
+length-distribution plan, the replica sweep over a trace (``--trace --ttft-p99``) and the GPU
+plan (``--gpu NAME[,NAME...]``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,88 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from .. import limits as L
-from ..engine.cli import _check_host_tier, _engine, _gpu_mem, _model
+from ..engine.cli import _add_time_args, _check_host_tier, _engine, _gpu_mem, _model, add_model_args
 from ..errors import SimulationError
 from ..models.spec import memory_bill
-from .lengths import format_plan, make_plan, parse_dist, plan_json
+from .lengths import DIST_HELP, format_plan, make_plan, parse_dist, plan_json
 
-__all__ = ["plan_command"]
+__all__ = ["add_parser", "plan_command"]
+
+PLAN_EPILOG = f"""\
+{DIST_HELP}.
+
+examples:
+  kvblocks plan --model llama-3.1-8b --gpu-mem 80 --prompt-len uniform:128:4096 --output-len 512
+  kvblocks plan --model deepseek-v2-lite --gpu-mem 48 --prompt-len lognormal:2000:3000 --output-len normal:300:100
+"""
+
+
+def add_parser(sub: "argparse._SubParsersAction") -> None:
+    """Add ``plan`` to the subcommands of the ``kvblocks`` parser."""
+    plan = sub.add_parser(
+        "plan",
+        help="how many sequences fit: paged vs contiguous, with the per-token bill",
+        description="Capacity plan: concurrent sequences under paged allocation versus contiguous "
+        "max-length reservation, and the GPU memory bill per token.",
+        epilog=PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_args(plan, plan=True)
+    plan.add_argument("--prompt-len", metavar="DIST", help="prompt length distribution")
+    plan.add_argument("--output-len", metavar="DIST", help="output length distribution")
+    plan.add_argument(
+        "--max-len",
+        type=L.MAX_LEN.parse,
+        metavar="N",
+        help="contiguous reservation (default: longest draw)",
+    )
+    plan.add_argument(
+        "--samples", type=L.SAMPLES.parse, default=100_000, help="lengths drawn (100000)"
+    )
+    plan.add_argument("--seed", type=L.SEED.parse, default=0, help="random seed (0)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_cluster_plan_args(plan)
+    _add_time_args(plan)
+
+
+def _add_cluster_plan_args(p: argparse.ArgumentParser) -> None:
+    """The cluster and GPU plans: a trace, targets, the ranges to simulate, their engine."""
+    g = p.add_argument_group("cluster plan (simulates the trace on every configuration)")
+    g.add_argument("--trace", metavar="FILE", help="Mooncake JSONL, kvblocks JSONL or Azure CSV")
+    g.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure", "kvblocks"],
+                   help="trace format")  # fmt: skip
+    g.add_argument("--limit", type=L.LIMIT.parse, metavar="N", help="plan on the first N requests")
+    g.add_argument("--time-scale", type=L.TIME_SCALE.parse, default=1.0, metavar="F",
+                   help="multiply arrival times by F")  # fmt: skip
+    g.add_argument("--ttft-p99", type=L.TTFT_P99.parse, metavar="SECONDS",
+                   help="target: time to first token, 99th percentile")  # fmt: skip
+    g.add_argument("--tpot-p99", type=L.TPOT_P99.parse, metavar="SECONDS",
+                   help="target: time per output token, 99th percentile (with --gpu)")  # fmt: skip
+    g.add_argument("--cost", action="store_true",
+                   help="with --gpu: cheapest in $/hour, not in GPUs (prices: --usd-per-hour or the catalog)")  # fmt: skip
+    g.add_argument("--kv-dtypes", metavar="D[,D...]",
+                   help="with --gpu: KV dtypes to consider, e.g. bf16,fp8 (default: --kv-dtype or bf16)")  # fmt: skip
+    g.add_argument("--replicas", default="1-8", metavar="LIST",
+                   help="replica counts to simulate, e.g. 1-8 or 2,4,8 (1-8)")  # fmt: skip
+    g.add_argument("--host-cache", default=None, metavar="GiB,...",
+                   help="host-cache sizes per replica to simulate (0,256; with --gpu 0; 0 = no host tier)")  # fmt: skip
+    g.add_argument("--router", default="prefix_aware", metavar="NAME",
+                   help="round_robin, least_loaded or prefix_aware (prefix_aware)")  # fmt: skip
+    g.add_argument("--host-write-through", action="store_true",
+                   help="host tiers copy each block to the host when it is cached")  # fmt: skip
+    g.add_argument("--pcie-gbps", type=L.PCIE_GBPS.parse, default=None, metavar="GB/s",
+                   help="host <-> device bandwidth (25)")  # fmt: skip
+    g.add_argument("--plot", metavar="FILE", help="draw the curve (PNG/SVG/PDF; needs matplotlib)")
+    g.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="progress bar on stderr")  # fmt: skip
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g = p.add_argument_group("engine (cluster plan)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument(
+        "--max-num-seqs", type=L.MAX_NUM_SEQS.parse, default=256, help="sequences per batch (256)"
+    )
+    g.add_argument("--token-budget", type=L.TOKEN_BUDGET.parse, default=8192,
+                   help="tokens per step, max_num_batched_tokens (8192)")  # fmt: skip
 
 
 def _int_list(text: Optional[str], flag: str, lim: Any, default: List[int]) -> List[int]:
