@@ -36,7 +36,7 @@ def run_suite(suite, argv):
 
 def hit_rate_curve(quick):
     import kvblocks
-    from kvblocks.sim.tokens import TokenBook
+    from kvblocks.sim.workload.tokens import TokenBook
 
     out = []
     for name in ("mooncake_conversation_trace.jsonl", "mooncake_synthetic_trace.jsonl"):

@@ -51,8 +51,8 @@ import zmq
 from kvblocks import BlockManager
 from kvblocks.events import ZmqEventPublisher
 from kvblocks.events.zmq import END_SEQ
-from kvblocks.sim.tokens import stream
-from kvblocks.sim.workload import builtin_workload
+from kvblocks.sim import builtin_workload
+from kvblocks.sim.workload.tokens import stream
 
 MODEL = "toy-model"
 

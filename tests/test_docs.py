@@ -13,9 +13,9 @@ import kvblocks.layout
 import kvblocks.metadata
 import kvblocks.ops
 import kvblocks.rows
-import kvblocks.sim.group_report
-import kvblocks.sim.hybrid_models
-import kvblocks.sim.models
+import kvblocks.sim.models.hybrid
+import kvblocks.sim.models.spec
+import kvblocks.sim.report.groups
 import kvblocks.stats
 import kvblocks.storage
 import kvblocks.testing.readback
@@ -41,9 +41,9 @@ README = Path(__file__).resolve().parents[1] / "README.md"
         kvblocks.testing.reference,
         kvblocks.testing.strategies,
         kvblocks.testing.tiny,
-        kvblocks.sim.hybrid_models,
-        kvblocks.sim.group_report,
-        kvblocks.sim.models,
+        kvblocks.sim.models.hybrid,
+        kvblocks.sim.report.groups,
+        kvblocks.sim.models.spec,
     ],
     ids=lambda m: m.__name__,
 )

@@ -43,3 +43,15 @@ def test_changelog_has_the_version():
     text = (ROOT / "CHANGELOG.md").read_text()
     assert "## [Unreleased]" in text
     assert re.search(rf"^## \[{re.escape(kvblocks.__version__)}\] - \d{{4}}-\d\d-\d\d$", text, re.M)
+
+
+def test_every_package_is_in_the_wheel():
+    """setuptools ships only the packages ``[tool.setuptools] packages`` lists: every folder of
+    kvblocks with an ``__init__.py`` must be there, or the wheel misses it."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    listed = set(
+        re.findall(r'"(kvblocks[\w.]*)"', pyproject.split("packages = [", 1)[1].split("]", 1)[0])
+    )
+    pkg = ROOT / "kvblocks"
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in pkg.rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

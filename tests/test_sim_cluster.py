@@ -18,21 +18,19 @@ from kvblocks.sim import (
     SchedulerConfig,
     SimulationError,
     TimeModel,
-    capacity,
-    cluster,
-    cluster_report,
     get_model,
-    hosttier,
     load_workload,
-    prefixindex,
-    routers,
     simulate_paged,
 )
-from kvblocks.sim.capacity import PlanPoint, cheapest, parse_counts, parse_sizes, sweep
-from kvblocks.sim.cluster import CLUSTER_HASH_KEY, Cluster, simulate_cluster
-from kvblocks.sim.prefixindex import HOST_CREDIT, PrefixIndex
-from kvblocks.sim.routers import Load, make_router, prompt_hashes
-from kvblocks.sim.workload import Request, Workload
+from kvblocks.sim.cluster import cluster, prefixindex, routers
+from kvblocks.sim.cluster import report as cluster_report
+from kvblocks.sim.cluster.cluster import CLUSTER_HASH_KEY, Cluster, simulate_cluster
+from kvblocks.sim.cluster.prefixindex import HOST_CREDIT, PrefixIndex
+from kvblocks.sim.cluster.routers import Load, make_router, prompt_hashes
+from kvblocks.sim.plan import capacity
+from kvblocks.sim.plan.capacity import PlanPoint, cheapest, parse_counts, parse_sizes, sweep
+from kvblocks.sim.tier import host as hosttier
+from kvblocks.sim.workload.traces import Request, Workload
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 CONV = TRACES / "mooncake_conversation_trace.jsonl"

@@ -10,15 +10,15 @@ import pytest
 
 from kvblocks import BlockManager, KVGroup
 from kvblocks.sim import SchedulerConfig, SimulationError, get_model, load_workload, memory_bill
-from kvblocks.sim.hybrid_models import LayerKind, group_layout, parse_layer_kinds
-from kvblocks.sim.models import GiB, custom_model
-from kvblocks.sim.plan import make_plan, parse_dist
-from kvblocks.sim.scheduler import PagedEngine
-from kvblocks.sim.timing import TimeModel
+from kvblocks.sim.engine.paged import PagedEngine
+from kvblocks.sim.engine.timing import TimeModel
+from kvblocks.sim.models.hybrid import LayerKind, group_layout, parse_layer_kinds
+from kvblocks.sim.models.spec import GiB, custom_model
+from kvblocks.sim.plan.lengths import make_plan, parse_dist
 
 BS = 16
 
-# Hand-computed from each model's config.json (kvblocks/sim/models.py cites the fields):
+# Hand-computed from each model's config.json (kvblocks/sim/models/spec.py cites the fields):
 # per-layer bytes per token = 2 (K, V) x kv heads x head dim x 2 (bf16); L = gcd of the layer
 # counts per kind; block bytes = L x per-layer bytes x 16 tokens.
 EXPECTED = {

@@ -13,11 +13,12 @@ from typing import List, Tuple
 import pytest
 
 from kvblocks import InvalidStateError
-from kvblocks.sim import PagedEngine, SchedulerConfig, TimeModel, get_model, hostdrain
-from kvblocks.sim.cluster import Cluster
-from kvblocks.sim.hostdrain import StepCopies
-from kvblocks.sim.hosttier import host_tier_available
-from kvblocks.sim.workload import Request, Workload
+from kvblocks.sim import PagedEngine, SchedulerConfig, TimeModel, get_model
+from kvblocks.sim.cluster.cluster import Cluster
+from kvblocks.sim.tier import drain
+from kvblocks.sim.tier.drain import StepCopies
+from kvblocks.sim.tier.host import host_tier_available
+from kvblocks.sim.workload.traces import Request, Workload
 
 pytestmark = pytest.mark.skipif(not host_tier_available(), reason="no host tier in this build")
 
@@ -160,7 +161,7 @@ def test_step_copies_time_model():
 
 
 def test_docstring_examples():
-    assert doctest.testmod(hostdrain).failed == 0
+    assert doctest.testmod(drain).failed == 0
 
 
 # ------------------------------------------------------------------------------ cluster

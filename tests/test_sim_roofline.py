@@ -13,12 +13,12 @@ import pytest
 
 from kvblocks.__main__ import main
 from kvblocks.sim import get_model, memory_bill
-from kvblocks.sim.calibrate import fit, read_profile
+from kvblocks.sim.engine.calibrate import fit, read_profile
+from kvblocks.sim.engine.roofline import parallel_layout
+from kvblocks.sim.engine.timing import Efficiency, TimeModel
 from kvblocks.sim.errors import SimulationError, WorkloadError
-from kvblocks.sim.gpuplan import Family, search
-from kvblocks.sim.gpus import GPUS, get_gpu, parse_gpus
-from kvblocks.sim.roofline import parallel_layout
-from kvblocks.sim.timing import Efficiency, TimeModel
+from kvblocks.sim.models.gpus import GPUS, get_gpu, parse_gpus
+from kvblocks.sim.plan.gpuplan import Family, search
 
 L8 = get_model("llama-3.1-8b")
 L70 = get_model("llama-3.1-70b")
@@ -469,7 +469,7 @@ def test_plan_answers_the_70b_question(tmp_path, capsys):
 
 
 def test_idle_prefill_is_the_sum_of_its_chunks():
-    from kvblocks.sim.gpuplan import idle_prefill_s
+    from kvblocks.sim.plan.gpuplan import idle_prefill_s
 
     tm = TimeModel.for_model(L8)
     one = idle_prefill_s(tm, 8192, 8192)
@@ -485,8 +485,8 @@ def test_early_stop_never_ends_a_replay_that_meets_the_target(tmp_path):
     """The plan's stop rule: a replay that ends with TTFT p99 <= target is never stopped, and
     an overloaded one is stopped (ReplayStopped) before its end."""
     from kvblocks.sim import SchedulerConfig, load_workload
-    from kvblocks.sim.cluster import Cluster, ReplayStopped
-    from kvblocks.sim.gpuplan import ttft_already_missed
+    from kvblocks.sim.cluster.cluster import Cluster, ReplayStopped
+    from kvblocks.sim.plan.gpuplan import ttft_already_missed
 
     w = load_workload(_trace(tmp_path, n=60, prompt=3000, out=32, gap_ms=50))
     bill = memory_bill(L8, 80, 16)

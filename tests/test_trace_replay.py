@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvblocks import BlockManager
-from kvblocks.sim.tokens import TokenBook
+from kvblocks.sim.workload.tokens import TokenBook
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 FILES = ["mooncake_conversation_trace.jsonl", "mooncake_synthetic_trace.jsonl"]

@@ -7,17 +7,21 @@
 * :func:`make_plan` counts what fits for length distributions.
 
 The command line (``kvblocks simulate`` / ``kvblocks plan``) lives in :mod:`kvblocks.sim.cli`.
+The subpackages, by concern: ``engine`` (the replay: paged engine, contiguous baseline, step
+budget, time model, recorder), ``tier`` (the host tier), ``cluster`` (engines behind a
+router), ``plan`` (the planner), ``report`` (text, JSON, plots), ``models`` (model presets,
+memory bill, GPU catalog), ``workload`` (requests, traces, token streams).
 """
 
-from .batching import SchedulerConfig
-from .contiguous import simulate_contiguous
+from .engine.batching import SchedulerConfig
+from .engine.contiguous import simulate_contiguous
+from .engine.metrics import SimResult
+from .engine.paged import PagedEngine, simulate_paged
+from .engine.timing import TimeModel
 from .errors import SimulationError, WorkloadError
-from .metrics import SimResult
-from .models import PRESETS, MemoryBill, ModelSpec, custom_model, get_model, memory_bill
-from .plan import LengthDist, make_plan, parse_dist
-from .scheduler import PagedEngine, simulate_paged
-from .timing import TimeModel
-from .workload import Request, Workload, builtin_workload, load_workload, prefix_reuse
+from .models.spec import PRESETS, MemoryBill, ModelSpec, custom_model, get_model, memory_bill
+from .plan.lengths import LengthDist, make_plan, parse_dist
+from .workload.traces import Request, Workload, builtin_workload, load_workload, prefix_reuse
 
 __all__ = [
     "simulate_paged",

@@ -1,0 +1,385 @@
+"""``kvblocks plan --gpu NAME[,NAME...] --trace FILE --ttft-p99 S [--tpot-p99 S] [--cost]``:
+the cheapest cluster (GPU type x TP x PP x replicas x host cache x KV dtype) that meets the SLOs.
+
+**Candidates.** Every GPU of ``--gpu``, every ``--tp`` (default 1, 2, 4, 8: those that divide
+the model's heads) and ``--pp`` (default 1), every KV dtype of ``--kv-dtypes`` and host-cache
+size of ``--host-cache``, and replica counts in ``--replicas``. A *family* is one of these
+without the replica count; its memory bill either fits (weights and one KV block per GPU) or
+the family is reported as "does not fit" without a replay.
+
+**Search.** Within a family, more replicas never make the SLOs harder to meet (the same
+arrivals over more engines), so the fewest replicas that meet them is found by bisection:
+about ``log2(len(--replicas))`` replays per family instead of one per count, each replay a
+full :class:`~kvblocks.sim.cluster.cluster.Cluster` run through the real allocator. The answer is the
+cheapest family minimum: fewest GPUs (replicas x TP x PP), or with ``--cost`` the lowest $/hour,
+ties to fewer GPUs, then less host memory, then the wider KV dtype.
+
+**Why not cheaper.** Every cheaper candidate is accounted for: it does not fit, it was
+replayed and missed an SLO (which, by how much), or it has fewer replicas than a replayed
+count of its family that missed (implied by the monotonicity above).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..errors import SimulationError
+from ..report.fmt import json_safe
+from ..report.simulation import _secs
+
+__all__ = [
+    "Candidate",
+    "Family",
+    "GpuPlan",
+    "search",
+    "format_gpu_plan",
+    "gpu_plan_json",
+    "idle_prefill_s",
+]
+
+
+def idle_prefill_s(tm: Any, prompt_len: int, token_budget: int) -> float:
+    """Seconds an idle replica takes to prefill one ``prompt_len``-token prompt (no prefix hit),
+    chunk by chunk of ``token_budget``: a lower bound on that prompt's TTFT under any load."""
+    total, pos = 0.0, 0
+    while pos < prompt_len:
+        c = min(token_budget, prompt_len - pos)
+        pairs, reads = tm.prefill_attention([(pos, c)])
+        total += tm.step(c, 0, 0, 0, pairs, reads)
+        pos += c
+    return total
+
+
+MAX_REPLAYS = 64
+
+
+@dataclass
+class Family:
+    """One GPU type x TP x PP x KV dtype x host cache: a replica's shape."""
+
+    gpu: str
+    tp: int
+    pp: int
+    kv_dtype: str
+    host_cache_gib: float
+    usd_per_gpu_hour: float
+    fits: bool = True
+    why_not: str = ""  # when it does not fit
+    idle_ttft_s: Optional[float] = None  # the p99 prompt's prefill alone on an idle replica
+    engine: Any = None  # (bill, cfg, tm) when it fits
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tp * self.pp
+
+    def label(self, replicas: int) -> str:
+        host = f" +{self.host_cache_gib:g}G host" if self.host_cache_gib else ""
+        return (f"{replicas * self.gpus_per_replica} x {self.gpu} ({replicas} x TP{self.tp}"
+                + (f" PP{self.pp}" if self.pp > 1 else "") + f", KV {self.kv_dtype}{host})")  # fmt: skip
+
+
+@dataclass
+class Candidate:
+    """One configuration: a family at a replica count, and what its replay gave (if run)."""
+
+    family: Family
+    replicas: int
+    ran: bool = False
+    ttft_p99_s: Optional[float] = None
+    tpot_p99_s: Optional[float] = None
+    throughput_tok_s: float = 0.0
+    goodput: float = 0.0
+    rejected: int = 0
+    meets: Optional[bool] = None  # None: not replayed (nor implied)
+    reason: str = ""
+
+    @property
+    def gpus(self) -> int:
+        return self.replicas * self.family.gpus_per_replica
+
+    @property
+    def usd_per_hour(self) -> float:
+        return self.gpus * self.family.usd_per_gpu_hour
+
+    def as_dict(self) -> Dict[str, Any]:
+        f = self.family
+        return {
+            "config": f.label(self.replicas),
+            "gpu": f.gpu,
+            "tp": f.tp,
+            "pp": f.pp,
+            "replicas": self.replicas,
+            "gpus": self.gpus,
+            "kv_dtype": f.kv_dtype,
+            "host_cache_gib": f.host_cache_gib,
+            "usd_per_hour": self.usd_per_hour,
+            "simulated": self.ran,
+            "idle_p99_prompt_ttft": f.idle_ttft_s,
+            "ttft_p99": self.ttft_p99_s,
+            "tpot_p99": self.tpot_p99_s,
+            "throughput_tok_s": self.throughput_tok_s,
+            "goodput": self.goodput,
+            "rejected": self.rejected,
+            "meets": self.meets,
+            "reason": self.reason,
+        }
+
+
+@dataclass
+class GpuPlan:
+    """The answer, the replays behind it and why each cheaper configuration fails."""
+
+    ttft_p99_s: float
+    tpot_p99_s: Optional[float]
+    by_cost: bool
+    best: Optional[Candidate]
+    replayed: List[Candidate]
+    cheaper: List[Candidate]  # cheaper than best, each with its reason
+    unfit: List[Family] = field(default_factory=list)
+
+    def as_dict(self) -> Dict[str, Any]:
+        b = self.best
+        head: Dict[str, Any] = {"answer": None}
+        if b is not None:
+            head = {
+                "gpu": b.family.gpu,
+                "gpus": b.gpus,
+                "tp": b.family.tp,
+                "pp": b.family.pp,
+                "replicas": b.replicas,
+                "kv_dtype": b.family.kv_dtype,
+                "host_cache_gib": b.family.host_cache_gib,
+                "usd_per_hour": b.usd_per_hour,
+                "ttft_p99": b.ttft_p99_s,
+                "tpot_p99": b.tpot_p99_s,
+                "throughput_tok_s": b.throughput_tok_s,
+                "goodput": b.goodput,
+                "answer": b.as_dict(),
+            }
+        return {
+            **head,
+            "target": {"ttft_p99": self.ttft_p99_s, "tpot_p99": self.tpot_p99_s},
+            "objective": "usd_per_hour" if self.by_cost else "gpus",
+            "why_not_cheaper": [c.as_dict() for c in self.cheaper],
+            "frontier": [c.as_dict() for c in self.replayed],
+            "does_not_fit": [
+                {"gpu": f.gpu, "tp": f.tp, "pp": f.pp, "kv_dtype": f.kv_dtype, "reason": f.why_not}
+                for f in self.unfit
+            ],
+            "replays": len(self.replayed),
+        }
+
+
+def ttft_already_missed(cluster: Any, target_s: float) -> bool:
+    """Whether a replay in progress can no longer meet TTFT p99 <= ``target_s``: more than
+    1% of all requests (+2, for the percentile's interpolation) already waited longer for
+    their first token, or a request was rejected. Lateness only grows, so a replay that
+    would meet the target is never stopped."""
+    n = len(cluster.workload)
+    late = 0
+    for e in cluster.engines:
+        rec = e.rec
+        if rec.rejected.any():
+            return True
+        ft = rec.first_token
+        got = np.isfinite(ft)
+        late += int(np.count_nonzero(ft[got] - rec.arrival[got] > target_s))
+        for q in (e.waiting, e.prefilling):
+            late += sum(1 for x in q if x.sample == 0 and e.now - x.req.arrival > target_s
+                        and not np.isfinite(ft[x.req.index]))  # fmt: skip
+    return late > 0.01 * n + 2
+
+
+def _key(c: Candidate, by_cost: bool) -> Tuple[float, ...]:
+    width = {"fp4": 0, "fp8": 1, "int8": 1}.get(c.family.kv_dtype, 2)
+    first = c.usd_per_hour if by_cost else float(c.gpus)
+    return (first, float(c.gpus), c.family.host_cache_gib * c.replicas, -width, c.family.tp)
+
+
+def _verdict(c: Candidate, s: Dict[str, Any], ttft: float, tpot: Optional[float]) -> None:
+    c.ran = True
+    if s.get("stopped"):
+        c.meets = False
+        c.reason = (f"TTFT p99 > {_secs(ttft)}: more than 1% of requests past it after "
+                    f"{100 * s['arrived_share']:.0f}% of the arrivals (replay stopped there)")  # fmt: skip
+        if s.get("rejected"):
+            c.rejected = int(s["rejected"])
+            c.reason = (f"{c.rejected} request{'s' if c.rejected > 1 else ''} rejected (longer than the KV pool); "
+                        "replay stopped")  # fmt: skip
+        return
+    c.ttft_p99_s = s.get("ttft_p99_s")
+    c.tpot_p99_s = s.get("tpot_p99_s")
+    c.throughput_tok_s = float(s.get("throughput_tok_s") or 0.0)
+    c.goodput = float(s.get("goodput") or 0.0)
+    c.rejected = int(s.get("rejected") or 0)
+    why = []
+    if c.rejected:
+        why.append(
+            f"{c.rejected} request{'s' if c.rejected > 1 else ''} rejected (longer than the KV pool)"
+        )
+    if c.ttft_p99_s is None or c.ttft_p99_s > ttft:
+        got = "-" if c.ttft_p99_s is None else _secs(c.ttft_p99_s)
+        ratio = f" ({c.ttft_p99_s / ttft:.2f}x)" if c.ttft_p99_s else ""
+        why.append(f"TTFT p99 {got} > {_secs(ttft)}{ratio}")
+    if tpot is not None and (c.tpot_p99_s is None or c.tpot_p99_s > tpot):
+        got = "-" if c.tpot_p99_s is None else _secs(c.tpot_p99_s)
+        ratio = f" ({c.tpot_p99_s / tpot:.2f}x)" if c.tpot_p99_s else ""
+        why.append(f"TPOT p99 {got} > {_secs(tpot)}{ratio}")
+    c.meets = not why
+    c.reason = "; ".join(why) if why else "meets the SLOs"
+
+
+def search(
+    families: List[Family],
+    replica_counts: List[int],
+    replay: Callable[[Family, int], Dict[str, Any]],
+    ttft_p99_s: float,
+    tpot_p99_s: Optional[float] = None,
+    by_cost: bool = False,
+    done: Optional[Callable[[Candidate], None]] = None,
+) -> GpuPlan:
+    """Bisect each fitting family's replica counts for the fewest that meet the SLOs
+    (``replay(family, replicas)`` returns the cluster summary), then pick the cheapest."""
+    counts = sorted(set(replica_counts))
+    if not counts:
+        raise SimulationError("the plan needs at least one replica count")
+    fit = [f for f in families if f.fits]
+    unfit = [f for f in families if not f.fits]
+    if not fit:
+        why = "; ".join(
+            f"{f.gpu} TP{f.tp} PP{f.pp} KV {f.kv_dtype}: {f.why_not}" for f in unfit[:4]
+        )
+        raise SimulationError(f"no configuration fits in memory ({why}); widen --tp, --pp or --gpu")
+    cands: Dict[Tuple[int, int], Candidate] = {}
+    replayed: List[Candidate] = []
+    # cheapest families first, so that the budget of replays goes where the answer can be
+    order = sorted(range(len(fit)), key=lambda i: _key(Candidate(fit[i], counts[0]), by_cost))
+    best: Optional[Candidate] = None
+    for i in order:
+        f = fit[i]
+        if best is not None and _key(Candidate(f, counts[0]), by_cost) >= _key(best, by_cost):
+            continue  # even its fewest replicas cost no less than the answer so far
+        lo, hi = 0, len(counts) - 1
+        found: Optional[Candidate] = None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            c = Candidate(f, counts[mid])
+            if best is not None and _key(c, by_cost) >= _key(best, by_cost):
+                hi = mid - 1  # no cheaper than the answer: only fewer replicas can matter
+                continue
+            if len(replayed) >= MAX_REPLAYS:
+                raise SimulationError(
+                    f"more than {MAX_REPLAYS} replays; narrow --gpu, --tp, --replicas, --host-cache or --kv-dtypes"
+                )
+            _verdict(c, replay(f, counts[mid]), ttft_p99_s, tpot_p99_s)
+            cands[(i, counts[mid])] = c
+            replayed.append(c)
+            if done is not None:
+                done(c)
+            if c.meets:
+                found, hi = c, mid - 1
+            else:
+                lo = mid + 1
+        if found is not None and (best is None or _key(found, by_cost) < _key(best, by_cost)):
+            best = found
+    cheaper: List[Candidate] = []
+    if best is not None:
+        for i, f in enumerate(fit):
+            failed = [n for (j, n), c in cands.items() if j == i and c.meets is False]
+            for n in counts:
+                c = cands.get((i, n)) or Candidate(f, n)
+                if _key(c, by_cost) >= _key(best, by_cost):
+                    continue
+                if not c.ran:
+                    above = [m for m in failed if m >= n]
+                    if not above:
+                        c.reason = "not replayed"
+                    else:
+                        c.meets = False
+                        c.reason = f"fewer replicas than {f.label(min(above))}, which misses"
+                cheaper.append(c)
+        for f in unfit:
+            for n in counts:
+                c = Candidate(f, n, meets=False, reason=f"does not fit: {f.why_not}")
+                if _key(c, by_cost) < _key(best, by_cost):
+                    cheaper.append(c)
+        cheaper.sort(key=lambda c: _key(c, by_cost), reverse=True)
+    return GpuPlan(ttft_p99_s, tpot_p99_s, by_cost, best, replayed, cheaper, unfit)
+
+
+def self_t(plan: GpuPlan) -> str:
+    return _secs(plan.ttft_p99_s)
+
+
+def format_gpu_plan(plan: GpuPlan, header: List[str], show_cheaper: int = 8) -> str:
+    """The frontier table (every replay), the answer and why the cheaper ones fail."""
+    out = list(header)
+    slo = f"TTFT p99 <= {_secs(plan.ttft_p99_s)}"
+    if plan.tpot_p99_s is not None:
+        slo += f", TPOT p99 <= {_secs(plan.tpot_p99_s)}"
+    out.append(
+        f"target    {slo}; cheapest by {'$/hour' if plan.by_cost else 'GPU count'}; "
+        "'idle p99': the 99th-percentile prompt's prefill on an idle replica (no prefix hit: a floor under TTFT p99 when few prompts hit the cache)"
+    )
+    out.append("")
+    cols = [("configuration", 44), ("GPUs", 6), ("$/hour", 9), ("idle p99", 10), ("TTFT p99", 11),
+            ("TPOT p99", 11), ("tok/s", 9), ("goodput", 9), ("", 4)]  # fmt: skip
+    out.append("".join(f"{t:<{w}}" if i == 0 else f"{t:>{w}}" for i, (t, w) in enumerate(cols)))
+    for c in sorted(plan.replayed, key=lambda c: _key(c, plan.by_cost)):
+        out.append(
+            f"{c.family.label(c.replicas):<44}{c.gpus:>6}{c.usd_per_hour:>9.2f}{_secs(c.family.idle_ttft_s):>10}"
+            f"{_secs(c.ttft_p99_s) if c.ttft_p99_s is not None else '> ' + self_t(plan):>11}"
+            f"{_secs(c.tpot_p99_s):>11}{c.throughput_tok_s:>9,.0f}{100 * c.goodput:>8.1f}%"
+            f"{'  ok' if c.meets else '  --'}"
+        )
+    for f in plan.unfit:
+        out.append(f"{f.label(1):<44}  does not fit: {f.why_not}")
+    out.append("")
+    b = plan.best
+    if b is None:
+        close = min((c for c in plan.replayed if c.ttft_p99_s is not None),
+                    key=lambda c: c.ttft_p99_s or 0.0, default=None)  # fmt: skip
+        out.append("answer    no configuration in range meets the SLOs"
+                   + (f"; closest: {close.family.label(close.replicas)} ({close.reason})" if close else ""))  # fmt: skip
+        fast = [
+            f
+            for f in {id(c.family): c.family for c in plan.replayed}.values()
+            if f.idle_ttft_s is not None
+        ]
+        if fast:
+            f = min(fast, key=lambda f: f.idle_ttft_s or 0.0)
+            if (f.idle_ttft_s or 0.0) > plan.ttft_p99_s:
+                out.append(
+                    f"why      the 99th-percentile prompt alone takes {_secs(f.idle_ttft_s)} to prefill on an idle "
+                    f"{f.gpu} TP{f.tp} replica (the fastest here), more than the {_secs(plan.ttft_p99_s)} target "
+                    "at any replica count: widen --tp, take a faster --gpu, or relax --ttft-p99"
+                )
+        return "\n".join(out)
+    out.append(
+        f"answer    {b.gpus} x {b.family.gpu}: {b.replicas} replica{'s' if b.replicas > 1 else ''} x TP {b.family.tp}"
+        f" x PP {b.family.pp}, KV {b.family.kv_dtype}"
+        + (f", {b.family.host_cache_gib:g} GiB host cache each" if b.family.host_cache_gib else "")
+        + f", ${b.usd_per_hour:,.2f}/hour: TTFT p99 {_secs(b.ttft_p99_s)}, TPOT p99 {_secs(b.tpot_p99_s)},"
+        f" {b.throughput_tok_s:,.0f} tok/s, goodput {100 * b.goodput:.1f}%"
+    )
+    if plan.cheaper:
+        out.append("why not cheaper:")
+        for c in plan.cheaper[:show_cheaper]:
+            out.append(f"  {c.family.label(c.replicas):<44} {c.reason}")
+        if len(plan.cheaper) > show_cheaper:
+            out.append(f"  ... and {len(plan.cheaper) - show_cheaper} more (--json lists them all)")
+    return "\n".join(out)
+
+
+def gpu_plan_json(plan: GpuPlan, extra: Dict[str, Any]) -> str:
+    return json.dumps(json_safe({**plan.as_dict(), **extra}), indent=2)
+
+
+def family_dict(f: Family) -> Dict[str, Any]:
+    d = asdict(f)
+    d.pop("engine", None)
+    return d
