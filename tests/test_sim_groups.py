@@ -279,3 +279,14 @@ def test_a_sequence_outgrowing_the_pool_is_rejected_not_swapped_forever():
     e.step = bounded  # type: ignore[method-assign]
     s = e.run().summary
     assert s["completed"] + s["rejected"] == 60 and s["rejected"] > 0
+
+
+@pytest.mark.parametrize("extra", [[], ["--compare-all-full"]])
+def test_json_report_of_a_hybrid_model(run_main, extra):
+    """Regression: the hybrid model's report carried numpy integers, and ``--json`` raised
+    "Object of type int64 is not JSON serializable" (with the contiguous baseline, and with
+    the all-full comparison)."""
+    rc, out, _ = run_main("simulate", "--model", "gpt-oss-20b", "--json", "--limit", "60", *extra)
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["ttft_p99"] is None or doc["ttft_p99"] >= 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 __all__ = ["fmt_bytes", "json_safe"]
 
 
@@ -17,7 +19,14 @@ def fmt_bytes(n: float) -> str:
 
 
 def json_safe(v: Any) -> Any:
-    """``v`` with every NaN or infinite float (in nested dicts and lists too) replaced by None (JSON null)."""
+    """``v`` with every NaN or infinite float (in nested dicts and lists too) replaced by None
+    (JSON null), and numpy scalars by Python numbers.
+
+    >>> json_safe({"a": [float("nan"), np.int64(3)], "b": np.float64(0.5)})
+    {'a': [None, 3], 'b': 0.5}
+    """
+    if isinstance(v, np.generic):
+        v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dict):
