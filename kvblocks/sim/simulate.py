@@ -140,6 +140,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=L.MAX_MODEL_LEN.parse, metavar="N",
                    help="contiguous baseline reservation per sequence (default: longest request)")  # fmt: skip
     g.add_argument("--no-contiguous", action="store_true", help="skip the contiguous baseline")
+    g.add_argument("--contiguous", choices=["max", "pow2", "oracle", "all"], default=None,
+                   help="contiguous baseline: max-length reservation (the default), power-of-two "
+                   "buckets, the exact final length (oracle), or all three; given, the report "
+                   "also splits the waste into reserved, internal and external fragmentation")  # fmt: skip
     g.add_argument("--compare-all-full", action="store_true",
                    help="hybrid models: replay again with every layer billed as full attention "
                    "and print the gain (concurrency, throughput, hit rate)")  # fmt: skip
@@ -196,6 +200,12 @@ def _simulate(args: argparse.Namespace) -> int:
         workload = workload.scaled(args.time_scale)
     wstats = workload.stats()
     show = args.progress if args.progress is not None else sys.stderr.isatty()
+    if args.contiguous is not None and args.no_contiguous:
+        raise SimulationError("--contiguous and --no-contiguous contradict each other; give one")
+    if args.contiguous is not None and cluster:
+        raise SimulationError(
+            "--contiguous is a single-engine baseline; drop --replicas/--router/--host-cache"
+        )
     if cluster:
         return _simulate_cluster(args, model, bill, cfg, tm, workload, wstats, show)
     bar = ProgressBar("simulate", len(workload)) if show else None
@@ -212,31 +222,36 @@ def _simulate(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    contiguous = None
+    contigs = []
     if not args.no_contiguous:
+        from .engine.contiguous import POLICIES
+
         max_len = args.max_model_len or int(wstats["max_total"])
-        bar = ProgressBar("contiguous", len(workload)) if show else None
-        try:
-            contiguous = simulate_contiguous(workload, cfg, tm, max_len, progress=bar)
-        finally:
-            if bar is not None:
-                bar.close()
+        which = args.contiguous or "max"
+        for policy in POLICIES if which == "all" else (which,):
+            name = "contiguous" if policy == "max" else f"contiguous {policy}"
+            bar = ProgressBar(name, len(workload)) if show else None
+            try:
+                contigs.append(simulate_contiguous(workload, cfg, tm, max_len, bar, policy))
+            finally:
+                if bar is not None:
+                    bar.close()
+    contiguous = contigs[0] if contigs else None
+    split = args.contiguous is not None
     desc = _describe(args, cfg, tm, bill, 1)
     if args.plot:
         from .report.plot import plot_results
 
-        plot_results([r for r in (paged, contiguous) if r is not None], args.plot,
+        plot_results([paged, *contigs], args.plot,
                      title=f"{workload.name} on {model.name}, {_gpu_mem(args):g} GiB")  # fmt: skip
     base_bill = base[0] if base is not None else None
     if args.json:
         print(simulation_json(workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), paged, contiguous,
-                              all_full, base_bill, _json_head(args, paged.summary, tm, 1)))  # fmt: skip
+                              all_full, base_bill, _json_head(args, paged.summary, tm, 1),
+                              contigs if split else None))  # fmt: skip
     else:
-        print(
-            format_simulation(
-                workload.name, wstats, bill, desc, paged, contiguous, all_full, base_bill
-            )
-        )
+        print(format_simulation(workload.name, wstats, bill, desc, paged, contigs, all_full,
+                                base_bill, waste_split=split))  # fmt: skip
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0
