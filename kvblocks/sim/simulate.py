@@ -43,6 +43,8 @@ examples:
   kvblocks simulate
   kvblocks simulate --trace mooncake_conversation_trace.jsonl --model llama-3.1-8b --gpu-mem 80
   kvblocks simulate --trace azure_conv.csv --model qwen2.5-7b --gpu-mem 24 --json
+  kvblocks simulate --contiguous all              # max-length, power-of-two and oracle baselines
+  kvblocks simulate --disagg 1:3                  # 1 prefill + 3 decode replicas
   kvblocks simulate --layers 40 --kv-heads 8 --head-dim 128 --params 13 --gpu-mem 48 --plot mem.png
 """
 
@@ -56,6 +58,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="engines, each with its own BlockManager, behind --router (1)")  # fmt: skip
     g.add_argument("--router", choices=list(ROUTERS), default=None,
                    help="how arrivals are routed (round_robin; see docs/simulator.md)")  # fmt: skip
+    g.add_argument("--disagg", metavar="P:D", default=None,
+                   help="prefill/decode disaggregation: P prefill and D decode replicas, the KV "
+                   "of each prompt moved over the --gpu's link (GPUs = (P + D) x TP x PP)")  # fmt: skip
     g.add_argument("--overlap-weight", type=L.OVERLAP_WEIGHT.parse, metavar="W",
                    help="prefix_aware: weight of prefill blocks against load (Dynamo's 1.0)")  # fmt: skip
     g.add_argument("--host-cache", type=L.HOST_CACHE.parse, default=0.0, metavar="GiB",
@@ -188,6 +193,18 @@ def _simulate(args: argparse.Namespace) -> int:
         raise SimulationError(
             "--compare-all-full already replays the --all-full baseline; give one"
         )
+    if args.disagg is not None:
+        from .cluster.disagg import parse_disagg
+
+        parse_disagg(args.disagg)
+        bad = [flag for flag, on in (("--replicas", args.replicas > 1),
+                                     ("--host-cache", args.host_cache > 0),
+                                     ("--compare-all-full", args.compare_all_full),
+                                     ("--contiguous", args.contiguous is not None)) if on]  # fmt: skip
+        if bad:
+            raise SimulationError(
+                f"--disagg sets its own replicas and has no contiguous baseline; drop {', '.join(bad)}"
+            )
     bill, cfg, tm = _engine(args, model, args.host_cache)
     base = _engine(args, model, args.host_cache, all_full=True) if args.compare_all_full else None
     cluster = args.replicas > 1 or args.router is not None or args.host_cache > 0
@@ -206,6 +223,8 @@ def _simulate(args: argparse.Namespace) -> int:
         raise SimulationError(
             "--contiguous is a single-engine baseline; drop --replicas/--router/--host-cache"
         )
+    if args.disagg is not None:
+        return _simulate_disagg(args, model, bill, cfg, tm, workload, wstats, show)
     if cluster:
         return _simulate_cluster(args, model, bill, cfg, tm, workload, wstats, show)
     bar = ProgressBar("simulate", len(workload)) if show else None
@@ -295,4 +314,39 @@ def _simulate_cluster(args: argparse.Namespace, model: ModelSpec, bill: Any, cfg
         print(format_cluster(workload.name, wstats, bill, desc, res, host_desc))
         if args.plot:
             print(f"plot written to {args.plot} (replica 0)")
+    return 0
+
+
+def _simulate_disagg(args: argparse.Namespace, model: ModelSpec, bill: Any, cfg: Any, tm: Any,
+                     workload: Any, wstats: Dict[str, float], show: bool) -> int:  # fmt: skip
+    """``simulate --disagg P:D``: prefill pool, KV transfer, decode pool (no contiguous
+    baseline)."""
+    from .cluster.disagg import disagg_json, format_disagg, parse_disagg, simulate_disagg
+    from .engine.cli import _gpu
+    from .engine.progress import ProgressBar
+
+    p, d = parse_disagg(args.disagg)
+    link = _gpu(args).link_gb_s
+    router = args.router or "round_robin"
+    bar = ProgressBar(f"prefill x{p}", len(workload)) if show else None
+    try:
+        res = simulate_disagg(workload, cfg, tm, p, d, bill.kv_bytes_per_token, link, router,
+                              args.overlap_weight, bar)  # fmt: skip
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.plot:
+        from .report.plot import plot_results
+
+        plot_results([res.decode.paged], args.plot,
+                     title=f"{workload.name} on {model.name}: decode replica 0 of {d}")  # fmt: skip
+    if args.json:
+        head = _json_head(args, res.summary, tm, p + d)
+        print(disagg_json(workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), res, head))
+    else:
+        print(
+            format_disagg(workload.name, wstats, bill, _describe(args, cfg, tm, bill, p + d), res)
+        )
+        if args.plot:
+            print(f"plot written to {args.plot} (decode replica 0)")
     return 0
