@@ -43,6 +43,8 @@ examples:
   kvblocks simulate
   kvblocks simulate --trace mooncake_conversation_trace.jsonl --model llama-3.1-8b --gpu-mem 80
   kvblocks simulate --trace azure_conv.csv --model qwen2.5-7b --gpu-mem 24 --json
+  kvblocks simulate --contiguous all              # max-length, power-of-two and oracle baselines
+  kvblocks simulate --disagg 1:3                  # 1 prefill + 3 decode replicas
   kvblocks simulate --layers 40 --kv-heads 8 --head-dim 128 --params 13 --gpu-mem 48 --plot mem.png
 """
 
@@ -56,6 +58,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="engines, each with its own BlockManager, behind --router (1)")  # fmt: skip
     g.add_argument("--router", choices=list(ROUTERS), default=None,
                    help="how arrivals are routed (round_robin; see docs/simulator.md)")  # fmt: skip
+    g.add_argument("--disagg", metavar="P:D", default=None,
+                   help="prefill/decode disaggregation: P prefill and D decode replicas, the KV "
+                   "of each prompt moved over the --gpu's link (GPUs = (P + D) x TP x PP)")  # fmt: skip
     g.add_argument("--overlap-weight", type=L.OVERLAP_WEIGHT.parse, metavar="W",
                    help="prefix_aware: weight of prefill blocks against load (Dynamo's 1.0)")  # fmt: skip
     g.add_argument("--host-cache", type=L.HOST_CACHE.parse, default=0.0, metavar="GiB",
@@ -140,6 +145,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=L.MAX_MODEL_LEN.parse, metavar="N",
                    help="contiguous baseline reservation per sequence (default: longest request)")  # fmt: skip
     g.add_argument("--no-contiguous", action="store_true", help="skip the contiguous baseline")
+    g.add_argument("--contiguous", choices=["max", "pow2", "oracle", "all"], default=None,
+                   help="contiguous baseline: max-length reservation (the default), power-of-two "
+                   "buckets, the exact final length (oracle), or all three; given, the report "
+                   "also splits the waste into reserved, internal and external fragmentation")  # fmt: skip
     g.add_argument("--compare-all-full", action="store_true",
                    help="hybrid models: replay again with every layer billed as full attention "
                    "and print the gain (concurrency, throughput, hit rate)")  # fmt: skip
@@ -184,6 +193,18 @@ def _simulate(args: argparse.Namespace) -> int:
         raise SimulationError(
             "--compare-all-full already replays the --all-full baseline; give one"
         )
+    if args.disagg is not None:
+        from .cluster.disagg import parse_disagg
+
+        parse_disagg(args.disagg)
+        bad = [flag for flag, on in (("--replicas", args.replicas > 1),
+                                     ("--host-cache", args.host_cache > 0),
+                                     ("--compare-all-full", args.compare_all_full),
+                                     ("--contiguous", args.contiguous is not None)) if on]  # fmt: skip
+        if bad:
+            raise SimulationError(
+                f"--disagg sets its own replicas and has no contiguous baseline; drop {', '.join(bad)}"
+            )
     bill, cfg, tm = _engine(args, model, args.host_cache)
     base = _engine(args, model, args.host_cache, all_full=True) if args.compare_all_full else None
     cluster = args.replicas > 1 or args.router is not None or args.host_cache > 0
@@ -196,6 +217,14 @@ def _simulate(args: argparse.Namespace) -> int:
         workload = workload.scaled(args.time_scale)
     wstats = workload.stats()
     show = args.progress if args.progress is not None else sys.stderr.isatty()
+    if args.contiguous is not None and args.no_contiguous:
+        raise SimulationError("--contiguous and --no-contiguous contradict each other; give one")
+    if args.contiguous is not None and cluster:
+        raise SimulationError(
+            "--contiguous is a single-engine baseline; drop --replicas/--router/--host-cache"
+        )
+    if args.disagg is not None:
+        return _simulate_disagg(args, model, bill, cfg, tm, workload, wstats, show)
     if cluster:
         return _simulate_cluster(args, model, bill, cfg, tm, workload, wstats, show)
     bar = ProgressBar("simulate", len(workload)) if show else None
@@ -212,31 +241,36 @@ def _simulate(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    contiguous = None
+    contigs = []
     if not args.no_contiguous:
+        from .engine.contiguous import POLICIES
+
         max_len = args.max_model_len or int(wstats["max_total"])
-        bar = ProgressBar("contiguous", len(workload)) if show else None
-        try:
-            contiguous = simulate_contiguous(workload, cfg, tm, max_len, progress=bar)
-        finally:
-            if bar is not None:
-                bar.close()
+        which = args.contiguous or "max"
+        for policy in POLICIES if which == "all" else (which,):
+            name = "contiguous" if policy == "max" else f"contiguous {policy}"
+            bar = ProgressBar(name, len(workload)) if show else None
+            try:
+                contigs.append(simulate_contiguous(workload, cfg, tm, max_len, bar, policy))
+            finally:
+                if bar is not None:
+                    bar.close()
+    contiguous = contigs[0] if contigs else None
+    split = args.contiguous is not None
     desc = _describe(args, cfg, tm, bill, 1)
     if args.plot:
         from .report.plot import plot_results
 
-        plot_results([r for r in (paged, contiguous) if r is not None], args.plot,
+        plot_results([paged, *contigs], args.plot,
                      title=f"{workload.name} on {model.name}, {_gpu_mem(args):g} GiB")  # fmt: skip
     base_bill = base[0] if base is not None else None
     if args.json:
         print(simulation_json(workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), paged, contiguous,
-                              all_full, base_bill, _json_head(args, paged.summary, tm, 1)))  # fmt: skip
+                              all_full, base_bill, _json_head(args, paged.summary, tm, 1),
+                              contigs if split else None))  # fmt: skip
     else:
-        print(
-            format_simulation(
-                workload.name, wstats, bill, desc, paged, contiguous, all_full, base_bill
-            )
-        )
+        print(format_simulation(workload.name, wstats, bill, desc, paged, contigs, all_full,
+                                base_bill, waste_split=split))  # fmt: skip
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0
@@ -280,4 +314,39 @@ def _simulate_cluster(args: argparse.Namespace, model: ModelSpec, bill: Any, cfg
         print(format_cluster(workload.name, wstats, bill, desc, res, host_desc))
         if args.plot:
             print(f"plot written to {args.plot} (replica 0)")
+    return 0
+
+
+def _simulate_disagg(args: argparse.Namespace, model: ModelSpec, bill: Any, cfg: Any, tm: Any,
+                     workload: Any, wstats: Dict[str, float], show: bool) -> int:  # fmt: skip
+    """``simulate --disagg P:D``: prefill pool, KV transfer, decode pool (no contiguous
+    baseline)."""
+    from .cluster.disagg import disagg_json, format_disagg, parse_disagg, simulate_disagg
+    from .engine.cli import _gpu
+    from .engine.progress import ProgressBar
+
+    p, d = parse_disagg(args.disagg)
+    link = _gpu(args).link_gb_s
+    router = args.router or "round_robin"
+    bar = ProgressBar(f"prefill x{p}", len(workload)) if show else None
+    try:
+        res = simulate_disagg(workload, cfg, tm, p, d, bill.kv_bytes_per_token, link, router,
+                              args.overlap_weight, bar)  # fmt: skip
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.plot:
+        from .report.plot import plot_results
+
+        plot_results([res.decode.paged], args.plot,
+                     title=f"{workload.name} on {model.name}: decode replica 0 of {d}")  # fmt: skip
+    if args.json:
+        head = _json_head(args, res.summary, tm, p + d)
+        print(disagg_json(workload.name, wstats, bill, cfg.as_dict(), tm.as_dict(), res, head))
+    else:
+        print(
+            format_disagg(workload.name, wstats, bill, _describe(args, cfg, tm, bill, p + d), res)
+        )
+        if args.plot:
+            print(f"plot written to {args.plot} (decode replica 0)")
     return 0

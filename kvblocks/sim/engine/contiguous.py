@@ -21,6 +21,27 @@ jump (their duration is summed exactly), which keeps replays of long traces shor
 the reservation admits only a handful of sequences (not for hybrid models, whose reads and
 rings do not grow by one token a step).
 
+Three reservation policies, the baselines of the PagedAttention paper (``policy``):
+
+- ``max`` (the default): every sequence reserves ``max_len`` slots at admission;
+- ``pow2``: a sequence reserves the next power of two of its length (at most ``max_len``) and,
+  when a decode outgrows it, re-reserves the next power of two elsewhere and copies (the copy
+  is counted, ``regrow_copies`` / ``regrow_copied_tokens``, not timed); when no hole fits the
+  larger region, the most recently admitted job is preempted (recompute: freed and queued at
+  the head again);
+- ``oracle``: a sequence reserves exactly its final length, ``prompt + output - 1`` (the last
+  token's K/V is never written), known in advance.
+
+Reservations are placed by a first-fit contiguous allocator over the KV slots
+(:class:`FirstFit`). The waste of allocated memory splits into *reserved* (slots a sequence
+will still write: its final length, within its reservation, minus what it holds now) and
+*internal fragmentation* (slots of a reservation it will never write); *external
+fragmentation* is free memory while the head of the queue is blocked although enough memory is
+free in total (no hole fits its reservation). Time-weighted, the first two as shares of the
+allocated slots (they sum to ``internal_fragmentation``, the report's "all waste"), the third
+as a share of the pool: keys ``waste_reserved``, ``waste_internal``, ``waste_external``. Under
+``max`` all regions are one size, so no hole is ever too small: external fragmentation is 0.
+
 A hybrid model's region (``cfg.layout``) reserves ``max_len`` slots in each full-attention
 group, a ring of the window or chunk in each such group, and its blocks in each state group.
 """
@@ -34,6 +55,7 @@ from typing import Deque, List, Optional, Tuple
 
 import numpy as np
 
+from ..errors import SimulationError
 from ..workload.traces import Request, Workload
 from .batching import SchedulerConfig, StepBudget
 from .metrics import Recorder, SimResult
@@ -41,11 +63,57 @@ from .progress import Progress
 from .replay import replay
 from .timing import TimeModel
 
-__all__ = ["ContiguousEngine", "simulate_contiguous"]
+__all__ = ["ContiguousEngine", "FirstFit", "POLICIES", "simulate_contiguous"]
+
+POLICIES = ("max", "pow2", "oracle")
+
+
+class FirstFit:
+    """A first-fit contiguous allocator over ``capacity`` slots: the free holes, by offset."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.holes: List[List[int]] = [[0, capacity]] if capacity > 0 else []  # [offset, size]
+        self.free = capacity
+
+    def alloc(self, size: int) -> Optional[int]:
+        """The offset of the first hole of at least ``size`` slots, taken; None if none fits."""
+        for i, h in enumerate(self.holes):
+            if h[1] >= size:
+                off = h[0]
+                if h[1] == size:
+                    del self.holes[i]
+                else:
+                    h[0] += size
+                    h[1] -= size
+                self.free -= size
+                return off
+        return None
+
+    def release(self, off: int, size: int) -> None:
+        """Give ``size`` slots at ``off`` back, merging with the neighbouring holes."""
+        holes = self.holes
+        i = 0
+        while i < len(holes) and holes[i][0] < off:
+            i += 1
+        holes.insert(i, [off, size])
+        if i + 1 < len(holes) and off + size == holes[i + 1][0]:
+            holes[i][1] += holes[i + 1][1]
+            del holes[i + 1]
+        if i > 0 and holes[i - 1][0] + holes[i - 1][1] == off:
+            holes[i - 1][1] += holes[i][1]
+            del holes[i]
+        self.free += size
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= n (n >= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 class _Job:
-    __slots__ = ("req", "n", "prompt_len", "output_len", "gen", "ctx", "prefill_left")
+    __slots__ = ("req", "n", "prompt_len", "output_len", "gen", "ctx", "prefill_left",
+                 "final", "res", "slots", "offs")  # fmt: skip
 
     def __init__(self, req: Request) -> None:
         self.req = req
@@ -55,6 +123,10 @@ class _Job:
         self.gen = 0
         self.ctx = req.prompt_len
         self.prefill_left = req.prompt_len
+        self.final = req.prompt_len + req.output_len - 1  # K/V slots it ever writes
+        self.res = 0  # tokens reserved per sample
+        self.slots = 0  # slots that reservation takes per sample (hybrid: rings, states)
+        self.offs: List[int] = []  # one region per sample
 
 
 def _steps_until(elapsed: float, base: float, slope: float, limit: int) -> int:
@@ -87,8 +159,18 @@ class ContiguousEngine:
     order, the regions reserved, the clock ``now`` and the recorder."""
 
     def __init__(
-        self, workload: Workload, cfg: SchedulerConfig, tm: TimeModel, max_len: int
+        self,
+        workload: Workload,
+        cfg: SchedulerConfig,
+        tm: TimeModel,
+        max_len: int,
+        policy: str = "max",
     ) -> None:
+        if policy not in POLICIES:
+            raise SimulationError(
+                f"unknown contiguous policy {policy!r} (choose from {', '.join(POLICIES)})"
+            )
+        self.policy = policy
         self.wall0 = time.perf_counter()
         self.workload = workload
         self.cfg = cfg
@@ -101,6 +183,13 @@ class ContiguousEngine:
         # or chunk group, its blocks per state group (GroupLayout.reserve_slots)
         self.region = lay.reserve_slots(max_len) if lay is not None else max_len
         self.regions = capacity // self.region
+        self.capacity = capacity
+        self.mem = FirstFit(capacity)
+        self._w = [0.0, 0.0, 0.0]  # time-weighted reserved, internal, external slots
+        self.blocked_external = False  # this step's head of queue found no hole (enough free)
+        self.preemptions = 0
+        self.copies = 0
+        self.copied_tokens = 0
         self.windowed = tm.windowed_reads
         reqs = workload.requests
         self.rec = Recorder(
@@ -133,6 +222,9 @@ class ContiguousEngine:
     def step(self) -> float:
         """Run one step, or fast-forward over steps in which only decoding happens (stopping at
         the next finish or at ``horizon``, the next arrival); returns the time it took."""
+        if self.policy == "pow2":
+            self._grow()
+        self.blocked_external = False
         decoders = [j for j in self.running if j.prefill_left == 0]
         n_dec = sum(j.n for j in decoders)
         budget = StepBudget(self.cfg.token_budget - n_dec)
@@ -149,9 +241,18 @@ class ContiguousEngine:
 
     def result(self) -> SimResult:
         """The summary and the recorder, with the reservation's figures."""
+        busy = self.rec._busy
+        used = self.rec._w_used
+        w_res, w_int, w_ext = self._w
         self.rec.counters.update(
             {
-                "preemptions": 0,
+                "policy": self.policy,
+                "waste_reserved": w_res / used if used else 0.0,
+                "waste_internal": w_int / used if used else 0.0,
+                "waste_external": w_ext / busy / max(1, self.capacity) if busy else 0.0,
+                "regrow_copies": self.copies,
+                "regrow_copied_tokens": self.copied_tokens,
+                "preemptions": self.preemptions,
                 "evictions": 0,
                 "max_len": self.max_len,
                 "region_slots": self.region,
@@ -162,6 +263,66 @@ class ContiguousEngine:
         return SimResult("contiguous", self.rec.summary(), self.rec)
 
     # ----------------------------------------------------------------------------- the phases
+
+    def _reserve_len(self, j: _Job, length: int) -> int:
+        """Tokens per sample the policy reserves for a sequence of ``length`` tokens."""
+        if self.policy == "max":
+            return self.max_len
+        if self.policy == "oracle":
+            return max(1, j.final)
+        return min(self.max_len, _pow2(max(1, length)))
+
+    def _slots_of(self, tokens: int) -> int:
+        return self.lay.reserve_slots(tokens) if self.lay is not None else tokens
+
+    def _place(self, j: _Job, tokens: int) -> bool:
+        """Reserve ``j.n`` regions of ``tokens`` tokens (all or none)."""
+        size = self._slots_of(tokens)
+        offs: List[int] = []
+        for _ in range(j.n):
+            off = self.mem.alloc(size)
+            if off is None:
+                for o in offs:
+                    self.mem.release(o, size)
+                return False
+            offs.append(off)
+        j.res, j.slots, j.offs = tokens, size, offs
+        return True
+
+    def _release(self, j: _Job) -> None:
+        for o in j.offs:
+            self.mem.release(o, j.slots)
+        j.offs = []
+
+    def _grow(self) -> None:
+        """pow2: before the step, each decoding job whose next token does not fit re-reserves
+        the next power of two and copies; with no hole for it, the youngest job is preempted."""
+        for j in list(self.running):
+            if j.prefill_left or j.ctx + 1 <= j.res or j not in self.running:
+                continue
+            want = self._reserve_len(j, j.ctx + 1)
+            self._release(j)  # a hole may merge with its own region (grow in place)
+            while not self._place(j, want):
+                victim = self.running[-1]
+                if victim is j:
+                    self._preempt(j, released=True)
+                    break
+                self._preempt(victim)
+            else:
+                self.copies += j.n
+                self.copied_tokens += j.n * j.ctx
+
+    def _preempt(self, j: _Job, released: bool = False) -> None:
+        """Recompute preemption: free ``j``'s regions and queue it at the head again."""
+        if not released:
+            self._release(j)
+        self.running.remove(j)
+        self.in_use -= j.n
+        self.n_seqs -= j.n
+        self.waiting.appendleft(j)
+        self.n_waiting += j.n
+        self.preemptions += 1
+        j.gen, j.ctx, j.prefill_left, j.res, j.slots = 0, j.prompt_len, j.prompt_len, 0, 0
 
     def _prefill(self, budget: StepBudget) -> None:
         """2. Chunks of the budget for running prompts, in admission order (1, the decodes,
@@ -177,15 +338,21 @@ class ContiguousEngine:
         waiting, rec = self.waiting, self.rec
         while waiting and budget.left > 0:
             j = waiting[0]
-            if j.prompt_len + j.output_len - 1 > self.max_len or j.n > self.regions:
+            if (
+                j.final > self.max_len
+                or j.n * self._slots_of(self._reserve_len(j, j.final)) > self.capacity
+                or (self.policy == "max" and j.n > self.regions)
+            ):
                 waiting.popleft()
                 self.n_waiting -= j.n
                 rec.rejected[j.req.index] = True
                 self.finished_reqs += 1
                 continue
-            if self.in_use + j.n > self.regions or (
-                self.running and self.n_seqs + j.n > self.cfg.max_num_seqs
-            ):
+            if self.running and self.n_seqs + j.n > self.cfg.max_num_seqs:
+                break
+            want = self._reserve_len(j, j.ctx)
+            if not self._place(j, want):
+                self.blocked_external = self.mem.free >= j.n * self._slots_of(want)
                 break
             waiting.popleft()
             self.n_waiting -= j.n
@@ -194,8 +361,9 @@ class ContiguousEngine:
             self.n_seqs += j.n
             admitted = True
             i = j.req.index
-            rec.admit[i] = self.now
-            rec.prompt_tokens[i] = j.prompt_len
+            if math.isnan(rec.admit[i]):
+                rec.admit[i] = self.now
+                rec.prompt_tokens[i] = j.prompt_len
             budget.take_chunk(j)
         return admitted
 
@@ -221,17 +389,29 @@ class ContiguousEngine:
                 and not self.windowed and lay is None):  # fmt: skip
             # nothing but decoding: jump to the next finish or the next admissible arrival
             k = min(j.output_len - j.gen for j in decoders)
+            if self.policy == "pow2":  # stop where the next one outgrows its reservation
+                k = max(1, min(k, min(j.res - j.ctx for j in decoders)))
             base = tm.step(0, n_dec, kv_read + n_dec)
             slope = tm.step(0, n_dec, kv_read + 2 * n_dec) - base
             until = self.horizon
-            if math.isfinite(until) and self.in_use < self.regions and not self.waiting:
+            room = self.mem.free >= self.region if self.policy == "max" else self.mem.free > 0
+            if math.isfinite(until) and room and not self.waiting:
                 k = _steps_until(until - self.now, base, slope, k)
             dt = k * base + slope * k * (k - 1) / 2.0
         else:
             pairs, reads = tm.prefill_attention(budget.chunks) if budget.chunks else (0.0, 0.0)
             dt = tm.step(pf_tokens, n_dec, kv_read + n_dec, 0, pairs, reads)
-        reserved = self.in_use * self.region
+        reserved = self.capacity - self.mem.free
         live_mid = live + n_dec * (k + 1) / 2.0 if lay is None else live
+        if lay is not None:
+            final = sum(j.n * min(j.slots, lay.live_slots(j.final)) for j in self.running)
+        else:
+            final = sum(j.n * min(j.slots, j.final) for j in self.running)
+        w = self._w
+        w[0] += (final - live_mid) * dt
+        w[1] += (reserved - final) * dt
+        if self.blocked_external:
+            w[2] += self.mem.free * dt
         self.rec.step(self.now, dt, reserved, reserved - live_mid, self.n_seqs, self.n_waiting,
                       steps=k)  # fmt: skip
         self.now += dt
@@ -250,12 +430,14 @@ class ContiguousEngine:
                 done.append(j)
         for j in completed:
             j.gen += 1
-            rec.first_token[j.req.index] = now
+            if math.isnan(rec.first_token[j.req.index]):
+                rec.first_token[j.req.index] = now
             if j.gen >= j.output_len:
                 done.append(j)
         if done:
             for j in done:
                 rec.finish[j.req.index] = now
+                self._release(j)
                 self.in_use -= j.n
                 self.n_seqs -= j.n
                 self.finished_reqs += 1
@@ -268,6 +450,8 @@ def simulate_contiguous(
     tm: TimeModel,
     max_len: int,
     progress: Optional[Progress] = None,
+    policy: str = "max",
 ) -> SimResult:
-    """Replay ``workload`` with each sequence reserving ``max_len`` contiguous KV slots."""
-    return ContiguousEngine(workload, cfg, tm, max_len).run(progress)
+    """Replay ``workload`` with each sequence reserving contiguous KV slots: ``max_len`` each
+    (``policy="max"``), powers of two (``"pow2"``) or its exact final length (``"oracle"``)."""
+    return ContiguousEngine(workload, cfg, tm, max_len, policy).run(progress)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..engine.metrics import SimResult
 from ..models.spec import MemoryBill
@@ -56,18 +56,34 @@ ROWS: List[Tuple[str, str, Any]] = [
 ]
 
 
+_CONTIG_LABEL = {
+    "max": "contiguous (max-length)",
+    "pow2": "contiguous (pow2)",
+    "oracle": "contiguous (oracle)",
+}
+
+
 def format_simulation(
     workload_name: str,
     wstats: Dict[str, float],
     bill: MemoryBill,
     cfg_desc: str,
     paged: SimResult,
-    contiguous: Optional[SimResult],
+    contiguous: Union[SimResult, Sequence[SimResult], None],
     all_full: Optional[SimResult] = None,
     all_full_bill: Optional[MemoryBill] = None,
+    waste_split: bool = False,
 ) -> str:
     """The human-readable report (``all_full``: the same replay with every window and chunk
-    layer billed as full attention, in ``all_full_bill``'s pool)."""
+    layer billed as full attention, in ``all_full_bill``'s pool; ``contiguous``: one or more
+    contiguous baselines, a column each; ``waste_split``: a line per baseline splitting its
+    waste into reserved, internal and external fragmentation)."""
+    if contiguous is None:
+        contigs: List[SimResult] = []
+    elif isinstance(contiguous, SimResult):
+        contigs = [contiguous]
+    else:
+        contigs = list(contiguous)
     m = bill.model
     out: List[str] = []
     out.append(
@@ -89,15 +105,15 @@ def format_simulation(
     cols = [("", 27), ("paged (kvblocks)", 18)]
     if all_full is not None:
         cols.append(("paged, all layers full", 24))
-    if contiguous is not None:
-        cols.append(("contiguous (max-length)", 24))
+    for c in contigs:
+        cols.append((_CONTIG_LABEL[c.summary.get("policy", "max")], 24))
     out.append("".join(f"{t:<{w}}" if i == 0 else f"{t:>{w}}" for i, (t, w) in enumerate(cols)))
     for label, key, fmt in ROWS:
         line = f"{label:<27}{fmt(paged.summary.get(key)):>18}"
         if all_full is not None:
             line += f"{fmt(all_full.summary.get(key)):>24}"
-        if contiguous is not None:
-            line += f"{fmt(contiguous.summary.get(key)):>24}"
+        for c in contigs:
+            line += f"{fmt(c.summary.get(key)):>24}"
         out.append(line)
     out.append("")
     ps = paged.summary
@@ -107,17 +123,33 @@ def format_simulation(
         out.append("")
     if all_full is not None and all_full_bill is not None:
         out.append(gain_line(hybrid_gain(ps, all_full.summary), bill, all_full_bill))
-    if contiguous is not None:
-        cs = contiguous.summary
+    for c in contigs:
+        cs = c.summary
+        policy = cs.get("policy", "max")
         gain = (
             ps["throughput_tok_s"] / cs["throughput_tok_s"]
             if cs["throughput_tok_s"]
             else float("inf")
         )
-        out.append(
-            f"contiguous reserves {cs['max_len']:,} tokens per sequence ({cs['regions']:,} regions fit); "
-            f"paging serves {gain:.2f}x its throughput."
-        )
+        if policy == "max":
+            out.append(
+                f"contiguous reserves {cs['max_len']:,} tokens per sequence ({cs['regions']:,} regions fit); "
+                f"paging serves {gain:.2f}x its throughput."
+            )
+        else:
+            how = ("the next power of two of its length" if policy == "pow2"
+                   else "exactly its final length")  # fmt: skip
+            out.append(
+                f"contiguous {policy} reserves {how} (first fit; {cs['preemptions']:,} preemptions"
+                f"{', %s regrowth copies' % format(cs['regrow_copies'], ',') if policy == 'pow2' else ''}); "
+                f"paging serves {gain:.2f}x its throughput."
+            )
+        if waste_split:
+            out.append(
+                f"  {policy} waste: {100 * cs['waste_reserved']:.1f}% reserved + "
+                f"{100 * cs['waste_internal']:.1f}% internal fragmentation of allocated slots; "
+                f"{100 * cs['waste_external']:.1f}% of the pool externally fragmented"
+            )
     out.append(
         f"allocator: {ps['allocator_s']:.2f} s of {ps['wall_s']:.2f} s replay wall time "
         f"({100.0 * ps['allocator_share']:.1f}%) inside BlockManager calls; "
@@ -137,6 +169,7 @@ def simulation_json(
     all_full: Optional[SimResult] = None,
     all_full_bill: Optional[MemoryBill] = None,
     extra: Optional[Dict[str, Any]] = None,
+    contiguous_policies: Optional[Sequence[SimResult]] = None,
 ) -> str:
     """The machine-readable report (one JSON object); with ``all_full``, also its summary,
     its memory bill and ``hybrid_gain`` (hybrid / all-full ratios); ``extra`` keys first."""
@@ -153,4 +186,8 @@ def simulation_json(
         doc["all_full"] = all_full.summary
         doc["memory_all_full"] = all_full_bill.as_dict()
         doc["hybrid_gain"] = hybrid_gain(paged.summary, all_full.summary)
+    if contiguous_policies is not None:  # --contiguous: every policy replayed, by name
+        doc["contiguous_policies"] = {
+            c.summary.get("policy", "max"): c.summary for c in contiguous_policies
+        }
     return json.dumps(json_safe(doc), indent=2)
