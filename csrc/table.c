@@ -671,6 +671,21 @@ static int cmp_i32(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* Copy-on-write copies a step makes of shared write blocks shared[0, n) (one entry per member
+ * writing into it; sorted here): the k members writing into block b make min(k, users(b) - 1)
+ * copies (the last user writes in place). */
+static int64_t shared_copies(const kvb_mgr_t *m, int32_t *shared, int64_t n) {
+    qsort(shared, (size_t)n, sizeof *shared, cmp_i32);
+    int64_t need = 0;
+    for (int64_t i = 0; i < n;) {
+        int64_t j = i;
+        while (j < n && shared[j] == shared[i]) j++;
+        int64_t k = j - i, copies = users(m, shared[i]) - 1;
+        need = add_sat(need, k < copies ? k : copies);
+        i = j;
+    }
+    return need;
+}
 
 /* Exact blocks for n tokens each: the k batch members writing into one shared block b make
  * min(k, users(b) - 1) copies (sequential appends: the last user writes in place). Out of
@@ -689,14 +704,7 @@ KVB_NOINLINE static int exact_batch_need(kvb_mgr_t *m, const int32_t *slots, int
         int64_t w = blk_of(m, s->ntokens);
         if (w < s->nblocks && users(m, s->blocks[w]) > 1) shared[nshared++] = s->blocks[w];
     }
-    qsort(shared, (size_t)nshared, sizeof *shared, cmp_i32);
-    for (int64_t i = 0; i < nshared;) {
-        int64_t j = i;
-        while (j < nshared && shared[j] == shared[i]) j++;
-        int64_t k = j - i, copies = users(m, shared[i]) - 1;
-        need = add_sat(need, k < copies ? k : copies);
-        i = j;
-    }
+    need = add_sat(need, shared_copies(m, shared, nshared));
     free(shared);
     *need_out = need;
     return KVB_OK;
@@ -741,14 +749,7 @@ int kvb_mgr_step_need(kvb_mgr_t *m, const int32_t *slots, const int64_t *ns,
         int64_t w = blk_of(m, s->ntokens);
         if (w < s->nblocks && users(m, s->blocks[w]) > 1) shared[nshared++] = s->blocks[w];
     }
-    qsort(shared, (size_t)nshared, sizeof *shared, cmp_i32);
-    for (int64_t i = 0; i < nshared;) {
-        int64_t j = i;
-        while (j < nshared && shared[j] == shared[i]) j++;
-        int64_t k = j - i, copies = users(m, shared[i]) - 1;
-        need = add_sat(need, k < copies ? k : copies);
-        i = j;
-    }
+    need = add_sat(need, shared_copies(m, shared, nshared));
     free(shared);
     *need_out = need;
     return KVB_OK;

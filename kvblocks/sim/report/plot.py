@@ -12,13 +12,7 @@ __all__ = ["plot_results", "plot_capacity"]
 
 def plot_results(results: Sequence[SimResult], path: str, title: str = "") -> None:
     """Write a two-panel figure (KV usage, running/waiting sequences); format from the suffix."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SimulationError("--plot needs matplotlib: pip install 'kvblocks[plot]'") from None
+    plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
     for n, res in enumerate(results):
         color = f"C{n}"
@@ -40,27 +34,13 @@ def plot_results(results: Sequence[SimResult], path: str, title: str = "") -> No
     ax2.set_ylabel("sequences")
     ax2.set_xlabel("simulated time (s)")
     ax2.legend(loc="upper right", fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except (OSError, ValueError) as e:
-        raise SimulationError(f"cannot write plot {path}: {e}") from None
-    finally:
-        plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def plot_capacity(points: Sequence[Any], target_s: float, path: str, title: str = "") -> None:
     """``kvblocks plan --trace ... --plot FILE``: TTFT p50/p99 and hit rate against GPUs, one
     line per host-cache size, with the target as a horizontal line."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SimulationError("--plot needs matplotlib: pip install 'kvblocks[plot]'") from None
+    plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     sizes = sorted({p.host_cache_gib for p in points})
     for n, g in enumerate(sizes):
@@ -79,27 +59,13 @@ def plot_capacity(points: Sequence[Any], target_s: float, path: str, title: str 
     ax2.set_ylabel("prefix hit rate (%)")
     ax2.set_xlabel("GPUs (replicas)")
     ax2.legend(loc="lower right", fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except (OSError, ValueError) as e:
-        raise SimulationError(f"cannot write plot {path}: {e}") from None
-    finally:
-        plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def plot_gpu_plan(plan: Any, path: str, title: str = "") -> None:
     """``kvblocks plan --gpu ... --plot FILE``: TTFT p99 of every replay against GPUs (or
     $/hour with ``--cost``), one series per GPU x TP x PP x KV dtype, the target dotted."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SimulationError("--plot needs matplotlib: pip install 'kvblocks[plot]'") from None
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     series: dict = {}
     for c in plan.replayed:
@@ -115,6 +81,23 @@ def plot_gpu_plan(plan: Any, path: str, title: str = "") -> None:
     ax.set_ylabel("time to first token p99 (s)")
     ax.set_xlabel("$/hour" if plan.by_cost else "GPUs (replicas x TP x PP)")
     ax.legend(loc="upper right", fontsize=8)
+    _save(plt, fig, path, title)
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or SimulationError naming the extra."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SimulationError("--plot needs matplotlib: pip install 'kvblocks[plot]'") from None
+    return plt
+
+
+def _save(plt: Any, fig: Any, path: str, title: str) -> None:
+    """Title, lay out and write ``fig`` to ``path`` (closed in any case)."""
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
