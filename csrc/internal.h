@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvblocks.h"
+#include "core.h"
 
 /* memcpy that accepts NULL pointers when n is 0 (memcpy itself does not: C11 7.24.1). */
 KVB_INLINE void kvb_copy(void *dst, const void *src, size_t n) {

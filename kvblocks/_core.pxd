@@ -1,8 +1,8 @@
-# Declarations of csrc/kvblocks.h, the C core (declared once, here).
+# Declarations of csrc/core.h, the C core (declared once, here).
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
-cdef extern from "kvblocks.h" nogil:
+cdef extern from "core.h" nogil:
     enum:
         KVB_OK
         KVB_ENOMEM

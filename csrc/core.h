@@ -1,4 +1,6 @@
-/* kvblocks.h -- public C API of the kvblocks core (plain C11, no Python headers).
+/* core.h -- the C core's internal interface (plain C11, no Python headers): the data structures
+ * and functions the Cython layer and libkvblocks' public API (include/kvblocks.h) are built on.
+ * Not installed and not stable: C, C++ and Rust engines link against include/kvblocks.h.
  *
  * Three objects:
  *   kvb_pool_t  the physical block pool: structure-of-arrays metadata per block (ref count,
@@ -14,8 +16,8 @@
  * everything first and mutates only after validation succeeded (all-or-nothing). Nothing
  * prints or aborts in release builds; KVB_ASSERT is active only with -DKVB_DEBUG.
  */
-#ifndef KVBLOCKS_H
-#define KVBLOCKS_H
+#ifndef KVBLOCKS_CORE_H
+#define KVBLOCKS_CORE_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -718,4 +720,4 @@ int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs);
 #ifdef __cplusplus
 }
 #endif
-#endif /* KVBLOCKS_H */
+#endif /* KVBLOCKS_CORE_H */
