@@ -138,6 +138,31 @@ KVB_NOINLINE static int32_t twins_victim(kvb_pool_t *p) {
 }
 
 /* ---- allocate / free / incref ----------------------------------------------------------- */
+/* A popped block's cached entry goes now (lazy eviction), down to the host tier if any. */
+KVB_NOINLINE static void evict_popped(kvb_pool_t *p, int32_t b) {
+    if (p->tier) kvb_tier_demote(p, b); /* ...down to the host tier (tier.c) */
+    kvb_cache_forget(p, b);
+    p->num_evictable--;
+    p->stats.evictions++;
+}
+
+/* Allocation with the groups' second chances (twins_victim may reorder the list's head). */
+KVB_NOINLINE static void allocate_twins(kvb_pool_t *p, int32_t n, int32_t *out) {
+    for (int32_t i = 0; i < n; i++) {
+        int32_t b = p->free_head;
+        if (p->flags[b] & KVB_F_CACHED) b = twins_victim(p);
+        int32_t nx = p->next[b];
+        p->free_head = nx;
+        if (nx != KVB_NONE) p->prev[nx] = KVB_NONE;
+        uint8_t f = p->flags[b];
+        p->flags[b] = f & (uint8_t)~(KVB_F_FREE | KVB_F_WRITTEN);
+        if (f & KVB_F_CACHED) evict_popped(p, b);
+        p->ref_count[b] = 1;
+        p->twins->spent[b] = 0;
+        out[i] = b;
+    }
+}
+
 int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out) {
     if (KVB_UNLIKELY(n < 0)) { p->err_a = 0; p->err_b = n; return KVB_EINVAL; }
     if (KVB_UNLIKELY(n > p->num_free)) {
@@ -145,23 +170,26 @@ int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out) {
         p->err_b = p->num_free;
         return KVB_EOUTOFBLOCKS;
     }
-    for (int32_t i = 0; i < n; i++) {
+    if (KVB_UNLIKELY(p->twins != NULL)) {
+        allocate_twins(p, n, out);
+    } else {
+        /* the hot loop: pop n from the head; locals and restrict keep the head, the links and
+         * the output in registers (out[] could otherwise alias the pool's int32 fields) */
+        int32_t *restrict next = p->next;
+        int32_t *restrict ref = p->ref_count;
+        uint8_t *restrict flags = p->flags;
+        int32_t *restrict o = out;
         int32_t b = p->free_head;
-        if (KVB_UNLIKELY(p->twins && (p->flags[b] & KVB_F_CACHED))) b = twins_victim(p);
-        int32_t nx = p->next[b];
-        p->free_head = nx;
-        if (nx != KVB_NONE) p->prev[nx] = KVB_NONE;
-        uint8_t f = p->flags[b];
-        p->flags[b] = f & (uint8_t)~(KVB_F_FREE | KVB_F_WRITTEN);
-        if (KVB_UNLIKELY(f & KVB_F_CACHED)) { /* lazy eviction: the entry goes now */
-            if (p->tier) kvb_tier_demote(p, b); /* ...down to the host tier (tier.c) */
-            kvb_cache_forget(p, b);
-            p->num_evictable--;
-            p->stats.evictions++;
+        for (int32_t i = 0; i < n; i++) {
+            uint8_t f = flags[b];
+            flags[b] = f & (uint8_t)~(KVB_F_FREE | KVB_F_WRITTEN);
+            ref[b] = 1;
+            o[i] = b;
+            if (KVB_UNLIKELY(f & KVB_F_CACHED)) evict_popped(p, b);
+            b = next[b];
         }
-        p->ref_count[b] = 1;
-        if (p->twins) p->twins->spent[b] = 0;
-        out[i] = b;
+        p->free_head = b;
+        if (b != KVB_NONE) p->prev[b] = KVB_NONE;
     }
     if (p->free_head == KVB_NONE) p->free_tail = KVB_NONE;
     p->num_free -= n;
@@ -186,22 +214,65 @@ void kvb_pool_release(kvb_pool_t *p, int32_t b) {
     if (--p->ref_count[b] == 0) link_free(p, b);
 }
 
+/* Undo the first n drops of kvb_pool_free, last first: a block that reached 0 is the one most
+ * recently linked (at the head if never cached, else at the tail), so unlinking it restores
+ * the list exactly. */
+KVB_NOINLINE static void unfree(kvb_pool_t *p, const int32_t *ids, int64_t n) {
+    for (int64_t j = n - 1; j >= 0; j--) {
+        int32_t b = ids[j];
+        if (p->ref_count[b] == 0) {
+            unlink_free(p, b);
+            if (p->flags[b] & KVB_F_CACHED) p->num_evictable--;
+            p->stats.frees--;
+        }
+        p->ref_count[b]++;
+    }
+}
+
 int kvb_pool_free(kvb_pool_t *p, const int32_t *ids, int64_t n) {
-    /* validate by tentatively dropping the references, undo on failure */
+    /* one pass: drop each reference and link the block when it reaches 0; a bad id undoes
+     * the drops before it (all-or-nothing). Never-cached blocks are pushed at the head inline,
+     * with the head in a register: prev[] of a pushed block is written by the next push, so
+     * only the final head's is set (fix_head), also before any helper reads the list. */
+    int32_t *restrict ref = p->ref_count;
+    int32_t *restrict next = p->next;
+    int32_t *restrict prev = p->prev;
+    uint8_t *restrict flags = p->flags;
+    const uint32_t last = (uint32_t)p->num_blocks - 1u;
+    int32_t head = p->free_head, pushed = 0;
+#define fix_head() do { p->free_head = head; if (head != KVB_NONE) prev[head] = KVB_NONE; \
+                        p->num_free += pushed; p->stats.frees += (uint64_t)pushed; \
+                        pushed = 0; } while (0)
     for (int64_t i = 0; i < n; i++) {
         int32_t b = ids[i];
-        if (KVB_UNLIKELY(b <= 0 || b >= p->num_blocks || p->ref_count[b] <= 0)) {
-            for (int64_t j = 0; j < i; j++) p->ref_count[ids[j]]++;
+        int32_t r = KVB_LIKELY((uint32_t)b - 1u < last) ? ref[b] - 1 : -1;
+        if (KVB_UNLIKELY(r < 0)) {
+            fix_head();
+            unfree(p, ids, i);
             p->err_a = i;
             p->err_b = b;
-            return (b <= 0 || b >= p->num_blocks) ? KVB_ERANGE : KVB_ESTATE;
+            return ((uint32_t)b - 1u >= last) ? KVB_ERANGE : KVB_ESTATE;
         }
-        p->ref_count[b]--;
+        ref[b] = r;
+        if (r) continue;
+        uint8_t f = flags[b];
+        if (KVB_UNLIKELY(f & KVB_F_CACHED)) { /* the tail, through the helper */
+            fix_head();
+            list_push_tail(p, b);
+            p->num_evictable++;
+            head = p->free_head;
+            p->stats.frees++;
+        } else { /* the head, inline */
+            next[b] = head;
+            if (head != KVB_NONE) prev[head] = b;
+            else p->free_tail = b;
+            head = b;
+            flags[b] = f | KVB_F_FREE;
+            pushed++;
+        }
     }
-    for (int64_t i = 0; i < n; i++) {
-        int32_t b = ids[i];
-        if (p->ref_count[b] == 0 && !(p->flags[b] & KVB_F_FREE)) link_free(p, b);
-    }
+    fix_head();
+#undef fix_head
     return KVB_OK;
 }
 
