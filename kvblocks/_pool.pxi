@@ -284,6 +284,33 @@ cdef class BlockPool:
         if rc:
             raise_code(rc, "free", self.p.err_a, self.p.err_b)
 
+    def allocate_one(self):
+        """Allocate one block (ref count 1) and return its id as an int: ``allocate(1)``
+        without the one-element array (the scalar path of an engine that grows one table at
+        a time). Raises OutOfBlocksError when no block is free or evictable.
+
+        >>> pool = BlockPool(4)
+        >>> b = pool.allocate_one(); pool.ref_count(b)
+        1
+        >>> pool.free_one(b); pool.num_free
+        3
+        """
+        self._sync()
+        cdef int32_t b
+        cdef int rc = kvb_pool_allocate(&self.p, 1, &b)
+        if rc:
+            raise_code(rc, "allocate_one()", self.p.err_a, self.p.err_b)
+        return b
+
+    def free_one(self, block_id):
+        """Drop one reference of one block: ``free([block_id])`` for an int (numpy integers
+        too), with free's checks and errors."""
+        self._sync()
+        cdef int32_t b = <int32_t>as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
+        cdef int rc = kvb_pool_free(&self.p, &b, 1)
+        if rc:
+            raise_code(rc, "free_one", self.p.err_a, self.p.err_b)
+
     def incref(self, ids):
         """Add one reference to each block (share it); pins evictable cached blocks."""
         self._sync()

@@ -28,6 +28,7 @@ ALLOC_OPS = [
     "allocate_free/n=16",
     "allocate_free/n=128",
     "allocate_free/n=1024",
+    "allocate_free/one",
     "fork_cow",
     "append_batch/list",
     "append_batch/seqbatch",

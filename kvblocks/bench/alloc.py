@@ -38,6 +38,13 @@ def _alloc_free(vllm: Optional[Callable[[int], Any]]) -> List[Op]:
         if vp is not None:
             cases.append(Case("vllm", lambda n=n: vp.free_blocks(vp.get_new_blocks(n))))  # type: ignore[misc]  # mypy cannot type a lambda with defaults
         ops.append(Op(f"allocate_free/n={n}", f"allocate+free n={n}", "block", n, cases))
+    one = [  # the scalar path: an int in and out, no one-element array
+        Case("kvblocks", lambda: pool.free_one(pool.allocate_one())),
+        Case("python", lambda: py.free(py.allocate(1))),
+    ]
+    if vp is not None:
+        one.append(Case("vllm", lambda: vp.free_blocks(vp.get_new_blocks(1))))
+    ops.append(Op("allocate_free/one", "allocate_one+free_one", "block", 1, one))
     return ops
 
 
