@@ -37,6 +37,7 @@ C_SOURCES = [
     "csrc/meta.c",
     "csrc/groups.c",
     "csrc/rows.c",
+    "csrc/step.c",
 ]
 
 compile_args = ["-std=c11"] if sys.platform != "win32" else []

@@ -624,6 +624,41 @@ typedef struct {
 
 int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                  const int32_t *drafts, int64_t B, kvb_rows_t *out);
+
+/* ---- a step planned once (step.c) ------------------------------------------------------- *
+ * A forward step over sequences slots[0..B): each computes its last qlens[i] committed tokens
+ * and drafts[i] reserved draft slots (drafts may be NULL). kvb_step_check validates the step
+ * for every group of g[0..G) (the checks of kvb_mgr_schedule) and writes each group's sizes;
+ * nothing changes, and a failure's detail is in g[0]'s fields. kvb_step_release applies what
+ * the step frees (window and chunk groups), kvb_step_commit declares it (computed counts,
+ * newly full blocks into the prefix cache). In between, metadata and rows are written from
+ * the checked step by kvb_meta_write / kvb_rows_write, after kvb_meta_fits / kvb_rows_fits
+ * said the caller's buffers hold it: the batch is validated once, sized once. */
+typedef struct {
+    int64_t tokens;            /* query slots: sum of qlens[i] + drafts[i] (slot_mapping) */
+    int64_t blocks;            /* table entries of every context (kv_indices) */
+    int64_t max_blocks;        /* the longest context's table (block_tables columns) */
+    int64_t context;           /* context positions: sum of ntokens + drafts[i] (read rows) */
+} kvb_step_size_t;
+
+int kvb_step_check(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, const int32_t *qlens,
+                   const int32_t *drafts, int64_t B, kvb_step_size_t *sizes /* [G] */);
+void kvb_step_release(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
+                      const int32_t *qlens, int64_t B);
+void kvb_step_commit(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
+                     const int32_t *qlens, const int32_t *drafts, int64_t B);
+/* check, release and commit in one call (kvblocks' plan_step) */
+int kvb_step_plan(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, const int32_t *qlens,
+                  const int32_t *drafts, int64_t B, kvb_step_size_t *sizes);
+/* KVB_ERANGE (err_a: needed, err_b: held, err_what: the buffer) when out cannot hold a step
+ * of size z; KVB_OK otherwise. Nothing is written. */
+int kvb_meta_fits(kvb_mgr_t *m, const kvb_step_size_t *z, const kvb_meta_t *out);
+void kvb_meta_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                    const int32_t *drafts, int64_t B, kvb_meta_t *out);
+/* the geometry and capacity checks of rows (KVB_EINVAL: geometry, KVB_ERANGE: a buffer) */
+int kvb_rows_fits(kvb_mgr_t *m, const kvb_step_size_t *z, const kvb_rows_t *out);
+void kvb_rows_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                    const int32_t *drafts, int64_t B, kvb_rows_t *out);
 /* ---- host tier (tier.c) ------------------------------------------------------------------ *
  * The host pool as a second prefix-cache tier below the device pool. Evicting a cached device
  * block demotes it: a host block (LRU among evictable host entries) takes its hash and a

@@ -13,7 +13,8 @@
  * tver), only gets its new blocks written, in block_tables always and in kv_indices when its
  * CSR offset did not move. In a decode step most tables only grow, so most of the
  * O(total blocks) copying is skipped.
- * Validation covers every sequence and capacity before the first byte is written.
+ * The step is checked and sized once (step.c); kvb_meta_fits checks the buffers' capacity
+ * against its size before the first byte is written.
  *
  * KV cache groups: m is one group. A window or chunk group first releases what this step's
  * queries cannot read (their entries read the null block 0; kernels apply the window); a
@@ -23,46 +24,39 @@
 
 #include "internal.h"
 
+int kvb_meta_fits(kvb_mgr_t *m, const kvb_step_size_t *z, const kvb_meta_t *out) {
+    KVB_CLEAR_ERR(m);
+    if (out->block_tables && z->max_blocks > out->max_blocks) {
+        m->err_a = z->max_blocks; m->err_b = out->max_blocks; m->err_what = "block_tables";
+        return KVB_ERANGE;
+    }
+    if (z->tokens > out->cap_tokens) {
+        m->err_a = z->tokens; m->err_b = out->cap_tokens; m->err_what = "slot_mapping";
+        return KVB_ERANGE;
+    }
+    if (z->blocks > out->cap_indices) {
+        m->err_a = z->blocks; m->err_b = out->cap_indices; m->err_what = "kv_indices";
+        return KVB_ERANGE;
+    }
+    return KVB_OK;
+}
+
+/* The v1 call: check (one group), fit, release, write; the caller commits (schedule). */
 int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                      const int32_t *drafts, int64_t B, kvb_meta_t *out) {
+    kvb_step_size_t z;
+    int rc = kvb_step_check(&m, 1, slots, qlens, drafts, B, &z);
+    if (!rc) rc = kvb_meta_fits(m, &z, out);
+    if (rc) return rc;
+    kvb_mgr_step_release(m, slots, qlens, B); /* before the tables are written */
+    kvb_meta_write(m, slots, qlens, drafts, B, out);
+    return KVB_OK;
+}
+
+void kvb_meta_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                    const int32_t *drafts, int64_t B, kvb_meta_t *out) {
     int32_t bs = m->block_size;
     int state = m->kind == KVB_G_STATE;
-    KVB_CLEAR_ERR(m);
-    int64_t ntok = 0, nidx = 0;
-    for (int64_t i = 0; i < B; i++) {
-        int32_t slot = slots[i];
-        const kvb_seq_t *s = live_seq(m, slot);
-        if (!s) {
-            m->err_a = i; m->err_b = slot;
-            return KVB_EUNKNOWN;
-        }
-        if (s->swapped) { m->err_a = i; m->err_b = slot; return KVB_ESWAPPED; }
-        if (qlens[i] < 0 || qlens[i] > s->ntokens) {
-            m->err_a = i; m->err_b = qlens[i];
-            return KVB_EINVAL;
-        }
-        int64_t d = drafts ? drafts[i] : 0;
-        int64_t nb = state ? s->nblocks : blocks_for(m, s->ntokens + d);
-        if (d < 0 || blocks_for(m, s->ntokens + d) > table_room(m, s)) { /* every kind */
-            m->err_a = i; m->err_b = d; return KVB_ESTATE;
-        }
-        if (out->block_tables && nb > out->max_blocks) {
-            m->err_a = nb; m->err_b = out->max_blocks; m->err_what = "block_tables";
-            return KVB_ERANGE;
-        }
-        ntok += qlens[i] + d;
-        nidx += nb;
-    }
-    if (ntok > out->cap_tokens) {
-        m->err_a = ntok; m->err_b = out->cap_tokens; m->err_what = "slot_mapping";
-        return KVB_ERANGE;
-    }
-    if (nidx > out->cap_indices) {
-        m->err_a = nidx; m->err_b = out->cap_indices; m->err_what = "kv_indices";
-        return KVB_ERANGE;
-    }
-
-    kvb_mgr_step_release(m, slots, qlens, B); /* before the tables are written */
     int64_t t = 0, k = 0;
     int64_t *rc = out->row_cache;
     int64_t valid = rc ? out->valid_rows : 0;
@@ -124,5 +118,4 @@ int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
     out->n_tokens = t;
     out->n_indices = k;
     if (rc) out->valid_rows = B < out->cap_rows ? B : out->cap_rows;
-    return KVB_OK;
 }

@@ -11,8 +11,8 @@
  * page table whose entries are (block * stride + offset) / block_size, i.e. the page index of
  * the block's first row when the cache is viewed in pages of block_size rows (padding: the null
  * block's page). Any of read_index, write_index and block_tables may be NULL (not built).
- * Validation covers every sequence, capacity and the int64 range of the rows before the first
- * byte is written.
+ * The step is checked and sized once (step.c); kvb_rows_fits checks the geometry, the int64
+ * range of the rows and the buffers' capacity before the first byte is written.
  */
 #include "internal.h"
 
@@ -31,8 +31,7 @@ static int64_t put_rows(const kvb_mgr_t *m, const int32_t *blocks, int64_t from,
     return t;
 }
 
-int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
-                 const int32_t *drafts, int64_t B, kvb_rows_t *out) {
+int kvb_rows_fits(kvb_mgr_t *m, const kvb_step_size_t *z, const kvb_rows_t *out) {
     int64_t bs = m->block_size, stride = out->stride, offset = out->offset;
     KVB_CLEAR_ERR(m);
     if (m->kind == KVB_G_STATE) { /* no per-token rows (the binding refuses it first) */
@@ -55,25 +54,11 @@ int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
         m->err_a = 0; m->err_b = stride; m->err_what = "block_tables entries exceed int32";
         return KVB_EINVAL;
     }
-    int64_t nread = 0, nwrite = 0;
-    for (int64_t i = 0; i < B; i++) {
-        const kvb_seq_t *s = live_seq(m, slots[i]);
-        if (!s) { m->err_a = i; m->err_b = slots[i]; return KVB_EUNKNOWN; }
-        if (s->swapped) { m->err_a = i; m->err_b = slots[i]; return KVB_ESWAPPED; }
-        if (qlens[i] < 0 || qlens[i] > s->ntokens) {
-            m->err_a = i; m->err_b = qlens[i];
-            return KVB_EINVAL;
-        }
-        int64_t d = drafts ? drafts[i] : 0;
-        int64_t nb = blocks_for(m, s->ntokens + d);
-        if (d < 0 || nb > s->nblocks) { m->err_a = i; m->err_b = d; return KVB_ESTATE; }
-        if (out->block_tables && nb > out->max_blocks) {
-            m->err_a = nb; m->err_b = out->max_blocks; m->err_what = "block_tables";
-            return KVB_ERANGE;
-        }
-        nread += s->ntokens + d;
-        nwrite += qlens[i] + d;
+    if (out->block_tables && z->max_blocks > out->max_blocks) {
+        m->err_a = z->max_blocks; m->err_b = out->max_blocks; m->err_what = "block_tables";
+        return KVB_ERANGE;
     }
+    int64_t nread = z->context, nwrite = z->tokens;
     if (nread > INT32_MAX) { /* the CSR offsets are int32 */
         m->err_a = nread; m->err_b = INT32_MAX; m->err_what = "read_offsets";
         return KVB_ERANGE;
@@ -86,7 +71,23 @@ int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
         m->err_a = nwrite; m->err_b = out->cap_write; m->err_what = "write_index";
         return KVB_ERANGE;
     }
+    return KVB_OK;
+}
 
+/* The v1 call: check (one group), fit, write; the caller releases and commits (schedule). */
+int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                 const int32_t *drafts, int64_t B, kvb_rows_t *out) {
+    kvb_step_size_t z;
+    int rc = kvb_step_check(&m, 1, slots, qlens, drafts, B, &z);
+    if (!rc) rc = kvb_rows_fits(m, &z, out);
+    if (rc) return rc;
+    kvb_rows_write(m, slots, qlens, drafts, B, out);
+    return KVB_OK;
+}
+
+void kvb_rows_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                    const int32_t *drafts, int64_t B, kvb_rows_t *out) {
+    int64_t bs = m->block_size, stride = out->stride, offset = out->offset;
     int64_t r = 0, w = 0;
     out->read_offsets[0] = 0;
     out->write_offsets[0] = 0;
@@ -110,5 +111,4 @@ int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
     }
     out->n_read = r;
     out->n_write = w;
-    return KVB_OK;
 }

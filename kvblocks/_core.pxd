@@ -299,6 +299,24 @@ cdef extern from "core.h" nogil:
     int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                      const int32_t *drafts, int64_t B, kvb_rows_t *out)
 
+    ctypedef struct kvb_step_size_t:
+        int64_t tokens, blocks, max_blocks, context
+
+    int kvb_step_check(kvb_mgr_t **g, int32_t G, const int32_t *slots, const int32_t *qlens,
+                       const int32_t *drafts, int64_t B, kvb_step_size_t *sizes)
+    void kvb_step_release(kvb_mgr_t **g, int32_t G, const int32_t *slots,
+                          const int32_t *qlens, int64_t B)
+    void kvb_step_commit(kvb_mgr_t **g, int32_t G, const int32_t *slots,
+                         const int32_t *qlens, const int32_t *drafts, int64_t B)
+    int kvb_step_plan(kvb_mgr_t **g, int32_t G, const int32_t *slots, const int32_t *qlens,
+                      const int32_t *drafts, int64_t B, kvb_step_size_t *sizes)
+    int kvb_meta_fits(kvb_mgr_t *m, const kvb_step_size_t *z, const kvb_meta_t *out)
+    void kvb_meta_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                        const int32_t *drafts, int64_t B, kvb_meta_t *out)
+    int kvb_rows_fits(kvb_mgr_t *m, const kvb_step_size_t *z, const kvb_rows_t *out)
+    void kvb_rows_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                        const int32_t *drafts, int64_t B, kvb_rows_t *out)
+
 
 cdef class BlockPool:
     cdef kvb_pool_t p
@@ -346,7 +364,10 @@ cdef class BlockManager:
     cdef cnp.ndarray _imap
     cdef int _busy
     cdef unsigned long _owner
-    cdef int _enter(self) except -1
+    cdef kvb_step_size_t *_zs  # [ng] the sizes of the last checked step, per group
+    cdef uint64_t _epoch  # bumped by every call that may change tables (StepPlan staleness)
+    cdef int _enter(self, bint mutates=*) except -1
+    cdef int _step_enter(self, object plan, int32_t g, str what) except -1
     cdef void _leave(self) noexcept
     cdef int32_t _slot(self, object seq_id) except -1
     cdef object _id_list(self, object seq_ids)
@@ -359,7 +380,10 @@ cdef class BlockManager:
     cdef int _check_step(self, cnp.ndarray slots, cnp.ndarray q, object d, Py_ssize_t B,
                          str what, int32_t group) except -1
     cdef object _fill_meta(self, object out, int32_t *slots, int32_t *q, int32_t *d,
-                           Py_ssize_t B, int32_t g)
+                           Py_ssize_t B, int32_t g, bint release)
+    cdef object _fill_rows(self, object out, int32_t *slots, int32_t *q, int32_t *d,
+                           Py_ssize_t B, int32_t g, int64_t st, int64_t off, int64_t width,
+                           bint block_tables, bint release)
     cdef _init_groups(self, tuple gs, bytes key)
     cdef int64_t _table_blocks(self, int64_t n)
     cdef int32_t _group(self, object group) except -1

@@ -1,6 +1,6 @@
 """Type stubs of the Cython core (kvblocks/_core.pyx)."""
 
-from typing import Iterable, List, Literal, Optional, Sequence, Tuple, Union, overload
+from typing import Iterable, List, Literal, NamedTuple, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -116,6 +116,27 @@ class SeqBatch:
 
 SeqIds = Union[Sequence[SeqId], SeqBatch, Iterable[SeqId]]
 
+class StepSize(NamedTuple):
+    tokens: int
+    blocks: int
+    max_blocks: int
+    context: int
+
+class StepPlan:
+    manager: "BlockManager"
+    seq_ids: Union[tuple, SeqBatch]
+    committed: bool
+    def __len__(self) -> int: ...
+    def commit(self) -> None: ...
+    def size(self, group: int = ...) -> StepSize: ...
+    @property
+    def stale(self) -> bool: ...
+    def metadata(self, group: int = ..., *,
+                 out: Optional[AttentionMetadata] = ...) -> AttentionMetadata: ...
+    def rows(self, group: int = ..., *, stride: int, offset: int = ...,
+             block_tables: bool = ..., max_blocks: Optional[int] = ...,
+             out: Optional[RowIndices] = ...) -> RowIndices: ...
+
 class BlockManager:
     pool: BlockPool
     host_pool: Optional[BlockPool]
@@ -193,6 +214,8 @@ class BlockManager:
     def swap_in(self, seq_id: SeqId) -> npt.NDArray[np.int64]: ...
     def schedule(self, seq_ids: SeqIds, query_lens: IntArray, *,
                  draft_lens: Optional[IntArray] = ...) -> None: ...
+    def plan_step(self, seq_ids: SeqIds, query_lens: IntArray, *,
+                  draft_lens: Optional[IntArray] = ..., commit: bool = ...) -> StepPlan: ...
     def metadata(self, seq_ids: SeqIds, query_lens: IntArray, *,
                  draft_lens: Optional[IntArray] = ...,
                  out: Optional[AttentionMetadata] = ...,

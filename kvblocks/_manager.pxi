@@ -173,6 +173,9 @@ cdef class BlockManager:
         self.gx = <kvb_mgr_t *>calloc(G - 1, sizeof(kvb_mgr_t)) if G > 1 else NULL
         if self.gp is NULL or (G > 1 and self.gx is NULL):
             raise MemoryError()
+        self._zs = <kvb_step_size_t *>calloc(G, sizeof(kvb_step_size_t))
+        if self._zs is NULL:
+            raise MemoryError()
         self.gp[0] = &self.m
         for j in range(1, G):
             kvb_mgr_init(&self.gx[j - 1], self.m.pool, self.m.host, self.m.block_size,
@@ -193,6 +196,7 @@ cdef class BlockManager:
                 kvb_mgr_destroy(&self.gx[j - 1])
         free(self.gx)
         free(self.gp)
+        free(self._zs)
 
     def __reduce__(self):
         raise TypeError("BlockManager cannot be pickled")
@@ -203,9 +207,10 @@ cdef class BlockManager:
                 f"free={self.pool.p.num_free})")
 
     # -- the call guard -------------------------------------------------------------------------
-    cdef int _enter(self) except -1:
+    cdef int _enter(self, bint mutates=True) except -1:
         """Enter a call: wait while another thread is inside one (it yielded the GIL, e.g.
-        in a garbage-collector callback); refuse re-entry from this thread."""
+        in a garbage-collector callback); refuse re-entry from this thread. A call that may
+        change tables (``mutates``) makes every StepPlan taken before it stale."""
         cdef unsigned long me
         if self._busy:
             me = PyThread_get_thread_ident()
@@ -216,6 +221,8 @@ cdef class BlockManager:
                 with nogil:
                     sched_yield()
         self._busy = 1
+        if mutates:
+            self._epoch += 1
         self._owner = PyThread_get_thread_ident()
         return 0
 
@@ -405,7 +412,7 @@ cdef class BlockManager:
         cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
         cdef bytes s = chain_context(self.m.hash_algo, salt, lora_name)
         cdef int64_t cached = 0, need = 0
-        self._enter()
+        self._enter(False)
         try:
             rc = (kvb_mgr_probe(&self.m, i32_data(toks), cnp.PyArray_DIM(toks, 0),
                                 <const uint8_t *>s, len(s), &cached, &need) if self.ng == 1 else
@@ -428,7 +435,7 @@ cdef class BlockManager:
         copy-on-write); for a swapped-out sequence, the blocks swap_in plus n tokens take."""
         seq_id = norm_id(seq_id)
         cdef int64_t k = as_int(n, "n", 0, INT64_MAX)
-        self._enter()
+        self._enter(False)
         try:
             return kvb_grp_blocks_needed(self.gp, self.ng, self._slot(seq_id), k)
         finally:
@@ -445,7 +452,7 @@ cdef class BlockManager:
         ids = self._id_list(seq_ids)
         cdef Py_ssize_t count
         cdef int64_t need = 0
-        self._enter()
+        self._enter(False)
         try:
             arr = self._slots_of(ids, &count)
             rc = kvb_grp_batch_need(self.gp, self.ng, i32_data(arr), count, k, &need)
@@ -497,7 +504,7 @@ cdef class BlockManager:
         cdef int64_t need = 0
         cdef Py_ssize_t count
         cdef cnp.ndarray ns, cn, fk = None
-        self._enter()
+        self._enter(False)
         try:
             slots = self._slots_of(ids, &count)
             for name, arr in arrays:
@@ -531,7 +538,7 @@ cdef class BlockManager:
         """Whether ``swap_out(seq_id)`` would succeed now (host blocks available)."""
         cdef kvb_seq_t *s
         seq_id = norm_id(seq_id)
-        self._enter()
+        self._enter(False)
         try:
             s = &self.m.seqs[self._slot(seq_id)]
             return (self.host_pool is not None and not s.swapped
@@ -544,7 +551,7 @@ cdef class BlockManager:
         would share again from the prefix cache are counted as such)."""
         cdef kvb_seq_t *s
         seq_id = norm_id(seq_id)
-        self._enter()
+        self._enter(False)
         try:
             s = &self.m.seqs[self._slot(seq_id)]
             if not s.swapped:
@@ -655,7 +662,7 @@ cdef class BlockManager:
         cdef Py_ssize_t n, i
         cdef SeqBatch sb = SeqBatch.__new__(SeqBatch)
         sb._gens_arr = np.empty(len(ids), dtype=np.uint32)
-        self._enter()
+        self._enter(False)
         try:
             slots = self._slots_of(list(ids), &n)
             sb.seq_ids = ids
@@ -759,7 +766,7 @@ cdef class BlockManager:
         """Distinct blocks the sequence holds now, all groups together (released entries of
         window groups excluded; shared blocks count once per sequence holding them)."""
         seq_id = norm_id(seq_id)
-        self._enter()
+        self._enter(False)
         try:
             return self._held(self._slot(seq_id))
         finally:
@@ -792,7 +799,7 @@ cdef class BlockManager:
         cdef kvb_seq_t *s
         cdef int32_t j, slot
         cdef int64_t nc
-        self._enter()
+        self._enter(False)
         try:
             slot = self._slot(seq_id)
             s = &self.m.seqs[slot]
@@ -810,7 +817,7 @@ cdef class BlockManager:
         seq_id = norm_id(seq_id)
         cdef kvb_seq_t *s
         cdef Py_ssize_t n
-        self._enter()
+        self._enter(False)
         try:
             s = &self.gp[group].seqs[self._slot(seq_id)]
             n = s.nblocks if which == 0 else (s.ntokens if which == 1 else s.nhashed)
@@ -976,7 +983,7 @@ cdef class BlockManager:
             return self.pool.take_events()
         cdef kvb_events_t a, b, merged
         cdef int rc
-        self._enter()
+        self._enter(False)
         try:
             kvb_tier_flush(t)  # evictions since: their host entries are stored now
             if self.pool.p.events.n == 0 and self.host_pool.p.events.n == 0:
@@ -1126,10 +1133,146 @@ cdef class BlockManager:
         finally:
             self._leave()
 
+    def plan_step(self, seq_ids, query_lens, *, draft_lens=None, bint commit=True):
+        """Plan one forward step for every KV cache group at once and return a StepPlan.
+
+        The step computes, for each sequence, its last ``query_lens[i]`` committed tokens and
+        ``draft_lens[i]`` reserved draft slots. One native call validates it for every group
+        (what ``schedule`` checks), sizes each group's buffers, applies what window and chunk
+        groups release, and declares it (every committed token counts as computed; newly
+        full blocks enter the prefix cache). The plan's writers (``StepPlan.metadata``,
+        ``StepPlan.rows``) then build each group's kernel arguments without checking again.
+        ``schedule``, ``metadata`` and ``row_indices`` are this plan for all groups or one.
+
+        With ``commit=False`` the step is checked and released but not declared: the engine
+        calls ``StepPlan.commit()`` once the forward wrote the K/V (so that a forward failing
+        half-way leaves nothing in the prefix cache that was not written). Until then the
+        sequences' computed counts stay where they were.
+
+        Raises what ``schedule`` raises (pending copies or host-tier pairs, a gap before the
+        query, a swapped, unknown or repeated sequence, drafts not reserved); a failed call
+        changes nothing.
+        """
+        cdef cnp.ndarray q_arr = as_int32(query_lens, "query_lens")
+        cdef cnp.ndarray d_arr = as_int32(draft_lens, "draft_lens") if draft_lens is not None \
+            else None
+        ids = self._id_list(seq_ids)
+        cdef Py_ssize_t B, j
+        cdef StepPlan plan = StepPlan.__new__(StepPlan)
+        self._enter()
+        try:
+            slots = self._slots_of(ids, &B)
+            self._check_step(slots, q_arr, d_arr, B, "plan_step", -1)
+            plan._slots = new_i32(B)
+            if B:
+                memcpy(cnp.PyArray_DATA(plan._slots), cnp.PyArray_DATA(slots),
+                       B * sizeof(int32_t))
+            plan._q = new_i32(B)
+            if B:
+                memcpy(cnp.PyArray_DATA(plan._q), cnp.PyArray_DATA(q_arr), B * sizeof(int32_t))
+            plan._d = None
+            if d_arr is not None:
+                plan._d = new_i32(B)
+                if B:
+                    memcpy(cnp.PyArray_DATA(plan._d), cnp.PyArray_DATA(d_arr),
+                           B * sizeof(int32_t))
+            sl, q = i32_data(plan._slots), i32_data(plan._q)
+            d = i32_data(plan._d) if plan._d is not None else NULL
+            kvb_step_release(self.gp, self.ng, sl, q, B)
+            if commit:
+                kvb_step_commit(self.gp, self.ng, sl, q, d, B)
+            plan.committed = commit
+            plan._sizes = tuple(StepSize(self._zs[j].tokens, self._zs[j].blocks,
+                                         self._zs[j].max_blocks, self._zs[j].context)
+                                for j in range(self.ng))
+            plan.manager = self
+            plan.seq_ids = ids if type(ids) is SeqBatch else tuple(ids)
+            plan._B = B
+            plan._epoch = self._epoch
+            return plan
+        finally:
+            self._leave()
+
+    def _step_commit(self, StepPlan plan):
+        if plan.committed:
+            raise InvalidStateError("StepPlan.commit: the step was committed already")
+        self._step_enter(plan, 0, "commit")
+        try:
+            kvb_step_commit(self.gp, self.ng, i32_data(plan._slots), i32_data(plan._q),
+                            i32_data(plan._d) if plan._d is not None else NULL, plan._B)
+            plan.committed = True
+            self._epoch += 1  # declared: the computed counts changed, the tables did not
+            plan._epoch = self._epoch
+        finally:
+            self._leave()
+
+    def _group_index(self, group):
+        return self._group(group)
+
+    def _step_stale(self, StepPlan plan):
+        return plan.manager is not self or plan._epoch != self._epoch
+
+    cdef int _step_enter(self, object step, int32_t g, str what) except -1:
+        """Enter a writer of ``step`` (no table changes): refuse a stale plan; the group's
+        sizes become the checked step's."""
+        cdef StepPlan plan = <StepPlan>step
+        self._enter(False)
+        if plan.manager is not self or plan._epoch != self._epoch:
+            self._leave()
+            raise InvalidStateError(f"StepPlan.{what}: the manager changed since plan_step "
+                                    f"(plan the step again)")
+        s = plan._sizes[g]
+        self._zs[g].tokens, self._zs[g].blocks = s.tokens, s.blocks
+        self._zs[g].max_blocks, self._zs[g].context = s.max_blocks, s.context
+        return 0
+
+    def _step_metadata(self, StepPlan plan, group, out):
+        cdef int32_t g = self._group(group)
+        if out is not None:
+            if not isinstance(out, AttentionMetadata):
+                raise InvalidTypeError(f"StepPlan.metadata: out must be an AttentionMetadata "
+                                       f"(from AttentionMetadata.allocate), got "
+                                       f"{type(out).__name__}")
+            out = out.buffers
+        self._step_enter(plan, g, "metadata")
+        cdef Py_ssize_t B = plan._B
+        cdef int32_t *d = i32_data(plan._d) if plan._d is not None else NULL
+        try:
+            if out is None:
+                out = AttentionMetadata.allocate(max(B, 1), self._zs[g].tokens,
+                                                 max(self._zs[g].blocks, 1),
+                                                 max(self._zs[g].max_blocks, 1))
+            return self._fill_meta(out, i32_data(plan._slots), i32_data(plan._q), d, B, g,
+                                   False)
+        finally:
+            self._leave()
+
+    def _step_rows(self, StepPlan plan, group, stride, offset, bint block_tables, max_blocks,
+                   out):
+        cdef int32_t g = self._group(group)
+        if self.gp[g].kind == KVB_G_STATE:
+            raise InvalidArgumentError(f"StepPlan.rows: group {g} is a state group, which "
+                                       f"has no per-token rows")
+        cdef int64_t st = as_int(stride, "stride", 1, INT64_MAX)
+        cdef int64_t off = as_int(offset, "offset", 0, INT64_MAX)
+        cdef int64_t width = -1
+        if max_blocks is not None:
+            width = as_int(max_blocks, "max_blocks", 0, INT32_MAX)
+        if out is not None and not isinstance(out, RowIndices):
+            raise InvalidTypeError(f"StepPlan.rows: out must be a RowIndices, got "
+                                   f"{type(out).__name__}")
+        self._step_enter(plan, g, "rows")
+        cdef int32_t *d = i32_data(plan._d) if plan._d is not None else NULL
+        try:
+            return self._fill_rows(out, i32_data(plan._slots), i32_data(plan._q), d,
+                                   plan._B, g, st, off, width, block_tables, False)
+        finally:
+            self._leave()
+
     cdef int _check_step(self, cnp.ndarray slots, cnp.ndarray q, object d, Py_ssize_t B,
                          str what, int32_t group) except -1:
-        """Validate a step for one group (group >= 0) or all (-1); copies pending in any
-        group refuse it."""
+        """Validate a step for one group (group >= 0) or all (-1), once, and size it
+        (self._zs[group], or every group's); copies pending in any group refuse it."""
         if cnp.PyArray_DIM(q, 0) != B:
             raise InvalidArgumentError(f"{what}: {B} sequences but {cnp.PyArray_DIM(q, 0)} "
                                        f"query_lens")
@@ -1138,11 +1281,11 @@ cdef class BlockManager:
                                        f"{cnp.PyArray_DIM(<cnp.ndarray>d, 0)} draft_lens")
         if self.ng > 1 and self._ncopies():
             raise_code(KVB_EPENDING, what, self._ncopies(), 0)
-        rc = (kvb_grp_schedule(self.gp, self.ng, i32_data(slots), i32_data(q),
-                               i32_data(<cnp.ndarray>d) if d is not None else NULL, B, 0)
+        cdef int32_t *dp = i32_data(<cnp.ndarray>d) if d is not None else NULL
+        rc = (kvb_step_check(self.gp, self.ng, i32_data(slots), i32_data(q), dp, B, self._zs)
               if group < 0 else
-              kvb_mgr_schedule(self.gp[group], i32_data(slots), i32_data(q),
-                               i32_data(<cnp.ndarray>d) if d is not None else NULL, B, 0))
+              kvb_step_check(&self.gp[group], 1, i32_data(slots), i32_data(q), dp, B,
+                             &self._zs[group]))
         if rc and group > 0:  # the details are in that group's fields
             _copy_err(&self.m, self.gp[group], rc)
         if rc == KVB_EINVAL:
@@ -1182,39 +1325,31 @@ cdef class BlockManager:
                                        f"AttentionMetadata.allocate), got {type(out).__name__}")
             out = out.buffers  # a returned view: fill the buffers it came from
         ids = self._id_list(seq_ids)
-        cdef Py_ssize_t B, i
-        cdef int64_t ntok = 0, nidx = 0, nb, maxb = 0, L
-        cdef kvb_seq_t *s
+        cdef Py_ssize_t B
         cdef int32_t *sl
         cdef int32_t *q = i32_data(q_arr)
+        cdef int32_t *d = i32_data(d_arr) if d_arr is not None else NULL
         self._enter()
         try:
             slots = self._slots_of(ids, &B)
-            self._check_step(slots, q_arr, d_arr, B, "metadata", g)
+            self._check_step(slots, q_arr, d_arr, B, "metadata", g)  # sizes: self._zs[g]
             sl = i32_data(slots)
             if out is None:  # fresh buffers of the exact size (Python code runs, guarded)
-                for i in range(B):
-                    s = &self.gp[g].seqs[sl[i]]
-                    L = s.ntokens + ((<int32_t *>cnp.PyArray_DATA(d_arr))[i]
-                                     if d_arr is not None else 0)
-                    nb = (s.nblocks if self.gp[g].kind == KVB_G_STATE
-                          else (L + self.m.block_size - 1) // self.m.block_size)
-                    nidx += nb
-                    maxb = nb if nb > maxb else maxb
-                    ntok += q[i] + (L - s.ntokens)
-                out = AttentionMetadata.allocate(max(B, 1), ntok, max(nidx, 1), max(maxb, 1))
-            meta = self._fill_meta(out, sl, q, i32_data(d_arr) if d_arr is not None else NULL,
-                                   B, g)
-            kvb_mgr_schedule(self.gp[g], sl, q,
-                             i32_data(d_arr) if d_arr is not None else NULL, B, 1)
+                out = AttentionMetadata.allocate(max(B, 1), self._zs[g].tokens,
+                                                 max(self._zs[g].blocks, 1),
+                                                 max(self._zs[g].max_blocks, 1))
+            meta = self._fill_meta(out, sl, q, d, B, g, True)
+            kvb_mgr_schedule(self.gp[g], sl, q, d, B, 1)
             return meta
         finally:
             self._leave()
 
     cdef object _fill_meta(self, object out, int32_t *slots, int32_t *q, int32_t *d,
-                           Py_ssize_t B, int32_t g):
-        """Validate the buffers of ``out``, run the native builder into them and return an
-        AttentionMetadata of views over the used part."""
+                           Py_ssize_t B, int32_t g, bint release):
+        """Validate the buffers of ``out`` against the checked step's size (self._zs[g]),
+        apply the group's release (``release``: a v1 call; a StepPlan released already),
+        write the metadata into them and return an AttentionMetadata of views over the used
+        part."""
         cdef kvb_meta_t meta
         memset(&meta, 0, sizeof(meta))
         sm, bt, sl = out.slot_mapping, out.block_tables, out.seq_lens
@@ -1240,9 +1375,12 @@ cdef class BlockManager:
             meta.cap_rows = cnp.PyArray_DIM(<cnp.ndarray>rows, 0) // 4
             # first use, or another manager's buffers: start afresh
             meta.valid_rows = valid
-        rc = kvb_mgr_metadata(self.gp[g], slots, q, d, B, &meta)
+        rc = kvb_meta_fits(self.gp[g], &self._zs[g], &meta)
         if rc:
             self._err(rc if g == 0 else _copy_err(&self.m, self.gp[g], rc), "metadata")
+        if release:
+            kvb_step_release(&self.gp[g], 1, slots, q, B)  # before the tables are written
+        kvb_meta_write(self.gp[g], slots, q, d, B, &meta)
         if rows is not None:
             out.remember_rows(self._gowners[g], meta.valid_rows)
         cdef Py_ssize_t nt = meta.n_tokens, ni = meta.n_indices
@@ -1280,7 +1418,7 @@ cdef class BlockManager:
         cdef kvb_events_t merged
         cdef list keep = []
         cdef bytes out
-        self._enter()
+        self._enter(False)
         try:
             if t is NULL:  # the host pool of swapping records no events
                 out = self.pool._wire_bytes(ts, data_parallel_rank, fmt, hash_int)
@@ -1310,7 +1448,7 @@ cdef class BlockManager:
         """Verify the pool, the host pool, every block table and the pending copies (ref
         counts equal the references held, hashes match the tokens, no cached block that
         nobody computed); raises CorruptionError naming the broken invariant."""
-        self._enter()
+        self._enter(False)
         try:
             rc = kvb_grp_check(self.gp, self.ng)
             if rc:
@@ -1360,68 +1498,72 @@ cdef class BlockManager:
             raise InvalidTypeError(f"row_indices: out must be a RowIndices, got "
                                    f"{type(out).__name__}")
         ids = self._id_list(seq_ids)
-        cdef kvb_rows_t r
-        memset(&r, 0, sizeof(r))
-        r.stride = st
-        r.offset = off
-        cdef Py_ssize_t B, i
-        cdef int64_t nread = 0, nwrite = 0, nb, maxb = 0, L
-        cdef kvb_seq_t *s
+        cdef Py_ssize_t B
         cdef int32_t *sl
         cdef int32_t *q = i32_data(q_arr)
         cdef int32_t *d = i32_data(d_arr) if d_arr is not None else NULL
         self._enter()
         try:
             slots = self._slots_of(ids, &B)
-            self._check_step(slots, q_arr, d_arr, B, "row_indices", g)
+            self._check_step(slots, q_arr, d_arr, B, "row_indices", g)  # sizes: self._zs[g]
             sl = i32_data(slots)
-            if out is None:  # exact sizes (Python code runs, guarded)
-                for i in range(B):
-                    s = &self.gp[g].seqs[sl[i]]
-                    L = s.ntokens + (d[i] if d is not NULL else 0)
-                    nb = (L + self.m.block_size - 1) // self.m.block_size
-                    maxb = nb if nb > maxb else maxb
-                    nread += L
-                    nwrite += q[i] + (L - s.ntokens)
-                out = RowIndices(np.empty(nread, dtype=np.int64),
-                                 np.empty(nwrite, dtype=np.int64),
-                                 new_i32(B + 1), new_i32(B + 1),
-                                 np.empty((B, width if width >= 0 else maxb), dtype=np.int32)
-                                 if block_tables else None)
-            ri, wi, ro, wo, bt = (out.read_index, out.write_index, out.read_offsets,
-                                  out.write_offsets, out.block_tables)
-            r.read_offsets = <int32_t *>_rows_buf(ro, cnp.NPY_INT32, 1, B + 1, "read_offsets")
-            r.write_offsets = <int32_t *>_rows_buf(wo, cnp.NPY_INT32, 1, B + 1,
-                                                   "write_offsets")
-            if ri is not None:
-                r.read_index = <int64_t *>_rows_buf(ri, cnp.NPY_INT64, 1, 0, "read_index")
-                r.cap_read = cnp.PyArray_DIM(<cnp.ndarray>ri, 0)
-            if wi is not None:
-                r.write_index = <int64_t *>_rows_buf(wi, cnp.NPY_INT64, 1, 0, "write_index")
-                r.cap_write = cnp.PyArray_DIM(<cnp.ndarray>wi, 0)
-            if bt is not None:
-                r.block_tables = <int32_t *>_rows_buf(bt, cnp.NPY_INT32, 2, B, "block_tables")
-                r.max_blocks = <int32_t>cnp.PyArray_DIM(<cnp.ndarray>bt, 1)
-            rc = kvb_mgr_rows(self.gp[g], sl, q, d, B, &r)
-            if rc and g:
-                _copy_err(&self.m, self.gp[g], rc)
-            if rc == KVB_EINVAL and self.m.err_what is not NULL:
-                raise InvalidArgumentError(
-                    f"row_indices: {self.m.err_what.decode()} (stride={st}, offset={off}, "
-                    f"block_size={self.m.block_size})")
-            if rc == KVB_ERANGE:
-                raise InvalidArgumentError(
-                    f"row_indices: buffer {self.m.err_what.decode()} holds {self.m.err_b}, "
-                    f"the step needs {self.m.err_a}")
-            if rc:
-                self._err(rc, "row_indices")
+            res = self._fill_rows(out, sl, q, d, B, g, st, off, width, block_tables, True)
             kvb_mgr_schedule(self.gp[g], sl, q, d, B, 1)
-            return RowIndices(ri[:r.n_read] if ri is not None else None,
-                              wi[:r.n_write] if wi is not None else None,
-                              ro[:B + 1], wo[:B + 1],
-                              bt[:B] if bt is not None else None, r.n_read, r.n_write, B)
+            return res
         finally:
             self._leave()
+
+    cdef object _fill_rows(self, object out, int32_t *slots, int32_t *q, int32_t *d,
+                           Py_ssize_t B, int32_t g, int64_t st, int64_t off, int64_t width,
+                           bint block_tables, bint release):
+        """row_indices' writer: fresh buffers of the checked step's size (self._zs[g]) when
+        ``out`` is None, the geometry and capacity checked, the group's release applied
+        (``release``: a v1 call), the rows written; a RowIndices of views returned."""
+        cdef kvb_rows_t r
+        memset(&r, 0, sizeof(r))
+        r.stride = st
+        r.offset = off
+        cdef kvb_step_size_t *z = &self._zs[g]
+        if out is None:  # exact sizes (Python code runs, guarded)
+            out = RowIndices(np.empty(z.context, dtype=np.int64),
+                             np.empty(z.tokens, dtype=np.int64),
+                             new_i32(B + 1), new_i32(B + 1),
+                             np.empty((B, width if width >= 0 else z.max_blocks),
+                                      dtype=np.int32)
+                             if block_tables else None)
+        ri, wi, ro, wo, bt = (out.read_index, out.write_index, out.read_offsets,
+                              out.write_offsets, out.block_tables)
+        r.read_offsets = <int32_t *>_rows_buf(ro, cnp.NPY_INT32, 1, B + 1, "read_offsets")
+        r.write_offsets = <int32_t *>_rows_buf(wo, cnp.NPY_INT32, 1, B + 1, "write_offsets")
+        if ri is not None:
+            r.read_index = <int64_t *>_rows_buf(ri, cnp.NPY_INT64, 1, 0, "read_index")
+            r.cap_read = cnp.PyArray_DIM(<cnp.ndarray>ri, 0)
+        if wi is not None:
+            r.write_index = <int64_t *>_rows_buf(wi, cnp.NPY_INT64, 1, 0, "write_index")
+            r.cap_write = cnp.PyArray_DIM(<cnp.ndarray>wi, 0)
+        if bt is not None:
+            r.block_tables = <int32_t *>_rows_buf(bt, cnp.NPY_INT32, 2, B, "block_tables")
+            r.max_blocks = <int32_t>cnp.PyArray_DIM(<cnp.ndarray>bt, 1)
+        rc = kvb_rows_fits(self.gp[g], z, &r)
+        if rc and g:
+            _copy_err(&self.m, self.gp[g], rc)
+        if rc == KVB_EINVAL and self.m.err_what is not NULL:
+            raise InvalidArgumentError(
+                f"row_indices: {self.m.err_what.decode()} (stride={st}, offset={off}, "
+                f"block_size={self.m.block_size})")
+        if rc == KVB_ERANGE:
+            raise InvalidArgumentError(
+                f"row_indices: buffer {self.m.err_what.decode()} holds {self.m.err_b}, "
+                f"the step needs {self.m.err_a}")
+        if rc:
+            self._err(rc, "row_indices")
+        if release:
+            kvb_step_release(&self.gp[g], 1, slots, q, B)  # before the rows are written
+        kvb_rows_write(self.gp[g], slots, q, d, B, &r)
+        return RowIndices(ri[:r.n_read] if ri is not None else None,
+                          wi[:r.n_write] if wi is not None else None,
+                          ro[:B + 1], wo[:B + 1],
+                          bt[:B] if bt is not None else None, r.n_read, r.n_write, B)
 
 
 #: BlockManager._debug_corrupt's kinds (csrc/debug.c) and the check each must trip

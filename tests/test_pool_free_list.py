@@ -62,14 +62,21 @@ class Model:
 
 def _state(pool):
     s = pool.stats
-    return (list(pool.free_list()), pool.num_free, pool.num_evictable, pool.num_cached,
-            list(pool.ref_counts()), s.evictions, s.frees, s.allocations)
+    return (
+        list(pool.free_list()),
+        pool.num_free,
+        pool.num_evictable,
+        pool.num_cached,
+        list(pool.ref_counts()),
+        s.evictions,
+        s.frees,
+        s.allocations,
+    )
 
 
 def _expect(m):
     ev = sum(1 for b in m.order if b in m.cached)
-    return (m.order, len(m.order), ev, len(m.cached), m.ref, m.evictions, m.frees,
-            m.allocations)
+    return (m.order, len(m.order), ev, len(m.cached), m.ref, m.evictions, m.frees, m.allocations)
 
 
 op = st.one_of(

@@ -124,8 +124,8 @@ def test_same_tokens_reading_only_rows_the_window_holds(family, monkeypatch, nat
     if native:
         orig = cls.build_indices
 
-        def spy(self, io, ids, q, d, context=0):
-            orig(self, io, ids, q, d, context)
+        def spy(self, io, step, context=0):
+            orig(self, io, step, context)
             n = io.true_read_sizes[self.index]
             seen.append((io.read_index_storage[self.index, :n].clone(), self))
 

@@ -51,7 +51,7 @@ sliding layers, see :mod:`kvblocks.integrations.transformers_cb.window`). Other 
 
 Modules: :mod:`.compat` (supported versions, transformers' private names), :mod:`.context` (the
 state of one ``enabled()`` block), :mod:`.pool` (the block pool), :mod:`.allocator` (stage 1),
-:mod:`.step` (stage 2, the step protocol: indices from ``row_indices``), :mod:`.window`
+:mod:`.step` (stage 2, the step protocol: indices from ``plan_step``), :mod:`.window`
 (sliding-window layers); this module installs them. Layer types map onto KV cache groups through
 :mod:`kvblocks.groups`.
 """
@@ -102,7 +102,7 @@ def enabled(
 
     ``native_step`` (default) is stage 2: a :class:`kvblocks.BlockManager` holds the block
     tables and each step's ``read_index`` / ``write_index`` (or decode block table) come from
-    one native ``row_indices`` call instead of transformers' per-request Python loop (see
+    one native plan (``plan_step``, then ``StepPlan.rows`` per group) instead of transformers' per-request Python loop (see
     :mod:`kvblocks.integrations.transformers_cb.step`). ``native_step=False`` is stage 1:
     kvblocks hands out, shares, caches and frees the blocks; transformers builds the indices.
     """

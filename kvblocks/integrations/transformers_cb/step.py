@@ -7,7 +7,8 @@ requests (``ContinuousBatchingIOs.prepare_batch_tensors`` calling the cache's
 ``extend_read_and_write_indices`` / ``fill_block_table``): tens of milliseconds per step for a
 batch of long requests. Here the loop still runs for everything else (input ids, positions,
 sequence lengths, masks), the two index calls are skipped, and
-:meth:`kvblocks.BlockManager.row_indices` writes the rows straight into transformers' own index
+:meth:`kvblocks.BlockManager.plan_step` plans the step once for every group and each group's
+:meth:`kvblocks.StepPlan.rows` writes its rows straight into transformers' own index
 storage (numpy views of its CPU tensors, no copy; through one staged copy on a GPU).
 
 The step, in the order transformers calls it:
@@ -15,9 +16,9 @@ The step, in the order transformers calls it:
 1. scheduling (``can_store_request_tokens`` → :meth:`KVBlocksStepAllocator.allocate_cache_to_request`):
    ``reserve`` the slots the step will write: token ids are not needed to allocate;
 2. batch preparation (:func:`prepare_batch_tensors`): commit the query's token ids that are known
-   (``append`` / ``append_batch``), run the pending copy-on-write copies, and build the rows with
-   ``row_indices``, which also declares the step (its full blocks enter the prefix cache, hashed
-   on their real token ids). A query token whose id is not known yet (asynchronous batching
+   (``append`` / ``append_batch``), run the pending copy-on-write copies, plan the step once with
+   ``plan_step`` (validated for every group, declared: its full blocks enter the prefix cache, hashed
+   on their real token ids) and build each group's rows from the plan. A query token whose id is not known yet (asynchronous batching
    schedules a step before the last one's sampled ids are back: ``TMP_TOKEN_ID``) is a *draft*
    slot of that step and is committed with ``append(..., computed=True)`` at the next step, once
    the id has arrived, so prefix hashes always cover real ids.
@@ -42,7 +43,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from ... import BlockManager, RowIndices
+from ... import BlockManager, RowIndices, StepPlan
 from ...errors import InvalidStateError
 from .allocator import KVBlocksAllocator
 from .pool import TRASH_SEQ
@@ -113,7 +114,7 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
         self.block_table = _Tables(self)  # type: ignore[assignment]  # the manager's tables
         self._pending_prompt: Optional[List[int]] = None
         self._buffers: dict = {}  # scratch of the step: offsets, staged host copies
-        self.steps = 0  # steps whose indices row_indices built
+        self.steps = 0  # steps whose indices this allocator built from a plan
         self.step_context = 0  # context rows of the step being built (commit_step)
 
     @property
@@ -233,7 +234,7 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
         self.hit_tokens += cached
 
     def mark_complete_blocks(self, request_id, token_ids, new_new_blocks) -> None:
-        """Nothing to do: ``row_indices`` registered the step's full blocks."""
+        """Nothing to do: ``plan_step`` registered the step's full blocks."""
 
     # -- the step ------------------------------------------------------------------------------
     def commit_step(self, requests_in_batch: List[Any]) -> Tuple[List[str], np.ndarray, np.ndarray]:
@@ -292,22 +293,17 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
             )
         m.append(rid, known[ntok:past], computed=True)
 
-    def build_indices(
-        self, io: Any, ids: List[str], q: np.ndarray, d: np.ndarray, context: int = 0
-    ) -> None:
-        """Write the step's rows (or decode block table) into transformers' index storage.
-        ``context``: the step's context rows (for a window group's scratch)."""
-        B = len(ids)
+    def build_indices(self, io: Any, step: StepPlan, context: int = 0) -> None:
+        """Write this group's rows of the planned step (or its decode block table) into
+        transformers' index storage. ``context``: the step's context rows (for a window
+        group's scratch)."""
+        B = len(step)
         ro, wo = self._scratch("ro", (B + 1,), np.int32), self._scratch("wo", (B + 1,), np.int32)
-        drafts = d if d.any() else None
         stride = self.block_physical_stride
         if io.use_block_table:
             bt_t = io.block_table[self.index]
             bt, stage = self._host(bt_t, "bt")
-            out = RowIndices(None, None, ro, wo, bt[:B])
-            self.mgr.row_indices(
-                ids, q, stride=stride, draft_lens=drafts, out=out, group=self.index
-            )
+            step.rows(self.index, stride=stride, out=RowIndices(None, None, ro, wo, bt[:B]))
             if stage:
                 bt_t[:B].copy_(stage[:B])
         else:
@@ -315,10 +311,7 @@ class KVBlocksStepAllocator(KVBlocksAllocator):
             w, w_stage = self._host(w_t, "w")
             r_t = io.read_index_storage[self.index] if io.max_kv_read > 0 else None
             r, r_stage = self._host(r_t, "r") if r_t is not None else (None, None)
-            out = RowIndices(r, w, ro, wo)
-            rows = self.mgr.row_indices(
-                ids, q, stride=stride, draft_lens=drafts, out=out, group=self.index
-            )
+            rows = step.rows(self.index, stride=stride, out=RowIndices(r, w, ro, wo))
             io.true_write_sizes[self.index] = rows.num_write
             if r_t is not None:
                 io.true_read_sizes[self.index] = rows.num_read
@@ -372,7 +365,7 @@ def prepare_batch_tensors(self: Any, requests_in_batch: List[Any], *args: Any, *
     """``ContinuousBatchingIOs.prepare_batch_tensors`` with the indices built by kvblocks.
 
     For a cache whose allocators are :class:`KVBlocksStepAllocator`, the known ids are committed,
-    transformers' loop runs without its index calls, and ``row_indices`` fills the index storage
+    transformers' loop runs without its index calls, and one ``plan_step`` fills the index storage
     of each allocator from its group. In stage 1 (a model with sliding-window layers built with
     ``native_step=False``) transformers' loop builds the indices from kvblocks' tables and the
     step is declared with ``schedule``. Any other cache gets transformers' method unchanged. The
@@ -397,5 +390,8 @@ def prepare_batch_tensors(self: Any, requests_in_batch: List[Any], *args: Any, *
         _ORIGINAL_PREPARE(self, requests_in_batch, *args, **kwargs)
     finally:
         del cache.extend_read_and_write_indices, cache.fill_block_table
+    # one plan for every group: validated, released and declared once; each group's allocator
+    # writes its rows from it
+    step = lead.mgr.plan_step(ids, q, draft_lens=d if d.any() else None)
     for alloc in allocs:
-        alloc.build_indices(self, ids, q, d, lead.step_context)
+        alloc.build_indices(self, step, lead.step_context)

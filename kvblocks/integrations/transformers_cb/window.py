@@ -17,7 +17,7 @@ the same keys and values, the same mask and the same sequence lengths, and gener
 tokens. The K/V are written before they are read (as for full attention): no slot is reused
 inside the window, so nothing is overwritten.
 
-Stage 2 builds the rows with one ``row_indices(group=)`` call (every context row, released ones
+Stage 2 builds the rows from the step's plan (``StepPlan.rows(group)``: every context row, released ones
 on the null block), then keeps each request's last ``min(L, q + W - 1)`` rows with one numpy
 gather into transformers' read index. Stage 1 builds them in transformers' per-request loop
 (:meth:`KVBlocksWindowAllocator.get_read_indices`).
@@ -34,7 +34,7 @@ from typing import Any, List
 
 import numpy as np
 
-from ... import KVGroup, RowIndices
+from ... import KVGroup, RowIndices, StepPlan
 from ...errors import InvalidStateError
 from ...groups import layer_group
 from .context import refused
@@ -52,7 +52,7 @@ def keep_window_rows(
 ) -> int:
     """Keep, of each sequence's context rows, the last ``min(L, q + window - 1)`` (its query rows
     and the ``window - 1`` positions before them); write them packed into ``out`` and return how
-    many. ``read_offsets`` / ``write_offsets`` are ``row_indices``' CSR offsets (``L`` and ``q``
+    many. ``read_offsets`` / ``write_offsets`` are the plan's CSR offsets (``L`` and ``q``
     per sequence).
 
     >>> rows = np.arange(10, dtype=np.int64)            # one sequence: 10 positions, query 2
@@ -123,27 +123,19 @@ class KVBlocksWindowAllocator(KVBlocksStepAllocator):
         raise InvalidStateError("transformers_cb: sliding-window layers have no decode block table")
 
     # -- stage 2 -------------------------------------------------------------------------------
-    def build_indices(
-        self, io: Any, ids: List[str], q: np.ndarray, d: np.ndarray, context: int = 0
-    ) -> None:
-        """The step's write rows into transformers' storage; its context rows from one
-        ``row_indices`` call into scratch, then each request's window packed into the read index."""
+    def build_indices(self, io: Any, step: StepPlan, context: int = 0) -> None:
+        """The planned step's write rows into transformers' storage; its context rows from
+        the plan into scratch, then each request's window packed into the read index."""
         if io.use_block_table:
             raise InvalidStateError("transformers_cb: sliding-window layers have no decode path")
-        B = len(ids)
+        B = len(step)
         ro, wo = self._scratch("ro", (B + 1,), np.int32), self._scratch("wo", (B + 1,), np.int32)
-        drafts = d if d.any() else None
         w_t = io.write_index_storage[self.index]
         w, w_stage = self._host(w_t, "w")
         r_t = io.read_index_storage[self.index] if io.max_kv_read > 0 else None
         scratch = self._scratch("rows", (context,), np.int64) if r_t is not None else None
-        rows = self.mgr.row_indices(
-            ids,
-            q,
-            stride=self.block_physical_stride,
-            draft_lens=drafts,
-            out=RowIndices(scratch, w, ro, wo),
-            group=self.index,
+        rows = step.rows(
+            self.index, stride=self.block_physical_stride, out=RowIndices(scratch, w, ro, wo)
         )
         io.true_write_sizes[self.index] = rows.num_write
         if w_stage is not None:

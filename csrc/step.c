@@ -1,0 +1,61 @@
+/* step.c -- a forward step planned once: validated for every KV cache group, sized, released
+ * and declared, with metadata (meta.c) and row indices (rows.c) written from the plan.
+ *
+ * One step, in order:
+ *   check    every group validates the batch (kvb_mgr_schedule's checks: live, unique, not
+ *            swapped, no gap before the query, drafts reserved and private, nothing pending)
+ *            and the sizes of each group's buffers are counted: nothing changes;
+ *   release  window and chunk groups free what the step's queries cannot read (their table
+ *            entries become the null block 0), before any table is written;
+ *   write    metadata and rows, per group, into buffers checked to fit (kvb_meta_fits,
+ *            kvb_rows_fits): pure writers of the checked step;
+ *   commit   every committed token counts as computed; full blocks enter the prefix cache.
+ * kvblocks' plan_step runs check, release and commit in one call (kvb_step_plan) and writes
+ * afterwards, as often as asked, until the manager next changes (the tables written are the
+ * same before and after the commit: it caches blocks, it never moves them). The v1 calls
+ * (schedule, metadata, row_indices) are this sequence for one group or all, writing between
+ * release and commit so that a buffer too small fails before anything is declared.
+ */
+#include "internal.h"
+
+static void step_size(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
+                      const int32_t *drafts, int64_t B, kvb_step_size_t *z) {
+    int state = m->kind == KVB_G_STATE;
+    memset(z, 0, sizeof *z);
+    for (int64_t i = 0; i < B; i++) {
+        const kvb_seq_t *s = &m->seqs[slots[i]];
+        int64_t d = drafts ? drafts[i] : 0, L = s->ntokens + d;
+        int64_t nb = state ? s->nblocks : blocks_for(m, L);
+        z->tokens += qlens[i] + d;
+        z->blocks += nb;
+        if (nb > z->max_blocks) z->max_blocks = nb;
+        z->context += L;
+    }
+}
+
+int kvb_step_check(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, const int32_t *qlens,
+                   const int32_t *drafts, int64_t B, kvb_step_size_t *sizes) {
+    int rc = kvb_grp_schedule(g, G, slots, qlens, drafts, B, 0);
+    if (rc) return rc;
+    for (int32_t j = 0; j < G; j++) step_size(g[j], slots, qlens, drafts, B, &sizes[j]);
+    return KVB_OK;
+}
+
+void kvb_step_release(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
+                      const int32_t *qlens, int64_t B) {
+    for (int32_t j = 0; j < G; j++) kvb_mgr_step_release(g[j], slots, qlens, B);
+}
+
+void kvb_step_commit(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
+                     const int32_t *qlens, const int32_t *drafts, int64_t B) {
+    KVB_MUST(kvb_grp_schedule(g, G, slots, qlens, drafts, B, 1)); /* applying cannot fail */
+}
+
+int kvb_step_plan(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, const int32_t *qlens,
+                  const int32_t *drafts, int64_t B, kvb_step_size_t *sizes) {
+    int rc = kvb_step_check(g, G, slots, qlens, drafts, B, sizes);
+    if (rc) return rc;
+    kvb_step_release(g, G, slots, qlens, B);
+    kvb_step_commit(g, G, slots, qlens, drafts, B);
+    return KVB_OK;
+}
