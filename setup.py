@@ -74,7 +74,7 @@ ext = Extension(
     define_macros=macros + [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=compile_args,
     extra_link_args=link_args,
-    depends=["csrc/core.h", "csrc/internal.h", "kvblocks/_core.pxd"],
+    depends=["csrc/core.h", "csrc/internal.h", "include/kvblocks.h", "kvblocks/_core.pxd"],
 )
 
 setup(ext_modules=cythonize([ext], compiler_directives=directives, force=DEBUG or SANITIZE))
