@@ -90,3 +90,14 @@ def test_pkg_config_finds_the_installed_library(build, tmp_path):
     cflags = _run("pkg-config", "--cflags", "kvblocks", env=env).stdout.split()
     _run(CC, "-std=c11", src, *cflags, Path(libdir) / "libkvblocks.a", "-o", static)
     assert _run(static, "100", "4").stdout.rstrip().endswith(": OK")
+
+
+@pytest.mark.skipif(shutil.which("cargo") is None, reason="needs cargo")
+def test_rust_toy_engine_reads_back_its_kv(build):
+    env = dict(os.environ, KVBLOCKS_LIB_DIR=str(build / "build"),
+               CARGO_TARGET_DIR=str(build / "cargo"))
+    _run("cargo", "build", "-q", "--release", "--offline", "--manifest-path",
+         ROOT / "examples" / "rust" / "Cargo.toml", env=env)
+    r = _run(build / "cargo" / "release" / "toy_engine", "300", "5")
+    assert r.stdout.rstrip().endswith(": OK")
+    assert " 0 forks" not in r.stdout and " 0 rollbacks" not in r.stdout
