@@ -101,3 +101,11 @@ def test_rust_toy_engine_reads_back_its_kv(build):
     r = _run(build / "cargo" / "release" / "toy_engine", "300", "5")
     assert r.stdout.rstrip().endswith(": OK")
     assert " 0 forks" not in r.stdout and " 0 rollbacks" not in r.stdout
+
+
+@pytest.mark.skipif(shutil.which("abidiff") is None, reason="needs abidiff (abigail-tools)")
+def test_abi_matches_the_baseline(build):
+    """abi/check.sh builds with debug info (the types come from DWARF) and compares with the
+    checked-in baseline of the header's ABI version."""
+    r = _run(ROOT / "abi" / "check.sh")
+    assert "is compatible with" in r.stdout
