@@ -109,3 +109,15 @@ def test_abi_matches_the_baseline(build):
     checked-in baseline of the header's ABI version."""
     r = _run(ROOT / "abi" / "check.sh")
     assert "is compatible with" in r.stdout
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU needed)")
+@pytest.mark.parametrize("cu", sorted((ROOT / "kvblocks" / "cuda").glob("*.cu")), ids=str)
+def test_cuda_kernels_compile_ahead_of_time_for_sm80_and_sm90(cu, tmp_path):
+    """The kernels NVRTC compiles at first use also compile offline, warnings as errors, so
+    a kernel that does not compile is caught on a machine without a GPU."""
+    _run("nvcc", "-std=c++17", "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror",
+         "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+         "-fatbin", cu, "-o", tmp_path / "k.fatbin")
+    assert (tmp_path / "k.fatbin").stat().st_size > 0
+
