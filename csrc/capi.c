@@ -278,10 +278,18 @@ static void random_key(uint8_t key[16]) {
     memcpy(key + 8, &b, 8);
 }
 
-int kvb_manager_new(const kvb_manager_config_t *c, kvb_manager_t **out) {
+/* The config of ABI version 1; a later, larger config is read as far as the caller's size
+ * goes, the rest keeping its defaults (kvb_manager_config_init). */
+#define KVB_CONFIG_V1_SIZE sizeof(kvb_manager_config_t)
+
+int kvb_manager_new(const kvb_manager_config_t *given, kvb_manager_t **out) {
     if (!out) return KVB_EINVAL;
     *out = NULL;
-    if (!c || c->size < sizeof *c) return KVB_EINVAL;
+    if (!given || given->size < KVB_CONFIG_V1_SIZE) return KVB_EINVAL;
+    kvb_manager_config_t cfg;
+    kvb_manager_config_init(&cfg);
+    memcpy(&cfg, given, given->size < sizeof cfg ? given->size : sizeof cfg);
+    const kvb_manager_config_t *c = &cfg;
     if (c->num_blocks < 2 || c->num_blocks == INT32_MAX || c->block_size < 1 ||
         c->num_host_blocks < 0 || c->num_host_blocks == 1 || c->num_host_blocks == INT32_MAX ||
         c->hash_mode < 0 || c->hash_mode >= KVB_HASH_NMODES || c->num_groups < 1 ||
