@@ -83,8 +83,18 @@ def test_pkg_config_finds_the_installed_library(build, tmp_path):
     libdir = _run("pkg-config", "--variable=libdir", "kvblocks", env=env).stdout.strip()
     exe = tmp_path / "toy"
     src = ROOT / "examples" / "c" / "toy_engine.c"
-    _run(CC, "-std=c11", "-Wall", "-Wextra", "-Werror", src, *flags, f"-Wl,-rpath,{libdir}",
-         "-o", exe)
+    _run(
+        CC,
+        "-std=c11",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        src,
+        *flags,
+        f"-Wl,-rpath,{libdir}",
+        "-o",
+        exe,
+    )
     assert _run(exe, "100", "3").stdout.rstrip().endswith(": OK")
     static = tmp_path / "toy_static"
     cflags = _run("pkg-config", "--cflags", "kvblocks", env=env).stdout.split()
@@ -94,10 +104,19 @@ def test_pkg_config_finds_the_installed_library(build, tmp_path):
 
 @pytest.mark.skipif(shutil.which("cargo") is None, reason="needs cargo")
 def test_rust_toy_engine_reads_back_its_kv(build):
-    env = dict(os.environ, KVBLOCKS_LIB_DIR=str(build / "build"),
-               CARGO_TARGET_DIR=str(build / "cargo"))
-    _run("cargo", "build", "-q", "--release", "--offline", "--manifest-path",
-         ROOT / "examples" / "rust" / "Cargo.toml", env=env)
+    env = dict(
+        os.environ, KVBLOCKS_LIB_DIR=str(build / "build"), CARGO_TARGET_DIR=str(build / "cargo")
+    )
+    _run(
+        "cargo",
+        "build",
+        "-q",
+        "--release",
+        "--offline",
+        "--manifest-path",
+        ROOT / "examples" / "rust" / "Cargo.toml",
+        env=env,
+    )
     r = _run(build / "cargo" / "release" / "toy_engine", "300", "5")
     assert r.stdout.rstrip().endswith(": OK")
     assert " 0 forks" not in r.stdout and " 0 rollbacks" not in r.stdout
@@ -116,8 +135,46 @@ def test_abi_matches_the_baseline(build):
 def test_cuda_kernels_compile_ahead_of_time_for_sm80_and_sm90(cu, tmp_path):
     """The kernels NVRTC compiles at first use also compile offline, warnings as errors, so
     a kernel that does not compile is caught on a machine without a GPU."""
-    _run("nvcc", "-std=c++17", "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror",
-         "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
-         "-fatbin", cu, "-o", tmp_path / "k.fatbin")
+    _run(
+        "nvcc",
+        "-std=c++17",
+        "-Werror",
+        "all-warnings",
+        "-Xcompiler",
+        "-Wall,-Werror",
+        "-gencode",
+        "arch=compute_80,code=sm_80",
+        "-gencode",
+        "arch=compute_90,code=sm_90",
+        "-fatbin",
+        cu,
+        "-o",
+        tmp_path / "k.fatbin",
+    )
     assert (tmp_path / "k.fatbin").stat().st_size > 0
 
+
+def test_the_c_api_guide_example_runs(build, tmp_path):
+    """docs/c-api.md: its complete example compiles (-Werror) against the built library and
+    runs: the second prompt reuses the first one's two full blocks."""
+    (code,) = re.findall(r"```c\n(.*?)```", (ROOT / "docs" / "c-api.md").read_text(), re.S)
+    src = tmp_path / "example.c"
+    src.write_text(code)
+    exe = tmp_path / "example"
+    lib = build / "build"
+    _run(
+        CC,
+        "-std=c11",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        f"-I{HEADER.parent}",
+        src,
+        f"-L{lib}",
+        "-lkvblocks",
+        f"-Wl,-rpath,{lib}",
+        "-o",
+        exe,
+    )
+    out = _run(exe).stdout
+    assert "cached prefix of the second prompt: 8 tokens" in out
