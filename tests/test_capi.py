@@ -75,6 +75,20 @@ def test_c_toy_engine_reads_back_its_kv(build):
     assert " 0 accepted drafts" not in r.stdout and " 0 cached prompt tokens" not in r.stdout
 
 
+def test_c_toy_engine_with_the_host_tier(build):
+    """Features 31: evicted blocks demoted to the host, prompts continuing there; the drain
+    runs offloads, onloads, swap pairs and copies in that order."""
+    r = _run(build / "build" / "toy_engine", "400", "2", "31")
+    assert r.stdout.rstrip().endswith(": OK")
+    assert " 0 offloads" not in r.stdout and " 0 onloads" not in r.stdout
+
+
+def test_the_api_contract(build):
+    """tests/c/capi_contract.c: hostile arguments, short buffers, all-or-nothing, per-handle
+    error detail, managers on several threads at once."""
+    assert _run(build / "build" / "capi_contract").stdout.strip() == "capi_contract: OK"
+
+
 @pytest.mark.skipif(shutil.which("pkg-config") is None, reason="needs pkg-config")
 def test_pkg_config_finds_the_installed_library(build, tmp_path):
     (pc,) = (build / "prefix").rglob("kvblocks.pc")

@@ -10,7 +10,12 @@
  * through its block table (device or host) and compared with what its own tokens give, and
  * the manager's invariants are checked.
  *
- *   toy_engine [steps] [seed]        exit 0 and a summary line when every read-back matched
+ * With the host tier (features bit 16) evicted cached blocks are demoted to the host pool and
+ * prompts continue their prefix there: the drain runs, in order, the offloads, the onloads,
+ * the swap pairs queued since the last drain and the copy-on-write copies.
+ *
+ *   toy_engine [steps] [seed] [features]   exit 0 and a summary line when every read-back
+ *                                          matched (features: a mask, default 15)
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -36,8 +41,11 @@ static uint8_t kv[NBLOCKS * BS * SLOT];     /* device K/V: SLOT bytes per token 
 static uint8_t host_kv[NHOST * BS * SLOT];  /* host K/V */
 static req_t reqs[MAXSEQ];
 static uint64_t rng_state;
-static unsigned features = 15; /* 1 fork, 2 swap, 4 drafts, 8 prefixes */
+static unsigned features = 15; /* 1 fork, 2 swap, 4 drafts, 8 shared prefixes, 16 host tier */
+static int64_t swapq[3 * 4096]; /* swap pairs queued for the drain: (src, dst, 1 = to host) */
+static int64_t nswapq;
 static long n_checked, n_forked, n_swaps, n_drafts, n_preempt, n_done, n_hits;
+static int64_t n_offloads, n_onloads;
 
 static uint64_t rnd(void) { /* splitmix64 */
     uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
@@ -149,6 +157,7 @@ int main(int argc, char **argv) {
     cfg.block_size = BS;
     cfg.num_host_blocks = NHOST;
     cfg.kv_events = 1;
+    cfg.host_prefix_cache = (features & 16) != 0;
     CHECK(kvb_manager_new(&cfg, &mgr));
     static const int32_t prefixes[3][8] = {{11, 12, 13, 14, 15, 16, 17, 18},
                                            {21, 22, 23, 24, 25, 26, 27, 28},
@@ -201,9 +210,13 @@ int main(int argc, char **argv) {
                 int rc = r->swapped
                     ? kvb_manager_swap_in(mgr, r->slot, pairs, PAIRS, &np)
                     : kvb_manager_swap_out(mgr, r->slot, pairs, PAIRS, &np);
-                if (rc == 0) {
-                    if (r->swapped) copy_pairs(pairs, np, kv, host_kv);
-                    else copy_pairs(pairs, np, host_kv, kv);
+                if (rc == 0) { /* the pairs run with the next drain, after its onloads */
+                    for (int64_t j = 0; j < np; j++) {
+                        swapq[3 * nswapq] = pairs[2 * j];
+                        swapq[3 * nswapq + 1] = pairs[2 * j + 1];
+                        swapq[3 * nswapq + 2] = !r->swapped;
+                        nswapq++;
+                    }
                     r->swapped = !r->swapped;
                     n_swaps++;
                 } else if (rc != KVB_EOUTOFBLOCKS && rc != KVB_EPENDING) {
@@ -232,7 +245,21 @@ int main(int argc, char **argv) {
             ntok += qlens[B] + d;
             B++;
         }
-        /* 5. drain: offloads and onloads (no host tier here), then copy-on-write copies */
+        /* 5. drain: offloads, onloads (host tier), swap pairs, then copy-on-write copies */
+        static int64_t tier_pairs[2 * 4096];
+        int64_t ntp = 0;
+        CHECK(kvb_manager_take_offloads(mgr, tier_pairs, 4096, &ntp));
+        copy_pairs(tier_pairs, ntp, host_kv, kv);
+        n_offloads += ntp;
+        CHECK(kvb_manager_take_onloads(mgr, tier_pairs, 4096, &ntp));
+        copy_pairs(tier_pairs, ntp, kv, host_kv);
+        n_onloads += ntp;
+        for (int64_t j = 0; j < nswapq; j++) {
+            int64_t pr[2] = {swapq[3 * j], swapq[3 * j + 1]};
+            if (swapq[3 * j + 2]) copy_pairs(pr, 1, host_kv, kv);
+            else copy_pairs(pr, 1, kv, host_kv);
+        }
+        nswapq = 0;
         int64_t nc_pairs = 0;
         CHECK(kvb_manager_take_copies(mgr, pairs, PAIRS, &nc_pairs));
         copy_pairs(pairs, nc_pairs, kv, kv);
@@ -322,9 +349,10 @@ int main(int argc, char **argv) {
     kvb_pool_stats(kvb_manager_pool(mgr), &st);
     printf("toy_engine (C, libkvblocks %s): %d steps, %ld tokens read back, %ld finished, "
            "%ld forks, %ld swaps, %ld accepted drafts, %ld preemptions, %ld cached prompt "
-           "tokens, %" PRId64 " events, %" PRIu64 " blocks stored: OK\n",
+           "tokens, %" PRId64 " offloads, %" PRId64 " onloads, %" PRId64 " events, %" PRIu64
+           " blocks stored: OK\n",
            kvb_version_string(), steps, n_checked, n_done, n_forked, n_swaps, n_drafts,
-           n_preempt, n_hits, n_events_total, st.stored);
+           n_preempt, n_hits, n_offloads, n_onloads, n_events_total, st.stored);
     kvb_manager_delete(mgr);
     return 0;
 }
