@@ -590,6 +590,73 @@ int kvb_manager_metadata(kvb_manager_t *m, int32_t group, const int32_t *seqs,
     return KVB_OK;
 }
 
+int kvb_manager_rows(kvb_manager_t *m, int32_t group, const int32_t *seqs,
+                     const int32_t *qlens, const int32_t *drafts, int64_t B,
+                     kvb_step_rows_t *out) {
+    ENTER(m);
+    if (!out || out->size < sizeof *out || group < 0 || group >= m->ng)
+        return fail(m, KVB_EINVAL, 0, group, "out, group");
+    if (m->g[group].kind == KVB_G_STATE)
+        return fail(m, KVB_EINVAL, 0, group, "a state group has no per-token rows");
+    if (!out->read_offsets || !out->write_offsets || out->cap_read < 0 || out->cap_write < 0 ||
+        out->max_blocks < 0 || (out->cap_read && !out->read_index) ||
+        (out->cap_write && !out->write_index) || (out->max_blocks && !out->block_tables))
+        return fail(m, KVB_EINVAL, 0, 0, "out's buffers and capacities");
+    int rc = check_step(m, seqs, qlens, drafts, B, group);
+    if (rc) return rc;
+    kvb_rows_t r;
+    memset(&r, 0, sizeof r);
+    r.read_index = out->cap_read ? out->read_index : NULL;
+    r.write_index = out->cap_write ? out->write_index : NULL;
+    r.read_offsets = out->read_offsets;
+    r.write_offsets = out->write_offsets;
+    r.block_tables = out->max_blocks ? out->block_tables : NULL;
+    r.cap_read = out->cap_read;
+    r.cap_write = out->cap_write;
+    r.max_blocks = out->max_blocks;
+    r.stride = out->stride;
+    r.offset = out->offset;
+    rc = kvb_mgr_rows(m->gp[group], seqs, qlens, drafts, B, &r);
+    if (rc) return fin(m, rc, group);
+    out->n_read = r.n_read;
+    out->n_write = r.n_write;
+    KVB_MUST(kvb_mgr_schedule(m->gp[group], seqs, qlens, drafts, B, 1));
+    return KVB_OK;
+}
+
+int kvb_manager_block_hashes(const kvb_manager_t *m, const int32_t *tokens, int64_t n,
+                             const uint8_t *salt, size_t salt_len, kvb_hash_t *out, int64_t cap,
+                             int64_t *n_out) {
+    if (!m || !n_out || n < 0 || cap < 0 || (n && !tokens) || (cap && !out) ||
+        (salt_len && !salt))
+        return KVB_EINVAL;
+    const kvb_mgr_t *g = &m->g[0];
+    int64_t nb = n / g->block_size;
+    if (cap < nb) return KVB_ERANGE;
+    kvb_hasher_t hs;
+    int rc = kvb_hasher_init(&hs, g->hash_algo, g->key, g->none_hash, salt, salt_len);
+    if (rc) return rc;
+    if (nb) kvb_hash_blocks(&hs, NULL, 0, tokens, nb, g->block_size, out, NULL);
+    *n_out = nb;
+    return KVB_OK;
+}
+
+int kvb_manager_host_stats(kvb_manager_t *m, kvb_host_stats_t *out) {
+    if (!m || !out) return KVB_EINVAL;
+    memset(out, 0, sizeof *out);
+    kvb_tier_t *t = m->pool.tier;
+    if (!t) return KVB_OK;
+    kvb_tier_flush(t); /* demotions recorded since the last flush are counted */
+    out->hit_blocks = t->stats.hit_blocks;
+    out->hit_tokens = t->stats.hit_tokens;
+    out->recompute_hit_tokens = t->stats.recompute_hit_tokens;
+    out->demotions = t->stats.demotions;
+    out->offloads = t->stats.offloads;
+    out->onloads = t->stats.onloads;
+    out->dropped = t->stats.dropped;
+    return KVB_OK;
+}
+
 /* the tier's pending offloads after placing the evictions since the last flush */
 int64_t kvb_manager_pending_offloads(kvb_manager_t *m) {
     kvb_tier_t *t = m->pool.tier;

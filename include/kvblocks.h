@@ -284,6 +284,51 @@ KVB_API int kvb_manager_metadata(kvb_manager_t *m, int32_t group, const int32_t 
                                  const int32_t *qlens, const int32_t *drafts, int64_t B,
                                  kvb_metadata_t *out);
 
+typedef struct {               /* per-token row indices of a step, for a cache laid out as rows:
+                                * token p of a sequence is row
+                                * blocks[p / block_size] * stride + offset + p % block_size */
+    size_t size;               /* sizeof(kvb_step_rows_t) */
+    int64_t *read_index;       /* [cap_read] rows of every context token, or NULL */
+    int64_t *write_index;      /* [cap_write] rows of every query token, or NULL */
+    int32_t *read_offsets;     /* [B + 1] CSR offsets into read_index */
+    int32_t *write_offsets;    /* [B + 1] CSR offsets into write_index */
+    int32_t *block_tables;     /* [B * max_blocks] (block * stride + offset) / block_size,
+                                * or NULL */
+    int64_t cap_read;          /* capacity of read_index */
+    int64_t cap_write;         /* capacity of write_index */
+    int32_t max_blocks;        /* row width of block_tables */
+    int64_t stride;            /* rows from one block's first row to the next's, >= block_size */
+    int64_t offset;            /* rows added to every index, >= 0 */
+    int64_t n_read;            /* out: read rows written */
+    int64_t n_write;           /* out: write rows written */
+} kvb_step_rows_t;
+
+/* The step's row indices (a flat cache: transformers' continuous batching) for group, written
+ * into out's buffers; declares the step for that group as kvb_manager_metadata does. */
+KVB_API int kvb_manager_rows(kvb_manager_t *m, int32_t group, const int32_t *seqs,
+                             const int32_t *qlens, const int32_t *drafts, int64_t B,
+                             kvb_step_rows_t *out);
+
+/* The block hashes this manager gives the full blocks of tokens[0..n) under salt (as add
+ * would: its key, hash mode and block size; group 0): n / block_size hashes into out (cap);
+ * *n_out gets how many. What its KV events carry, for an engine or router keyed by them. */
+KVB_API int kvb_manager_block_hashes(const kvb_manager_t *m, const int32_t *tokens, int64_t n,
+                                     const uint8_t *salt, size_t salt_len, kvb_hash_t *out,
+                                     int64_t cap, int64_t *n_out);
+
+typedef struct {               /* the host tier's counters since creation */
+    uint64_t hit_blocks;       /* blocks add() served from the host (onloads queued) */
+    uint64_t hit_tokens;       /* their tokens, first admissions */
+    uint64_t recompute_hit_tokens; /* their tokens, re-admissions of preempted sequences */
+    uint64_t demotions;        /* evicted device entries kept on the host */
+    uint64_t offloads;         /* (device, host) copies queued */
+    uint64_t onloads;          /* (host, device) copies queued */
+    uint64_t dropped;          /* evicted device entries lost (no host block free, ...) */
+} kvb_host_stats_t;
+
+/* The host tier's counters (zeros without a tier). */
+KVB_API int kvb_manager_host_stats(kvb_manager_t *m, kvb_host_stats_t *out);
+
 /* Copy lists, drained in this order each step: offloads, onloads (host tier), swap pairs (as
  * swap_out / swap_in returned them), copies; then the forward pass. Each writes int64 pairs
  * [2 * n] into out (cap pairs) and *n the pairs; KVB_ERANGE if cap is short. */

@@ -222,6 +222,52 @@ static void pools(void) {
     kvb_pool_delete(p);
 }
 
+/* the hashes kvb_manager_block_hashes gives are those the manager's events carry; rows */
+static void hashes_rows(void) {
+    kvb_manager_t *m = manager(32, 0);
+    const int32_t toks[10] = {5, 4, 3, 2, 1, 0, 9, 8, 7, 6};
+    const uint8_t salt[3] = {'t', '4', '2'};
+    int32_t s;
+    EXPECT(kvb_manager_add(m, toks, 10, salt, 3, 0, &s, NULL) == KVB_OK);
+    int32_t q = 10, ro[2], wo[2];
+    int64_t ri[16], wi[16];
+    kvb_step_rows_t r;
+    memset(&r, 0, sizeof r);
+    r.size = sizeof r;
+    r.read_index = ri;
+    r.write_index = wi;
+    r.read_offsets = ro;
+    r.write_offsets = wo;
+    r.cap_read = 16;
+    r.cap_write = 16;
+    r.stride = 8; /* two blocks' rows apart */
+    r.offset = 1;
+    EXPECT(kvb_manager_rows(m, 0, &s, &q, NULL, 1, &r) == KVB_OK);
+    EXPECT(r.n_write == 10 && r.n_read == 10 && wo[1] == 10);
+    int32_t table[4];
+    int64_t n;
+    EXPECT(kvb_manager_block_table(m, 0, s, table, 4, &n) == KVB_OK && n == 3);
+    EXPECT(wi[5] == (int64_t)table[1] * 8 + 1 + 1); /* token 5: block 1, offset 1 */
+    EXPECT(kvb_manager_num_computed(m, s) == 10);   /* rows declared the step */
+    kvb_hash_t h[4];
+    EXPECT(kvb_manager_block_hashes(m, toks, 10, salt, 3, h, 1, &n) == KVB_ERANGE);
+    EXPECT(kvb_manager_block_hashes(m, toks, 10, salt, 3, h, 4, &n) == KVB_OK && n == 2);
+    kvb_event_t ev[8];
+    int32_t et[32];
+    int64_t ne, nt;
+    EXPECT(kvb_pool_take_events(kvb_manager_pool(m), ev, 8, et, 32, &ne, &nt) == KVB_OK);
+    EXPECT(ne == 2 && ev[0].kind == KVB_EV_STORED && ev[1].kind == KVB_EV_STORED);
+    EXPECT(ne == 2 && ev[0].hash.lo == h[0].lo && ev[0].hash.hi == h[0].hi);
+    EXPECT(ne == 2 && ev[1].hash.lo == h[1].lo && ev[1].parent.lo == h[0].lo);
+    EXPECT(ne == 2 && ev[1].ntok == 4 && et[ev[1].tok_off] == 1);
+    kvb_hash_t other[2];
+    EXPECT(kvb_manager_block_hashes(m, toks, 10, NULL, 0, other, 2, &n) == KVB_OK);
+    EXPECT(other[0].lo != h[0].lo); /* the salt keys the chain apart */
+    kvb_host_stats_t hs;
+    EXPECT(kvb_manager_host_stats(m, &hs) == KVB_OK && hs.onloads == 0);
+    kvb_manager_delete(m);
+}
+
 /* two managers, two threads, at once: each runs decode steps on its own handle */
 static void *worker(void *arg) {
     kvb_manager_t *m = manager(64, 0);
@@ -264,6 +310,7 @@ int main(void) {
     manager_errors();
     swaps();
     pools();
+    hashes_rows();
     threads();
     if (failures) {
         fprintf(stderr, "capi_contract: %d failures\n", failures);
