@@ -136,6 +136,130 @@ def test_rust_toy_engine_reads_back_its_kv(build):
     assert " 0 forks" not in r.stdout and " 0 rollbacks" not in r.stdout
 
 
+class _Replay:
+    """Random op sequences run through the Python BlockManager, each op's observation the
+    line ``toy_engine --replay`` (examples/rust/src/replay.rs) prints for it."""
+
+    CLASSES = (
+        ("oob", "OutOfBlocksError"),
+        ("unknown", "UnknownSequenceError"),
+        ("state", "InvalidStateError"),
+        ("arg", "InvalidArgumentError"),
+        ("arg", "DuplicateSequenceError"),
+    )
+
+    def __init__(self, seed: int) -> None:
+        import random
+
+        import kvblocks
+
+        self.kvb = kvblocks
+        self.rng = random.Random(seed)
+        r = self.rng
+        self.cfg = (r.randint(6, 24), r.randint(1, 4), r.choice([0, 8, 16, 24]))
+        self.mgr = kvblocks.BlockManager(self.cfg[0], self.cfg[1], num_host_blocks=self.cfg[2])
+        self.script = [f"new {self.cfg[0]} {self.cfg[1]} {self.cfg[2]}"]
+        self.expected = ["new"]
+
+    def _toks(self, n: int) -> list:
+        return [self.rng.randint(1, 3) for _ in range(n)]
+
+    def _pick(self) -> str:
+        live = sorted(self.mgr.seq_ids(), key=str)
+        return self.rng.choice(live) if live and self.rng.random() < 0.9 else "zz"
+
+    @staticmethod
+    def _csv(xs) -> str:
+        return ",".join(str(x) for x in xs) if len(xs) else "-"
+
+    @staticmethod
+    def _pairs(p) -> str:
+        return ",".join(f"{a}>{b}" for a, b in p.tolist()) if len(p) else "-"
+
+    def step(self) -> None:
+        r, m = self.rng, self.mgr
+        op = r.choice(["add", "add", "append", "batch", "batch", "reserve", "truncate", "fork",
+                       "free", "out", "in", "sched", "sched", "copies"])  # fmt: skip
+        i = self._pick()
+        if op == "add":
+            i = r.choice("abcdefgh")
+            line, call = f"add {i} {{}}", None
+            toks = [1, 2, 3, 1][: r.randint(0, 4)] + self._toks(r.randint(0, 6))
+            line, call = f"add {i} {self._csv(toks)}", lambda: f"ok {m.add(i, toks)}"
+        elif op == "append":
+            toks = self._toks(r.randint(0, 5))
+            line, call = f"append {i} {self._csv(toks)}", lambda: m.append(i, toks) or "ok"
+        elif op == "batch":
+            live = sorted(m.seq_ids(), key=str)
+            ids = r.sample(live, min(len(live), r.randint(1, 3))) if live else ["zz"]
+            toks = self._toks(len(ids))
+            line = f"batch {self._csv(ids)} {self._csv(toks)}"
+            call = lambda: m.append_batch(ids, toks) or "ok"  # noqa: E731
+        elif op == "reserve":
+            n = r.randint(0, 5)
+            line, call = f"reserve {i} {n}", lambda: m.reserve(i, n) or "ok"
+        elif op == "truncate":
+            n = r.randint(0, m.num_tokens(i) + 1) if i in m else 1
+            line, call = f"truncate {i} {n}", lambda: m.truncate(i, n) or "ok"
+        elif op == "fork":
+            c = r.choice("abcdefgh")
+            line, call = f"fork {i} {c}", lambda: m.fork(i, c) or "ok"
+        elif op == "free":
+            line, call = f"free {i}", lambda: m.free(i) or "ok"
+        elif op in ("out", "in"):
+            f = m.swap_out if op == "out" else m.swap_in
+            line, call = f"{op} {i}", lambda: f"ok {self._pairs(f(i))}"
+        elif op == "sched":
+            live = sorted(m.seq_ids(), key=str)
+            ids = r.sample(live, min(len(live), r.randint(1, 3))) if live else []
+            q = [max(0, m.num_tokens(s) - m.num_computed(s) + r.choice([0, 0, 0, 1, -1]))
+                 for s in ids]  # fmt: skip
+            line, call = (
+                f"sched {self._csv(ids)} {self._csv(q)}",
+                lambda: m.schedule(ids, q) or "ok",
+            )
+        else:
+            line, call = "copies", lambda: f"ok {self._pairs(m.take_copies())}"
+        try:
+            res = call()
+        except self.kvb.KVBlocksError as e:
+            names = {type(e).__name__} | {c.__name__ for c in type(e).__mro__}
+            res = "err " + next((c for c, n in self.CLASSES if n in names), "other")
+        state = " ".join(
+            f"{s}:{m.num_tokens(s)}:{m.num_computed(s)}:"
+            f"{'.'.join(str(b) for b in m.block_table(s).tolist())}:{int(m.is_swapped(s))}"
+            for s in sorted(m.seq_ids(), key=str)
+        )
+        self.script.append(line)
+        self.expected.append(f"{res} | {state} copies={m.num_pending_copies}")
+
+
+@pytest.mark.skipif(shutil.which("cargo") is None, reason="needs cargo")
+def test_rust_replays_op_sequences_as_the_python_binding_does(build):
+    """The same core through two bindings: 300 random op sequences (adds with shared
+    prefixes, appends, decode batches, reserve, truncate, fork, free, swap, steps, copies)
+    give the same results, block tables, computed counts and copy pairs from Rust (C API)
+    as from Python, op by op."""
+    env = dict(os.environ, KVBLOCKS_LIB_DIR=str(build / "build"),
+               CARGO_TARGET_DIR=str(build / "cargo"))  # fmt: skip
+    _run("cargo", "build", "-q", "--release", "--offline", "--manifest-path",
+         ROOT / "examples" / "rust" / "Cargo.toml", env=env)  # fmt: skip
+    script, expected = [], []
+    for seed in range(300):
+        rp = _Replay(seed)
+        for _ in range(40):
+            rp.step()
+        script += rp.script
+        expected += rp.expected
+    r = subprocess.run([str(build / "cargo" / "release" / "toy_engine"), "--replay"],
+                       input="\n".join(script) + "\n", capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = r.stdout.splitlines()
+    assert len(got) == len(expected)
+    for k, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"op {k}: {script[k]}\n  rust:   {g}\n  python: {e}"
+
+
 @pytest.mark.skipif(shutil.which("abidiff") is None, reason="needs abidiff (abigail-tools)")
 def test_abi_matches_the_baseline(build):
     """abi/check.sh builds with debug info (the types come from DWARF) and compares with the

@@ -185,6 +185,14 @@ extern "C" {
         b: i64,
         out: *mut kvb_metadata_t,
     ) -> c_int;
+    pub fn kvb_manager_is_swapped(m: *const kvb_manager_t, seq: i32) -> c_int;
+    pub fn kvb_manager_schedule(
+        m: *mut kvb_manager_t,
+        seqs: *const i32,
+        qlens: *const i32,
+        drafts: *const i32,
+        b: i64,
+    ) -> c_int;
     pub fn kvb_manager_pending_copies(m: *mut kvb_manager_t) -> i64;
     pub fn kvb_manager_take_copies(
         m: *mut kvb_manager_t,
@@ -330,7 +338,14 @@ impl Manager {
     }
 
     pub fn append_batch(&mut self, seqs: &[i32], tokens: &[i32]) -> Result<(), Error> {
-        assert_eq!(seqs.len(), tokens.len());
+        if seqs.len() != tokens.len() {
+            return Err(Error {
+                code: -3,
+                a: 0,
+                b: 0,
+                what: "lengths differ".into(),
+            });
+        }
         let rc = unsafe {
             kvb_manager_append_batch(self.m, seqs.as_ptr(), tokens.as_ptr(), seqs.len() as i64)
         };
@@ -359,10 +374,8 @@ impl Manager {
     }
 
     fn pairs(&mut self, seq: i32, swap_in: bool) -> Result<Vec<(i64, i64)>, Error> {
-        let max = unsafe { kvb_manager_swap_pairs_max(self.m, seq) };
-        if max < 0 {
-            return self.check(max as c_int).map(|_| Vec::new());
-        }
+        // an unknown sequence sizes nothing: the swap call itself refuses it, in its order
+        let max = unsafe { kvb_manager_swap_pairs_max(self.m, seq) }.max(0);
         let mut buf = vec![0i64; 2 * max.max(1) as usize];
         let mut n = 0i64;
         let rc = unsafe {
@@ -467,6 +480,36 @@ impl Manager {
         Ok((0..got as usize)
             .map(|i| (buf[2 * i], buf[2 * i + 1]))
             .collect())
+    }
+
+    /// Declare a step without building metadata (no draft slots).
+    pub fn schedule(&mut self, seqs: &[i32], qlens: &[i32]) -> Result<(), Error> {
+        if seqs.len() != qlens.len() {
+            return Err(Error {
+                code: -3,
+                a: 0,
+                b: 0,
+                what: "lengths differ".into(),
+            });
+        }
+        let rc = unsafe {
+            kvb_manager_schedule(
+                self.m,
+                seqs.as_ptr(),
+                qlens.as_ptr(),
+                ptr::null(),
+                seqs.len() as i64,
+            )
+        };
+        self.check(rc)
+    }
+
+    pub fn raw(&self) -> *const kvb_manager_t {
+        self.m
+    }
+
+    pub fn raw_mut(&mut self) -> *mut kvb_manager_t {
+        self.m
     }
 
     pub fn check_invariants(&mut self) -> Result<(), Error> {

@@ -7,8 +7,10 @@
 //! what its own tokens give; the manager's invariants are checked.
 //!
 //!   toy_engine [steps] [seed]     exit 0 and a summary line when every read-back matched
+//!   toy_engine --replay < ops     op sequences, one observation line each (replay.rs)
 
 mod kvb;
+mod replay;
 
 use std::process::exit;
 
@@ -87,6 +89,10 @@ fn ok<T>(r: Result<T, kvb::Error>, what: &str) -> T {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--replay") {
+        replay::run();
+        return;
+    }
     let steps: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(400);
     let mut rng = Rng(args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1));
     let (abi, version) = kvb::version();
