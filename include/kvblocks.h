@@ -194,7 +194,9 @@ KVB_API void kvb_manager_config_init(kvb_manager_config_t *c);
 KVB_API int kvb_manager_new(const kvb_manager_config_t *c, kvb_manager_t **out);
 KVB_API void kvb_manager_delete(kvb_manager_t *m); /* NULL: nothing */
 /* The manager's device and host pools (host: NULL without one), owned by the manager: for
- * counts, stats, events and check; allocate / free on them only what the manager does not own. */
+ * counts, stats, events and check; allocate / free on them only what the manager does not own.
+ * With a host tier, the host pool's counts and events include the latest demotions once
+ * kvb_manager_pending_offloads or kvb_manager_take_offloads has run (they place them). */
 KVB_API kvb_pool_t *kvb_manager_pool(kvb_manager_t *m);
 KVB_API kvb_pool_t *kvb_manager_host_pool(kvb_manager_t *m);
 KVB_API int32_t kvb_manager_block_size(const kvb_manager_t *m);
