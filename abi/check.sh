@@ -33,7 +33,8 @@ if [ -z "$lib" ]; then
         > "$work/log" 2>&1 || { cat "$work/log"; exit 1; }
     lib="$work/build/libkvblocks.so"
 fi
-if ! readelf -S "$lib" | grep -q '\.debug_info'; then
+# (readelf's output is read whole: `grep -q` on a pipe can stop it early, and pipefail fails)
+if ! readelf -S "$lib" | grep -c '\.debug_info' > /dev/null; then
     echo "abi/check.sh: $lib has no debug info (build with -g: RelWithDebInfo or Debug)"
     exit 1
 fi
