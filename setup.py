@@ -12,11 +12,13 @@ KVBLOCKS_SANITIZE=preload  the same instrumentation, but no sanitizer runtime is
 """
 
 import os
+import shutil
 import sys
 
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 DEBUG_LEVEL = os.environ.get("KVBLOCKS_DEBUG", "") or "0"
 DEBUG = DEBUG_LEVEL != "0"
@@ -75,7 +77,42 @@ ext = Extension(
     define_macros=macros + [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=compile_args,
     extra_link_args=link_args,
-    depends=["csrc/core.h", "csrc/internal.h", "kvblocks/_core.pxd"],
+    depends=["csrc/core.h", "csrc/internal.h", "include/kvblocks.h", "kvblocks/_core.pxd"],
 )
 
-setup(ext_modules=cythonize([ext], compiler_directives=directives, force=DEBUG or SANITIZE))
+# libkvblocks vendored in the wheel (docs/c-api.md, `kvblocks config --cflags --libs`): the same
+# sources and csrc/capi.c as a plain shared object beside _core, exporting only the public API
+# (hidden visibility, the version script); engines link it by path, with an rpath
+lib_compile = compile_args + (["-fvisibility=hidden"] if sys.platform != "win32" else [])
+lib_link = link_args + (
+    ["-Wl,--version-script=cmake/libkvblocks.map"] if sys.platform.startswith("linux") else []
+)
+lib = Extension(
+    "kvblocks._libkvblocks",
+    sources=C_SOURCES + ["csrc/capi.c"],
+    include_dirs=["csrc", "include"],
+    define_macros=macros + [("KVBLOCKS_BUILD", "1")],
+    extra_compile_args=lib_compile,
+    extra_link_args=lib_link,
+    depends=["csrc/core.h", "csrc/internal.h", "include/kvblocks.h", "cmake/libkvblocks.map"],
+)
+
+
+class BuildExt(build_ext):
+    """build_ext that also puts the public header in the package (kvblocks/include/)."""
+
+    def get_export_symbols(self, ext):
+        return [] if ext.name == "kvblocks._libkvblocks" else super().get_export_symbols(ext)
+
+    def run(self):
+        super().run()
+        base = "" if self.inplace else self.build_lib
+        dst = os.path.join(base, "kvblocks", "include")
+        os.makedirs(dst, exist_ok=True)
+        shutil.copyfile(os.path.join("include", "kvblocks.h"), os.path.join(dst, "kvblocks.h"))
+
+
+setup(
+    ext_modules=cythonize([ext], compiler_directives=directives, force=DEBUG or SANITIZE) + [lib],
+    cmdclass={"build_ext": BuildExt},
+)

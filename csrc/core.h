@@ -22,6 +22,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* the public API: its declarations are checked against the definitions here (the handles
+ * are these structs, the error codes, kvb_hash_t and the event kinds are defined there) */
+#include "../include/kvblocks.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -55,33 +59,17 @@ extern "C" {
 #define KVB_DEBUG_LEVEL KVB_DEBUG
 #endif
 
-/* ---- error codes ------------------------------------------------------------------------ */
-enum {
-    KVB_OK = 0,
-    KVB_ENOMEM = -1,        /* malloc failed */
-    KVB_EOUTOFBLOCKS = -2,  /* not enough allocatable blocks; err_need / err_have say how many */
-    KVB_EINVAL = -3,        /* bad argument value (err_a: offending index, err_b: value) */
-    KVB_ERANGE = -4,        /* block id out of range or the null block (err_a: index, err_b: id) */
-    KVB_ESTATE = -5,        /* operation not allowed now (freeing a free block, ...) */
-    KVB_ECORRUPT = -6,      /* an invariant does not hold (check functions only) */
-    KVB_EUNKNOWN = -7,      /* sequence slot not live */
-    KVB_EDUP = -8,          /* a block or sequence given twice where that is not allowed */
-    KVB_ESWAPPED = -9,      /* the sequence is swapped out (err_a: index, err_b: slot) */
-    KVB_EPENDING = -10,     /* copy-on-write copies are pending: drain them first (err_a: n) */
-    KVB_EGAP = -11,         /* a step would leave committed tokens uncomputed (err_a: index,
-                             * err_b: tokens missing before the query) */
-};
+/* ---- error codes: KVB_OK and the KVB_E* codes, in include/kvblocks.h -------------------- */
 
 /* Error detail: every public function that returns an error sets err_a / err_b (meaning per
  * code above) and err_what (a static name of the failed check, or NULL); they are cleared on
  * entry, so a stale detail never leaks into a later error. */
 #define KVB_CLEAR_ERR(o) ((o)->err_a = 0, (o)->err_b = 0, (o)->err_what = NULL)
 
-#define KVB_NULL_BLOCK 0
 #define KVB_NONE (-1) /* "no block" in free-list links and hash-table slots */
 
 /* ---- hashing (hash.c) ------------------------------------------------------------------- */
-typedef struct { uint64_t lo, hi; } kvb_hash_t;
+/* kvb_hash_t (128 bits: lo, hi) is defined in include/kvblocks.h */
 
 /* SipHash-2-4 with 128-bit output (Aumasson & Bernstein, 2012) of len bytes under key. */
 void kvb_siphash128(const uint8_t key[16], const void *data, size_t len, kvb_hash_t *out);
@@ -178,7 +166,7 @@ typedef struct {
     uint64_t stored;           /* blocks registered in the prefix cache */
 } kvb_stats_t;
 
-enum { KVB_EV_STORED = 1, KVB_EV_REMOVED = 2, KVB_EV_CLEARED = 3 };
+/* event kinds KVB_EV_STORED, KVB_EV_REMOVED, KVB_EV_CLEARED: include/kvblocks.h */
 
 typedef struct {               /* struct-of-arrays event log, grown on demand */
     int64_t n, cap;            /* events recorded, capacity */
@@ -215,7 +203,7 @@ typedef struct {               /* struct-of-arrays event log, grown on demand */
 
 struct kvb_tier;               /* the host tier of a device pool (tier.c) */
 
-typedef struct {
+typedef struct kvb_pool {
     int32_t num_blocks;        /* total, including the null block 0 */
     int32_t num_free;          /* blocks in the free list (never-cached free + evictable) */
     int32_t num_cached;        /* blocks with KVB_F_CACHED (referenced or evictable) */

@@ -1,7 +1,8 @@
 """The one ``kvblocks`` command line (console script and ``python -m kvblocks``).
 
 It builds the parser, lets each package add its subcommands and dispatches to them:
-``simulate`` and ``plan`` (:mod:`kvblocks.sim.cli`), ``bench`` (:mod:`kvblocks.bench.cli`).
+``simulate`` and ``plan`` (:mod:`kvblocks.sim.cli`), ``bench`` (:mod:`kvblocks.bench.cli`),
+``config`` (:mod:`kvblocks.clib`: the C library's compiler flags).
 Every error a user can cause prints one ``kvblocks: error: ...`` line and exits with status 2,
 without a traceback: argparse's refusals here, the library's :class:`KVBlocksError` raised by a
 subcommand (which checks its inputs before starting any long work).
@@ -34,6 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvblocks`` (its subcommands' parsers share its class)."""
+    from . import clib
     from .bench import cli as bench_cli
     from .sim import cli as sim_cli
 
@@ -41,12 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sim_cli.add_commands(sub)
     bench_cli.add_command(sub)
+    clib.add_command(sub)
     return parser
 
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from .bench.cli import run
+    elif args.command == "config":
+        from .clib import run
     else:
         from .sim.cli import run
     return run(args)

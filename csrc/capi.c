@@ -1,0 +1,738 @@
+/* capi.c -- libkvblocks' public API (include/kvblocks.h) over the core's internal functions.
+ *
+ * The pool handle is the core's own struct (kvb_pool_t), heap-allocated here; the pool calls
+ * whose internal signature is fit for the public API (allocate, free, incref, reset_cache,
+ * check) are exported as they are, the rest are wrappers below. The manager handle is a
+ * struct of this file: its device and host pools, one core manager per KV cache group
+ * (driven through groups.c's kvb_grp_* as the Cython layer drives them) and its last error.
+ *
+ * What the Python layer checks before calling into C (a live sequence before reading its
+ * record, a host pool before a swap, the sizes of output buffers, the drain order of the
+ * copy lists) is checked here too, first, so that every call stays all-or-nothing. Errors
+ * detail in the handle (kvb_manager_t.err_*, the pool's err_*), cleared on entry.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "internal.h"
+
+#define KVBLOCKS_STR2(x) #x
+#define KVBLOCKS_STR(x) KVBLOCKS_STR2(x)
+
+struct kvb_manager {
+    kvb_pool_t pool;           /* device pool (owned) */
+    kvb_pool_t host;           /* host pool (owned), valid iff has_host */
+    int has_host;              /* a host pool was configured (num_host_blocks >= 2) */
+    int32_t ng;                /* KV cache groups, >= 1 */
+    kvb_mgr_t *g;              /* [ng] one core manager per group, over pool (and host) */
+    kvb_mgr_t **gp;            /* [ng] &g[j], the form groups.c takes */
+    int64_t err_a, err_b;      /* detail of the last error (meaning per code, kvblocks.h) */
+    const char *err_what;      /* name of the failed check, or NULL */
+};
+
+/* ---- library ---------------------------------------------------------------------------- */
+int kvb_version(int *major, int *minor, int *patch) {
+    if (major) *major = KVBLOCKS_VERSION_MAJOR;
+    if (minor) *minor = KVBLOCKS_VERSION_MINOR;
+    if (patch) *patch = KVBLOCKS_VERSION_PATCH;
+    return KVBLOCKS_ABI_VERSION;
+}
+
+const char *kvb_version_string(void) {
+    return KVBLOCKS_STR(KVBLOCKS_VERSION_MAJOR) "." KVBLOCKS_STR(KVBLOCKS_VERSION_MINOR) "."
+        KVBLOCKS_STR(KVBLOCKS_VERSION_PATCH);
+}
+
+const char *kvb_strerror(int code) {
+    switch (code) {
+    case KVB_OK: return "ok";
+    case KVB_ENOMEM: return "out of memory";
+    case KVB_EOUTOFBLOCKS: return "out of blocks";
+    case KVB_EINVAL: return "invalid argument";
+    case KVB_ERANGE: return "out of range";
+    case KVB_ESTATE: return "not allowed in this state";
+    case KVB_ECORRUPT: return "invariant violated";
+    case KVB_EUNKNOWN: return "unknown sequence";
+    case KVB_EDUP: return "given twice";
+    case KVB_ESWAPPED: return "sequence swapped out";
+    case KVB_EPENDING: return "copies pending";
+    case KVB_EGAP: return "uncomputed tokens before the query";
+    default: return "unknown error code";
+    }
+}
+
+void kvb_free(void *data) { free(data); }
+
+/* ---- pool ------------------------------------------------------------------------------- */
+static int pool_fail(kvb_pool_t *p, int rc, int64_t a, int64_t b, const char *what) {
+    p->err_a = a;
+    p->err_b = b;
+    p->err_what = what;
+    return rc;
+}
+
+int kvb_pool_new(int32_t num_blocks, int caching, int events, kvb_pool_t **out) {
+    if (!out) return KVB_EINVAL;
+    *out = NULL;
+    if (num_blocks < 2 || num_blocks == INT32_MAX) return KVB_EINVAL;
+    kvb_pool_t *p = calloc(1, sizeof *p);
+    if (!p) return KVB_ENOMEM;
+    int rc = kvb_pool_init(p, num_blocks, caching != 0);
+    if (rc) {
+        free(p);
+        return rc;
+    }
+    p->record_events = events != 0;
+    *out = p;
+    return KVB_OK;
+}
+
+void kvb_pool_delete(kvb_pool_t *p) {
+    if (!p) return;
+    kvb_pool_destroy(p);
+    free(p);
+}
+
+int64_t kvb_pool_lookup_and_pin(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n,
+                                int32_t *out) {
+    KVB_CLEAR_ERR(p);
+    if (n < 0 || (n && (!hashes || !out))) return pool_fail(p, KVB_EINVAL, 0, n, "n, hashes, out");
+    return kvb_pool_lookup_pin(p, hashes, n, out);
+}
+
+int64_t kvb_pool_lookup(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out) {
+    KVB_CLEAR_ERR(p);
+    if (n < 0 || (n && !hashes)) return pool_fail(p, KVB_EINVAL, 0, n, "n, hashes");
+    return kvb_cache_match(p, hashes, n, out);
+}
+
+int kvb_pool_cache(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes, int64_t n,
+                   const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,
+                   int64_t *stored) {
+    KVB_CLEAR_ERR(p);
+    if (n < 0 || (n && (!ids || !hashes))) return pool_fail(p, KVB_EINVAL, 0, n, "n, ids, hashes");
+    if (tokens && block_size < 1) return pool_fail(p, KVB_EINVAL, 0, block_size, "block_size");
+    return kvb_cache_insert(p, ids, hashes, n, parent, tokens, tokens ? block_size : 0, stored);
+}
+
+int kvb_pool_counts(const kvb_pool_t *p, kvb_pool_counts_t *out) {
+    if (!p || !out) return KVB_EINVAL;
+    out->num_blocks = p->num_blocks;
+    out->num_free = p->num_free;
+    out->num_cached = p->num_cached;
+    out->num_evictable = p->num_evictable;
+    return KVB_OK;
+}
+
+int kvb_pool_stats(const kvb_pool_t *p, kvb_cache_stats_t *out) {
+    if (!p || !out) return KVB_EINVAL;
+    const kvb_stats_t *s = &p->stats;
+    out->queries = s->queries;
+    out->query_blocks = s->query_blocks;
+    out->hit_blocks = s->hit_blocks;
+    out->query_tokens = s->query_tokens;
+    out->hit_tokens = s->hit_tokens;
+    out->recompute_query_tokens = s->recompute_query_tokens;
+    out->recompute_hit_tokens = s->recompute_hit_tokens;
+    out->evictions = s->evictions;
+    out->allocations = s->allocations;
+    out->frees = s->frees;
+    out->stored = s->stored;
+    return KVB_OK;
+}
+
+int32_t kvb_pool_ref_count(const kvb_pool_t *p, int32_t id) {
+    if (!p || id < 0 || id >= p->num_blocks) return KVB_ERANGE;
+    return p->ref_count[id];
+}
+
+int kvb_pool_pending_events(kvb_pool_t *p, int64_t *n_events, int64_t *n_tokens) {
+    if (!p) return KVB_EINVAL;
+    if (n_events) *n_events = p->events.n;
+    if (n_tokens) *n_tokens = p->events.ntok;
+    return KVB_OK;
+}
+
+uint64_t kvb_pool_events_dropped(const kvb_pool_t *p) { return p ? p->events.dropped : 0; }
+
+int kvb_pool_take_events(kvb_pool_t *p, kvb_event_t *out, int64_t cap, int32_t *tokens,
+                         int64_t tok_cap, int64_t *n_events, int64_t *n_tokens) {
+    KVB_CLEAR_ERR(p);
+    const kvb_events_t *ev = &p->events;
+    if (cap < 0 || tok_cap < 0 || (cap && !out) || (tok_cap && !tokens))
+        return pool_fail(p, KVB_EINVAL, cap, tok_cap, "cap, tok_cap");
+    if (cap < ev->n || tok_cap < ev->ntok)
+        return pool_fail(p, KVB_ERANGE, ev->n, ev->ntok, "event buffers too small");
+    /* a stored block's tokens run up to the next recorded block's tokens (appended in order) */
+    int64_t end = ev->ntok;
+    for (int64_t i = ev->n - 1; i >= 0; i--) {
+        kvb_event_t *e = &out[i];
+        memset(e, 0, sizeof *e);
+        e->kind = ev->kind[i];
+        e->block = ev->block[i];
+        e->hash = ev->hash[i];
+        e->parent = ev->parent[i];
+        e->group = ev->group[i];
+        e->tag = ev->tag[i];
+        e->tok_off = ev->tok_off[i];
+        e->ntok = 0;
+        if (e->tok_off >= 0) {
+            e->ntok = end - e->tok_off;
+            end = e->tok_off;
+        }
+    }
+    kvb_copy(tokens, ev->tokens, (size_t)ev->ntok * sizeof *tokens);
+    if (n_events) *n_events = ev->n;
+    if (n_tokens) *n_tokens = ev->ntok;
+    kvb_events_clear(&p->events);
+    return KVB_OK;
+}
+
+int kvb_pool_take_events_wire(kvb_pool_t *p, double ts, int fmt, uint8_t **data, size_t *len) {
+    KVB_CLEAR_ERR(p);
+    if (!data || !len || (fmt != KVB_WIRE_MAP && fmt != KVB_WIRE_ARRAY))
+        return pool_fail(p, KVB_EINVAL, 0, fmt, "fmt, data, len");
+    *data = NULL;
+    *len = 0;
+    static const kvb_wire_tag_t no_tag; /* tag 0: no adapter, no salt (the only one here) */
+    kvb_wire_group_t *groups = calloc(256, sizeof *groups); /* kind omitted */
+    if (!groups) return KVB_ENOMEM;
+    kvb_wire_opts_t w;
+    memset(&w, 0, sizeof w);
+    w.fmt = fmt;
+    w.ts = ts;
+    w.has_dp = 1;
+    w.tags = &no_tag;
+    w.ntags = 1;
+    w.groups = groups;
+    w.ngroups = 256;
+    kvb_buf_t buf;
+    memset(&buf, 0, sizeof buf);
+    int64_t bad = -1;
+    int rc = kvb_events_encode(&p->events, &w, &buf, &bad);
+    free(groups);
+    if (rc) {
+        kvb_buf_free(&buf);
+        return pool_fail(p, rc, bad, 0, rc == KVB_EINVAL ? "a stored block without tokens" : NULL);
+    }
+    *data = buf.data;
+    *len = buf.len;
+    kvb_events_clear(&p->events);
+    return KVB_OK;
+}
+
+const char *kvb_pool_last_error(const kvb_pool_t *p, int64_t *a, int64_t *b) {
+    if (a) *a = p ? p->err_a : 0;
+    if (b) *b = p ? p->err_b : 0;
+    return p ? p->err_what : NULL;
+}
+
+/* ---- manager ---------------------------------------------------------------------------- */
+/* The result of a call: its detail copied from group `from` (0: groups.c reports there). */
+static int fin(kvb_manager_t *m, int rc, int32_t from) {
+    if (rc) {
+        m->err_a = m->gp[from]->err_a;
+        m->err_b = m->gp[from]->err_b;
+        m->err_what = m->gp[from]->err_what;
+    }
+    return rc;
+}
+
+static int fail(kvb_manager_t *m, int rc, int64_t a, int64_t b, const char *what) {
+    m->err_a = a;
+    m->err_b = b;
+    m->err_what = what;
+    return rc;
+}
+
+#define ENTER(m) ((m)->err_a = 0, (m)->err_b = 0, (m)->err_what = NULL)
+
+/* the sequence record of a live slot in group g, or NULL */
+static const kvb_seq_t *seq_of(const kvb_manager_t *m, int32_t g, int32_t slot) {
+    return live_seq(&m->g[g], slot);
+}
+
+void kvb_manager_config_init(kvb_manager_config_t *c) {
+    if (!c) return;
+    memset(c, 0, sizeof *c);
+    c->size = sizeof *c;
+    c->num_blocks = 1024;
+    c->block_size = 16;
+    c->prefix_caching = 1;
+    c->hash_mode = KVB_HASH_MODE_SIPHASH;
+    c->num_groups = 1;
+}
+
+/* a secret SipHash key when none is given (multi-tenant prefix caches: a block's hash must
+ * not be predictable); without /dev/urandom, bits of the clock and of addresses */
+static void random_key(uint8_t key[16]) {
+    FILE *f = fopen("/dev/urandom", "rb");
+    size_t got = f ? fread(key, 1, 16, f) : 0;
+    if (f) fclose(f);
+    if (got == 16) return;
+    uint64_t a = (uint64_t)(uintptr_t)&got ^ (uint64_t)(uintptr_t)key;
+    uint64_t b = (uint64_t)clock() * 0x9e3779b97f4a7c15ull ^ (uint64_t)time(NULL);
+    memcpy(key, &a, 8);
+    memcpy(key + 8, &b, 8);
+}
+
+/* The config of ABI version 1; a later, larger config is read as far as the caller's size
+ * goes, the rest keeping its defaults (kvb_manager_config_init). */
+#define KVB_CONFIG_V1_SIZE sizeof(kvb_manager_config_t)
+
+int kvb_manager_new(const kvb_manager_config_t *given, kvb_manager_t **out) {
+    if (!out) return KVB_EINVAL;
+    *out = NULL;
+    if (!given || given->size < KVB_CONFIG_V1_SIZE) return KVB_EINVAL;
+    kvb_manager_config_t cfg;
+    kvb_manager_config_init(&cfg);
+    memcpy(&cfg, given, given->size < sizeof cfg ? given->size : sizeof cfg);
+    const kvb_manager_config_t *c = &cfg;
+    if (c->num_blocks < 2 || c->num_blocks == INT32_MAX || c->block_size < 1 ||
+        c->num_host_blocks < 0 || c->num_host_blocks == 1 || c->num_host_blocks == INT32_MAX ||
+        c->hash_mode < 0 || c->hash_mode >= KVB_HASH_NMODES || c->num_groups < 1 ||
+        c->num_groups > 255 || (c->num_groups > 1 && !c->groups) ||
+        (c->hash_seed_len && !c->hash_seed))
+        return KVB_EINVAL;
+    if (c->num_groups > 1 && c->hash_mode != KVB_HASH_MODE_SIPHASH) return KVB_EINVAL;
+    int tier = c->host_prefix_cache != 0;
+    if (c->host_write_through && !tier) return KVB_EINVAL;
+    if (tier && (!c->num_host_blocks || !c->prefix_caching)) return KVB_EINVAL;
+    for (int32_t j = 0; c->groups && j < c->num_groups; j++) {
+        int32_t k = c->groups[j].kind;
+        if (k < KVB_GROUP_FULL || k > KVB_GROUP_STATE) return KVB_EINVAL;
+        if (k != KVB_GROUP_FULL && (c->groups[j].span < 1 || c->groups[j].span > INT32_MAX))
+            return KVB_EINVAL;
+        if (tier && k != KVB_GROUP_FULL) return KVB_EINVAL;
+    }
+    if (tier && c->num_groups > 1) return KVB_EINVAL;
+
+    kvb_manager_t *m = calloc(1, sizeof *m);
+    if (!m) return KVB_ENOMEM;
+    m->ng = c->num_groups;
+    m->g = calloc((size_t)m->ng, sizeof *m->g);
+    m->gp = calloc((size_t)m->ng, sizeof *m->gp);
+    int rc = KVB_ENOMEM;
+    int pool_ok = 0, host_ok = 0;
+    int32_t inited = 0;
+    if (!m->g || !m->gp) goto fail;
+    if ((rc = kvb_pool_init(&m->pool, c->num_blocks, c->prefix_caching != 0))) goto fail;
+    pool_ok = 1;
+    m->pool.record_events = c->kv_events != 0;
+    if (c->num_host_blocks) {
+        if ((rc = kvb_pool_init(&m->host, c->num_host_blocks, tier))) goto fail;
+        host_ok = 1;
+        m->has_host = 1;
+        m->host.record_events = c->kv_events != 0 && tier;
+    }
+    uint8_t key[16];
+    if (c->has_hash_key) memcpy(key, c->hash_key, 16);
+    else random_key(key);
+    uint8_t none_hash[32] = {0};
+    if (c->hash_mode == KVB_HASH_MODE_VLLM_SHA256_CBOR ||
+        c->hash_mode == KVB_HASH_MODE_VLLM_SHA256_CBOR_V030) {
+        static const char dflt[] = "vllm-none-hash"; /* vLLM >= 0.29's default seed */
+        if (c->hash_seed)
+            kvb_vllm_none_hash(c->hash_seed, c->hash_seed_len, none_hash);
+        else
+            kvb_vllm_none_hash((const uint8_t *)dflt, sizeof dflt - 1, none_hash);
+    }
+    for (int32_t j = 0; j < m->ng; j++) {
+        if ((rc = kvb_mgr_init(&m->g[j], &m->pool, m->has_host ? &m->host : NULL,
+                               c->block_size, key)))
+            goto fail;
+        inited = j + 1;
+        m->gp[j] = &m->g[j];
+        int32_t kind = c->groups ? c->groups[j].kind : KVB_GROUP_FULL;
+        int64_t span = c->groups ? c->groups[j].span : 0;
+        if ((rc = kvb_mgr_set_kind(&m->g[j], kind, span, (uint8_t)j))) goto fail;
+        if ((rc = kvb_mgr_set_hash(&m->g[j], c->hash_mode, none_hash))) goto fail;
+    }
+    if ((rc = kvb_grp_link(m->gp, m->ng))) goto fail;
+    if (tier && (rc = kvb_mgr_host_tier(&m->g[0], c->host_write_through != 0))) goto fail;
+    *out = m;
+    return KVB_OK;
+fail:
+    for (int32_t j = 0; j < inited; j++) kvb_mgr_destroy(&m->g[j]);
+    if (host_ok) kvb_pool_destroy(&m->host);
+    if (pool_ok) kvb_pool_destroy(&m->pool);
+    free(m->gp);
+    free(m->g);
+    free(m);
+    return rc;
+}
+
+void kvb_manager_delete(kvb_manager_t *m) {
+    if (!m) return;
+    for (int32_t j = 0; j < m->ng; j++) kvb_mgr_destroy(&m->g[j]); /* group 0 frees the tier */
+    if (m->has_host) kvb_pool_destroy(&m->host);
+    kvb_pool_destroy(&m->pool);
+    free(m->gp);
+    free(m->g);
+    free(m);
+}
+
+kvb_pool_t *kvb_manager_pool(kvb_manager_t *m) { return m ? &m->pool : NULL; }
+kvb_pool_t *kvb_manager_host_pool(kvb_manager_t *m) {
+    return m && m->has_host ? &m->host : NULL;
+}
+int32_t kvb_manager_block_size(const kvb_manager_t *m) { return m->g[0].block_size; }
+int32_t kvb_manager_num_groups(const kvb_manager_t *m) { return m->ng; }
+int32_t kvb_manager_num_seqs(const kvb_manager_t *m) { return m->g[0].nseqs; }
+
+int kvb_manager_add(kvb_manager_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                    size_t salt_len, int recompute, int32_t *seq_out, int64_t *cached_out) {
+    ENTER(m);
+    if (n < 0 || (n && !tokens) || !seq_out || (salt_len && !salt))
+        return fail(m, KVB_EINVAL, 0, n, "n, tokens, seq_out, salt");
+    int64_t cached = 0;
+    int rc = m->ng == 1 ? kvb_mgr_add(&m->g[0], tokens, n, salt, salt_len, recompute != 0,
+                                      seq_out, &cached)
+                        : kvb_grp_add(m->gp, m->ng, tokens, n, salt, salt_len, recompute != 0,
+                                      seq_out, &cached);
+    if (!rc && cached_out) *cached_out = cached;
+    return fin(m, rc, 0);
+}
+
+int kvb_manager_probe(kvb_manager_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                      size_t salt_len, int64_t *cached_out, int64_t *need_out) {
+    ENTER(m);
+    if (n < 0 || (n && !tokens) || (salt_len && !salt))
+        return fail(m, KVB_EINVAL, 0, n, "n, tokens, salt");
+    int64_t cached = 0, need = 0;
+    int rc = m->ng == 1 ? kvb_mgr_probe(&m->g[0], tokens, n, salt, salt_len, &cached, &need)
+                        : kvb_grp_probe(m->gp, m->ng, tokens, n, salt, salt_len, &cached, &need);
+    if (!rc) {
+        if (cached_out) *cached_out = cached;
+        if (need_out) *need_out = need;
+    }
+    return fin(m, rc, 0);
+}
+
+int kvb_manager_append(kvb_manager_t *m, int32_t seq, const int32_t *tokens, int64_t n,
+                       int computed) {
+    ENTER(m);
+    if (n < 0 || (n && !tokens)) return fail(m, KVB_EINVAL, 0, n, "n, tokens");
+    int rc = m->ng == 1 ? kvb_mgr_append(&m->g[0], seq, tokens, n, computed != 0)
+                        : kvb_grp_append(m->gp, m->ng, seq, tokens, n, computed != 0);
+    return fin(m, rc, 0);
+}
+
+int kvb_manager_append_batch(kvb_manager_t *m, const int32_t *seqs, const int32_t *tokens,
+                             int64_t n) {
+    ENTER(m);
+    if (n < 0 || (n && (!seqs || !tokens))) return fail(m, KVB_EINVAL, 0, n, "n, seqs, tokens");
+    int rc = m->ng == 1 ? kvb_mgr_append_batch(&m->g[0], seqs, tokens, n)
+                        : kvb_grp_append_batch(m->gp, m->ng, seqs, tokens, n);
+    return fin(m, rc, 0);
+}
+
+int kvb_manager_reserve(kvb_manager_t *m, int32_t seq, int64_t n) {
+    ENTER(m);
+    int rc = m->ng == 1 ? kvb_mgr_reserve(&m->g[0], seq, n) : kvb_grp_reserve(m->gp, m->ng, seq, n);
+    return fin(m, rc, 0);
+}
+
+int kvb_manager_truncate(kvb_manager_t *m, int32_t seq, int64_t ntokens) {
+    ENTER(m);
+    return fin(m, kvb_grp_truncate(m->gp, m->ng, seq, ntokens), 0);
+}
+
+int kvb_manager_fork(kvb_manager_t *m, int32_t parent, int32_t *child_out) {
+    ENTER(m);
+    if (!child_out) return fail(m, KVB_EINVAL, 0, 0, "child_out");
+    return fin(m, kvb_grp_fork(m->gp, m->ng, parent, child_out), 0);
+}
+
+int kvb_manager_free(kvb_manager_t *m, int32_t seq) {
+    ENTER(m);
+    return fin(m, kvb_grp_free(m->gp, m->ng, seq), 0);
+}
+
+int kvb_manager_blocks_needed(kvb_manager_t *m, int32_t seq, int64_t n, int64_t *need_out) {
+    ENTER(m);
+    if (!need_out || n < 0) return fail(m, KVB_EINVAL, 0, n, "n, need_out");
+    if (!seq_of(m, 0, seq)) return fail(m, KVB_EUNKNOWN, 0, seq, NULL);
+    int64_t k = kvb_grp_blocks_needed(m->gp, m->ng, seq, n);
+    if (k < 0) return fin(m, (int)k, 0);
+    *need_out = k;
+    return KVB_OK;
+}
+
+int kvb_manager_batch_need(kvb_manager_t *m, const int32_t *seqs, int64_t count, int64_t n,
+                           int64_t *need_out) {
+    ENTER(m);
+    if (!need_out || count < 0 || n < 0 || (count && !seqs))
+        return fail(m, KVB_EINVAL, 0, count, "count, n, seqs, need_out");
+    return fin(m, kvb_grp_batch_need(m->gp, m->ng, seqs, count, n, need_out), 0);
+}
+
+int64_t kvb_manager_swap_pairs_max(const kvb_manager_t *m, int32_t seq) {
+    if (!seq_of(m, 0, seq)) return KVB_EUNKNOWN;
+    int64_t n = 0;
+    for (int32_t j = 0; j < m->ng; j++) n += m->g[j].seqs[seq].nblocks - m->g[j].seqs[seq].lo;
+    return n;
+}
+
+int kvb_manager_is_swapped(const kvb_manager_t *m, int32_t seq) {
+    const kvb_seq_t *s = seq_of(m, 0, seq);
+    return s ? s->swapped != 0 : KVB_EUNKNOWN;
+}
+
+static int swap(kvb_manager_t *m, int32_t seq, int64_t *pairs, int64_t cap, int64_t *npairs,
+                int in) {
+    ENTER(m);
+    if (!npairs || cap < 0 || (cap && !pairs)) return fail(m, KVB_EINVAL, 0, cap, "cap, npairs");
+    if (!m->has_host) return fail(m, KVB_ESTATE, 0, 0, "no host pool (num_host_blocks 0)");
+    const kvb_seq_t *s = seq_of(m, 0, seq);
+    if (!s) return fail(m, KVB_EUNKNOWN, 0, seq, NULL);
+    if (in && !s->swapped) return fail(m, KVB_ESTATE, 0, seq, "not swapped out");
+    int64_t need = kvb_manager_swap_pairs_max(m, seq);
+    if (cap < need) return fail(m, KVB_ERANGE, need, cap, "pair buffer too small");
+    int64_t k = 0;
+    int64_t one = 0;
+    int rc = in ? kvb_grp_swap_in(m->gp, m->ng, seq, need ? pairs : &one, &k)
+                : kvb_grp_swap_out(m->gp, m->ng, seq, need ? pairs : &one, &k);
+    if (!rc) *npairs = k;
+    return fin(m, rc, 0);
+}
+
+int kvb_manager_swap_out(kvb_manager_t *m, int32_t seq, int64_t *pairs, int64_t cap,
+                         int64_t *npairs) {
+    return swap(m, seq, pairs, cap, npairs, 0);
+}
+
+int kvb_manager_swap_in(kvb_manager_t *m, int32_t seq, int64_t *pairs, int64_t cap,
+                        int64_t *npairs) {
+    return swap(m, seq, pairs, cap, npairs, 1);
+}
+
+int64_t kvb_manager_num_tokens(const kvb_manager_t *m, int32_t seq) {
+    const kvb_seq_t *s = seq_of(m, 0, seq);
+    return s ? s->ntokens : KVB_EUNKNOWN;
+}
+
+int64_t kvb_manager_num_computed(const kvb_manager_t *m, int32_t seq) {
+    const kvb_seq_t *s = seq_of(m, 0, seq);
+    return s ? s->ncomputed : KVB_EUNKNOWN;
+}
+
+int kvb_manager_block_table(const kvb_manager_t *m, int32_t group, int32_t seq, int32_t *out,
+                            int64_t cap, int64_t *n) {
+    if (!n || cap < 0 || (cap && !out) || group < 0 || group >= m->ng) return KVB_EINVAL;
+    const kvb_seq_t *s = seq_of(m, group, seq);
+    if (!s) return KVB_EUNKNOWN;
+    if (cap < s->nblocks) return KVB_ERANGE;
+    for (int32_t i = 0; i < s->nblocks; i++) out[i] = i < s->lo ? KVB_NULL_BLOCK : s->blocks[i];
+    *n = s->nblocks;
+    return KVB_OK;
+}
+
+int64_t kvb_manager_pending_copies(kvb_manager_t *m) {
+    int64_t n = 0;
+    for (int32_t j = 0; j < m->ng; j++) n += m->g[j].ncopies;
+    return n;
+}
+
+/* a step's validation (all groups: group < 0), the copies pending refusing it */
+static int check_step(kvb_manager_t *m, const int32_t *seqs, const int32_t *qlens,
+                      const int32_t *drafts, int64_t B, int32_t group) {
+    if (B < 0 || (B && (!seqs || !qlens))) return fail(m, KVB_EINVAL, 0, B, "B, seqs, qlens");
+    int64_t nc = kvb_manager_pending_copies(m);
+    if (m->ng > 1 && nc) return fail(m, KVB_EPENDING, nc, 0, NULL);
+    if (group < 0) return fin(m, kvb_grp_schedule(m->gp, m->ng, seqs, qlens, drafts, B, 0), 0);
+    return fin(m, kvb_mgr_schedule(m->gp[group], seqs, qlens, drafts, B, 0), group);
+}
+
+int kvb_manager_schedule(kvb_manager_t *m, const int32_t *seqs, const int32_t *qlens,
+                         const int32_t *drafts, int64_t B) {
+    ENTER(m);
+    int rc = check_step(m, seqs, qlens, drafts, B, -1);
+    if (rc) return rc;
+    return fin(m, kvb_grp_schedule(m->gp, m->ng, seqs, qlens, drafts, B, 1), 0);
+}
+
+int kvb_manager_metadata(kvb_manager_t *m, int32_t group, const int32_t *seqs,
+                         const int32_t *qlens, const int32_t *drafts, int64_t B,
+                         kvb_metadata_t *out) {
+    ENTER(m);
+    if (!out || out->size < sizeof *out || group < 0 || group >= m->ng)
+        return fail(m, KVB_EINVAL, 0, group, "out, group");
+    if (B && (!out->seq_lens || !out->qo_indptr || !out->kv_indptr || !out->kv_last_page_len))
+        return fail(m, KVB_EINVAL, 0, B, "out's [B] buffers");
+    if (out->cap_tokens < 0 || out->cap_indices < 0 || out->max_blocks < 0 ||
+        (out->cap_tokens && !out->slot_mapping) || (out->cap_indices && !out->kv_indices) ||
+        (out->max_blocks && !out->block_tables))
+        return fail(m, KVB_EINVAL, 0, 0, "out's capacities");
+    int rc = check_step(m, seqs, qlens, drafts, B, group);
+    if (rc) return rc;
+    kvb_meta_t meta;
+    memset(&meta, 0, sizeof meta);
+    int32_t zero_i32 = 0;
+    int64_t zero_i64 = 0;
+    meta.slot_mapping = out->slot_mapping ? out->slot_mapping : &zero_i64;
+    meta.block_tables = out->max_blocks ? out->block_tables : NULL;
+    meta.seq_lens = out->seq_lens;
+    meta.qo_indptr = out->qo_indptr ? out->qo_indptr : &zero_i32;
+    meta.kv_indptr = out->kv_indptr ? out->kv_indptr : &zero_i32;
+    meta.kv_indices = out->kv_indices ? out->kv_indices : &zero_i32;
+    meta.kv_last_page_len = out->kv_last_page_len;
+    meta.cap_tokens = out->cap_tokens;
+    meta.cap_indices = out->cap_indices;
+    meta.max_blocks = out->max_blocks;
+    rc = kvb_mgr_metadata(m->gp[group], seqs, qlens, drafts, B, &meta);
+    if (rc) return fin(m, rc, group);
+    out->n_tokens = meta.n_tokens;
+    out->n_indices = meta.n_indices;
+    KVB_MUST(kvb_mgr_schedule(m->gp[group], seqs, qlens, drafts, B, 1));
+    return KVB_OK;
+}
+
+int kvb_manager_rows(kvb_manager_t *m, int32_t group, const int32_t *seqs,
+                     const int32_t *qlens, const int32_t *drafts, int64_t B,
+                     kvb_step_rows_t *out) {
+    ENTER(m);
+    if (!out || out->size < sizeof *out || group < 0 || group >= m->ng)
+        return fail(m, KVB_EINVAL, 0, group, "out, group");
+    if (m->g[group].kind == KVB_G_STATE)
+        return fail(m, KVB_EINVAL, 0, group, "a state group has no per-token rows");
+    if (!out->read_offsets || !out->write_offsets || out->cap_read < 0 || out->cap_write < 0 ||
+        out->max_blocks < 0 || (out->cap_read && !out->read_index) ||
+        (out->cap_write && !out->write_index) || (out->max_blocks && !out->block_tables))
+        return fail(m, KVB_EINVAL, 0, 0, "out's buffers and capacities");
+    int rc = check_step(m, seqs, qlens, drafts, B, group);
+    if (rc) return rc;
+    kvb_rows_t r;
+    memset(&r, 0, sizeof r);
+    r.read_index = out->cap_read ? out->read_index : NULL;
+    r.write_index = out->cap_write ? out->write_index : NULL;
+    r.read_offsets = out->read_offsets;
+    r.write_offsets = out->write_offsets;
+    r.block_tables = out->max_blocks ? out->block_tables : NULL;
+    r.cap_read = out->cap_read;
+    r.cap_write = out->cap_write;
+    r.max_blocks = out->max_blocks;
+    r.stride = out->stride;
+    r.offset = out->offset;
+    rc = kvb_mgr_rows(m->gp[group], seqs, qlens, drafts, B, &r);
+    if (rc) return fin(m, rc, group);
+    out->n_read = r.n_read;
+    out->n_write = r.n_write;
+    KVB_MUST(kvb_mgr_schedule(m->gp[group], seqs, qlens, drafts, B, 1));
+    return KVB_OK;
+}
+
+int kvb_manager_block_hashes(const kvb_manager_t *m, const int32_t *tokens, int64_t n,
+                             const uint8_t *salt, size_t salt_len, kvb_hash_t *out, int64_t cap,
+                             int64_t *n_out) {
+    if (!m || !n_out || n < 0 || cap < 0 || (n && !tokens) || (cap && !out) ||
+        (salt_len && !salt))
+        return KVB_EINVAL;
+    const kvb_mgr_t *g = &m->g[0];
+    int64_t nb = n / g->block_size;
+    if (cap < nb) return KVB_ERANGE;
+    kvb_hasher_t hs;
+    int rc = kvb_hasher_init(&hs, g->hash_algo, g->key, g->none_hash, salt, salt_len);
+    if (rc) return rc;
+    if (nb) kvb_hash_blocks(&hs, NULL, 0, tokens, nb, g->block_size, out, NULL);
+    *n_out = nb;
+    return KVB_OK;
+}
+
+int kvb_manager_host_stats(kvb_manager_t *m, kvb_host_stats_t *out) {
+    if (!m || !out) return KVB_EINVAL;
+    memset(out, 0, sizeof *out);
+    kvb_tier_t *t = m->pool.tier;
+    if (!t) return KVB_OK;
+    kvb_tier_flush(t); /* demotions recorded since the last flush are counted */
+    out->hit_blocks = t->stats.hit_blocks;
+    out->hit_tokens = t->stats.hit_tokens;
+    out->recompute_hit_tokens = t->stats.recompute_hit_tokens;
+    out->demotions = t->stats.demotions;
+    out->offloads = t->stats.offloads;
+    out->onloads = t->stats.onloads;
+    out->dropped = t->stats.dropped;
+    return KVB_OK;
+}
+
+/* the tier's pending offloads after placing the evictions since the last flush */
+int64_t kvb_manager_pending_offloads(kvb_manager_t *m) {
+    kvb_tier_t *t = m->pool.tier;
+    if (!t) return 0;
+    kvb_tier_flush(t);
+    return t->noff;
+}
+
+int64_t kvb_manager_pending_onloads(kvb_manager_t *m) {
+    return m->pool.tier ? m->pool.tier->non : 0;
+}
+
+static int pairs_args(kvb_manager_t *m, int64_t *out, int64_t cap, int64_t *n) {
+    if (!n || cap < 0 || (cap && !out)) return fail(m, KVB_EINVAL, 0, cap, "cap, n");
+    *n = 0;
+    return KVB_OK;
+}
+
+int kvb_manager_take_copies(kvb_manager_t *m, int64_t *out, int64_t cap, int64_t *n) {
+    ENTER(m);
+    int rc = pairs_args(m, out, cap, n);
+    if (rc) return rc;
+    kvb_tier_t *t = m->pool.tier;
+    if (t && (t->noff || t->non || t->ndem))
+        return fail(m, KVB_EPENDING, t->noff + t->ndem, t->non,
+                    "offloads / onloads pending: take them first");
+    int64_t need = kvb_manager_pending_copies(m);
+    if (cap < need) return fail(m, KVB_ERANGE, need, cap, "pair buffer too small");
+    int64_t k = 0;
+    for (int32_t j = 0; j < m->ng; j++)
+        if (m->g[j].ncopies) k += kvb_mgr_take_copies(&m->g[j], out + 2 * k);
+    *n = k;
+    return KVB_OK;
+}
+
+int kvb_manager_take_offloads(kvb_manager_t *m, int64_t *out, int64_t cap, int64_t *n) {
+    ENTER(m);
+    int rc = pairs_args(m, out, cap, n);
+    if (rc) return rc;
+    kvb_tier_t *t = m->pool.tier;
+    if (!t) return KVB_OK;
+    kvb_tier_flush(t);
+    if (cap < t->noff) return fail(m, KVB_ERANGE, t->noff, cap, "pair buffer too small");
+    int64_t one[2];
+    *n = kvb_tier_take_offloads(t, t->noff ? out : one);
+    return KVB_OK;
+}
+
+int kvb_manager_take_onloads(kvb_manager_t *m, int64_t *out, int64_t cap, int64_t *n) {
+    ENTER(m);
+    int rc = pairs_args(m, out, cap, n);
+    if (rc) return rc;
+    kvb_tier_t *t = m->pool.tier;
+    if (!t) return KVB_OK;
+    if (t->noff || t->ndem)
+        return fail(m, KVB_EPENDING, t->noff + t->ndem, 0, "offloads pending: take them first");
+    if (cap < t->non) return fail(m, KVB_ERANGE, t->non, cap, "pair buffer too small");
+    int64_t one[2], k = 0;
+    rc = kvb_tier_take_onloads(t, t->non ? out : one, &k);
+    if (rc) return fail(m, rc, t->noff, 0, "offloads pending: take them first");
+    *n = k;
+    return KVB_OK;
+}
+
+int kvb_manager_reset_cache(kvb_manager_t *m) {
+    ENTER(m);
+    return fin(m, kvb_mgr_reset_cache(&m->g[0]), 0);
+}
+
+int kvb_manager_check(kvb_manager_t *m) {
+    ENTER(m);
+    return fin(m, kvb_grp_check(m->gp, m->ng), 0);
+}
+
+const char *kvb_manager_last_error(const kvb_manager_t *m, int64_t *a, int64_t *b) {
+    if (a) *a = m ? m->err_a : 0;
+    if (b) *b = m ? m->err_b : 0;
+    return m ? m->err_what : NULL;
+}
