@@ -181,3 +181,15 @@ def test_the_scan_sees_imports():
     )
     assert "kvblocks.bench.cli" in GRAPH["kvblocks.__main__"]
     assert "kvblocks.groups" in GRAPH["kvblocks.integrations.transformers.rows"]
+
+
+def test_the_c_library_and_the_extension_compile_the_same_core():
+    """CMakeLists.txt (libkvblocks) and setup.py (the Python extension) list csrc/ twice: the
+    same files, plus capi.c for the C library, and every .c file of csrc/ is in both."""
+    import re
+
+    cmake = set(re.findall(r"csrc/\w+\.c", (ROOT / "CMakeLists.txt").read_text()))
+    setup = set(re.findall(r'"(csrc/\w+\.c)"', (ROOT / "setup.py").read_text()))
+    tree = {f"csrc/{p.name}" for p in (ROOT / "csrc").glob("*.c")}
+    assert cmake == tree, sorted(cmake ^ tree)
+    assert setup | {"csrc/capi.c"} == tree, sorted((setup | {"csrc/capi.c"}) ^ tree)
