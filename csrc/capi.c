@@ -30,6 +30,17 @@ struct kvb_manager {
     kvb_mgr_t **gp;            /* [ng] &g[j], the form groups.c takes */
     int64_t err_a, err_b;      /* detail of the last error (meaning per code, kvblocks.h) */
     const char *err_what;      /* name of the failed check, or NULL */
+    uint64_t epoch;            /* bumped by every call that may change tables (MUTATE): a plan
+                                * taken at another epoch is stale */
+};
+
+struct kvb_plan {              /* a checked step (kvb_manager_plan_step) */
+    kvb_manager_t *m;          /* its manager (the plan is deleted first) */
+    uint64_t epoch;            /* m->epoch when it was planned or committed */
+    int committed;             /* declared */
+    int64_t B;                 /* sequences */
+    int32_t *seqs, *qlens, *drafts; /* [B] copies of the batch (drafts NULL: none) */
+    kvb_step_size_t *sizes;    /* [m->ng] per group */
 };
 
 /* ---- library ---------------------------------------------------------------------------- */
@@ -248,6 +259,8 @@ static int fail(kvb_manager_t *m, int rc, int64_t a, int64_t b, const char *what
 }
 
 #define ENTER(m) ((m)->err_a = 0, (m)->err_b = 0, (m)->err_what = NULL)
+/* a call that may change tables: every plan taken before it is stale */
+#define MUTATE(m) (ENTER(m), (m)->epoch++)
 
 /* the sequence record of a live slot in group g, or NULL */
 static const kvb_seq_t *seq_of(const kvb_manager_t *m, int32_t g, int32_t slot) {
@@ -384,7 +397,7 @@ int32_t kvb_manager_num_seqs(const kvb_manager_t *m) { return m->g[0].nseqs; }
 
 int kvb_manager_add(kvb_manager_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
                     size_t salt_len, int recompute, int32_t *seq_out, int64_t *cached_out) {
-    ENTER(m);
+    MUTATE(m);
     if (n < 0 || (n && !tokens) || !seq_out || (salt_len && !salt))
         return fail(m, KVB_EINVAL, 0, n, "n, tokens, seq_out, salt");
     int64_t cached = 0;
@@ -413,7 +426,7 @@ int kvb_manager_probe(kvb_manager_t *m, const int32_t *tokens, int64_t n, const 
 
 int kvb_manager_append(kvb_manager_t *m, int32_t seq, const int32_t *tokens, int64_t n,
                        int computed) {
-    ENTER(m);
+    MUTATE(m);
     if (n < 0 || (n && !tokens)) return fail(m, KVB_EINVAL, 0, n, "n, tokens");
     int rc = m->ng == 1 ? kvb_mgr_append(&m->g[0], seq, tokens, n, computed != 0)
                         : kvb_grp_append(m->gp, m->ng, seq, tokens, n, computed != 0);
@@ -422,7 +435,7 @@ int kvb_manager_append(kvb_manager_t *m, int32_t seq, const int32_t *tokens, int
 
 int kvb_manager_append_batch(kvb_manager_t *m, const int32_t *seqs, const int32_t *tokens,
                              int64_t n) {
-    ENTER(m);
+    MUTATE(m);
     if (n < 0 || (n && (!seqs || !tokens))) return fail(m, KVB_EINVAL, 0, n, "n, seqs, tokens");
     int rc = m->ng == 1 ? kvb_mgr_append_batch(&m->g[0], seqs, tokens, n)
                         : kvb_grp_append_batch(m->gp, m->ng, seqs, tokens, n);
@@ -430,24 +443,24 @@ int kvb_manager_append_batch(kvb_manager_t *m, const int32_t *seqs, const int32_
 }
 
 int kvb_manager_reserve(kvb_manager_t *m, int32_t seq, int64_t n) {
-    ENTER(m);
+    MUTATE(m);
     int rc = m->ng == 1 ? kvb_mgr_reserve(&m->g[0], seq, n) : kvb_grp_reserve(m->gp, m->ng, seq, n);
     return fin(m, rc, 0);
 }
 
 int kvb_manager_truncate(kvb_manager_t *m, int32_t seq, int64_t ntokens) {
-    ENTER(m);
+    MUTATE(m);
     return fin(m, kvb_grp_truncate(m->gp, m->ng, seq, ntokens), 0);
 }
 
 int kvb_manager_fork(kvb_manager_t *m, int32_t parent, int32_t *child_out) {
-    ENTER(m);
+    MUTATE(m);
     if (!child_out) return fail(m, KVB_EINVAL, 0, 0, "child_out");
     return fin(m, kvb_grp_fork(m->gp, m->ng, parent, child_out), 0);
 }
 
 int kvb_manager_free(kvb_manager_t *m, int32_t seq) {
-    ENTER(m);
+    MUTATE(m);
     return fin(m, kvb_grp_free(m->gp, m->ng, seq), 0);
 }
 
@@ -483,7 +496,7 @@ int kvb_manager_is_swapped(const kvb_manager_t *m, int32_t seq) {
 
 static int swap(kvb_manager_t *m, int32_t seq, int64_t *pairs, int64_t cap, int64_t *npairs,
                 int in) {
-    ENTER(m);
+    MUTATE(m);
     if (!npairs || cap < 0 || (cap && !pairs)) return fail(m, KVB_EINVAL, 0, cap, "cap, npairs");
     if (!m->has_host) return fail(m, KVB_ESTATE, 0, 0, "no host pool (num_host_blocks 0)");
     const kvb_seq_t *s = seq_of(m, 0, seq);
@@ -548,40 +561,72 @@ static int check_step(kvb_manager_t *m, const int32_t *seqs, const int32_t *qlen
 
 int kvb_manager_schedule(kvb_manager_t *m, const int32_t *seqs, const int32_t *qlens,
                          const int32_t *drafts, int64_t B) {
-    ENTER(m);
+    MUTATE(m);
     int rc = check_step(m, seqs, qlens, drafts, B, -1);
     if (rc) return rc;
     return fin(m, kvb_grp_schedule(m->gp, m->ng, seqs, qlens, drafts, B, 1), 0);
 }
 
-int kvb_manager_metadata(kvb_manager_t *m, int32_t group, const int32_t *seqs,
-                         const int32_t *qlens, const int32_t *drafts, int64_t B,
-                         kvb_metadata_t *out) {
-    ENTER(m);
-    if (!out || out->size < sizeof *out || group < 0 || group >= m->ng)
-        return fail(m, KVB_EINVAL, 0, group, "out, group");
+/* Scratch targets for buffers a step of no tokens or no blocks may leave NULL. */
+typedef struct { int32_t i32; int64_t i64; } zeros_t;
+
+/* out's buffers checked and viewed as the core's kvb_meta_t (B sequences) */
+static int meta_view(kvb_manager_t *m, int64_t B, const kvb_metadata_t *out, kvb_meta_t *meta,
+                     zeros_t *z) {
     if (B && (!out->seq_lens || !out->qo_indptr || !out->kv_indptr || !out->kv_last_page_len))
         return fail(m, KVB_EINVAL, 0, B, "out's [B] buffers");
     if (out->cap_tokens < 0 || out->cap_indices < 0 || out->max_blocks < 0 ||
         (out->cap_tokens && !out->slot_mapping) || (out->cap_indices && !out->kv_indices) ||
         (out->max_blocks && !out->block_tables))
         return fail(m, KVB_EINVAL, 0, 0, "out's capacities");
-    int rc = check_step(m, seqs, qlens, drafts, B, group);
-    if (rc) return rc;
+    memset(meta, 0, sizeof *meta);
+    meta->slot_mapping = out->slot_mapping ? out->slot_mapping : &z->i64;
+    meta->block_tables = out->max_blocks ? out->block_tables : NULL;
+    meta->seq_lens = out->seq_lens;
+    meta->qo_indptr = out->qo_indptr ? out->qo_indptr : &z->i32;
+    meta->kv_indptr = out->kv_indptr ? out->kv_indptr : &z->i32;
+    meta->kv_indices = out->kv_indices ? out->kv_indices : &z->i32;
+    meta->kv_last_page_len = out->kv_last_page_len;
+    meta->cap_tokens = out->cap_tokens;
+    meta->cap_indices = out->cap_indices;
+    meta->max_blocks = out->max_blocks;
+    return KVB_OK;
+}
+
+/* out's buffers checked and viewed as the core's kvb_rows_t */
+static int rows_view(kvb_manager_t *m, int32_t group, const kvb_step_rows_t *out,
+                     kvb_rows_t *r) {
+    if (m->g[group].kind == KVB_G_STATE)
+        return fail(m, KVB_EINVAL, 0, group, "a state group has no per-token rows");
+    if (!out->read_offsets || !out->write_offsets || out->cap_read < 0 || out->cap_write < 0 ||
+        out->max_blocks < 0 || (out->cap_read && !out->read_index) ||
+        (out->cap_write && !out->write_index) || (out->max_blocks && !out->block_tables))
+        return fail(m, KVB_EINVAL, 0, 0, "out's buffers and capacities");
+    memset(r, 0, sizeof *r);
+    r->read_index = out->cap_read ? out->read_index : NULL;
+    r->write_index = out->cap_write ? out->write_index : NULL;
+    r->read_offsets = out->read_offsets;
+    r->write_offsets = out->write_offsets;
+    r->block_tables = out->max_blocks ? out->block_tables : NULL;
+    r->cap_read = out->cap_read;
+    r->cap_write = out->cap_write;
+    r->max_blocks = out->max_blocks;
+    r->stride = out->stride;
+    r->offset = out->offset;
+    return KVB_OK;
+}
+
+int kvb_manager_metadata(kvb_manager_t *m, int32_t group, const int32_t *seqs,
+                         const int32_t *qlens, const int32_t *drafts, int64_t B,
+                         kvb_metadata_t *out) {
+    MUTATE(m);
+    if (!out || out->size < sizeof *out || group < 0 || group >= m->ng)
+        return fail(m, KVB_EINVAL, 0, group, "out, group");
     kvb_meta_t meta;
-    memset(&meta, 0, sizeof meta);
-    int32_t zero_i32 = 0;
-    int64_t zero_i64 = 0;
-    meta.slot_mapping = out->slot_mapping ? out->slot_mapping : &zero_i64;
-    meta.block_tables = out->max_blocks ? out->block_tables : NULL;
-    meta.seq_lens = out->seq_lens;
-    meta.qo_indptr = out->qo_indptr ? out->qo_indptr : &zero_i32;
-    meta.kv_indptr = out->kv_indptr ? out->kv_indptr : &zero_i32;
-    meta.kv_indices = out->kv_indices ? out->kv_indices : &zero_i32;
-    meta.kv_last_page_len = out->kv_last_page_len;
-    meta.cap_tokens = out->cap_tokens;
-    meta.cap_indices = out->cap_indices;
-    meta.max_blocks = out->max_blocks;
+    zeros_t z = {0, 0};
+    int rc = meta_view(m, B, out, &meta, &z);
+    if (!rc) rc = check_step(m, seqs, qlens, drafts, B, group);
+    if (rc) return rc;
     rc = kvb_mgr_metadata(m->gp[group], seqs, qlens, drafts, B, &meta);
     if (rc) return fin(m, rc, group);
     out->n_tokens = meta.n_tokens;
@@ -593,34 +638,139 @@ int kvb_manager_metadata(kvb_manager_t *m, int32_t group, const int32_t *seqs,
 int kvb_manager_rows(kvb_manager_t *m, int32_t group, const int32_t *seqs,
                      const int32_t *qlens, const int32_t *drafts, int64_t B,
                      kvb_step_rows_t *out) {
-    ENTER(m);
+    MUTATE(m);
     if (!out || out->size < sizeof *out || group < 0 || group >= m->ng)
         return fail(m, KVB_EINVAL, 0, group, "out, group");
-    if (m->g[group].kind == KVB_G_STATE)
-        return fail(m, KVB_EINVAL, 0, group, "a state group has no per-token rows");
-    if (!out->read_offsets || !out->write_offsets || out->cap_read < 0 || out->cap_write < 0 ||
-        out->max_blocks < 0 || (out->cap_read && !out->read_index) ||
-        (out->cap_write && !out->write_index) || (out->max_blocks && !out->block_tables))
-        return fail(m, KVB_EINVAL, 0, 0, "out's buffers and capacities");
-    int rc = check_step(m, seqs, qlens, drafts, B, group);
-    if (rc) return rc;
     kvb_rows_t r;
-    memset(&r, 0, sizeof r);
-    r.read_index = out->cap_read ? out->read_index : NULL;
-    r.write_index = out->cap_write ? out->write_index : NULL;
-    r.read_offsets = out->read_offsets;
-    r.write_offsets = out->write_offsets;
-    r.block_tables = out->max_blocks ? out->block_tables : NULL;
-    r.cap_read = out->cap_read;
-    r.cap_write = out->cap_write;
-    r.max_blocks = out->max_blocks;
-    r.stride = out->stride;
-    r.offset = out->offset;
+    int rc = rows_view(m, group, out, &r);
+    if (!rc) rc = check_step(m, seqs, qlens, drafts, B, group);
+    if (rc) return rc;
     rc = kvb_mgr_rows(m->gp[group], seqs, qlens, drafts, B, &r);
     if (rc) return fin(m, rc, group);
     out->n_read = r.n_read;
     out->n_write = r.n_write;
     KVB_MUST(kvb_mgr_schedule(m->gp[group], seqs, qlens, drafts, B, 1));
+    return KVB_OK;
+}
+
+/* ---- a step planned once ---------------------------------------------------------------- */
+void kvb_plan_delete(kvb_plan_t *p) {
+    if (!p) return;
+    free(p->seqs);
+    free(p->qlens);
+    free(p->drafts);
+    free(p->sizes);
+    free(p);
+}
+
+int kvb_manager_plan_step(kvb_manager_t *m, const int32_t *seqs, const int32_t *qlens,
+                          const int32_t *drafts, int64_t B, int commit, kvb_plan_t **out) {
+    if (!m) return KVB_EINVAL;
+    MUTATE(m);
+    if (!out) return fail(m, KVB_EINVAL, 0, 0, "out");
+    *out = NULL;
+    if (B < 0 || B > INT32_MAX) return fail(m, KVB_EINVAL, 0, B, "B");
+    kvb_plan_t *p = calloc(1, sizeof *p);
+    size_t nb = (size_t)(B ? B : 1) * sizeof(int32_t);
+    if (p) {
+        p->seqs = malloc(nb);
+        p->qlens = malloc(nb);
+        p->drafts = drafts ? malloc(nb) : NULL;
+        p->sizes = calloc((size_t)m->ng, sizeof *p->sizes);
+    }
+    if (!p || !p->seqs || !p->qlens || (drafts && !p->drafts) || !p->sizes) {
+        kvb_plan_delete(p);
+        return fail(m, KVB_ENOMEM, 0, 0, NULL);
+    }
+    int rc = KVB_OK;
+    int64_t nc = kvb_manager_pending_copies(m);
+    if (B && (!seqs || !qlens)) rc = fail(m, KVB_EINVAL, 0, B, "B, seqs, qlens");
+    else if (m->ng > 1 && nc) rc = fail(m, KVB_EPENDING, nc, 0, NULL);
+    if (!rc) { /* the one check of the step, for every group, with its sizes */
+        kvb_copy(p->seqs, seqs, (size_t)B * sizeof(int32_t));
+        kvb_copy(p->qlens, qlens, (size_t)B * sizeof(int32_t));
+        if (drafts) kvb_copy(p->drafts, drafts, (size_t)B * sizeof(int32_t));
+        rc = fin(m, kvb_step_check(m->gp, m->ng, p->seqs, p->qlens, p->drafts, B, p->sizes), 0);
+    }
+    if (rc) { kvb_plan_delete(p); return rc; }
+    kvb_step_release(m->gp, m->ng, p->seqs, p->qlens, B);
+    if (commit) kvb_step_commit(m->gp, m->ng, p->seqs, p->qlens, p->drafts, B);
+    p->m = m;
+    p->B = B;
+    p->committed = commit != 0;
+    p->epoch = m->epoch;
+    *out = p;
+    return KVB_OK;
+}
+
+/* a writer or commit of p, for group (-1: no group) */
+static int plan_enter(const kvb_plan_t *p, int32_t group) {
+    kvb_manager_t *m = p->m;
+    ENTER(m);
+    if (p->epoch != m->epoch)
+        return fail(m, KVB_ESTATE, 0, 0, "the manager changed since the plan (plan again)");
+    if (group < -1 || group >= m->ng) return fail(m, KVB_EINVAL, 0, group, "group");
+    return KVB_OK;
+}
+
+int kvb_plan_stale(const kvb_plan_t *p) { return !p || p->epoch != p->m->epoch; }
+
+int kvb_plan_size(const kvb_plan_t *p, int32_t group, kvb_plan_size_t *out) {
+    if (!p || !out) return KVB_EINVAL;
+    if (group < 0 || group >= p->m->ng) return KVB_EINVAL;
+    out->tokens = p->sizes[group].tokens;
+    out->blocks = p->sizes[group].blocks;
+    out->max_blocks = p->sizes[group].max_blocks;
+    out->context = p->sizes[group].context;
+    return KVB_OK;
+}
+
+int kvb_plan_metadata(kvb_plan_t *p, int32_t group, kvb_metadata_t *out) {
+    if (!p) return KVB_EINVAL;
+    kvb_manager_t *m = p->m;
+    int rc = plan_enter(p, group);
+    if (rc) return rc;
+    if (!out || out->size < sizeof *out || group < 0)
+        return fail(m, KVB_EINVAL, 0, group, "out, group");
+    kvb_meta_t meta;
+    zeros_t z = {0, 0};
+    rc = meta_view(m, p->B, out, &meta, &z);
+    if (rc) return rc;
+    rc = kvb_meta_fits(m->gp[group], &p->sizes[group], &meta);
+    if (rc) return fin(m, rc, group);
+    kvb_meta_write(m->gp[group], p->seqs, p->qlens, p->drafts, p->B, &meta);
+    out->n_tokens = meta.n_tokens;
+    out->n_indices = meta.n_indices;
+    return KVB_OK;
+}
+
+int kvb_plan_rows(kvb_plan_t *p, int32_t group, kvb_step_rows_t *out) {
+    if (!p) return KVB_EINVAL;
+    kvb_manager_t *m = p->m;
+    int rc = plan_enter(p, group);
+    if (rc) return rc;
+    if (!out || out->size < sizeof *out || group < 0)
+        return fail(m, KVB_EINVAL, 0, group, "out, group");
+    kvb_rows_t r;
+    rc = rows_view(m, group, out, &r);
+    if (rc) return rc;
+    rc = kvb_rows_fits(m->gp[group], &p->sizes[group], &r);
+    if (rc) return fin(m, rc, group);
+    kvb_rows_write(m->gp[group], p->seqs, p->qlens, p->drafts, p->B, &r);
+    out->n_read = r.n_read;
+    out->n_write = r.n_write;
+    return KVB_OK;
+}
+
+int kvb_plan_commit(kvb_plan_t *p) {
+    if (!p) return KVB_EINVAL;
+    kvb_manager_t *m = p->m;
+    int rc = plan_enter(p, -1);
+    if (rc) return rc;
+    if (p->committed) return fail(m, KVB_ESTATE, 0, 0, "the plan was committed already");
+    kvb_step_commit(m->gp, m->ng, p->seqs, p->qlens, p->drafts, p->B);
+    p->committed = 1;
+    p->epoch = ++m->epoch; /* declared: computed counts changed, tables did not */
     return KVB_OK;
 }
 
@@ -676,7 +826,7 @@ static int pairs_args(kvb_manager_t *m, int64_t *out, int64_t cap, int64_t *n) {
 }
 
 int kvb_manager_take_copies(kvb_manager_t *m, int64_t *out, int64_t cap, int64_t *n) {
-    ENTER(m);
+    MUTATE(m);
     int rc = pairs_args(m, out, cap, n);
     if (rc) return rc;
     kvb_tier_t *t = m->pool.tier;
@@ -722,7 +872,7 @@ int kvb_manager_take_onloads(kvb_manager_t *m, int64_t *out, int64_t cap, int64_
 }
 
 int kvb_manager_reset_cache(kvb_manager_t *m) {
-    ENTER(m);
+    MUTATE(m);
     return fin(m, kvb_mgr_reset_cache(&m->g[0]), 0);
 }
 

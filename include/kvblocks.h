@@ -311,6 +311,33 @@ KVB_API int kvb_manager_rows(kvb_manager_t *m, int32_t group, const int32_t *seq
                              const int32_t *qlens, const int32_t *drafts, int64_t B,
                              kvb_step_rows_t *out);
 
+/* ---- a step planned once ----------------------------------------------------------------
+ * kvb_manager_plan_step checks a step (the checks of kvb_manager_schedule) for every group at
+ * once, sizes each group's buffers, applies what window and chunk groups release and, with
+ * commit != 0, declares the step. The plan's writers (kvb_plan_metadata, kvb_plan_rows) then
+ * write any group's arguments without checking the batch again, as often as asked; with
+ * commit == 0, kvb_plan_commit declares the step once the forward wrote its K/V. A plan is
+ * stale once its manager changed (any call that may change tables: add, append, free, another
+ * plan, ...): its writers and commit fail with KVB_ESTATE. A plan belongs to its manager:
+ * delete it first. Errors are reported in the manager's last-error detail. */
+typedef struct kvb_plan kvb_plan_t;
+typedef struct {               /* a group's share of a planned step: buffer sizes */
+    int64_t tokens;            /* query slots: slot_mapping / write_index entries */
+    int64_t blocks;            /* table entries of every context: kv_indices entries */
+    int64_t max_blocks;        /* the longest table: block_tables columns */
+    int64_t context;           /* context positions: read_index entries */
+} kvb_plan_size_t;
+
+KVB_API int kvb_manager_plan_step(kvb_manager_t *m, const int32_t *seqs, const int32_t *qlens,
+                                  const int32_t *drafts, int64_t B, int commit,
+                                  kvb_plan_t **out);
+KVB_API int kvb_plan_size(const kvb_plan_t *p, int32_t group, kvb_plan_size_t *out);
+KVB_API int kvb_plan_metadata(kvb_plan_t *p, int32_t group, kvb_metadata_t *out);
+KVB_API int kvb_plan_rows(kvb_plan_t *p, int32_t group, kvb_step_rows_t *out);
+KVB_API int kvb_plan_commit(kvb_plan_t *p);
+KVB_API int kvb_plan_stale(const kvb_plan_t *p);     /* 1 stale, 0 usable */
+KVB_API void kvb_plan_delete(kvb_plan_t *p);
+
 /* The block hashes this manager gives the full blocks of tokens[0..n) under salt (as add
  * would: its key, hash mode and block size; group 0): n / block_size hashes into out (cap);
  * *n_out gets how many. What its KV events carry, for an engine or router keyed by them. */

@@ -268,6 +268,89 @@ static void hashes_rows(void) {
     kvb_manager_delete(m);
 }
 
+/* a step planned once for two groups: sizes, writers equal to the per-group calls, staleness,
+ * deferred commit, failures that change nothing */
+static void plans(void) {
+    kvb_group_spec_t gs[2] = {{KVB_GROUP_FULL, 0}, {KVB_GROUP_WINDOW, 6}};
+    kvb_manager_t *mm[2];
+    for (int k = 0; k < 2; k++) {
+        kvb_manager_config_t c;
+        kvb_manager_config_init(&c);
+        c.num_blocks = 64;
+        c.block_size = 4;
+        c.num_groups = 2;
+        c.groups = gs;
+        c.has_hash_key = 1;
+        memcpy(c.hash_key, "0123456789abcdef", 16);
+        EXPECT(kvb_manager_new(&c, &mm[k]) == KVB_OK);
+    }
+    kvb_manager_t *a = mm[0], *b = mm[1]; /* a: the plan; b: kvb_manager_metadata per group */
+    const int32_t toks[13] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13};
+    int32_t s[2], q[2] = {13, 7}, t;
+    for (int k = 0; k < 2; k++) {
+        EXPECT(kvb_manager_add(mm[k], toks, 13, NULL, 0, 0, &s[0], NULL) == KVB_OK);
+        EXPECT(kvb_manager_add(mm[k], toks + 6, 7, NULL, 0, 0, &s[1], NULL) == KVB_OK);
+    }
+    kvb_plan_t *p = NULL;
+    int32_t twice[2] = {s[0], s[0]};
+    EXPECT(kvb_manager_plan_step(a, twice, q, NULL, 2, 1, &p) == KVB_EDUP && p == NULL);
+    EXPECT(kvb_manager_num_computed(a, s[0]) == 0); /* the failure changed nothing */
+    EXPECT(kvb_manager_plan_step(a, s, q, NULL, 2, 0, &p) == KVB_OK && p);
+    EXPECT(kvb_manager_num_computed(a, s[0]) == 0); /* not committed yet */
+    kvb_plan_size_t z;
+    EXPECT(kvb_plan_size(p, 0, &z) == KVB_OK && z.tokens == 20 && z.max_blocks == 4);
+    EXPECT(kvb_plan_size(p, 2, &z) == KVB_EINVAL);
+    for (int32_t g = 0; g < 2; g++) {
+        int64_t sm[2][32];
+        int32_t bt[2][16], sl[2][2], qo[2][3], kp[2][3], ki[2][16], last[2][2];
+        kvb_metadata_t md[2];
+        for (int k = 0; k < 2; k++) {
+            memset(&md[k], 0, sizeof md[k]);
+            md[k].size = sizeof md[k];
+            md[k].slot_mapping = sm[k];
+            md[k].block_tables = bt[k];
+            md[k].seq_lens = sl[k];
+            md[k].qo_indptr = qo[k];
+            md[k].kv_indptr = kp[k];
+            md[k].kv_indices = ki[k];
+            md[k].kv_last_page_len = last[k];
+            md[k].cap_tokens = 32;
+            md[k].cap_indices = 16;
+            md[k].max_blocks = 8;
+        }
+        md[0].cap_tokens = 8; /* too small: refused with the size needed, nothing written */
+        EXPECT(kvb_plan_metadata(p, g, &md[0]) == KVB_ERANGE);
+        md[0].cap_tokens = 32;
+        EXPECT(kvb_plan_metadata(p, g, &md[0]) == KVB_OK);
+        EXPECT(kvb_manager_metadata(b, g, s, q, NULL, 2, &md[1]) == KVB_OK);
+        EXPECT(md[0].n_tokens == md[1].n_tokens && md[0].n_indices == md[1].n_indices);
+        EXPECT(memcmp(sm[0], sm[1], sizeof sm[0]) == 0);
+        EXPECT(memcmp(bt[0], bt[1], 2 * 8 * sizeof(int32_t)) == 0);
+        EXPECT(memcmp(ki[0], ki[1], (size_t)md[0].n_indices * sizeof(int32_t)) == 0);
+    }
+    EXPECT(kvb_plan_commit(p) == KVB_OK && kvb_manager_num_computed(a, s[0]) == 13);
+    EXPECT(kvb_plan_commit(p) == KVB_ESTATE); /* once */
+    EXPECT(!kvb_plan_stale(p));
+    t = 99;
+    EXPECT(kvb_manager_append(a, s[0], &t, 1, 0) == KVB_OK);
+    EXPECT(kvb_plan_stale(p));
+    kvb_step_rows_t r;
+    int32_t ro[3], wo[3];
+    int64_t wi[32];
+    memset(&r, 0, sizeof r);
+    r.size = sizeof r;
+    r.write_index = wi;
+    r.read_offsets = ro;
+    r.write_offsets = wo;
+    r.cap_write = 32;
+    r.stride = 4;
+    EXPECT(kvb_plan_rows(p, 0, &r) == KVB_ESTATE); /* stale */
+    kvb_plan_delete(p);
+    EXPECT(kvb_manager_check(a) == KVB_OK && kvb_manager_check(b) == KVB_OK);
+    kvb_manager_delete(a);
+    kvb_manager_delete(b);
+}
+
 /* two managers, two threads, at once: each runs decode steps on its own handle */
 static void *worker(void *arg) {
     kvb_manager_t *m = manager(64, 0);
@@ -311,6 +394,7 @@ int main(void) {
     swaps();
     pools();
     hashes_rows();
+    plans();
     threads();
     if (failures) {
         fprintf(stderr, "capi_contract: %d failures\n", failures);
