@@ -295,7 +295,9 @@ def test_cuda_kernels_compile_ahead_of_time_for_sm80_and_sm90(cu, tmp_path):
 def test_the_c_api_guide_example_runs(build, tmp_path):
     """docs/c-api.md: its complete example compiles (-Werror) against the built library and
     runs: the second prompt reuses the first one's two full blocks."""
-    (code,) = re.findall(r"```c\n(.*?)```", (ROOT / "docs" / "c-api.md").read_text(), re.S)
+    guide = (ROOT / "docs" / "c-api.md").read_text()
+    example = guide[guide.index("## A complete example") :]  # (the sections above hold snippets)
+    code = re.findall(r"```c\n(.*?)```", example, re.S)[0]
     src = tmp_path / "example.c"
     src.write_text(code)
     exe = tmp_path / "example"
