@@ -9,8 +9,11 @@ compare without timing noise:
         --callgrind-out-file=/dev/null $PY benchmarks/callgrind_core.py decode $n 2>&1 |
         grep Collected; done
 
-Cases: alloc (allocate + free of 128 blocks), decode (append_batch + metadata over 256
-sequences at 2K context), prefix (add of a cached 32K-token prompt: hash, lookup, pin; free).
+Cases: alloc (allocate + free of 128 blocks), one (allocate(1) + free: the one-element array
+path; allocate_one + free_one where the build has them), decode (append_batch + metadata over
+256 sequences at 2K context), grouped (the same with a full + window-128 manager, both groups'
+metadata), prefix (add of a cached 32K-token prompt: hash, lookup, pin; free), prefix_list
+(the same prompt given as a Python list).
 Results: benchmarks/results/callgrind_core.json.
 """
 
@@ -28,6 +31,14 @@ if case == "alloc":
     for _ in range(n):
         ids = pool.allocate(128)
         pool.free(ids)
+elif case == "one":
+    pool = BlockPool(4096, enable_prefix_caching=True)
+    if hasattr(pool, "allocate_one"):
+        for _ in range(n):
+            pool.free_one(pool.allocate_one())
+    else:
+        for _ in range(n):
+            pool.free(pool.allocate(1))
 elif case == "decode":
     mgr = BlockManager(40000, 16)
     seqs = list(range(256))
@@ -38,9 +49,25 @@ elif case == "decode":
     for _ in range(n):
         mgr.append_batch(seqs, tok)
         mgr.metadata(seqs, [1] * 256)
-elif case == "prefix":
+elif case == "grouped":
+    from kvblocks import KVGroup
+
+    mgr = BlockManager(80000, 16, groups=(KVGroup("full"), KVGroup("sliding_window", window=128)))
+    seqs = list(range(256))
+    for s in seqs:
+        mgr.add(s, np.arange(1000 + s, 1000 + s + 2048, dtype=np.int32) % 30000)
+    for g in (0, 1):
+        mgr.metadata(seqs, [2048] * 256, group=g)
+    tok = np.ones(256, dtype=np.int32)
+    for _ in range(n):
+        mgr.append_batch(seqs, tok)
+        mgr.metadata(seqs, [1] * 256, group=0)
+        mgr.metadata(seqs, [1] * 256, group=1)
+elif case in ("prefix", "prefix_list"):
     mgr = BlockManager(8192, 16)
     toks = np.arange(32768, dtype=np.int32)
+    if case == "prefix_list":
+        toks = toks.tolist()
     mgr.add("warm", toks)
     mgr.metadata(["warm"], [32768])
     mgr.free("warm")
@@ -48,4 +75,4 @@ elif case == "prefix":
         mgr.add(i, toks)
         mgr.free(i)
 else:
-    raise SystemExit(f"unknown case {case!r}: alloc, decode or prefix")
+    raise SystemExit(f"unknown case {case!r}: alloc, one, decode, grouped, prefix or prefix_list")

@@ -211,6 +211,10 @@ class KVReadback:
         self._swaps: List[Tuple[str, np.ndarray]] = []  # returned by swap_*, not yet run
         self._origin: Dict[bytes, str] = {}  # K bytes -> what they were written for
         self.last_metadata: Tuple = ()  # every group's metadata of the last forward()
+        # forward() alternates between the v1 calls (metadata per group, each declaring its
+        # group's step) and one plan_step with each group's metadata written from the plan,
+        # so that every machine and read-back test checks both paths' bytes
+        self._forwards = 0
         self._token_bytes = num_kv_heads * head_dim * self.layout.itemsize
         self._words = -(-self._token_bytes // 8)
 
@@ -370,7 +374,8 @@ class KVReadback:
     def forward(self, seq_ids, query_lens=None, *, drafts=None):
         """One forward step: ``metadata`` for the rows (query: every committed token not yet
         computed, unless ``query_lens`` says otherwise; ``drafts[i]``: draft tokens to write
-        after row i's committed ones) of every group, then ``write_slots`` of their K/V on
+        after row i's committed ones) of every group (every other call through ``plan_step``
+        and the plan's writers), then ``write_slots`` of their K/V on
         every layer through each group's slot mapping (a state group: its blocks, whole).
         Returns group 0's metadata (every group's: ``last_metadata``)."""
         seq_ids = list(seq_ids)
@@ -384,10 +389,15 @@ class KVReadback:
         else:
             drafts = [[int(t) for t in d] for d in drafts]
             kw["draft_lens"] = [len(d) for d in drafts]
-        metas = tuple(
-            self.mgr.metadata(seq_ids, query_lens, **kw, **({"group": g} if g else {}))
-            for g in range(len(self.groups))
-        )
+        self._forwards += 1
+        if self._forwards % 2 == 0 and hasattr(self.mgr, "plan_step"):
+            plan = self.mgr.plan_step(seq_ids, query_lens, **kw)
+            metas = tuple(plan.metadata(g) for g in range(len(self.groups)))
+        else:
+            metas = tuple(
+                self.mgr.metadata(seq_ids, query_lens, **kw, **({"group": g} if g else {}))
+                for g in range(len(self.groups))
+            )
         hashes, labels = [], []
         for sid, e, q, d in zip(seq_ids, rows, query_lens, drafts):
             n = len(e.tokens)
