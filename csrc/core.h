@@ -574,7 +574,7 @@ typedef struct {
     int32_t *seq_lens;         /* [B] tokens in context after this step */
     int32_t *qo_indptr;        /* [B + 1] query offsets */
     int32_t *kv_indptr;        /* [B + 1] FlashInfer CSR offsets into kv_indices */
-    int32_t *kv_indices;       /* [cap_indices] FlashInfer page ids */
+    int32_t *kv_indices;       /* [cap_indices] FlashInfer page ids, or NULL: not built */
     int32_t *kv_last_page_len; /* [B] tokens in each sequence's last page, 1..block_size */
     int64_t cap_tokens;        /* capacity of slot_mapping */
     int64_t cap_indices;       /* capacity of kv_indices */

@@ -34,7 +34,7 @@ int kvb_meta_fits(kvb_mgr_t *m, const kvb_step_size_t *z, const kvb_meta_t *out)
         m->err_a = z->tokens; m->err_b = out->cap_tokens; m->err_what = "slot_mapping";
         return KVB_ERANGE;
     }
-    if (z->blocks > out->cap_indices) {
+    if (out->kv_indices && z->blocks > out->cap_indices) { /* NULL: no page list */
         m->err_a = z->blocks; m->err_b = out->cap_indices; m->err_what = "kv_indices";
         return KVB_ERANGE;
     }
@@ -99,8 +99,9 @@ void kvb_meta_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qle
             if (!same_bt) /* a row written for this table already has its zero padding */
                 memset(row + nb, 0, (size_t)(out->max_blocks - nb) * sizeof *row);
         }
-        kvb_copy(out->kv_indices + k + same_kv, blocks + same_kv,
-                 (size_t)(nb - same_kv) * sizeof *blocks);
+        if (out->kv_indices)
+            kvb_copy(out->kv_indices + k + same_kv, blocks + same_kv,
+                     (size_t)(nb - same_kv) * sizeof *blocks);
         if (rc && i < out->cap_rows) {
             int64_t *r = rc + 4 * i;
             r[0] = slots[i];

@@ -1358,11 +1358,12 @@ cdef class BlockManager:
         meta.seq_lens = <int32_t *>buf_ptr(sl, cnp.NPY_INT32, 1, B, "seq_lens")
         meta.qo_indptr = <int32_t *>buf_ptr(qo, cnp.NPY_INT32, 1, B + 1, "qo_indptr")
         meta.kv_indptr = <int32_t *>buf_ptr(kvp, cnp.NPY_INT32, 1, B + 1, "kv_indptr")
-        meta.kv_indices = <int32_t *>buf_ptr(kvi, cnp.NPY_INT32, 1, 0, "kv_indices")
+        if kvi is not None:  # None: no FlashInfer page list (block_tables engines)
+            meta.kv_indices = <int32_t *>buf_ptr(kvi, cnp.NPY_INT32, 1, 0, "kv_indices")
+            meta.cap_indices = cnp.PyArray_DIM(<cnp.ndarray>kvi, 0)
         meta.kv_last_page_len = <int32_t *>buf_ptr(last, cnp.NPY_INT32, 1, B,
                                                    "kv_last_page_len")
         meta.cap_tokens = cnp.PyArray_DIM(<cnp.ndarray>sm, 0)
-        meta.cap_indices = cnp.PyArray_DIM(<cnp.ndarray>kvi, 0)
         if bt is not None:
             meta.block_tables = <int32_t *>buf_ptr(bt, cnp.NPY_INT32, 2, B, "block_tables")
             meta.max_blocks = <int32_t>cnp.PyArray_DIM(<cnp.ndarray>bt, 1)
@@ -1385,7 +1386,8 @@ cdef class BlockManager:
             out.remember_rows(self._gowners[g], meta.valid_rows)
         cdef Py_ssize_t nt = meta.n_tokens, ni = meta.n_indices
         res = AttentionMetadata(sm[:nt], bt[:B] if bt is not None else None, sl[:B],
-                                qo[:B + 1], kvp[:B + 1], kvi[:ni], last[:B], nt, B)
+                                qo[:B + 1], kvp[:B + 1], kvi[:ni] if kvi is not None else None,
+                                last[:B], nt, B)
         return res.view_of(out)
 
     def _debug_corrupt(self, what, seq_id=None, group=0):

@@ -78,14 +78,26 @@ class AttentionMetadata:
 
     @classmethod
     def allocate(
-        cls, max_batch: int, max_tokens: int, max_indices: int, max_blocks_per_seq: int
+        cls,
+        max_batch: int,
+        max_tokens: int,
+        max_indices: int,
+        max_blocks_per_seq: int,
+        *,
+        kv_indices: bool = True,
     ) -> "AttentionMetadata":
         """Fixed buffers for batches of up to ``max_batch`` sequences, ``max_tokens`` query
-        tokens, ``max_indices`` pages in all and ``max_blocks_per_seq`` pages per sequence."""
+        tokens, ``max_indices`` pages in all and ``max_blocks_per_seq`` pages per sequence.
+
+        ``kv_indices=False`` leaves FlashInfer's page list out (``kv_indices`` is None; its
+        ``kv_indptr`` offsets are still written): for engines whose kernels read the padded
+        ``block_tables`` (FlashAttention). A decode step then rewrites no CSR segment that
+        moved, so its cost per sequence stays flat as the batch grows; ``max_indices`` is
+        ignored."""
         for name, v in (
             ("max_batch", max_batch),
             ("max_tokens", max_tokens),
-            ("max_indices", max_indices),
+            ("max_indices", max_indices if kv_indices else 1),
             ("max_blocks_per_seq", max_blocks_per_seq),
         ):
             if int(v) < 0 or (name != "max_tokens" and int(v) < 1):
@@ -96,7 +108,7 @@ class AttentionMetadata:
             seq_lens=np.zeros(max_batch, dtype=np.int32),
             qo_indptr=np.zeros(max_batch + 1, dtype=np.int32),
             kv_indptr=np.zeros(max_batch + 1, dtype=np.int32),
-            kv_indices=np.zeros(max_indices, dtype=np.int32),
+            kv_indices=np.zeros(max_indices, dtype=np.int32) if kv_indices else None,
             kv_last_page_len=np.zeros(max_batch, dtype=np.int32),
         )
         meta._row_cache = np.full(4 * max_batch, -1, dtype=np.int64)
@@ -135,5 +147,5 @@ class AttentionMetadata:
     def __repr__(self) -> str:
         return (
             f"AttentionMetadata(num_seqs={self.num_seqs}, num_tokens={self.num_tokens}, "
-            f"kv_indices={len(self.kv_indices)})"
+            f"kv_indices={None if self.kv_indices is None else len(self.kv_indices)})"
         )

@@ -26,17 +26,9 @@ def _pair(kind):
 
 
 def _meta(m):
-    return {
-        k: getattr(m, k).tolist()
-        for k in (
-            "slot_mapping",
-            "seq_lens",
-            "qo_indptr",
-            "kv_indptr",
-            "kv_indices",
-            "kv_last_page_len",
-        )
-    } | {"block_tables": None if m.block_tables is None else m.block_tables.tolist()}
+    names = ("slot_mapping", "block_tables", "seq_lens", "qo_indptr", "kv_indptr", "kv_indices")
+    names += ("kv_last_page_len",)
+    return {k: None if getattr(m, k) is None else getattr(m, k).tolist() for k in names}
 
 
 def _rows(r):
@@ -232,3 +224,27 @@ def test_a_deferred_commit_declares_after_the_forward():
         late.commit()
     assert not late.committed
     a.check()
+
+
+def test_metadata_without_the_flashinfer_page_list():
+    """AttentionMetadata.allocate(kv_indices=False): everything else equal, no page list."""
+    a, b = _pair("window")
+    for m in (a, b):
+        for i in range(3):
+            m.add(i, list(range(5 + 4 * i)))
+    q = [a.num_tokens(i) for i in range(3)]
+    for step in range(6):
+        for g in (0, 1):
+            full = a.metadata(range(3), q, group=g, out=AttentionMetadata.allocate(3, 64, 64, 16))
+            lean = b.metadata(
+                range(3), q, group=g, out=AttentionMetadata.allocate(3, 64, 0, 16, kv_indices=False)
+            )
+            assert lean.kv_indices is None
+            want, got = _meta(full), _meta(lean)
+            del want["kv_indices"], got["kv_indices"]
+            assert got == want
+        for m in (a, b):
+            m.append_batch(range(3), [step] * 3)
+        q = [1, 1, 1]
+    with pytest.raises(kvblocks.InvalidArgumentError):
+        AttentionMetadata.allocate(3, 64, 0, 16)  # a page list needs room
