@@ -173,11 +173,12 @@ int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out) {
     if (KVB_UNLIKELY(p->twins != NULL)) {
         allocate_twins(p, n, out);
     } else {
-        /* the hot loop: pop n from the head; locals and restrict keep the head, the links and
-         * the output in registers (out[] could otherwise alias the pool's int32 fields) */
-        int32_t *restrict next = p->next;
-        int32_t *restrict ref = p->ref_count;
-        uint8_t *restrict flags = p->flags;
+        /* the hot loop: pop n from the head, kept in a register. Only the output is restrict
+         * (it could otherwise alias the links and counts); the arrays are not, since the
+         * eviction path writes them through p. */
+        int32_t *next = p->next;
+        int32_t *ref = p->ref_count;
+        uint8_t *flags = p->flags;
         int32_t *restrict o = out;
         int32_t b = p->free_head;
         for (int32_t i = 0; i < n; i++) {
@@ -234,10 +235,10 @@ int kvb_pool_free(kvb_pool_t *p, const int32_t *ids, int64_t n) {
      * the drops before it (all-or-nothing). Never-cached blocks are pushed at the head inline,
      * with the head in a register: prev[] of a pushed block is written by the next push, so
      * only the final head's is set (fix_head), also before any helper reads the list. */
-    int32_t *restrict ref = p->ref_count;
-    int32_t *restrict next = p->next;
-    int32_t *restrict prev = p->prev;
-    uint8_t *restrict flags = p->flags;
+    int32_t *ref = p->ref_count; /* (not restrict: list_push_tail writes them through p) */
+    int32_t *next = p->next;
+    int32_t *prev = p->prev;
+    uint8_t *flags = p->flags;
     const uint32_t last = (uint32_t)p->num_blocks - 1u;
     int32_t head = p->free_head, pushed = 0;
 #define fix_head() do { p->free_head = head; if (head != KVB_NONE) prev[head] = KVB_NONE; \
