@@ -60,13 +60,22 @@ def seed_keys(seeds: "np.ndarray | Sequence[int]") -> np.ndarray:
 
 
 def tokens_at(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Vectorised ``token(seed, pos)`` for key arrays (from :func:`seed_keys`); int32 out."""
-    with np.errstate(over="ignore"):
-        z = keys + positions.astype(np.uint64) + _C1
-        z = (z ^ (z >> _S30)) * _C2
-        z = (z ^ (z >> _S27)) * _C3
-        z = z ^ (z >> _S31)
-    return (z % _VOCAB).astype(np.int32)
+    """Vectorised ``token(seed, pos)`` for key arrays (from :func:`seed_keys`); int32 out.
+
+    Array arithmetic wraps modulo 2**64 silently; only numpy scalars warn on overflow, so
+    only they pay for an ``errstate`` (which costs more than the hash of a decode batch)."""
+    if np.ndim(keys) == 0 and np.ndim(positions) == 0:
+        with np.errstate(over="ignore"):
+            return tokens_at(np.atleast_1d(keys), np.atleast_1d(positions))[0]
+    z = keys + positions.astype(np.uint64)
+    z += _C1
+    z ^= z >> _S30
+    z *= _C2
+    z ^= z >> _S27
+    z *= _C3
+    z ^= z >> _S31
+    z %= _VOCAB
+    return z.astype(np.int32)
 
 
 def stream(seed: int, start: int, count: int) -> np.ndarray:
