@@ -162,18 +162,20 @@ def simulate_disagg(
     overlap_weight: Optional[float] = None,
     progress: Optional[Progress] = None,
     slo: Optional[Tuple[float, Optional[float]]] = None,
+    known: Optional[np.ndarray] = None,
 ) -> DisaggResult:
     """Replay ``workload`` on ``prefill`` prefill and ``decode`` decode replicas (see the
     module docstring); ``kv_bytes_per_token`` from the memory bill, ``link_gb_s`` from the
     GPU catalog. ``slo`` (TTFT p99, TPOT p99 or None; the planner's) stops the replay with
     :class:`DisaggStopped` as soon as it certainly misses them: in the prefill pool when the
     prefill alone makes too many requests late (their TTFT can only grow), in the decode pool
-    by the end-to-end TTFT and the TPOT (:mod:`kvblocks.sim.plan.replays`)."""
+    by the end-to-end TTFT and the TPOT (:mod:`kvblocks.sim.plan.replays`); ``known`` marks
+    the requests certainly over the TTFT target from the start."""
     rules: List[Any] = [None, None]
     if slo is not None:
         from ..plan.replays import StopRule
 
-        rules = [StopRule(slo[0]), StopRule(slo[0], slo[1])]
+        rules = [StopRule(slo[0], known=known), StopRule(slo[0], slo[1])]
     if len(workload) == 0:
         raise SimulationError("the workload has no requests")
     reqs = workload.requests
@@ -200,6 +202,7 @@ def simulate_disagg(
     )
     if rules[1] is not None:  # the decode pool's TTFT counts from the original arrivals
         rules[1].arrival = pre_rec.arrival[order]
+        rules[1].known = known[order] if known is not None else None
     if dec_reqs:
         dec = _stoppable(_derived(workload, dec_reqs), dcfg, KVArrivalTime.of(tm), decode,
                          router, overlap_weight, None, rules[1], "decode")  # fmt: skip

@@ -244,7 +244,7 @@ def _plan_gpus(args: argparse.Namespace) -> int:
     from ..workload.traces import load_workload
     from .capacity import parse_counts, parse_sizes
     from .gpuplan import Family, format_gpu_plan, gpu_plan_json, idle_prefill_s, search
-    from .replays import replay_candidate
+    from .replays import Floors, replay_candidate
 
     if args.trace is None or args.ttft_p99 is None:
         raise SimulationError("a GPU plan needs both --trace FILE and --ttft-p99 SECONDS")
@@ -294,27 +294,31 @@ def _plan_gpus(args: argparse.Namespace) -> int:
     import numpy as np
 
     p99_prompt = int(np.percentile([r.prompt_len for r in workload.requests], 99, method="higher"))
-    floors: Dict[Any, float] = {}  # the idle floor depends on the time model alone
+    idle: Dict[Any, float] = {}  # the idle floor depends on the time model alone
     for f in families:
         if f.fits:
             tm = f.engine[2]
-            if tm not in floors:
-                floors[tm] = idle_prefill_s(tm, p99_prompt, args.token_budget)
-            f.idle_ttft_s = floors[tm]
+            if tm not in idle:
+                idle[tm] = idle_prefill_s(tm, p99_prompt, args.token_budget)
+            f.idle_ttft_s = idle[tm]
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     links = {g.name: g.link_gb_s for g in gpus}
+
+    floors = Floors(workload, args.token_budget, args.ttft_p99)
 
     def replay(f: Family, n: int, prefill: int = 0) -> Dict[str, Any]:
         bar = ProgressBar(f"plan: {f.label(n, prefill)}", len(workload)) if show else None
         try:
             return replay_candidate(workload, f.engine, n, prefill, args.router, args.ttft_p99,
-                                    args.tpot_p99, links[f.gpu], progress=bar)  # fmt: skip
+                                    args.tpot_p99, links[f.gpu], progress=bar,
+                                    known=floors.known(f.engine))  # fmt: skip
         finally:
             if bar is not None:
                 bar.close()
 
     plan = search(families, counts, replay, args.ttft_p99, args.tpot_p99, args.cost,
-                  requests=len(workload), disagg=splits, with_disagg=with_disagg)  # fmt: skip
+                  requests=len(workload), disagg=splits, with_disagg=with_disagg,
+                  floor=lambda f: floors.reason(f.engine))  # fmt: skip
     if args.plot:
         from ..report.plot import plot_gpu_plan
 
@@ -330,7 +334,7 @@ def _plan_gpus(args: argparse.Namespace) -> int:
         header = [f"workload  {workload.name}: {len(workload):,} requests",
                   f"model     {base.name}, weights {base.weight_bytes / GiB:.2f} GiB ({base.weight_dtype}); "
                   f"GPUs {', '.join(g.name for g in gpus)}; TP {','.join(map(str, args.tp_list))}; "
-                  f"PP {','.join(map(str, args.pp_list))}; replicas {args.replicas}; {len(plan.replayed)} replays"]  # fmt: skip
+                  f"PP {','.join(map(str, args.pp_list))}; replicas {args.replicas}; {sum(1 for c in plan.replayed if c.ran)} replays"]  # fmt: skip
         print(format_gpu_plan(plan, header))
         if args.plot:
             print(f"plot written to {args.plot}")

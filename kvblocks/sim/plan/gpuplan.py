@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -111,6 +112,7 @@ class Candidate:
     rejected: int = 0
     meets: Optional[bool] = None  # None: not replayed (nor implied)
     reason: str = ""
+    replay_s: float = 0.0  # wall seconds its replay took (to the end or to its stop)
 
     @property
     def gpus(self) -> int:
@@ -149,6 +151,7 @@ class Candidate:
             "rejected": self.rejected,
             "meets": self.meets,
             "reason": self.reason,
+            "replay_s": self.replay_s,
         }
 
 
@@ -194,7 +197,7 @@ class GpuPlan:
                 {"gpu": f.gpu, "tp": f.tp, "pp": f.pp, "kv_dtype": f.kv_dtype, "reason": f.why_not}
                 for f in self.unfit
             ],
-            "replays": len(self.replayed),
+            "replays": sum(1 for c in self.replayed if c.ran),
         }
 
 
@@ -227,8 +230,8 @@ def cost_key(c: Candidate, by_cost: bool) -> Tuple[float, ...]:
 _key = cost_key
 
 _STOPPED = {
-    "ttft": "TTFT p99 > {t}: {late} requests past it (p99 needs fewer) after {share:.0f}% of the arrivals{pool} (replay stopped there)",
-    "tpot": "TPOT p99 > {t}: {late} requests over it (p99 needs fewer) after {share:.0f}% of the arrivals{pool} (replay stopped there)",
+    "ttft": "TTFT p99 > {t}: {late} requests already past it (enough for the p99) after {share:.0f}% of the arrivals{pool}; replay stopped",
+    "tpot": "TPOT p99 > {t}: {late} requests already over it (enough for the p99) after {share:.0f}% of the arrivals{pool}; replay stopped",
 }
 
 
@@ -300,12 +303,15 @@ def search(
     disagg: Optional[List[Tuple[int, int]]] = None,
     with_disagg: bool = False,
     exhaustive: bool = False,
+    floor: Optional[Callable[[Family], str]] = None,
 ) -> GpuPlan:
     """Replay the candidates cheapest first (``replay(family, replicas)``, or ``replay(family,
     replicas, prefill)`` for a disaggregated one, returns the summary) until one meets the SLOs;
     ``exhaustive``: replay every candidate and take the cheapest that meets them (the
     reference the fast search must equal). ``requests``: the workload's size (for the stop
-    reasons)."""
+    reasons). ``floor(family)``: a reason when the family misses at every replica count for
+    certain (:func:`~kvblocks.sim.plan.replays.certainly_late`), else ""; its candidates are
+    then not replayed."""
     counts = sorted(set(replica_counts))
     if not counts:
         raise SimulationError("the plan needs at least one replica count")
@@ -319,13 +325,25 @@ def search(
     order = sorted(candidates(fit, counts, disagg, with_disagg), key=lambda c: cost_key(c, by_cost))
     replayed: List[Candidate] = []
     best: Optional[Candidate] = None
+    floors: Dict[int, str] = {}
     for c in order:
+        if floor is not None and not exhaustive:
+            if id(c.family) not in floors:
+                floors[id(c.family)] = floor(c.family)
+            if floors[id(c.family)]:
+                c.meets, c.reason = False, floors[id(c.family)]
+                replayed.append(c)
+                if done is not None:
+                    done(c)
+                continue
         if len(replayed) >= MAX_REPLAYS:
             raise SimulationError(
                 f"more than {MAX_REPLAYS} replays; narrow --gpu, --tp, --replicas, --host-cache, "
                 "--kv-dtypes or --disagg"
             )
+        t0 = time.perf_counter()
         s = replay(c.family, c.replicas, c.prefill) if c.prefill else replay(c.family, c.replicas)
+        c.replay_s = time.perf_counter() - t0
         _verdict(c, s, ttft_p99_s, tpot_p99_s, requests)
         replayed.append(c)
         if done is not None:

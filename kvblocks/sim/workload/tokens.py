@@ -117,11 +117,13 @@ class TokenBook:
             table[: len(self._row)] = self._table[: len(self._row)]
             self._table = table
         first = len(self._row)
-        seeds = np.array([seed_of(self.namespace, h) for h in missing], dtype=np.uint64)
+        ids = np.asarray(missing, dtype=np.int64)
+        if ids.size and not (0 <= int(ids.min()) and int(ids.max()) < (1 << ID_BITS)):
+            seed_of(self.namespace, int(ids.min()) if ids.min() < 0 else int(ids.max()))  # raises
+        seeds = ids.astype(np.uint64) | np.uint64(self.namespace << ID_BITS)
         keys = seed_keys(seeds)[:, None]
         self._table[first : first + len(missing)] = tokens_at(keys, self._pos[None, :])
-        for i, h in enumerate(missing):
-            self._row[h] = first + i
+        self._row.update(zip(missing, range(first, first + len(missing))))
 
     def prompt(self, ids: Sequence[int], length: int) -> np.ndarray:
         """The first ``length`` tokens of the concatenated blocks of ``ids`` (int32, contiguous)."""
