@@ -169,11 +169,11 @@ def simulate_disagg(
     GPU catalog. ``slo`` (TTFT p99, TPOT p99 or None; the planner's) stops the replay with
     :class:`DisaggStopped` as soon as it certainly misses them: in the prefill pool when the
     prefill alone makes too many requests late (their TTFT can only grow), in the decode pool
-    by the end-to-end TTFT and the TPOT (:mod:`kvblocks.sim.plan.replays`); ``known`` marks
+    by the end-to-end TTFT and the TPOT (:mod:`kvblocks.sim.cluster.stoprule`); ``known`` marks
     the requests certainly over the TTFT target from the start."""
     rules: List[Any] = [None, None]
     if slo is not None:
-        from ..plan.replays import StopRule
+        from .stoprule import StopRule
 
         rules = [StopRule(slo[0], known=known), StopRule(slo[0], slo[1])]
     if len(workload) == 0:

@@ -21,11 +21,14 @@ that a replay that misses stops as soon as its miss is certain
 (:func:`~kvblocks.sim.plan.replays.slo_already_missed`: enough requests are already over a
 target that the p99 is, whatever the rest do), and the cheapest candidates, the ones that miss,
 are the overloaded ones, whose misses are certain early; only the answer is replayed to the
-end. The trace's parsing, its token ids and the router's prompt hashes are computed once and
-shared by every replay; the idle floor once per time model.
+end. And a family whose TTFT floor (:class:`~kvblocks.sim.plan.replays.Floors`: requests
+whose uncached prefill alone takes longer than the target) already puts its p99 over the target
+is not replayed at all; with fewer such requests, each replay counts them late from its start.
+The trace's parsing, its token ids and the router's prompt hashes are computed once and shared
+by every replay; the idle and TTFT floors once per time model.
 
-**Why not cheaper.** Every cheaper candidate is accounted for: it does not fit, or it was
-replayed and missed an SLO (which, by how much, or where the replay stopped).
+**Why not cheaper.** Every cheaper candidate is accounted for: it does not fit, its floor
+misses, or it was replayed and missed an SLO (which, by how much, or where the replay stopped).
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ class Candidate:
     meets: Optional[bool] = None  # None: not replayed (nor implied)
     reason: str = ""
     replay_s: float = 0.0  # wall seconds its replay took (to the end or to its stop)
+    stopped: str = ""  # why its replay stopped early: "ttft", "tpot", "rejected" ("" : it did not)
 
     @property
     def gpus(self) -> int:
@@ -240,6 +244,7 @@ def _verdict(c: Candidate, s: Dict[str, Any], ttft: float, tpot: Optional[float]
     if s.get("stopped"):
         c.meets = False
         why = s.get("why") or "ttft"
+        c.stopped = "rejected" if s.get("rejected") else why
         pool = f" to the {s['pool']} pool" if s.get("pool") else ""
         if why == "rejected" or s.get("rejected"):
             c.rejected = int(s.get("rejected") or 0)
@@ -365,8 +370,11 @@ def search(
     return GpuPlan(ttft_p99_s, tpot_p99_s, by_cost, best, replayed, cheaper, unfit)
 
 
-def self_t(plan: GpuPlan) -> str:
-    return _secs(plan.ttft_p99_s)
+def _bound(v: Optional[float], over: bool, target: Optional[float]) -> str:
+    """A p99 cell: the value, ``> target`` when it is certainly over, else ``-``."""
+    if v is not None:
+        return _secs(v)
+    return "> " + _secs(target) if over and target is not None else "-"
 
 
 def format_gpu_plan(plan: GpuPlan, header: List[str], show_cheaper: int = 8) -> str:
@@ -377,7 +385,8 @@ def format_gpu_plan(plan: GpuPlan, header: List[str], show_cheaper: int = 8) -> 
         slo += f", TPOT p99 <= {_secs(plan.tpot_p99_s)}"
     out.append(
         f"target    {slo}; cheapest by {'$/hour' if plan.by_cost else 'GPU count'}; "
-        "'idle p99': the 99th-percentile prompt's prefill on an idle replica (no prefix hit: a floor under TTFT p99 when few prompts hit the cache)"
+        "'idle p99': the 99th-percentile prompt's prefill on an idle replica (no prefix hit: a floor under TTFT p99 when few prompts hit the cache); "
+        "'fl': misses by the TTFT floor, not replayed"
     )
     out.append("")
     cols = [("configuration", 44), ("GPUs", 6), ("$/hour", 9), ("idle p99", 10), ("TTFT p99", 11),
@@ -386,9 +395,9 @@ def format_gpu_plan(plan: GpuPlan, header: List[str], show_cheaper: int = 8) -> 
     for c in sorted(plan.replayed, key=lambda c: _key(c, plan.by_cost)):
         out.append(
             f"{c.label():<44}{c.gpus:>6}{c.usd_per_hour:>9.2f}{_secs(c.family.idle_ttft_s):>10}"
-            f"{_secs(c.ttft_p99_s) if c.ttft_p99_s is not None else '> ' + self_t(plan):>11}"
-            f"{_secs(c.tpot_p99_s):>11}{c.throughput_tok_s:>9,.0f}{100 * c.goodput:>8.1f}%"
-            f"{'  ok' if c.meets else '  --'}"
+            f"{_bound(c.ttft_p99_s, c.stopped == 'ttft' or not c.ran, plan.ttft_p99_s):>11}"
+            f"{_bound(c.tpot_p99_s, c.stopped == 'tpot', plan.tpot_p99_s):>11}{c.throughput_tok_s:>9,.0f}{100 * c.goodput:>8.1f}%"
+            f"{'  ok' if c.meets else '  --' if c.ran else '  fl'}"
         )
     for f in plan.unfit:
         out.append(f"{f.label(1):<44}  does not fit: {f.why_not}")

@@ -1,19 +1,12 @@
 """One planner replay: a candidate configuration replayed on the trace, stopped as soon as its
 verdict is certain.
 
-**When a p99 target is certainly missed.** The report's p99 is numpy's default (linear)
-percentile over the finite values: with ``n`` of them sorted ascending, ``v[k] + g (v[k+1] -
-v[k])`` where ``h = (n - 1) x 0.99``, ``k = floor(h)``, ``g = h - k`` in [0, 1). So p99 >=
-``v[k]``, and p99 > T as soon as ``n - k`` values exceed T (:func:`late_needed`; for the
-12,031-request conversation trace, 122 requests: 1.01%). A replay's TTFT values are all
-finite at its end unless a request was rejected (which misses the plan's SLO anyway), so
-``n`` is the workload's size. A request's TTFT is known to exceed T before it is over: once
-it got its first token late, or while it still waits for it ``now - arrival > T`` on its
-engine's clock (clocks only move forward). TPOT (``(finish - first token) / (tokens - 1)``
-per request, 0 for one-token outputs) likewise: once finished over the target, or while it
-still decodes ``(now - first token) / (tokens - 1) > T``. :func:`slo_already_missed` counts
-both; it never stops a replay whose p99 would meet the target, since every request it counts
-ends over the target.
+**When a p99 target is certainly missed**: :mod:`kvblocks.sim.cluster.stoprule` (the report's
+linear p99 exceeds T once ``n - floor((n - 1) x 0.99)`` values do: 122 of the 12,031-request
+conversation trace, 1.01%), re-exported here.
+
+**The floor under every TTFT** (:func:`certainly_late`, :class:`Floors`): requests whose
+uncached prefill alone takes longer than the target, on any replica count and load.
 
 :func:`replay_candidate` runs one candidate, aggregated (:class:`~kvblocks.sim.cluster.cluster.Cluster`)
 or disaggregated (:func:`~kvblocks.sim.cluster.disagg.simulate_disagg`), with that stop rule
@@ -22,11 +15,11 @@ or disaggregated (:func:`~kvblocks.sim.cluster.disagg.simulate_disagg`), with th
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..cluster.stoprule import P99, StopRule, late_needed, slo_already_missed
 from ..engine.timing import TimeModel
 from ..workload.traces import MOONCAKE_BLOCK
 
@@ -41,99 +34,6 @@ __all__ = [
     "Floors",
     "P99",
 ]
-
-P99 = 99.0  # the percentile the report's ``*_p99`` keys use (numpy's default, linear, method)
-
-
-def late_needed(n: int) -> int:
-    """How many of ``n`` values over a target make their p99 (as the report computes it) exceed
-    it for certain: ``n - floor((n - 1) x 0.99)``, the same floating-point index as numpy's."""
-    if n <= 0:
-        return 1
-    return n - int(math.floor((n - 1) * (P99 / 100)))
-
-
-def _late_counts(
-    e: Any,
-    ttft_s: float,
-    tpot_s: Optional[float],
-    arrival: Optional[np.ndarray],
-    known: Optional[np.ndarray],
-) -> "tuple[int, int]":
-    """Requests of engine ``e`` certainly over the TTFT (those not in ``known``, counted
-    apart) and the TPOT target."""
-    rec = e.rec
-    arr = rec.arrival if arrival is None else arrival
-    ft = rec.first_token
-    got = np.isfinite(ft)
-    over = got & (ft - np.where(got, arr, 0.0) > ttft_s)
-    if known is not None:
-        over &= ~known
-    late = int(np.count_nonzero(over))
-    now = e.now
-    for q in (e.waiting, e.running, e.swapped):
-        for x in q:
-            i = x.req.index
-            if x.sample == 0 and not got[i] and now - arr[i] > ttft_s:
-                if known is None or not known[i]:
-                    late += 1
-    slow = 0
-    if tpot_s is not None:
-        per = rec.output_tokens // np.maximum(rec.samples, 1)
-        fin = rec.finish
-        multi = got & (per > 1)
-        done = multi & np.isfinite(fin)
-        with np.errstate(invalid="ignore"):
-            slow += int(np.count_nonzero((fin[done] - ft[done]) / (per[done] - 1) > tpot_s))
-            going = multi & ~np.isfinite(fin)
-            slow += int(np.count_nonzero((now - ft[going]) / (per[going] - 1) > tpot_s))
-    return late, slow
-
-
-def slo_already_missed(
-    cluster: Any,
-    ttft_s: float,
-    tpot_s: Optional[float] = None,
-    arrival: Optional[np.ndarray] = None,
-    known: Optional[np.ndarray] = None,
-) -> str:
-    """Why a cluster replay in progress can no longer meet TTFT p99 <= ``ttft_s`` (and TPOT
-    p99 <= ``tpot_s``), or ``""`` while it still can: ``"rejected"`` (a request was), ``"ttft"``
-    or ``"tpot"`` (:func:`late_needed` requests are already certainly over that target).
-    ``arrival`` (per request of the cluster's workload) overrides the arrival times the TTFT
-    counts from (a disaggregated decode pool's, which are the ends of the prefills); ``known``
-    (bool per request, :func:`certainly_late`) marks requests over the TTFT target whatever
-    happens, counted from the start."""
-    need = late_needed(len(cluster.workload))
-    late = int(np.count_nonzero(known)) if known is not None else 0
-    slow = 0
-    for e in cluster.engines:
-        if e.rec.rejected.any():
-            return "rejected"
-        a, b = _late_counts(e, ttft_s, tpot_s, arrival, known)
-        late += a
-        slow += b
-    return "ttft" if late >= need else "tpot" if slow >= need else ""
-
-
-class StopRule:
-    """A replay's ``stop`` callback (:meth:`Cluster.run`): :func:`slo_already_missed`, with
-    the reason kept in ``why``."""
-
-    def __init__(
-        self,
-        ttft_s: float,
-        tpot_s: Optional[float] = None,
-        arrival: Optional[np.ndarray] = None,
-        known: Optional[np.ndarray] = None,
-    ) -> None:
-        self.ttft_s, self.tpot_s, self.arrival, self.known = ttft_s, tpot_s, arrival, known
-        self.why = ""
-
-    def __call__(self, cluster: Any) -> bool:
-        self.why = slo_already_missed(cluster, self.ttft_s, self.tpot_s, self.arrival,
-                                      self.known)  # fmt: skip
-        return bool(self.why)
 
 
 def replay_candidate(
