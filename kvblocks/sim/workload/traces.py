@@ -164,6 +164,8 @@ class Workload:
     def prompt_tokens(self, req: Request) -> np.ndarray:
         """The prompt's token ids (int32, contiguous)."""
         if req.hash_ids is not None:
+            if not self._book.sized:  # size the book once for every id of the workload
+                self._book.reserve(len({h for r in self.requests for h in r.hash_ids or ()}))
             return self._book.prompt(req.hash_ids, req.prompt_len)
         if req.segments is not None:
             parts = [self._segment(i, n) for i, n in req.segments]
