@@ -151,3 +151,76 @@ def test_cli_bad_contiguous(run_main):
     one_line_error(rc, err, "--contiguous", "--no-contiguous")
     rc, _, err = run_main("simulate", "--contiguous", "all", "--replicas", "2")
     one_line_error(rc, err, "single-engine")
+
+
+# The figures of the three baselines on a small contended input, as the replay gave them before
+# it was made cheaper (commit db10956): any change to the contiguous replay must keep them, bit
+# for bit.
+PINNED = {
+    "max": {
+        "steps": 22157,
+        "makespan_s": 189.46181795542873,
+        "ttft_p50_s": 88.91969096919024,
+        "ttft_p99_s": 181.41876033140213,
+        "tpot_p99_s": 0.01075832846923522,
+        "latency_p99_s": 184.24987081235494,
+        "mean_kv_usage": 0.7825437121085095,
+        "internal_fragmentation": 0.7521676498145762,
+        "waste_reserved": 0.011915675991690414,
+        "waste_internal": 0.7402519738228854,
+        "waste_external": 0.0,
+        "throughput_tok_s": 347.63732719747594,
+        "preemptions": 0,
+        "regrow_copies": 0,
+        "rejected": 31,
+        "goodput": 0.023333333333333334,
+    },
+    "pow2": {
+        "steps": 8929,
+        "makespan_s": 109.17014343164996,
+        "ttft_p50_s": 53.60040980312186,
+        "ttft_p99_s": 100.40504986848705,
+        "tpot_p99_s": 0.029147271703553187,
+        "latency_p99_s": 104.45759645003899,
+        "mean_kv_usage": 0.8283869023950114,
+        "internal_fragmentation": 0.25657251294651184,
+        "waste_reserved": 0.03414373424723371,
+        "waste_internal": 0.22242877869927846,
+        "waste_external": 0.05727828327991136,
+        "throughput_tok_s": 869.248651847867,
+        "preemptions": 108,
+        "regrow_copies": 101,
+        "rejected": 0,
+        "goodput": 0.05333333333333334,
+    },
+    "oracle": {
+        "steps": 7454,
+        "makespan_s": 92.10810952550261,
+        "ttft_p50_s": 42.86405975049274,
+        "ttft_p99_s": 83.85668111597396,
+        "tpot_p99_s": 0.02078810539650354,
+        "latency_p99_s": 86.2438609538164,
+        "mean_kv_usage": 0.7543042191950359,
+        "internal_fragmentation": 0.04816667842984552,
+        "waste_reserved": 0.04816667842984552,
+        "waste_internal": 0.0,
+        "waste_external": 0.12300538492046921,
+        "throughput_tok_s": 1030.2675897796544,
+        "preemptions": 0,
+        "regrow_copies": 0,
+        "rejected": 0,
+        "goodput": 0.05333333333333334,
+    },
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_contiguous_figures_are_pinned(policy):
+    from kvblocks.sim import builtin_workload, get_model
+    from kvblocks.sim.models.gpus import GPUS
+
+    w = builtin_workload().head(300).scaled(0.2)
+    tm = TimeModel.for_model(get_model("llama-3.1-8b"), gpu=GPUS["h100-sxm"])
+    cfg = SchedulerConfig(num_blocks=4000, block_size=16, token_budget=2048, max_num_seqs=64)
+    s = simulate_contiguous(w, cfg, tm, int(w.stats()["max_total"]), policy=policy).summary
+    assert {k: s[k] for k in PINNED[policy]} == PINNED[policy]

@@ -391,8 +391,9 @@ def _fams(*specs):
             for tp, fits in specs]  # fmt: skip
 
 
-def test_search_bisects_and_explains():
-    """A fake replay: TTFT p99 = 40 / GPUs; target 3 s -> 14 GPUs (7 x TP2; TP4 needs 16)."""
+def test_search_takes_the_cheapest_that_meets_and_explains():
+    """A fake replay: TTFT p99 = 40 / GPUs; target 3 s -> 14 GPUs (7 x TP2; TP4 needs 16).
+    Candidates run cheapest first and the search ends at the first that meets."""
     calls = []
 
     def replay(f, n):
@@ -409,7 +410,8 @@ def test_search_bisects_and_explains():
     plan = search(_fams((1, False), (2, True), (4, True)), list(range(1, 9)), replay, 3.0)
     b = plan.best
     assert b is not None and (b.gpus, b.replicas, b.family.tp) == (14, 7, 2)
-    assert len(calls) < 2 * 8  # bisection, not every count
+    assert len(calls) == 6 + 3 + 1  # TP2 x 1-6, TP4 x 1-3 (4-12 GPUs), then 7 x TP2
+    assert calls == sorted(calls, key=lambda c: (c[0] * c[1], c[0]))
     assert all(c.gpus < 14 for c in plan.cheaper)
     assert any(c.gpus == 12 and c.family.tp == 2 for c in plan.cheaper)
     reasons = " | ".join(c.reason for c in plan.cheaper)

@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
+from ... import hash_blocks
 from .. import limits
 from ..engine.batching import SchedulerConfig
 from ..engine.metrics import Recorder, SimResult
@@ -53,7 +54,7 @@ from ..engine.progress import Progress, ProgressThrottle
 from ..engine.timing import TimeModel
 from ..errors import SimulationError
 from ..workload.traces import Workload
-from .routers import Load, Router, make_router, prompt_hashes
+from .routers import Load, Router, make_router, prompt_hash_array
 
 __all__ = ["Cluster", "ClusterResult", "ReplayStopped", "simulate_cluster", "CLUSTER_HASH_KEY"]
 
@@ -117,6 +118,7 @@ class Cluster:
         router: str = "round_robin",
         overlap_weight: Optional[float] = None,
         index_host_events: bool = True,
+        direct_lookup: bool = True,
     ) -> None:
         n = limits.REPLICAS.check_int(replicas)
         self.router: Router = make_router(router, n, cfg.block_size, overlap_weight)
@@ -125,26 +127,59 @@ class Cluster:
         self.cfg = cfg
         self.wall0 = time.perf_counter()
         events = self.router.needs_events
+        # One group and no host tier: the index a router builds from every KV event of a pool
+        # is exactly the pool's prefix cache (``pool.cached_hashes(wire=True)``), so the router
+        # asks the pools (``pool.lookup``: same overlaps, same choices) and no event is built.
+        self.direct = (
+            direct_lookup and events and cfg.kv_groups is None and not cfg.host_cache_blocks
+        )
         self.engines = [
-            PagedEngine(workload, cfg, tm, enable_kv_events=events, hash_key=CLUSTER_HASH_KEY)
+            PagedEngine(workload, cfg, tm, enable_kv_events=events and not self.direct,
+                        hash_key=CLUSTER_HASH_KEY)
             for _ in range(n)
-        ]
+        ]  # fmt: skip
+        if self.direct:
+            self.router.lookup = self._overlap  # type: ignore[attr-defined]
+            events = False
         self.owner = np.full(len(workload), -1, dtype=np.int64)  # replica of each request
         # the host pools whose events the router reads (a host tier's, when indexed)
         self.host_pools = [
             e.mgr.host_pool if events and index_host_events and e.host_tier else None
             for e in self.engines
         ]
+        self.events = events  # whether run() drains the replicas' KV events into the router
 
     def _route(self, req: Any) -> int:
         router = self.router
-        hashes: List[int] = []
-        if router.needs_hashes:
-            hashes = prompt_hashes(
-                self.workload.prompt_tokens(req), self.cfg.block_size, CLUSTER_HASH_KEY
-            )
+        hashes: Any = []
+        if router.needs_hashes:  # a pure function of the prompt: computed once per workload
+            w = self.workload
+            memo = w.memo(("route_hashes", self.cfg.block_size, self.direct))
+            ck = w.content_key(req)
+            got = memo.get(ck)
+            if got is None:
+                tokens = w.prompt_tokens(req)
+                if self.direct:  # the 128-bit hashes pool.lookup takes
+                    got = hash_blocks(tokens, self.cfg.block_size, key=CLUSTER_HASH_KEY)
+                else:
+                    got = prompt_hash_array(tokens, self.cfg.block_size, CLUSTER_HASH_KEY)
+                memo[ck] = got
+            hashes = got if self.direct else got.tolist()  # type: ignore[attr-defined]
         loads = [Load(e.queued_tokens, e.blocks_in_use) for e in self.engines]
         return router.choose(hashes, req.prompt_len, loads)
+
+    def _overlap(self, hashes: np.ndarray) -> List[float]:
+        """Per replica, its cached prefix of ``hashes`` in blocks (the direct path)."""
+        n = len(hashes)
+        out: List[float] = []
+        for e in self.engines:
+            k = len(e.pool.lookup(hashes))
+            c = e.router_lookups  # not the engine's own lookups: taken out of its counters
+            c[0] += 1
+            c[1] += n
+            c[2] += k
+            out.append(float(k))
+        return out
 
     def run(
         self,
@@ -159,7 +194,7 @@ class Cluster:
         reqs = self.workload.requests
         engines = self.engines
         router = self.router
-        events = router.needs_events
+        events = self.events
         tick = ProgressThrottle(progress) if progress is not None else None
         busy: List[Any] = []  # heap of (engine clock, index) of the engines with work
         nxt = 0

@@ -46,9 +46,16 @@ from ..engine.progress import Progress
 from ..engine.timing import TimeModel
 from ..errors import SimulationError
 from ..workload.traces import Request, Workload
-from .cluster import ClusterResult, simulate_cluster
+from .cluster import Cluster, ClusterResult, ReplayStopped, simulate_cluster
 
-__all__ = ["DisaggResult", "KVArrivalTime", "parse_disagg", "simulate_disagg", "transfer_seconds"]
+__all__ = [
+    "DisaggResult",
+    "DisaggStopped",
+    "KVArrivalTime",
+    "parse_disagg",
+    "simulate_disagg",
+    "transfer_seconds",
+]
 
 MAX_POOL = 1024  # replicas per pool (as --replicas)
 
@@ -113,9 +120,33 @@ class DisaggResult:
     transfer_s: np.ndarray  # per request
 
 
+class DisaggStopped(Exception):
+    """A planner's replay ended early: its SLO is certainly missed (``why``: ``"ttft"``,
+    ``"tpot"`` or ``"rejected"``), found in ``pool`` ("prefill" or "decode")."""
+
+    def __init__(self, pool: str, why: str, arrived_share: float, rejected: int) -> None:
+        super().__init__(f"disaggregated replay stopped in the {pool} pool ({why})")
+        self.pool, self.why = pool, why
+        self.arrived_share, self.rejected = arrived_share, rejected
+
+
+def _stoppable(w: Workload, cfg: SchedulerConfig, tm: TimeModel, n: int, router: str,
+               overlap_weight: Optional[float], progress: Optional[Progress], rule: Any,
+               pool: str) -> ClusterResult:  # fmt: skip
+    """A pool's cluster replay, which ``rule`` (a planner's stop rule, or None) may end."""
+    if rule is None:
+        return simulate_cluster(w, cfg, tm, n, router, overlap_weight, progress)
+    cl = Cluster(w, cfg, tm, n, router, overlap_weight)
+    try:
+        return cl.run(progress, rule)
+    except ReplayStopped as e:
+        rej = sum(int(x.rec.rejected.sum()) for x in cl.engines)
+        raise DisaggStopped(pool, rule.why, e.arrived / max(1, len(w)), rej) from None
+
+
 def _derived(w: Workload, reqs: List[Request]) -> Workload:
     out = Workload(w.name, reqs, w.kind)
-    out._book, out._segments = w._book, w._segments
+    out._book, out._segments, out._memo = w._book, w._segments, w._memo
     return out
 
 
@@ -130,17 +161,29 @@ def simulate_disagg(
     router: str = "round_robin",
     overlap_weight: Optional[float] = None,
     progress: Optional[Progress] = None,
+    slo: Optional[Tuple[float, Optional[float]]] = None,
+    known: Optional[np.ndarray] = None,
 ) -> DisaggResult:
     """Replay ``workload`` on ``prefill`` prefill and ``decode`` decode replicas (see the
     module docstring); ``kv_bytes_per_token`` from the memory bill, ``link_gb_s`` from the
-    GPU catalog."""
+    GPU catalog. ``slo`` (TTFT p99, TPOT p99 or None; the planner's) stops the replay with
+    :class:`DisaggStopped` as soon as it certainly misses them: in the prefill pool when the
+    prefill alone makes too many requests late (their TTFT can only grow), in the decode pool
+    by the end-to-end TTFT and the TPOT (:mod:`kvblocks.sim.cluster.stoprule`); ``known`` marks
+    the requests certainly over the TTFT target from the start."""
+    rules: List[Any] = [None, None]
+    if slo is not None:
+        from .stoprule import StopRule
+
+        rules = [StopRule(slo[0], known=known), StopRule(slo[0], slo[1])]
     if len(workload) == 0:
         raise SimulationError("the workload has no requests")
     reqs = workload.requests
     # 1. prefill: every request with one output token
     pre_w = _derived(workload, [Request(r.index, r.arrival, r.prompt_len, 1, r.n, r.hash_ids,
                                         r.segments, r.output_id) for r in reqs])  # fmt: skip
-    pre = simulate_cluster(pre_w, cfg, tm, prefill, router, overlap_weight, progress)
+    pre = _stoppable(pre_w, cfg, tm, prefill, router, overlap_weight, progress, rules[0],
+                     "prefill")  # fmt: skip
     pre_rec = _merged(pre, len(reqs))
     # 2. transfer
     par = tm.parallel
@@ -157,9 +200,12 @@ def simulate_disagg(
     dcfg = replace(
         cfg, token_budget=max(cfg.token_budget, min(longest + cfg.max_num_seqs, 1 << 30))
     )
+    if rules[1] is not None:  # the decode pool's TTFT counts from the original arrivals
+        rules[1].arrival = pre_rec.arrival[order]
+        rules[1].known = known[order] if known is not None else None
     if dec_reqs:
-        dec = simulate_cluster(_derived(workload, dec_reqs), dcfg, KVArrivalTime.of(tm), decode,
-                               router, overlap_weight)  # fmt: skip
+        dec = _stoppable(_derived(workload, dec_reqs), dcfg, KVArrivalTime.of(tm), decode,
+                         router, overlap_weight, None, rules[1], "decode")  # fmt: skip
     else:
         raise SimulationError("no request finished its prefill: nothing to decode")
     dec_rec = _merged(dec, len(dec_reqs))

@@ -30,7 +30,7 @@ in use and ``o_r`` the blocks of the prompt's prefix it holds:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -133,6 +133,9 @@ class PrefixAware(Router):
             )
         self.overlap_weight = float(overlap_weight)
         self.index = PrefixIndex(num_replicas)
+        # per replica, the cached prefix of a prompt's hashes, asked of the replicas directly
+        # (a cluster sets it where that equals the event-built index); None: the index
+        self.lookup: Optional[Callable[[Any], List[float]]] = None
 
     def observe(self, replica: int, events: Sequence[object]) -> None:
         self.index.apply(replica, events)
@@ -141,7 +144,7 @@ class PrefixAware(Router):
         bs = self.block_size
         w = self.overlap_weight
         blocks = -(-prompt_len // bs)
-        over = self.index.overlap(hashes)
+        over = self.index.overlap(hashes) if self.lookup is None else self.lookup(hashes)
         return [
             w * (q + prompt_len - o * bs) / bs + u + blocks - o for (q, u), o in zip(loads, over)
         ]
@@ -171,7 +174,12 @@ def make_router(
     return cls(num_replicas, block_size)
 
 
+def prompt_hash_array(tokens: np.ndarray, block_size: int, key: bytes) -> np.ndarray:
+    """The 64-bit wire values of a prompt's full-block hashes, as an array."""
+    return np.ascontiguousarray(hash_blocks(tokens, block_size, key=key)[:, 0])
+
+
 def prompt_hashes(tokens: np.ndarray, block_size: int, key: bytes) -> List[int]:
     """The 64-bit wire values of a prompt's full-block hashes (what the index is keyed by)."""
-    out: List[int] = hash_blocks(tokens, block_size, key=key)[:, 0].tolist()
+    out: List[int] = prompt_hash_array(tokens, block_size, key).tolist()
     return out

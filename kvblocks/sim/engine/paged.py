@@ -125,6 +125,9 @@ class PagedEngine(SequenceQueues):
         self.tail_groups = sum(sh.copies for sh in self.shares if sh.group.kind != "state") or 1
         self.copies = StepCopies(cfg.block_bytes, tm.swap_bytes_per_s)  # the step's copy lists
         self.horizon = math.inf  # the next arrival (replay); a paged step is always one step
+        # a cluster router's pool.lookup calls on this engine (calls, blocks, hits): the pool
+        # counts them with the engine's own, the report does not
+        self.router_lookups = [0, 0, 0]
 
     # ----------------------------------------------------------------------------- driving
 
@@ -189,9 +192,11 @@ class PagedEngine(SequenceQueues):
                 "evictions": stats.evictions,
                 # the pool's own prefix-cache counters; re-admissions after recompute are
                 # counted apart in the token numbers, so token_hit_rate equals prefix_hit_rate
-                "cache_lookups": stats.queries,  # BlockManager.add calls that looked up the cache
-                "lookup_blocks": stats.query_blocks,  # full blocks they looked up (re-admissions too)
-                "block_hits": stats.hit_blocks,  # of which found in the cache
+                # BlockManager.add calls that looked up the cache
+                "cache_lookups": stats.queries - self.router_lookups[0],
+                # full blocks they looked up (re-admissions too)
+                "lookup_blocks": stats.query_blocks - self.router_lookups[1],
+                "block_hits": stats.hit_blocks - self.router_lookups[2],  # of which found
                 "token_hit_rate": self._hit_tokens(stats.hit_tokens) / stats.query_tokens
                 if stats.query_tokens
                 else 0.0,

@@ -146,6 +146,15 @@ class TimeModel:
         """(query-key pairs, KV tokens read) of prefill chunks ``(start, length)``: a chunk's
         queries attend to every earlier token of their sequence (a window layer to at most
         its window, a chunk layer within its chunk); the chunk reads its prefix once."""
+        if not self.read_kinds:
+            chunks = chunks if isinstance(chunks, list) else list(chunks)
+            if len(chunks) < 8:  # the common case in plain floats, bit for bit numpy's sum below
+                pairs = reads = 0.0  # (numpy adds fewer than 8 values one by one, in order)
+                for p0, c0 in chunks:
+                    a, b = float(p0), float(p0 + c0)
+                    pairs += b * (b + 1) / 2.0 - a * (a + 1) / 2.0
+                    reads += b
+                return pairs, reads
         ch = np.asarray(list(chunks), dtype=np.float64).reshape(-1, 2)
         if not ch.size:
             return 0.0, 0.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .. import limits as L
 from ..engine.cli import _add_time_args, _check_host_tier, _engine, _gpu_mem, _model, add_model_args
@@ -70,6 +70,9 @@ def _add_cluster_plan_args(p: argparse.ArgumentParser) -> None:
                    help="with --gpu: cheapest in $/hour, not in GPUs (prices: --usd-per-hour or the catalog)")  # fmt: skip
     g.add_argument("--kv-dtypes", metavar="D[,D...]",
                    help="with --gpu: KV dtypes to consider, e.g. bf16,fp8 (default: --kv-dtype or bf16)")  # fmt: skip
+    g.add_argument("--disagg", metavar="auto|P:D,...", default=None,
+                   help="with --gpu: also search prefill/decode disaggregation (P prefill + D decode "
+                   "replicas): auto (P = 1/4, 1/2, 3/4 of each --replicas count) or a list such as 1:3,2:2")  # fmt: skip
     g.add_argument("--replicas", default="1-8", metavar="LIST",
                    help="replica counts to simulate, e.g. 1-8 or 2,4,8 (1-8)")  # fmt: skip
     g.add_argument("--host-cache", default=None, metavar="GiB,...",
@@ -124,10 +127,11 @@ def _plan(args: argparse.Namespace) -> int:
                 raise SimulationError(
                     f"{flag} belongs to the GPU plan: give --gpu NAME with --trace and --ttft-p99"
                 )
-        if args.cost:
-            raise SimulationError(
-                "--cost belongs to the GPU plan: give --gpu NAME with --trace and --ttft-p99"
-            )
+        for flag, on in (("--cost", args.cost), ("--disagg", args.disagg is not None)):
+            if on:
+                raise SimulationError(
+                    f"{flag} belongs to the GPU plan: give --gpu NAME with --trace and --ttft-p99"
+                )
         args.tp, args.pp = args.tp_list[0], args.pp_list[0]
     if v2:
         return _plan_gpus(args)
@@ -232,21 +236,15 @@ def _plan_trace(args: argparse.Namespace) -> int:
 
 def _plan_gpus(args: argparse.Namespace) -> int:
     """``plan --gpu NAME[,NAME...] --trace FILE --ttft-p99 S [--tpot-p99 S] [--cost]``."""
-    from ..cluster.cluster import Cluster, ReplayStopped
+    from ..cluster.disagg import parse_disagg
     from ..cluster.routers import ROUTERS
     from ..engine.progress import ProgressBar
     from ..models.gpus import parse_gpus
     from ..models.spec import KV_DTYPES, GiB
     from ..workload.traces import load_workload
     from .capacity import parse_counts, parse_sizes
-    from .gpuplan import (
-        Family,
-        format_gpu_plan,
-        gpu_plan_json,
-        idle_prefill_s,
-        search,
-        ttft_already_missed,
-    )
+    from .gpuplan import Family, format_gpu_plan, gpu_plan_json, idle_prefill_s, search
+    from .replays import Floors, replay_candidate
 
     if args.trace is None or args.ttft_p99 is None:
         raise SimulationError("a GPU plan needs both --trace FILE and --ttft-p99 SECONDS")
@@ -265,6 +263,12 @@ def _plan_gpus(args: argparse.Namespace) -> int:
     for d in dtypes:
         if d not in KV_DTYPES:
             raise SimulationError(f"unknown KV dtype {d!r} (known: {', '.join(KV_DTYPES)})")
+    splits: Optional[List[Tuple[int, int]]] = None
+    if args.disagg is not None and args.disagg.strip().lower() != "auto":
+        splits = [parse_disagg(x.strip()) for x in args.disagg.split(",")]
+    with_disagg = args.disagg is not None
+    if with_disagg and all(h > 0 for h in sizes):
+        raise SimulationError("--disagg has no host tier: add 0 to --host-cache")
     workload = load_workload(args.trace, args.format, args.limit)
     if args.time_scale != 1.0:
         workload = workload.scaled(args.time_scale)
@@ -290,25 +294,31 @@ def _plan_gpus(args: argparse.Namespace) -> int:
     import numpy as np
 
     p99_prompt = int(np.percentile([r.prompt_len for r in workload.requests], 99, method="higher"))
+    idle: Dict[Any, float] = {}  # the idle floor depends on the time model alone
     for f in families:
         if f.fits:
-            f.idle_ttft_s = idle_prefill_s(f.engine[2], p99_prompt, args.token_budget)
+            tm = f.engine[2]
+            if tm not in idle:
+                idle[tm] = idle_prefill_s(tm, p99_prompt, args.token_budget)
+            f.idle_ttft_s = idle[tm]
     show = args.progress if args.progress is not None else sys.stderr.isatty()
+    links = {g.name: g.link_gb_s for g in gpus}
 
-    def replay(f: Family, n: int) -> Dict[str, Any]:
-        _bill, cfg, tm = f.engine
-        bar = ProgressBar(f"plan: {f.label(n)}", len(workload)) if show else None
+    floors = Floors(workload, args.token_budget, args.ttft_p99)
+
+    def replay(f: Family, n: int, prefill: int = 0) -> Dict[str, Any]:
+        bar = ProgressBar(f"plan: {f.label(n, prefill)}", len(workload)) if show else None
         try:
-            cl = Cluster(workload, cfg, tm, n, args.router)
-            return cl.run(bar, lambda c: ttft_already_missed(c, args.ttft_p99)).summary
-        except ReplayStopped as e:
-            rej = sum(int(x.rec.rejected.sum()) for x in cl.engines)
-            return {"stopped": True, "arrived_share": e.arrived / len(workload), "rejected": rej}
+            return replay_candidate(workload, f.engine, n, prefill, args.router, args.ttft_p99,
+                                    args.tpot_p99, links[f.gpu], progress=bar,
+                                    known=floors.known(f.engine))  # fmt: skip
         finally:
             if bar is not None:
                 bar.close()
 
-    plan = search(families, counts, replay, args.ttft_p99, args.tpot_p99, args.cost)
+    plan = search(families, counts, replay, args.ttft_p99, args.tpot_p99, args.cost,
+                  requests=len(workload), disagg=splits, with_disagg=with_disagg,
+                  floor=lambda f: floors.reason(f.engine))  # fmt: skip
     if args.plot:
         from ..report.plot import plot_gpu_plan
 
@@ -324,7 +334,7 @@ def _plan_gpus(args: argparse.Namespace) -> int:
         header = [f"workload  {workload.name}: {len(workload):,} requests",
                   f"model     {base.name}, weights {base.weight_bytes / GiB:.2f} GiB ({base.weight_dtype}); "
                   f"GPUs {', '.join(g.name for g in gpus)}; TP {','.join(map(str, args.tp_list))}; "
-                  f"PP {','.join(map(str, args.pp_list))}; replicas {args.replicas}; {len(plan.replayed)} replays"]  # fmt: skip
+                  f"PP {','.join(map(str, args.pp_list))}; replicas {args.replicas}; {sum(1 for c in plan.replayed if c.ran)} replays"]  # fmt: skip
         print(format_gpu_plan(plan, header))
         if args.plot:
             print(f"plot written to {args.plot}")

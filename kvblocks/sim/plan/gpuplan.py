@@ -7,35 +7,52 @@ size of ``--host-cache``, and replica counts in ``--replicas``. A *family* is on
 without the replica count; its memory bill either fits (weights and one KV block per GPU) or
 the family is reported as "does not fit" without a replay.
 
-**Search.** Within a family, more replicas never make the SLOs harder to meet (the same
-arrivals over more engines), so the fewest replicas that meet them is found by bisection:
-about ``log2(len(--replicas))`` replays per family instead of one per count, each replay a
-full :class:`~kvblocks.sim.cluster.cluster.Cluster` run through the real allocator. The answer is the
-cheapest family minimum: fewest GPUs (replicas x TP x PP), or with ``--cost`` the lowest $/hour,
-ties to fewer GPUs, then less host memory, then the wider KV dtype.
+**Disaggregation.** With ``disagg`` (``--disagg auto`` or a list of ``P:D``), a family without
+a host cache also runs as ``P`` prefill + ``D`` decode replicas (:func:`disagg_splits`):
+``auto`` tries, for each replica count ``n >= 2``, ``P`` = a quarter, half and three quarters
+of ``n`` (rounded, within [1, n - 1]); a list tries exactly its splits. GPUs = (P + D) x TP x PP.
 
-**Why not cheaper.** Every cheaper candidate is accounted for: it does not fit, it was
-replayed and missed an SLO (which, by how much), or it has fewer replicas than a replayed
-count of its family that missed (implied by the monotonicity above).
+**Search** (exactly the answer of an exhaustive search, which replays every candidate to the
+end and takes the cheapest that meets the SLOs). Every candidate, in order of cost
+(:func:`cost_key`), is replayed until one meets the SLOs: that one is the answer, and every
+cheaper candidate has been replayed and missed. No monotonicity is assumed (more replicas
+usually help, but with a prefix-aware router they also split the cache). What makes it fast is
+that a replay that misses stops as soon as its miss is certain
+(:func:`~kvblocks.sim.plan.replays.slo_already_missed`: enough requests are already over a
+target that the p99 is, whatever the rest do), and the cheapest candidates, the ones that miss,
+are the overloaded ones, whose misses are certain early; only the answer is replayed to the
+end. And a family whose TTFT floor (:class:`~kvblocks.sim.plan.replays.Floors`: requests
+whose uncached prefill alone takes longer than the target) already puts its p99 over the target
+is not replayed at all; with fewer such requests, each replay counts them late from its start.
+The trace's parsing, its token ids and the router's prompt hashes are computed once and shared
+by every replay; the idle and TTFT floors once per time model.
+
+**Why not cheaper.** Every cheaper candidate is accounted for: it does not fit, its floor
+misses, or it was replayed and missed an SLO (which, by how much, or where the replay stopped).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
-
-import numpy as np
 
 from ..errors import SimulationError
 from ..report.fmt import json_safe
 from ..report.simulation import _secs
+from .replays import late_needed, slo_already_missed
 
 __all__ = [
     "Candidate",
     "Family",
     "GpuPlan",
     "search",
+    "candidates",
+    "cost_key",
+    "disagg_splits",
+    "ttft_already_missed",
     "format_gpu_plan",
     "gpu_plan_json",
     "idle_prefill_s",
@@ -54,7 +71,7 @@ def idle_prefill_s(tm: Any, prompt_len: int, token_budget: int) -> float:
     return total
 
 
-MAX_REPLAYS = 64
+MAX_REPLAYS = 256  # a search that needs more is too wide to answer in a minute
 
 
 @dataclass
@@ -76,9 +93,10 @@ class Family:
     def gpus_per_replica(self) -> int:
         return self.tp * self.pp
 
-    def label(self, replicas: int) -> str:
+    def label(self, replicas: int, prefill: int = 0) -> str:
         host = f" +{self.host_cache_gib:g}G host" if self.host_cache_gib else ""
-        return (f"{replicas * self.gpus_per_replica} x {self.gpu} ({replicas} x TP{self.tp}"
+        shape = f"{prefill}P+{replicas - prefill}D" if prefill else f"{replicas}"
+        return (f"{replicas * self.gpus_per_replica} x {self.gpu} ({shape} x TP{self.tp}"
                 + (f" PP{self.pp}" if self.pp > 1 else "") + f", KV {self.kv_dtype}{host})")  # fmt: skip
 
 
@@ -87,7 +105,8 @@ class Candidate:
     """One configuration: a family at a replica count, and what its replay gave (if run)."""
 
     family: Family
-    replicas: int
+    replicas: int  # in all (prefill + decode when disaggregated)
+    prefill: int = 0  # > 0: disaggregated, this many prefill replicas, the rest decode
     ran: bool = False
     ttft_p99_s: Optional[float] = None
     tpot_p99_s: Optional[float] = None
@@ -96,6 +115,8 @@ class Candidate:
     rejected: int = 0
     meets: Optional[bool] = None  # None: not replayed (nor implied)
     reason: str = ""
+    replay_s: float = 0.0  # wall seconds its replay took (to the end or to its stop)
+    stopped: str = ""  # why its replay stopped early: "ttft", "tpot", "rejected" ("" : it did not)
 
     @property
     def gpus(self) -> int:
@@ -105,14 +126,22 @@ class Candidate:
     def usd_per_hour(self) -> float:
         return self.gpus * self.family.usd_per_gpu_hour
 
+    @property
+    def decode(self) -> int:
+        return self.replicas - self.prefill if self.prefill else 0
+
+    def label(self) -> str:
+        return self.family.label(self.replicas, self.prefill)
+
     def as_dict(self) -> Dict[str, Any]:
         f = self.family
         return {
-            "config": f.label(self.replicas),
+            "config": self.label(),
             "gpu": f.gpu,
             "tp": f.tp,
             "pp": f.pp,
             "replicas": self.replicas,
+            "disagg": f"{self.prefill}:{self.decode}" if self.prefill else None,
             "gpus": self.gpus,
             "kv_dtype": f.kv_dtype,
             "host_cache_gib": f.host_cache_gib,
@@ -126,6 +155,7 @@ class Candidate:
             "rejected": self.rejected,
             "meets": self.meets,
             "reason": self.reason,
+            "replay_s": self.replay_s,
         }
 
 
@@ -151,6 +181,7 @@ class GpuPlan:
                 "tp": b.family.tp,
                 "pp": b.family.pp,
                 "replicas": b.replicas,
+                "disagg": b.as_dict()["disagg"],
                 "kv_dtype": b.family.kv_dtype,
                 "host_cache_gib": b.family.host_cache_gib,
                 "usd_per_hour": b.usd_per_hour,
@@ -170,46 +201,59 @@ class GpuPlan:
                 {"gpu": f.gpu, "tp": f.tp, "pp": f.pp, "kv_dtype": f.kv_dtype, "reason": f.why_not}
                 for f in self.unfit
             ],
-            "replays": len(self.replayed),
+            "replays": sum(1 for c in self.replayed if c.ran),
         }
 
 
 def ttft_already_missed(cluster: Any, target_s: float) -> bool:
-    """Whether a replay in progress can no longer meet TTFT p99 <= ``target_s``: more than
-    1% of all requests (+2, for the percentile's interpolation) already waited longer for
-    their first token, or a request was rejected. Lateness only grows, so a replay that
-    would meet the target is never stopped."""
-    n = len(cluster.workload)
-    late = 0
-    for e in cluster.engines:
-        rec = e.rec
-        if rec.rejected.any():
-            return True
-        ft = rec.first_token
-        got = np.isfinite(ft)
-        late += int(np.count_nonzero(ft[got] - rec.arrival[got] > target_s))
-        for q in (e.waiting, e.prefilling):
-            late += sum(1 for x in q if x.sample == 0 and e.now - x.req.arrival > target_s
-                        and not np.isfinite(ft[x.req.index]))  # fmt: skip
-    return late > 0.01 * n + 2
+    """Whether a replay in progress can no longer meet TTFT p99 <= ``target_s``
+    (:func:`~kvblocks.sim.plan.replays.slo_already_missed`)."""
+    return bool(slo_already_missed(cluster, target_s))
 
 
-def _key(c: Candidate, by_cost: bool) -> Tuple[float, ...]:
+def disagg_splits(n: int, spec: Optional[List[Tuple[int, int]]]) -> List[int]:
+    """Prefill replicas to try at ``n`` replicas in all: ``spec`` None (``--disagg auto``): a
+    quarter, half and three quarters of ``n`` (rounded half up, within [1, n - 1]); a list of
+    ``(P, D)``: the ``P`` of those with ``P + D == n``."""
+    if spec is not None:
+        return sorted({p for p, d in spec if p + d == n})
+    if n < 2:
+        return []
+    return sorted({min(n - 1, max(1, math.floor(n * q + 0.5))) for q in (0.25, 0.5, 0.75)})
+
+
+def cost_key(c: Candidate, by_cost: bool) -> Tuple[float, ...]:
+    """The order of preference: $/hour (``by_cost``) or GPUs, then GPUs, host memory in all, the
+    wider KV dtype, less TP, aggregated before disaggregated, fewer prefill replicas."""
     width = {"fp4": 0, "fp8": 1, "int8": 1}.get(c.family.kv_dtype, 2)
     first = c.usd_per_hour if by_cost else float(c.gpus)
-    return (first, float(c.gpus), c.family.host_cache_gib * c.replicas, -width, c.family.tp)
+    return (first, float(c.gpus), c.family.host_cache_gib * c.replicas, -width, c.family.tp,
+            1 if c.prefill else 0, c.prefill)  # fmt: skip
 
 
-def _verdict(c: Candidate, s: Dict[str, Any], ttft: float, tpot: Optional[float]) -> None:
+_key = cost_key
+
+_STOPPED = {
+    "ttft": "TTFT p99 > {t}: {late} requests already past it (enough for the p99) after {share:.0f}% of the arrivals{pool}; replay stopped",
+    "tpot": "TPOT p99 > {t}: {late} requests already over it (enough for the p99) after {share:.0f}% of the arrivals{pool}; replay stopped",
+}
+
+
+def _verdict(c: Candidate, s: Dict[str, Any], ttft: float, tpot: Optional[float], n: int) -> None:
     c.ran = True
     if s.get("stopped"):
         c.meets = False
-        c.reason = (f"TTFT p99 > {_secs(ttft)}: more than 1% of requests past it after "
-                    f"{100 * s['arrived_share']:.0f}% of the arrivals (replay stopped there)")  # fmt: skip
-        if s.get("rejected"):
-            c.rejected = int(s["rejected"])
-            c.reason = (f"{c.rejected} request{'s' if c.rejected > 1 else ''} rejected (longer than the KV pool); "
+        why = s.get("why") or "ttft"
+        c.stopped = "rejected" if s.get("rejected") else why
+        pool = f" to the {s['pool']} pool" if s.get("pool") else ""
+        if why == "rejected" or s.get("rejected"):
+            c.rejected = int(s.get("rejected") or 0)
+            c.reason = (f"{c.rejected} request{'s' if c.rejected != 1 else ''} rejected (longer than the KV pool); "
                         "replay stopped")  # fmt: skip
+            return
+        t = _secs(ttft) if why == "ttft" else _secs(tpot)
+        c.reason = _STOPPED[why].format(t=t, late=late_needed(n), share=100 * s["arrived_share"],
+                                        pool=pool)  # fmt: skip
         return
     c.ttft_p99_s = s.get("ttft_p99_s")
     c.tpot_p99_s = s.get("tpot_p99_s")
@@ -233,17 +277,46 @@ def _verdict(c: Candidate, s: Dict[str, Any], ttft: float, tpot: Optional[float]
     c.reason = "; ".join(why) if why else "meets the SLOs"
 
 
+def candidates(
+    fit: List[Family],
+    counts: List[int],
+    disagg: Optional[List[Tuple[int, int]]] = None,
+    with_disagg: bool = False,
+) -> List[Candidate]:
+    """Every candidate of the fitting families: each replica count, and with ``with_disagg``
+    each split of :func:`disagg_splits` (families without a host cache), in enumeration order."""
+    out: List[Candidate] = []
+    totals = sorted(set(counts) | ({p + d for p, d in disagg} if disagg else set()))
+    for f in fit:
+        for n in totals:
+            if n in counts:
+                out.append(Candidate(f, n))
+            if with_disagg and not f.host_cache_gib:
+                out.extend(Candidate(f, n, prefill=p) for p in disagg_splits(n, disagg))
+    return out
+
+
 def search(
     families: List[Family],
     replica_counts: List[int],
-    replay: Callable[[Family, int], Dict[str, Any]],
+    replay: Callable[..., Dict[str, Any]],
     ttft_p99_s: float,
     tpot_p99_s: Optional[float] = None,
     by_cost: bool = False,
     done: Optional[Callable[[Candidate], None]] = None,
+    requests: int = 0,
+    disagg: Optional[List[Tuple[int, int]]] = None,
+    with_disagg: bool = False,
+    exhaustive: bool = False,
+    floor: Optional[Callable[[Family], str]] = None,
 ) -> GpuPlan:
-    """Bisect each fitting family's replica counts for the fewest that meet the SLOs
-    (``replay(family, replicas)`` returns the cluster summary), then pick the cheapest."""
+    """Replay the candidates cheapest first (``replay(family, replicas)``, or ``replay(family,
+    replicas, prefill)`` for a disaggregated one, returns the summary) until one meets the SLOs;
+    ``exhaustive``: replay every candidate and take the cheapest that meets them (the
+    reference the fast search must equal). ``requests``: the workload's size (for the stop
+    reasons). ``floor(family)``: a reason when the family misses at every replica count for
+    certain (:func:`~kvblocks.sim.plan.replays.certainly_late`), else ""; its candidates are
+    then not replayed."""
     counts = sorted(set(replica_counts))
     if not counts:
         raise SimulationError("the plan needs at least one replica count")
@@ -254,65 +327,54 @@ def search(
             f"{f.gpu} TP{f.tp} PP{f.pp} KV {f.kv_dtype}: {f.why_not}" for f in unfit[:4]
         )
         raise SimulationError(f"no configuration fits in memory ({why}); widen --tp, --pp or --gpu")
-    cands: Dict[Tuple[int, int], Candidate] = {}
+    order = sorted(candidates(fit, counts, disagg, with_disagg), key=lambda c: cost_key(c, by_cost))
     replayed: List[Candidate] = []
-    # cheapest families first, so that the budget of replays goes where the answer can be
-    order = sorted(range(len(fit)), key=lambda i: _key(Candidate(fit[i], counts[0]), by_cost))
     best: Optional[Candidate] = None
-    for i in order:
-        f = fit[i]
-        if best is not None and _key(Candidate(f, counts[0]), by_cost) >= _key(best, by_cost):
-            continue  # even its fewest replicas cost no less than the answer so far
-        lo, hi = 0, len(counts) - 1
-        found: Optional[Candidate] = None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            c = Candidate(f, counts[mid])
-            if best is not None and _key(c, by_cost) >= _key(best, by_cost):
-                hi = mid - 1  # no cheaper than the answer: only fewer replicas can matter
+    floors: Dict[int, str] = {}
+    for c in order:
+        if floor is not None and not exhaustive:
+            if id(c.family) not in floors:
+                floors[id(c.family)] = floor(c.family)
+            if floors[id(c.family)]:
+                c.meets, c.reason = False, floors[id(c.family)]
+                replayed.append(c)
+                if done is not None:
+                    done(c)
                 continue
-            if len(replayed) >= MAX_REPLAYS:
-                raise SimulationError(
-                    f"more than {MAX_REPLAYS} replays; narrow --gpu, --tp, --replicas, --host-cache or --kv-dtypes"
-                )
-            _verdict(c, replay(f, counts[mid]), ttft_p99_s, tpot_p99_s)
-            cands[(i, counts[mid])] = c
-            replayed.append(c)
-            if done is not None:
-                done(c)
-            if c.meets:
-                found, hi = c, mid - 1
-            else:
-                lo = mid + 1
-        if found is not None and (best is None or _key(found, by_cost) < _key(best, by_cost)):
-            best = found
+        if len(replayed) >= MAX_REPLAYS:
+            raise SimulationError(
+                f"more than {MAX_REPLAYS} replays; narrow --gpu, --tp, --replicas, --host-cache, "
+                "--kv-dtypes or --disagg"
+            )
+        t0 = time.perf_counter()
+        s = replay(c.family, c.replicas, c.prefill) if c.prefill else replay(c.family, c.replicas)
+        c.replay_s = time.perf_counter() - t0
+        _verdict(c, s, ttft_p99_s, tpot_p99_s, requests)
+        replayed.append(c)
+        if done is not None:
+            done(c)
+        if c.meets and best is None:
+            best = c
+            if not exhaustive:
+                break
     cheaper: List[Candidate] = []
     if best is not None:
-        for i, f in enumerate(fit):
-            failed = [n for (j, n), c in cands.items() if j == i and c.meets is False]
-            for n in counts:
-                c = cands.get((i, n)) or Candidate(f, n)
-                if _key(c, by_cost) >= _key(best, by_cost):
-                    continue
-                if not c.ran:
-                    above = [m for m in failed if m >= n]
-                    if not above:
-                        c.reason = "not replayed"
-                    else:
-                        c.meets = False
-                        c.reason = f"fewer replicas than {f.label(min(above))}, which misses"
-                cheaper.append(c)
+        bk = cost_key(best, by_cost)
+        cheaper = [c for c in replayed if cost_key(c, by_cost) < bk]
         for f in unfit:
             for n in counts:
                 c = Candidate(f, n, meets=False, reason=f"does not fit: {f.why_not}")
-                if _key(c, by_cost) < _key(best, by_cost):
+                if cost_key(c, by_cost) < bk:
                     cheaper.append(c)
-        cheaper.sort(key=lambda c: _key(c, by_cost), reverse=True)
+        cheaper.sort(key=lambda c: cost_key(c, by_cost), reverse=True)
     return GpuPlan(ttft_p99_s, tpot_p99_s, by_cost, best, replayed, cheaper, unfit)
 
 
-def self_t(plan: GpuPlan) -> str:
-    return _secs(plan.ttft_p99_s)
+def _bound(v: Optional[float], over: bool, target: Optional[float]) -> str:
+    """A p99 cell: the value, ``> target`` when it is certainly over, else ``-``."""
+    if v is not None:
+        return _secs(v)
+    return "> " + _secs(target) if over and target is not None else "-"
 
 
 def format_gpu_plan(plan: GpuPlan, header: List[str], show_cheaper: int = 8) -> str:
@@ -323,7 +385,8 @@ def format_gpu_plan(plan: GpuPlan, header: List[str], show_cheaper: int = 8) -> 
         slo += f", TPOT p99 <= {_secs(plan.tpot_p99_s)}"
     out.append(
         f"target    {slo}; cheapest by {'$/hour' if plan.by_cost else 'GPU count'}; "
-        "'idle p99': the 99th-percentile prompt's prefill on an idle replica (no prefix hit: a floor under TTFT p99 when few prompts hit the cache)"
+        "'idle p99': the 99th-percentile prompt's prefill on an idle replica (no prefix hit: a floor under TTFT p99 when few prompts hit the cache); "
+        "'fl': misses by the TTFT floor, not replayed"
     )
     out.append("")
     cols = [("configuration", 44), ("GPUs", 6), ("$/hour", 9), ("idle p99", 10), ("TTFT p99", 11),
@@ -331,10 +394,10 @@ def format_gpu_plan(plan: GpuPlan, header: List[str], show_cheaper: int = 8) -> 
     out.append("".join(f"{t:<{w}}" if i == 0 else f"{t:>{w}}" for i, (t, w) in enumerate(cols)))
     for c in sorted(plan.replayed, key=lambda c: _key(c, plan.by_cost)):
         out.append(
-            f"{c.family.label(c.replicas):<44}{c.gpus:>6}{c.usd_per_hour:>9.2f}{_secs(c.family.idle_ttft_s):>10}"
-            f"{_secs(c.ttft_p99_s) if c.ttft_p99_s is not None else '> ' + self_t(plan):>11}"
-            f"{_secs(c.tpot_p99_s):>11}{c.throughput_tok_s:>9,.0f}{100 * c.goodput:>8.1f}%"
-            f"{'  ok' if c.meets else '  --'}"
+            f"{c.label():<44}{c.gpus:>6}{c.usd_per_hour:>9.2f}{_secs(c.family.idle_ttft_s):>10}"
+            f"{_bound(c.ttft_p99_s, c.stopped == 'ttft' or not c.ran, plan.ttft_p99_s):>11}"
+            f"{_bound(c.tpot_p99_s, c.stopped == 'tpot', plan.tpot_p99_s):>11}{c.throughput_tok_s:>9,.0f}{100 * c.goodput:>8.1f}%"
+            f"{'  ok' if c.meets else '  --' if c.ran else '  fl'}"
         )
     for f in plan.unfit:
         out.append(f"{f.label(1):<44}  does not fit: {f.why_not}")
@@ -344,7 +407,7 @@ def format_gpu_plan(plan: GpuPlan, header: List[str], show_cheaper: int = 8) -> 
         close = min((c for c in plan.replayed if c.ttft_p99_s is not None),
                     key=lambda c: c.ttft_p99_s or 0.0, default=None)  # fmt: skip
         out.append("answer    no configuration in range meets the SLOs"
-                   + (f"; closest: {close.family.label(close.replicas)} ({close.reason})" if close else ""))  # fmt: skip
+                   + (f"; closest: {close.label()} ({close.reason})" if close else ""))  # fmt: skip
         fast = [
             f
             for f in {id(c.family): c.family for c in plan.replayed}.values()
@@ -360,7 +423,13 @@ def format_gpu_plan(plan: GpuPlan, header: List[str], show_cheaper: int = 8) -> 
                 )
         return "\n".join(out)
     out.append(
-        f"answer    {b.gpus} x {b.family.gpu}: {b.replicas} replica{'s' if b.replicas > 1 else ''} x TP {b.family.tp}"
+        f"answer    {b.gpus} x {b.family.gpu}: "
+        + (
+            f"{b.prefill} prefill + {b.decode} decode replicas (disaggregated)"
+            if b.prefill
+            else f"{b.replicas} replica{'s' if b.replicas > 1 else ''}"
+        )
+        + f" x TP {b.family.tp}"
         f" x PP {b.family.pp}, KV {b.family.kv_dtype}"
         + (f", {b.family.host_cache_gib:g} GiB host cache each" if b.family.host_cache_gib else "")
         + f", ${b.usd_per_hour:,.2f}/hour: TTFT p99 {_secs(b.ttft_p99_s)}, TPOT p99 {_secs(b.tpot_p99_s)},"
@@ -369,7 +438,7 @@ def format_gpu_plan(plan: GpuPlan, header: List[str], show_cheaper: int = 8) -> 
     if plan.cheaper:
         out.append("why not cheaper:")
         for c in plan.cheaper[:show_cheaper]:
-            out.append(f"  {c.family.label(c.replicas):<44} {c.reason}")
+            out.append(f"  {c.label():<44} {c.reason}")
         if len(plan.cheaper) > show_cheaper:
             out.append(f"  ... and {len(plan.cheaper) - show_cheaper} more (--json lists them all)")
     return "\n".join(out)

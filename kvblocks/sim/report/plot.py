@@ -64,18 +64,23 @@ def plot_capacity(points: Sequence[Any], target_s: float, path: str, title: str 
 
 def plot_gpu_plan(plan: Any, path: str, title: str = "") -> None:
     """``kvblocks plan --gpu ... --plot FILE``: TTFT p99 of every replay against GPUs (or
-    $/hour with ``--cost``), one series per GPU x TP x PP x KV dtype, the target dotted."""
+    $/hour with ``--cost``), one series per GPU x TP x PP x KV dtype (x host cache, x
+    disaggregated), the target dotted; replays stopped early have no p99 and are not drawn."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     series: dict = {}
     for c in plan.replayed:
         f = c.family
-        series.setdefault((f.gpu, f.tp, f.pp, f.kv_dtype, f.host_cache_gib), []).append(c)
+        if c.ttft_p99_s is None:
+            continue  # stopped early or not replayed: no p99 to draw
+        key = (f.gpu, f.tp, f.pp, f.kv_dtype, f.host_cache_gib, c.prefill > 0)
+        series.setdefault(key, []).append(c)
     for n, (k, cs) in enumerate(sorted(series.items())):
         cs.sort(key=lambda c: c.gpus)
         xs = [c.usd_per_hour if plan.by_cost else c.gpus for c in cs]
         ax.plot(xs, [c.ttft_p99_s for c in cs], marker="o", color=f"C{n % 10}",
-                label=f"{k[0]} TP{k[1]} PP{k[2]} KV {k[3]}" + (f" +{k[4]:g}G" if k[4] else ""))  # fmt: skip
+                label=f"{k[0]} TP{k[1]} PP{k[2]} KV {k[3]}" + (f" +{k[4]:g}G" if k[4] else "")
+                + (" P:D" if k[5] else ""))  # fmt: skip
     ax.axhline(plan.ttft_p99_s, color="k", linewidth=0.8, linestyle=":", label="target TTFT p99")
     ax.set_yscale("log")
     ax.set_ylabel("time to first token p99 (s)")

@@ -60,13 +60,22 @@ def seed_keys(seeds: "np.ndarray | Sequence[int]") -> np.ndarray:
 
 
 def tokens_at(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Vectorised ``token(seed, pos)`` for key arrays (from :func:`seed_keys`); int32 out."""
-    with np.errstate(over="ignore"):
-        z = keys + positions.astype(np.uint64) + _C1
-        z = (z ^ (z >> _S30)) * _C2
-        z = (z ^ (z >> _S27)) * _C3
-        z = z ^ (z >> _S31)
-    return (z % _VOCAB).astype(np.int32)
+    """Vectorised ``token(seed, pos)`` for key arrays (from :func:`seed_keys`); int32 out.
+
+    Array arithmetic wraps modulo 2**64 silently; only numpy scalars warn on overflow, so
+    only they pay for an ``errstate`` (which costs more than the hash of a decode batch)."""
+    if np.ndim(keys) == 0 and np.ndim(positions) == 0:
+        with np.errstate(over="ignore"):
+            return tokens_at(np.atleast_1d(keys), np.atleast_1d(positions))[0]
+    z = keys + positions.astype(np.uint64)
+    z += _C1
+    z ^= z >> _S30
+    z *= _C2
+    z ^= z >> _S27
+    z *= _C3
+    z ^= z >> _S31
+    z %= _VOCAB
+    return z.astype(np.int32)
 
 
 def stream(seed: int, start: int, count: int) -> np.ndarray:
@@ -88,6 +97,7 @@ class TokenBook:
         self._row: Dict[int, int] = {}
         self._table = np.empty((capacity, block), dtype=np.int32)
         self._pos = np.arange(block, dtype=np.uint64)
+        self.sized = False  # reserve() was called
 
     def __len__(self) -> int:
         return len(self._row)
@@ -96,6 +106,15 @@ class TokenBook:
     def nbytes(self) -> int:
         """Bytes of the cached rows."""
         return len(self._row) * self.block * 4
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows in all, allocated once (a table grown by doubling copies
+        every row it holds each time: on a whole Mooncake trace, a tenth of the replay)."""
+        self.sized = True
+        if rows > self._table.shape[0]:
+            table = np.empty((rows, self.block), dtype=np.int32)
+            table[: len(self._row)] = self._table[: len(self._row)]
+            self._table = table
 
     def _fill(self, missing: Iterable[int]) -> None:
         missing = list(dict.fromkeys(missing))
@@ -108,11 +127,13 @@ class TokenBook:
             table[: len(self._row)] = self._table[: len(self._row)]
             self._table = table
         first = len(self._row)
-        seeds = np.array([seed_of(self.namespace, h) for h in missing], dtype=np.uint64)
+        ids = np.asarray(missing, dtype=np.int64)
+        if ids.size and not (0 <= int(ids.min()) and int(ids.max()) < (1 << ID_BITS)):
+            seed_of(self.namespace, int(ids.min()) if ids.min() < 0 else int(ids.max()))  # raises
+        seeds = ids.astype(np.uint64) | np.uint64(self.namespace << ID_BITS)
         keys = seed_keys(seeds)[:, None]
         self._table[first : first + len(missing)] = tokens_at(keys, self._pos[None, :])
-        for i, h in enumerate(missing):
-            self._row[h] = first + i
+        self._row.update(zip(missing, range(first, first + len(missing))))
 
     def prompt(self, ids: Sequence[int], length: int) -> np.ndarray:
         """The first ``length`` tokens of the concatenated blocks of ``ids`` (int32, contiguous)."""

@@ -105,6 +105,7 @@ class Workload:
         self.requests = requests
         self._book = TokenBook()
         self._segments: Dict[int, np.ndarray] = {}
+        self._memo: Dict[object, Dict[object, object]] = {}  # derived per-prompt data (hashes)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -115,7 +116,7 @@ class Workload:
     def head(self, count: int) -> "Workload":
         """The first ``count`` requests (shares the token caches)."""
         w = Workload(self.name, self.requests[:count], self.kind)
-        w._book, w._segments = self._book, self._segments
+        w._book, w._segments, w._memo = self._book, self._segments, self._memo
         return w
 
     def scaled(self, factor: float) -> "Workload":
@@ -135,7 +136,7 @@ class Workload:
             for r in self.requests
         ]
         w = Workload(self.name, reqs, self.kind)
-        w._book, w._segments = self._book, self._segments
+        w._book, w._segments, w._memo = self._book, self._segments, self._memo
         return w
 
     def _segment(self, ident: int, length: int) -> np.ndarray:
@@ -145,9 +146,26 @@ class Workload:
             self._segments[ident] = arr
         return arr[:length]
 
+    def memo(self, name: object) -> Dict[object, object]:
+        """A cache of per-prompt data keyed by :meth:`content_key`, shared by the workloads
+        derived from this one (``head``, ``scaled``): e.g. the router's prompt hashes, computed
+        once for every replay of a plan."""
+        return self._memo.setdefault(name, {})
+
+    @staticmethod
+    def content_key(req: Request) -> object:
+        """What a prompt's tokens are a function of (equal keys, equal tokens)."""
+        if req.hash_ids is not None:
+            return (req.hash_ids, req.prompt_len)
+        if req.segments is not None:
+            return req.segments
+        return (req.index, req.prompt_len)
+
     def prompt_tokens(self, req: Request) -> np.ndarray:
         """The prompt's token ids (int32, contiguous)."""
         if req.hash_ids is not None:
+            if not self._book.sized:  # size the book once for every id of the workload
+                self._book.reserve(len({h for r in self.requests for h in r.hash_ids or ()}))
             return self._book.prompt(req.hash_ids, req.prompt_len)
         if req.segments is not None:
             parts = [self._segment(i, n) for i, n in req.segments]
