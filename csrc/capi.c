@@ -829,17 +829,8 @@ int kvb_manager_take_copies(kvb_manager_t *m, int64_t *out, int64_t cap, int64_t
     MUTATE(m);
     int rc = pairs_args(m, out, cap, n);
     if (rc) return rc;
-    kvb_tier_t *t = m->pool.tier;
-    if (t && (t->noff || t->non || t->ndem))
-        return fail(m, KVB_EPENDING, t->noff + t->ndem, t->non,
-                    "offloads / onloads pending: take them first");
-    int64_t need = kvb_manager_pending_copies(m);
-    if (cap < need) return fail(m, KVB_ERANGE, need, cap, "pair buffer too small");
-    int64_t k = 0;
-    for (int32_t j = 0; j < m->ng; j++)
-        if (m->g[j].ncopies) k += kvb_mgr_take_copies(&m->g[j], out + 2 * k);
-    *n = k;
-    return KVB_OK;
+    int64_t none = 0; /* (out may be NULL when cap is 0) */
+    return fin(m, kvb_grp_take_copies(m->gp, m->ng, out ? out : &none, cap, n), 0);
 }
 
 int kvb_manager_take_offloads(kvb_manager_t *m, int64_t *out, int64_t cap, int64_t *n) {

@@ -444,6 +444,13 @@ int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t 
 /* Drain the pending copy-on-write pairs into out (2 * ncopies int64) and release the
  * references they held on their sources. Returns the number of pairs. */
 int64_t kvb_mgr_take_copies(kvb_mgr_t *m, int64_t *out);
+/* Every group's pending copies into out ([2 * cap] int64 (src, dst) pairs; *n_out pairs), in
+ * group order, after the drain-order check: KVB_EPENDING while host-tier offloads or onloads are
+ * pending (g[0]'s err_a: offloads, err_b: onloads, err_what says so; a copy may overwrite a
+ * block an offload reads, or read one an onload fills), KVB_ERANGE when cap is too small
+ * (err_a: needed). Nothing is drained on an error. (groups.c) */
+int kvb_grp_take_copies(kvb_mgr_t *const *g, int32_t G, int64_t *out, int64_t cap,
+                        int64_t *n_out);
 
 /* A step computes, for each slots[i], its last qlens[i] committed tokens and drafts[i]
  * (drafts may be NULL) reserved draft slots after them. Validation only when apply == 0:

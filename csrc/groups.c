@@ -370,3 +370,30 @@ int kvb_grp_schedule(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
     }
     return KVB_OK;
 }
+
+/* ---- the drain --------------------------------------------------------------------------- */
+int kvb_grp_take_copies(kvb_mgr_t *const *g, int32_t G, int64_t *out, int64_t cap,
+                        int64_t *n_out) {
+    kvb_mgr_t *m = g[0];
+    KVB_CLEAR_ERR(m);
+    kvb_tier_t *t = m->pool->tier;
+    if (t && (t->noff || t->non || t->ndem)) {
+        m->err_a = t->noff + t->ndem;
+        m->err_b = t->non;
+        m->err_what = "host-tier offloads or onloads are pending (take_offloads, take_onloads)";
+        return KVB_EPENDING;
+    }
+    int64_t need = 0;
+    for (int32_t j = 0; j < G; j++) need += g[j]->ncopies;
+    if (cap < need) {
+        m->err_a = need;
+        m->err_b = cap;
+        m->err_what = "copy pairs";
+        return KVB_ERANGE;
+    }
+    int64_t k = 0;
+    for (int32_t j = 0; j < G; j++)
+        if (g[j]->ncopies) k += kvb_mgr_take_copies(g[j], out + 2 * k);
+    *n_out = k;
+    return KVB_OK;
+}

@@ -255,6 +255,8 @@ cdef extern from "core.h" nogil:
                          int64_t *npairs)
     int kvb_grp_swap_in(kvb_mgr_t **g, int32_t G, int32_t slot, int64_t *pairs_out,
                         int64_t *npairs)
+    int kvb_grp_take_copies(kvb_mgr_t **g, int32_t G, int64_t *out, int64_t cap,
+                            int64_t *n_out)
     int kvb_grp_schedule(kvb_mgr_t **g, int32_t G, const int32_t *slots,
                          const int32_t *qlens, const int32_t *drafts, int64_t B, int apply)
     int kvb_grp_check(kvb_mgr_t **g, int32_t G)

@@ -852,20 +852,21 @@ cdef class BlockManager:
         Sources stay allocated until drained; a copy whose dst block is released first
         (free, truncate, swap_out) is dropped: nothing will read that block.
         """
-        cdef int32_t j
         cdef int64_t k = 0
-        cdef kvb_tier_t *t = self.pool.p.tier
+        cdef int rc
         self._enter()
         try:
-            if t is not NULL and (t.noff or t.non or t.ndem):
+            out = np.empty((self._ncopies(), 2), dtype=np.int64)  # block ids are pool-wide
+            rc = kvb_grp_take_copies(self.gp, self.ng,
+                                     <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out),
+                                     cnp.PyArray_DIM(<cnp.ndarray>out, 0), &k)
+            if rc == KVB_EPENDING:
                 raise InvalidStateError(
-                    f"take_copies: {t.noff + t.ndem} offloads and {t.non} onloads are pending; "
-                    f"drain take_offloads() and take_onloads() first (a copy may overwrite a "
-                    f"block an offload reads, or read one an onload fills)")
-            out = np.empty((self._ncopies(), 2), dtype=np.int64)
-            for j in range(self.ng):  # every group's pairs; block ids are pool-wide
-                k += kvb_mgr_take_copies(self.gp[j],
-                                         <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out) + 2 * k)
+                    f"take_copies: {self.m.err_a} offloads and {self.m.err_b} onloads are "
+                    f"pending; drain take_offloads() and take_onloads() first (a copy may "
+                    f"overwrite a block an offload reads, or read one an onload fills)")
+            if rc:
+                self._err(rc, "take_copies")
             return out
         finally:
             self._leave()
