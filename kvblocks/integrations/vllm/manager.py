@@ -183,7 +183,13 @@ class _NativeState:
         self.keys: dict[str, np.ndarray] = {}  # request id -> (n, 2) uint64 keys
         self.hash_of: dict[int, bytes] = {}  # block id -> vLLM block hash (group 0)
         self.hashed = np.zeros(num_blocks, dtype=np.bool_)  # mirror: native cache entry
-        self.dup = np.zeros(num_blocks, dtype=np.bool_)  # hashed, key held by another block
+        # vLLM lets several blocks hold one hash (a prompt computed again while its blocks are
+        # cached: the hit stops one block short of the prompt); lookups return the earliest.
+        # The native table holds one block per key: the first is cached under the key, later
+        # ones under a salted key of their own (so they are evictable and evicted like any
+        # cached block), listed here in insertion order for lookups to fall back on.
+        self.dups: dict[bytes, list[int]] = {}
+        self._salt = 0
         self.events: list[Any] = []
         self._views: dict[int, _BlockView] = {}
         self.free_queue: Any = None  # the _FreeQueueView, set by NativeBlockPoolView
@@ -227,12 +233,27 @@ class _NativeState:
         """Ids of the longest cached prefix of hashes[:n], not pinned (vLLM's phase 1)."""
         if n <= 0 or not self.enable_caching:
             return _EMPTY_I32
-        hit = self.pool.lookup(self.to_keys(hashes[:n]))
+        keys = self.to_keys(hashes[:n])
         hash_of = self.hash_of
-        for i, b in enumerate(hit.tolist()):  # exact bytes check (and Python-side evictions)
-            if hash_of.get(b) != hashes[i]:
-                return hit[:i]
-        return hit
+        pos = 0
+        parts = []
+        while pos < n:
+            hit = self.pool.lookup(keys[pos:])
+            k = len(hit)
+            for i, b in enumerate(hit.tolist()):  # exact bytes check (and evict_blocks)
+                if hash_of.get(b) != hashes[pos + i]:
+                    k = i
+                    break
+            parts.append(hit[:k])
+            pos += k
+            if pos == n or not self.dups:
+                break
+            d = self.dups.get(hashes[pos])  # the key's first block is gone: the next one
+            if not d:
+                break
+            parts.append(np.array(d[:1], dtype=np.int32))
+            pos += 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def allocate(self, n: int) -> np.ndarray:
         """n new blocks (ref 1), popping the free list's head; evicted entries leave the
@@ -243,15 +264,24 @@ class _NativeState:
             raise ValueError(f"Cannot get {n} free blocks from the pool")
         ids = self.pool.allocate(n)
         if self.enable_caching:
-            was = self.hashed[ids] | self.dup[ids]
+            was = self.hashed[ids]
             if was.any():
                 self.hashed[ids] = False
-                self.dup[ids] = False
                 for b in ids[was].tolist():
                     h = self.hash_of.pop(b, None)
-                    if h is not None and self.enable_events:
+                    if h is None:
+                        continue
+                    self._drop_dup(h, b)
+                    if self.enable_events:
                         self.events.append(self._removed(h))
         return ids
+
+    def _drop_dup(self, h: bytes, b: int) -> None:
+        d = self.dups.get(h)
+        if d is not None and b in d:
+            d.remove(b)
+            if not d:
+                del self.dups[h]
 
     def _removed(self, h: bytes) -> BlockRemoved:
         return BlockRemoved(
@@ -285,23 +315,34 @@ class _NativeState:
         blocks = self.req[rid]
         ids = np.array(blocks[num_cached:num_full], dtype=np.int32)
         keys = self.request_keys(request, num_full)[num_cached:num_full]
-        new = ~(self.hashed[ids] | self.dup[ids])
+        new = ~self.hashed[ids]
         if not new.all():  # blocks already in the table (a hit re-cached): leave them
             ids, keys = ids[new], keys[new]
             sel = np.nonzero(new)[0].tolist()
         else:
             sel = None
-        self.pool.cache(ids, keys)
-        is_cached = self.pool.is_cached
-        hash_of = self.hash_of
-        for j, b in enumerate(ids.tolist()):
-            # a key already held by another block keeps that block (one block per native
-            # key): the newcomer carries the hash (views, events) but serves no hits
-            if is_cached(b):
-                self.hashed[b] = True
-            else:
-                self.dup[b] = True
-            hash_of[b] = hashes[num_cached + (j if sel is None else sel[j])]
+        hs = hashes[num_cached:num_full] if sel is None else [hashes[num_cached + j] for j in sel]
+        dups = self.dups
+        if dups and any(h in dups for h in hs):  # a hash with duplicates: append to them
+            first = np.array([h not in dups for h in hs], dtype=np.bool_)
+            stored = self.pool.cache(ids[first], keys[first])
+            all_in = False
+        else:
+            first = None
+            stored = self.pool.cache(ids, keys)
+            all_in = stored == len(ids)
+        self.hashed[ids] = True
+        self.hash_of.update(zip(ids.tolist(), hs))
+        if not all_in:  # some keys were held by another block: cache these as duplicates
+            is_cached = self.pool.is_cached
+            for j, b in enumerate(ids.tolist()):
+                if (first is None or first[j]) and is_cached(b):
+                    continue
+                self._salt += 1
+                k = keys[j : j + 1].copy()
+                k[0, 1] ^= np.uint64((self._salt * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+                self.pool.cache(ids[j : j + 1], k)
+                dups.setdefault(hs[j], []).append(b)
         self.num_cached[rid] = num_full
         if self.enable_events:
             self.events.append(self._stored(request, num_cached, num_full))
@@ -339,7 +380,10 @@ class _NativeState:
             if not 0 <= b < self.num_blocks:
                 raise AssertionError(f"Invalid block_id {b} >= {self.num_blocks}.")
             h = self.hash_of.pop(b, None)
-            if h is not None and self.enable_events:
+            if h is None:
+                continue
+            self._drop_dup(h, b)
+            if self.enable_events:
                 self.events.append(self._removed(h))
             # the native entry stays until the block is reused; lookups check hash_of first
 
@@ -354,7 +398,7 @@ class _NativeState:
             self.pool.reset_prefix_cache()
         self.hash_of.clear()
         self.hashed[:] = False
-        self.dup[:] = False
+        self.dups.clear()
         logger.info("Successfully reset prefix cache")
         if self.enable_events:
             self.events.append(AllBlocksCleared())

@@ -1,0 +1,200 @@
+"""kvblocks' KV cache manager beside vLLM's own (kvblocks.integrations.vllm); skipped unless
+vllm (0.34) is importable. The full proof is vLLM's own tests/v1/core under .ci/vllm."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.kv_cache_manager")
+torch = pytest.importorskip("torch")
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core import kv_cache_manager as vkm  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request  # noqa: E402
+
+import kvblocks.integrations.vllm as kvb_vllm  # noqa: E402
+from kvblocks.integrations.vllm.manager import KVCacheManager, VLLMKVCacheManager  # noqa: E402
+
+BS = 4
+
+
+def config(num_blocks: int, spec=None) -> KVCacheConfig:
+    spec = spec or FullAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+
+
+def request(rid: str, tokens: list) -> Request:
+    sp = SamplingParams(max_tokens=8)
+    sp.update_from_generation_config({}, eos_token_id=0)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling_params=sp,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BS, sha256),
+    )
+
+
+def managers(num_blocks: int, **kw):
+    init_none_hash(sha256)
+    args = dict(
+        max_model_len=256, scheduler_block_size=BS, hash_block_size=BS, enable_caching=True, **kw
+    )
+    return VLLMKVCacheManager(config(num_blocks), **args), KVCacheManager(
+        config(num_blocks), **args
+    )
+
+
+def test_enable_disable_swaps_the_class():
+    import vllm.v1.core.sched.scheduler as sched
+
+    assert vkm.KVCacheManager is VLLMKVCacheManager
+    with kvb_vllm.enable():
+        assert kvb_vllm.is_enabled()
+        assert vkm.KVCacheManager is KVCacheManager
+        assert sched.KVCacheManager is KVCacheManager
+    assert vkm.KVCacheManager is VLLMKVCacheManager
+    assert sched.KVCacheManager is VLLMKVCacheManager
+    assert not kvb_vllm.is_enabled()
+
+
+def test_plugin_registers_only_when_asked(monkeypatch):
+    from kvblocks.integrations.vllm import plugin
+
+    monkeypatch.delenv("KVBLOCKS_VLLM", raising=False)
+    plugin.register()
+    assert not kvb_vllm.is_enabled()
+    monkeypatch.setenv("KVBLOCKS_VLLM", "1")
+    try:
+        plugin.register()
+        assert vkm.KVCacheManager is KVCacheManager
+    finally:
+        kvb_vllm.disable()
+
+
+def test_sliding_window_falls_back_to_vllm(caplog):
+    spec = SlidingWindowSpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=8
+    )
+    init_none_hash(sha256)
+    with caplog.at_level("INFO", logger="kvblocks.integrations.vllm.manager"):
+        m = KVCacheManager(
+            config(16, spec),
+            max_model_len=64,
+            scheduler_block_size=BS,
+            hash_block_size=BS,
+            enable_caching=True,
+        )
+    assert not m.native
+    assert "SlidingWindowSpec" in caplog.text
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_same_blocks_hits_free_counts_and_events_as_vllm(seed):
+    """A random stream (shared prefixes, full-prompt hits that recompute a duplicate block,
+    decode, free, eviction pressure): both managers give the same block ids, hits, free
+    counts and events at every step."""
+    rng = random.Random(seed)
+    ref, kvb = managers(24, enable_kv_cache_events=True)
+    assert kvb.native
+    prefixes = [[rng.randrange(1, 50) for _ in range(8)] for _ in range(2)]
+    live: dict[str, tuple] = {}
+    for step in range(120):
+        if live and (len(live) > 3 or rng.random() < 0.3):
+            rid = rng.choice(sorted(live))
+            for m, r in zip((ref, kvb), live.pop(rid)):
+                m.free(r)
+        elif rng.random() < 0.5 or not live:
+            toks = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(9))]
+            pair = (request(f"q{step}", toks), request(f"q{step}", toks))
+            got = []
+            for m, r in zip((ref, kvb), pair):
+                blocks, hit, _ = m.get_computed_blocks(r)
+                new = m.allocate_slots(r, r.num_tokens - hit, hit, blocks)
+                got.append(
+                    (hit, blocks.get_block_ids(), None if new is None else new.get_block_ids())
+                )
+                if new is None:
+                    m.free(r)
+                else:
+                    r.num_computed_tokens = r.num_tokens
+            assert got[0] == got[1]
+            if got[0][2] is not None:
+                live[f"q{step}"] = pair
+        else:
+            rid = rng.choice(sorted(live))
+            out = []
+            tok = rng.randrange(1, 50)
+            for m, r in zip((ref, kvb), live[rid]):
+                r.append_output_token_ids(tok)
+                new = m.allocate_slots(r, 1)
+                out.append(None if new is None else new.get_block_ids())
+                if new is not None:
+                    r.num_computed_tokens = r.num_tokens
+            assert out[0] == out[1]
+            if out[0] is None:
+                for m, r in zip((ref, kvb), live.pop(rid)):
+                    m.free(r)
+        for rid in live:
+            assert ref.get_block_ids(rid) == kvb.get_block_ids(rid)
+        assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
+        assert ref.usage == kvb.usage
+        assert ref.take_events() == kvb.take_events()
+    for pair in live.values():
+        ref.free(pair[0])
+        kvb.free(pair[1])
+    assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks() == 23
+    assert ref.reset_prefix_cache() and kvb.reset_prefix_cache()
+    assert ref.take_events() == kvb.take_events()
+
+
+def test_views_read_the_native_pool():
+    ref, kvb = managers(16)
+    rs = [request(f"v{i}", list(range(1, 10))) for i in range(2)]
+    for r in rs:
+        blocks, hit, _ = kvb.get_computed_blocks(r)
+        kvb.allocate_slots(r, r.num_tokens - hit, hit, blocks)
+    b = kvb.get_blocks("v1").blocks[0]
+    assert [x.ref_cnt for x in b] == [2, 2, 1]
+    assert b[0].block_hash is not None and b[2].block_hash is None
+    assert kvb.block_pool.blocks[b[0].block_id] is b[0]
+    assert kvb.block_pool.get_cached_block(rs[0].block_hashes[0], [0]) == [b[0]]
+    kvb.free(rs[0])
+    kvb.free(rs[1])
+    assert kvb.block_pool.get_num_free_blocks() == 15
+    assert (
+        kvb.block_pool.free_block_queue.fake_free_list_head.next_free_block.block_id
+        == kvb.block_pool.native.free_list()[0]
+    )
+
+
+def test_event_shapes_match_vllm():
+    ref, kvb = managers(16, enable_kv_cache_events=True)
+    for m in (ref, kvb):
+        r = request("e", list(range(1, 10)))
+        m.allocate_slots(r, r.num_tokens)
+        m.free(r)
+        m.evict_blocks({1, 2})
+    ev_ref, ev_kvb = ref.take_events(), kvb.take_events()
+    assert ev_ref == ev_kvb
+    assert [type(e) for e in ev_kvb] == [BlockStored, BlockRemoved, BlockRemoved]
