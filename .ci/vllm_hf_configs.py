@@ -34,37 +34,103 @@ def put(home: str, repo: str, cfg, gen: dict) -> None:
 
 
 def main(home: str) -> None:
-    opt = dict(bos_token_id=2, eos_token_id=2, pad_token_id=1, architectures=["OPTForCausalLM"],
-               max_position_embeddings=2048, vocab_size=50272, torch_dtype="float16")
-    put(home, "facebook/opt-125m",
-        OPTConfig(hidden_size=768, num_hidden_layers=12, ffn_dim=3072, num_attention_heads=12,
-                  word_embed_proj_dim=768, do_layer_norm_before=True, **opt),
-        {"bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1})
-    put(home, "facebook/opt-350m",
-        OPTConfig(hidden_size=1024, num_hidden_layers=24, ffn_dim=4096, num_attention_heads=16,
-                  word_embed_proj_dim=512, do_layer_norm_before=False, **opt),
-        {"bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1})
-    put(home, "Qwen/Qwen3-0.6B",
-        Qwen3Config(vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
-                    num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                    intermediate_size=3072, max_position_embeddings=40960, rope_theta=1000000,
-                    tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
-                    max_window_layers=28, torch_dtype="bfloat16",
-                    architectures=["Qwen3ForCausalLM"]),
-        {"bos_token_id": 151643, "eos_token_id": [151645, 151643]})
-    put(home, "Qwen/Qwen1.5-7B",
-        Qwen2Config(vocab_size=151936, hidden_size=4096, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
-                    max_position_embeddings=32768, rope_theta=1000000,
-                    tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643,
-                    torch_dtype="bfloat16", architectures=["Qwen2ForCausalLM"]),
-        {"bos_token_id": 151643, "eos_token_id": 151643})
-    put(home, "vllm-project/tiny-random-LlamaForCausalLM",
-        LlamaConfig(vocab_size=32000, hidden_size=16, intermediate_size=64,
-                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                    max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
-                    torch_dtype="float32", architectures=["LlamaForCausalLM"]),
-        {"bos_token_id": 1, "eos_token_id": 2})
+    opt = dict(
+        bos_token_id=2,
+        eos_token_id=2,
+        pad_token_id=1,
+        architectures=["OPTForCausalLM"],
+        max_position_embeddings=2048,
+        vocab_size=50272,
+        torch_dtype="float16",
+    )
+    put(
+        home,
+        "facebook/opt-125m",
+        OPTConfig(
+            hidden_size=768,
+            num_hidden_layers=12,
+            ffn_dim=3072,
+            num_attention_heads=12,
+            word_embed_proj_dim=768,
+            do_layer_norm_before=True,
+            **opt,
+        ),
+        {"bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1},
+    )
+    put(
+        home,
+        "facebook/opt-350m",
+        OPTConfig(
+            hidden_size=1024,
+            num_hidden_layers=24,
+            ffn_dim=4096,
+            num_attention_heads=16,
+            word_embed_proj_dim=512,
+            do_layer_norm_before=False,
+            **opt,
+        ),
+        {"bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1},
+    )
+    put(
+        home,
+        "Qwen/Qwen3-0.6B",
+        Qwen3Config(
+            vocab_size=151936,
+            hidden_size=1024,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            max_position_embeddings=40960,
+            rope_theta=1000000,
+            tie_word_embeddings=True,
+            bos_token_id=151643,
+            eos_token_id=151645,
+            max_window_layers=28,
+            torch_dtype="bfloat16",
+            architectures=["Qwen3ForCausalLM"],
+        ),
+        {"bos_token_id": 151643, "eos_token_id": [151645, 151643]},
+    )
+    put(
+        home,
+        "Qwen/Qwen1.5-7B",
+        Qwen2Config(
+            vocab_size=151936,
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            intermediate_size=11008,
+            max_position_embeddings=32768,
+            rope_theta=1000000,
+            tie_word_embeddings=False,
+            bos_token_id=151643,
+            eos_token_id=151643,
+            torch_dtype="bfloat16",
+            architectures=["Qwen2ForCausalLM"],
+        ),
+        {"bos_token_id": 151643, "eos_token_id": 151643},
+    )
+    put(
+        home,
+        "vllm-project/tiny-random-LlamaForCausalLM",
+        LlamaConfig(
+            vocab_size=32000,
+            hidden_size=16,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=2048,
+            bos_token_id=1,
+            eos_token_id=2,
+            torch_dtype="float32",
+            architectures=["LlamaForCausalLM"],
+        ),
+        {"bos_token_id": 1, "eos_token_id": 2},
+    )
 
 
 if __name__ == "__main__":

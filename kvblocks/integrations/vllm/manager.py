@@ -30,8 +30,9 @@ from typing import Any, Optional
 import numpy as np
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.utils.math_utils import cdiv
-from vllm.v1.core import kv_cache_manager as _vkm
 from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VLLMKVCacheBlocks
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
     make_block_hash_with_group_id,
@@ -45,8 +46,7 @@ import kvblocks
 
 logger = logging.getLogger(__name__)
 
-VLLMKVCacheManager = _vkm.KVCacheManager  # vLLM's own class, captured before any patching
-VLLMKVCacheBlocks = _vkm.KVCacheBlocks
+# VLLMKVCacheManager: vLLM's own class (this module is imported before enable() patches)
 
 _EMPTY_I32 = np.empty(0, dtype=np.int32)
 
@@ -144,7 +144,7 @@ class NativeKVCacheBlocks(VLLMKVCacheBlocks):
         self._ids = ids
         self._blocks: Optional[tuple] = None
 
-    @property  # type: ignore[override]
+    @property
     def blocks(self) -> tuple:
         if self._blocks is None:
             view = self._state.view
@@ -229,11 +229,15 @@ class _NativeState:
         return k[:n]
 
     # -- pool operations ----------------------------------------------------------------------
-    def lookup(self, hashes: Sequence[bytes], n: int) -> np.ndarray:
-        """Ids of the longest cached prefix of hashes[:n], not pinned (vLLM's phase 1)."""
+    def lookup(
+        self, hashes: Sequence[bytes], n: int, keys: Optional[np.ndarray] = None
+    ) -> np.ndarray:
+        """Ids of the longest cached prefix of hashes[:n], not pinned (vLLM's phase 1);
+        ``keys`` their native keys when known."""
         if n <= 0 or not self.enable_caching:
             return _EMPTY_I32
-        keys = self.to_keys(hashes[:n])
+        if keys is None:
+            keys = self.to_keys(hashes[:n])
         hash_of = self.hash_of
         pos = 0
         parts = []
@@ -312,16 +316,10 @@ class _NativeState:
         num_full = min(num_tokens, len(hashes) * self.block_size) // self.block_size
         if num_cached >= num_full:
             return
-        blocks = self.req[rid]
-        ids = np.array(blocks[num_cached:num_full], dtype=np.int32)
+        # blocks past num_cached are the request's own (allocated, so without an entry)
+        ids = np.array(self.req[rid][num_cached:num_full], dtype=np.int32)
         keys = self.request_keys(request, num_full)[num_cached:num_full]
-        new = ~self.hashed[ids]
-        if not new.all():  # blocks already in the table (a hit re-cached): leave them
-            ids, keys = ids[new], keys[new]
-            sel = np.nonzero(new)[0].tolist()
-        else:
-            sel = None
-        hs = hashes[num_cached:num_full] if sel is None else [hashes[num_cached + j] for j in sel]
+        hs = hashes[num_cached:num_full]
         dups = self.dups
         if dups and any(h in dups for h in hs):  # a hash with duplicates: append to them
             first = np.array([h not in dups for h in hs], dtype=np.bool_)
@@ -653,6 +651,12 @@ class KVCacheManager(VLLMKVCacheManager):
     """vLLM's ``KVCacheManager`` (same constructor and methods), on kvblocks' native pool
     for full-attention models; on vLLM's own managers otherwise (logged)."""
 
+    native: bool  # True when kvblocks' pool serves this configuration
+    block_pool: Any  # NativeBlockPoolView when native, else vLLM's BlockPool
+    coordinator: Any  # _CoordinatorView when native, else vLLM's coordinator
+    _native: _NativeState
+    _bs: int
+
     def __init__(
         self,
         kv_cache_config: Any,
@@ -716,7 +720,8 @@ class KVCacheManager(VLLMKVCacheManager):
         max_len = request.get_max_cache_hit_length(max_cache_hit_length)
         s = self._native
         hashes = request.block_hashes
-        hit = s.lookup(hashes, min(max_len // self._bs, len(hashes)))
+        n = min(max_len // self._bs, len(hashes))
+        hit = s.lookup(hashes, n, s.request_keys(request, n) if n > 0 else None)
         if not len(hit):
             return self.empty_kv_cache_blocks, 0, 0
         if (

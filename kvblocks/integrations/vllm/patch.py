@@ -53,7 +53,7 @@ def enable() -> _Enabled:
                 setattr(mod, name, KVCacheManager)
     if not any(m is vkm for m, _, _ in _patched):
         _patched.append((vkm, "KVCacheManager", VLLMKVCacheManager))
-        vkm.KVCacheManager = KVCacheManager  # type: ignore[misc]
+        vkm.KVCacheManager = KVCacheManager
     logger.info("kvblocks: vLLM's KVCacheManager replaced in %d modules", len(_patched))
     return _Enabled()
 
