@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 import kvblocks.integrations.vllm as kvb_vllm  # noqa: E402
 from kvblocks.integrations.vllm.manager import KVCacheManager, VLLMKVCacheManager  # noqa: E402
@@ -109,48 +109,74 @@ def test_sliding_window_falls_back_to_vllm(caplog):
     assert "SlidingWindowSpec" in caplog.text
 
 
-@pytest.mark.parametrize("seed", range(6))
+def _admit(m, r, chunk, la):
+    """get_computed_blocks + allocate_slots of one chunk; the outcome as comparable data."""
+    blocks, hit, _ = m.get_computed_blocks(r)
+    n = min(r.num_tokens - hit, chunk)
+    new = m.allocate_slots(r, n, hit, blocks, num_lookahead_tokens=la)
+    if new is not None:
+        r.num_computed_tokens = hit + n
+        r.status = RequestStatus.RUNNING
+    return hit, blocks.get_block_ids(), None if new is None else new.get_block_ids()
+
+
+def _step(m, r, chunk, la):
+    """The next prefill chunk, or one decode token (appended before the call)."""
+    n = min(r.num_tokens - r.num_computed_tokens, chunk)
+    new = m.allocate_slots(r, n, num_lookahead_tokens=la)
+    if new is not None:
+        r.num_computed_tokens += n
+    return None if new is None else new.get_block_ids()
+
+
+@pytest.mark.parametrize("seed", range(8))
 def test_same_blocks_hits_free_counts_and_events_as_vllm(seed):
-    """A random stream (shared prefixes, full-prompt hits that recompute a duplicate block,
-    decode, free, eviction pressure): both managers give the same block ids, hits, free
-    counts and events at every step."""
+    """A random stream: admission with shared prefixes and salts-free full-prompt hits (which
+    recompute a duplicate block), chunked prefill, decode, speculative lookahead slots,
+    preemption and resume, free, reset, eviction pressure. Both managers give the same block
+    ids, hits, free counts and events at every step."""
     rng = random.Random(seed)
-    ref, kvb = managers(24, enable_kv_cache_events=True)
+    ref, kvb = managers(rng.choice([12, 24, 40]), enable_kv_cache_events=True)
     assert kvb.native
-    prefixes = [[rng.randrange(1, 50) for _ in range(8)] for _ in range(2)]
+    prefixes = [[rng.randrange(1, 50) for _ in range(rng.choice([4, 8, 11]))] for _ in range(3)]
     live: dict[str, tuple] = {}
-    for step in range(120):
-        if live and (len(live) > 3 or rng.random() < 0.3):
-            rid = rng.choice(sorted(live))
-            for m, r in zip((ref, kvb), live.pop(rid)):
+    waiting: list[tuple] = []
+    for step in range(200):
+        chunk, la = rng.choice([3, 8, 64]), rng.choice([0, 0, 1, 3])
+        act = rng.random()
+        if live and (len(live) > 4 or act < 0.15):  # finish one
+            for m, r in zip((ref, kvb), live.pop(rng.choice(sorted(live)))):
                 m.free(r)
-        elif rng.random() < 0.5 or not live:
-            toks = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(9))]
-            pair = (request(f"q{step}", toks), request(f"q{step}", toks))
-            got = []
+        elif live and act < 0.25:  # preempt one; it waits to resume
+            pair = live.pop(rng.choice(sorted(live)))
             for m, r in zip((ref, kvb), pair):
-                blocks, hit, _ = m.get_computed_blocks(r)
-                new = m.allocate_slots(r, r.num_tokens - hit, hit, blocks)
-                got.append(
-                    (hit, blocks.get_block_ids(), None if new is None else new.get_block_ids())
-                )
-                if new is None:
-                    m.free(r)
-                else:
-                    r.num_computed_tokens = r.num_tokens
+                m.free(r)
+                r.num_computed_tokens = 0
+                r.status = RequestStatus.PREEMPTED
+            waiting.append(pair)
+        elif act < 0.55 or not live:  # admit a new or a preempted request
+            if waiting and rng.random() < 0.5:
+                pair = waiting.pop(0)
+            else:
+                toks = rng.choice(prefixes) + [
+                    rng.randrange(1, 50) for _ in range(rng.randrange(9))
+                ]
+                pair = (request(f"q{step}", toks), request(f"q{step}", toks))
+            got = [_admit(m, r, chunk, la) for m, r in zip((ref, kvb), pair)]
             assert got[0] == got[1]
-            if got[0][2] is not None:
-                live[f"q{step}"] = pair
-        else:
+            if got[0][2] is None:
+                for m, r in zip((ref, kvb), pair):
+                    m.free(r)
+                    r.num_computed_tokens = 0
+            else:
+                live[pair[0].request_id] = pair
+        else:  # one step of a running request
             rid = rng.choice(sorted(live))
-            out = []
-            tok = rng.randrange(1, 50)
-            for m, r in zip((ref, kvb), live[rid]):
-                r.append_output_token_ids(tok)
-                new = m.allocate_slots(r, 1)
-                out.append(None if new is None else new.get_block_ids())
-                if new is not None:
-                    r.num_computed_tokens = r.num_tokens
+            if live[rid][0].num_computed_tokens == live[rid][0].num_tokens:
+                tok = rng.randrange(1, 50)
+                for r in live[rid]:
+                    r.append_output_token_ids(tok)
+            out = [_step(m, r, chunk, la) for m, r in zip((ref, kvb), live[rid])]
             assert out[0] == out[1]
             if out[0] is None:
                 for m, r in zip((ref, kvb), live.pop(rid)):
@@ -160,10 +186,12 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(seed):
         assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
         assert ref.usage == kvb.usage
         assert ref.take_events() == kvb.take_events()
+        if not live and rng.random() < 0.3:
+            assert ref.reset_prefix_cache() == kvb.reset_prefix_cache()
     for pair in live.values():
         ref.free(pair[0])
         kvb.free(pair[1])
-    assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks() == 23
+    assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
     assert ref.reset_prefix_cache() and kvb.reset_prefix_cache()
     assert ref.take_events() == kvb.take_events()
 

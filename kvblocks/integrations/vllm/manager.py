@@ -392,8 +392,12 @@ class _NativeState:
                 self.num_blocks - 1 - self.pool.num_free,
             )
             return False
-        if self.enable_caching:
-            self.pool.reset_prefix_cache()
+        if self.enable_caching and self.hashed.any():
+            # vLLM drops the entries and keeps the free list's order (the native reset moves
+            # cached blocks to the head): take every block (which evicts each entry) and give
+            # them back uncached, each to the head, in reverse, so the order is as it was
+            ids = self.pool.allocate(self.pool.num_free)
+            self.pool.free(ids[::-1])
         self.hash_of.clear()
         self.hashed[:] = False
         self.dups.clear()
@@ -792,6 +796,34 @@ class KVCacheManager(VLLMKVCacheManager):
             )
         s = self._native
         rid = request.request_id
+        table = s.req.get(rid)
+        if (
+            table is not None
+            and new_computed_blocks is None
+            and num_external_computed_tokens == 0
+            and not full_sequence_must_fit
+            and rid in s.num_cached
+        ):  # a running request (decode, next chunk): the same rules, fewer steps
+            max_len = self.max_model_len
+            num_main = min(request.num_computed_tokens + num_new_computed_tokens, max_len)
+            num_main += num_new_tokens
+            n_new = cdiv(min(num_main + num_lookahead_tokens, max_len), self._bs) - len(table)
+            watermark = 0
+            if has_scheduled_reqs and request.status in (
+                RequestStatus.WAITING,
+                RequestStatus.PREEMPTED,
+            ):
+                watermark = self.watermark_blocks
+            if max(n_new, 0) + watermark > s.pool.num_free - reserved_blocks:
+                return None
+            if n_new > 0:
+                new = s.allocate(n_new)
+                table.extend(new.tolist())
+            if not delay_cache_blocks and self.enable_caching:
+                s.cache(request, min(num_main, request.num_tokens))
+            if n_new > 0:
+                return NativeKVCacheBlocks(s, (new,))
+            return self.empty_kv_cache_blocks
         if new_computed_blocks is None or new_computed_blocks is self.empty_kv_cache_blocks:
             new_ids = _EMPTY_I32
         elif isinstance(new_computed_blocks, NativeKVCacheBlocks):
@@ -815,7 +847,6 @@ class KVCacheManager(VLLMKVCacheManager):
         n_alloc = self._blocks_to_allocate(rid, need, new_ids)
         if n_alloc + watermark > s.pool.num_free - reserved_blocks:
             return None
-        table = s.req.get(rid)
         if table is None:
             table = s.req[rid] = []
         adopt = (
