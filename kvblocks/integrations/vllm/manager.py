@@ -941,11 +941,6 @@ class KVCacheManager(VLLMKVCacheManager):
     def create_kv_cache_blocks(self, blocks: tuple) -> Any:
         return VLLMKVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
-    def take_kv_cache_block_copies(self) -> tuple:
-        if not self.native:
-            return super().take_kv_cache_block_copies()
-        return [], []  # copy-on-write of partial hits only happens off the native path
-
     def take_new_block_ids(self) -> list:
         if not self.native:
             return super().take_new_block_ids()
