@@ -880,10 +880,20 @@ class KVCacheManager(VLLMKVCacheManager):
     def _free_id(self, request_id: str) -> None:
         s = self._native
         table = s.req.pop(request_id, None)
-        s.num_cached.pop(request_id, None)
+        c = s.num_cached.pop(request_id, 0)
         s.keys.pop(request_id, None)
-        if table:
-            s.release(np.array(table[::-1], dtype=np.int32))
+        if not table:
+            return
+        # vLLM frees the table in reverse: blocks without an entry (the table's tail past
+        # its c cached blocks) to the free list's head in that order, cached ones to the
+        # tail. The native free puts each uncached block at the head, so they go in forward
+        # order; with at most one of them, one call does both.
+        if len(table) - c <= 1:
+            s.pool.free(np.array(table[::-1], dtype=np.int32))
+        else:
+            s.pool.free(np.array(table[c:], dtype=np.int32))
+            if c:
+                s.pool.free(np.array(table[c - 1 :: -1], dtype=np.int32))
 
     def free(self, request: Any) -> None:
         if not self.native:
