@@ -173,6 +173,7 @@ class _NativeState:
         medium: str,
     ) -> None:
         self.pool = kvblocks.BlockPool(num_blocks, enable_prefix_caching=enable_caching)
+        self.refs = self.pool.ref_counts()  # live read-only view of the native ref counts
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -180,7 +181,10 @@ class _NativeState:
         self.medium = medium
         self.req: dict[str, list[int]] = {}  # request id -> block ids, in order
         self.num_cached: dict[str, int] = {}  # request id -> leading cached blocks
-        self.keys: dict[str, np.ndarray] = {}  # request id -> (n, 2) uint64 keys
+        # request id -> (keys, tails): the native keys (n, 2) of its block hashes and, for
+        # 32-byte hashes, their other 16 bytes (n, 2), which every hit is checked against
+        self.keys: dict[str, tuple] = {}
+        self.tail = np.zeros((num_blocks, 2), dtype=np.uint64)  # cached block -> its tail
         self.hash_of: dict[int, bytes] = {}  # block id -> vLLM block hash (group 0)
         self.hashed = np.zeros(num_blocks, dtype=np.bool_)  # mirror: native cache entry
         # vLLM lets several blocks hold one hash (a prompt computed again while its blocks are
@@ -210,6 +214,8 @@ class _NativeState:
             return np.empty((0, 2), dtype=np.uint64)
         width = len(hashes[0])
         raw = b"".join(hashes)
+        if width >= 16 and width % 8 == 0 and len(raw) == n * width:
+            return np.array(np.frombuffer(raw, dtype=np.uint64).reshape(n, width // 8)[:, :2])
         if width >= 16 and len(raw) == n * width:
             b = np.frombuffer(raw, dtype=np.uint8).reshape(n, width)[:, :16]
         else:  # short or mixed widths: pad each to 16 bytes
@@ -218,19 +224,37 @@ class _NativeState:
             ).reshape(n, 16)
         return b.copy().view(np.uint64)  # a writable, contiguous copy
 
-    def request_keys(self, request: Any, n: int) -> np.ndarray:
-        """Keys of the request's first n block hashes (cached per request, extended)."""
-        k = self.keys.get(request.request_id)
-        if k is None or len(k) < n:
-            start = 0 if k is None else len(k)
-            more = self.to_keys(request.block_hashes[start:n])
-            k = more if k is None else np.concatenate((k, more))
-            self.keys[request.request_id] = k
-        return k[:n]
+    @staticmethod
+    def to_keys_tails(hashes: Sequence[bytes]) -> tuple:
+        """(keys, tails) of 32-byte hashes (tails: bytes 16..31); (keys, None) otherwise."""
+        n = len(hashes)
+        if n and len(hashes[0]) == 32:
+            raw = b"".join(hashes)
+            if len(raw) == 32 * n:
+                w = np.frombuffer(raw, dtype=np.uint64).reshape(n, 4)
+                return np.array(w[:, :2]), np.array(w[:, 2:])
+        return _NativeState.to_keys(hashes), None
+
+    def request_keys(self, request: Any, n: int) -> tuple:
+        """(keys, tails) of the request's first n block hashes (kept per request, extended
+        as its hashes grow)."""
+        kt = self.keys.get(request.request_id)
+        if kt is None or len(kt[0]) < n:
+            start = 0 if kt is None else len(kt[0])
+            k, t = self.to_keys_tails(request.block_hashes[start:n])
+            if kt is not None:
+                k = np.concatenate((kt[0], k))
+                t = None if t is None or kt[1] is None else np.concatenate((kt[1], t))
+            kt = self.keys[request.request_id] = (k, t)
+        return kt[0][:n], None if kt[1] is None else kt[1][:n]
 
     # -- pool operations ----------------------------------------------------------------------
     def lookup(
-        self, hashes: Sequence[bytes], n: int, keys: Optional[np.ndarray] = None
+        self,
+        hashes: Sequence[bytes],
+        n: int,
+        keys: Optional[np.ndarray] = None,
+        tails: Optional[np.ndarray] = None,
     ) -> np.ndarray:
         """Ids of the longest cached prefix of hashes[:n], not pinned (vLLM's phase 1);
         ``keys`` their native keys when known."""
@@ -244,10 +268,15 @@ class _NativeState:
         while pos < n:
             hit = self.pool.lookup(keys[pos:])
             k = len(hit)
-            for i, b in enumerate(hit.tolist()):  # exact bytes check (and evict_blocks)
-                if hash_of.get(b) != hashes[pos + i]:
-                    k = i
-                    break
+            if tails is not None:  # the other half of each hit's hash (0 once evicted)
+                ok = (self.tail[hit] == tails[pos : pos + k]).all(axis=1)
+                if not ok.all():
+                    k = int(np.argmin(ok))
+            else:
+                for i, b in enumerate(hit.tolist()):  # exact bytes check (and evict_blocks)
+                    if hash_of.get(b) != hashes[pos + i]:
+                        k = i
+                        break
             parts.append(hit[:k])
             pos += k
             if pos == n or not self.dups:
@@ -266,8 +295,9 @@ class _NativeState:
             return _EMPTY_I32
         if n > self.pool.num_free:
             raise ValueError(f"Cannot get {n} free blocks from the pool")
+        evictable = self.pool.num_evictable  # none: no popped block can hold an entry
         ids = self.pool.allocate(n)
-        if self.enable_caching:
+        if evictable and self.enable_caching:
             was = self.hashed[ids]
             if was.any():
                 self.hashed[ids] = False
@@ -318,7 +348,10 @@ class _NativeState:
             return
         # blocks past num_cached are the request's own (allocated, so without an entry)
         ids = np.array(self.req[rid][num_cached:num_full], dtype=np.int32)
-        keys = self.request_keys(request, num_full)[num_cached:num_full]
+        keys, tails = self.request_keys(request, num_full)
+        keys = keys[num_cached:num_full]
+        if tails is not None:
+            self.tail[ids] = tails[num_cached:num_full]
         hs = hashes[num_cached:num_full]
         dups = self.dups
         if dups and any(h in dups for h in hs):  # a hash with duplicates: append to them
@@ -380,6 +413,7 @@ class _NativeState:
             h = self.hash_of.pop(b, None)
             if h is None:
                 continue
+            self.tail[b] = 0  # lookups check the tail: the entry no longer hits
             self._drop_dup(h, b)
             if self.enable_events:
                 self.events.append(self._removed(h))
@@ -725,7 +759,11 @@ class KVCacheManager(VLLMKVCacheManager):
         s = self._native
         hashes = request.block_hashes
         n = min(max_len // self._bs, len(hashes))
-        hit = s.lookup(hashes, n, s.request_keys(request, n) if n > 0 else None)
+        # keys of the whole chain, once: allocate_slots caches the blocks past the hit
+        if n <= 0:
+            return self.empty_kv_cache_blocks, 0, 0
+        keys, tails = s.request_keys(request, len(hashes))
+        hit = s.lookup(hashes, n, keys[:n], None if tails is None else tails[:n])
         if not len(hit):
             return self.empty_kv_cache_blocks, 0, 0
         if (
@@ -753,7 +791,7 @@ class KVCacheManager(VLLMKVCacheManager):
             return max(required - have, 0)
         new = max(required - len(new_ids) - have, 0)
         if len(new_ids):
-            new += int(np.count_nonzero(s.pool.ref_counts()[new_ids] == 0))
+            new += int(np.count_nonzero(s.refs[new_ids] == 0))
         return new
 
     def allocate_slots(
