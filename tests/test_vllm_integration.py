@@ -226,3 +226,16 @@ def test_event_shapes_match_vllm():
     ev_ref, ev_kvb = ref.take_events(), kvb.take_events()
     assert ev_ref == ev_kvb
     assert [type(e) for e in ev_kvb] == [BlockStored, BlockRemoved, BlockRemoved]
+
+
+def test_a_new_request_under_a_used_id_is_looked_up_by_its_own_hashes():
+    """Regression (vLLM's test_scheduler_publishes_lookahead_blocks_at_allocation): probing
+    two different prompts under one request id without freeing in between must not reuse the
+    first prompt's keys."""
+    ref, kvb = managers(16)
+    for m in (ref, kvb):
+        r = request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+        m.allocate_slots(r, r.num_tokens)
+    for toks in ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9, 9]):
+        got = [m.get_computed_blocks(request("probe", toks))[1] for m in (ref, kvb)]
+        assert got[0] == got[1]

@@ -181,8 +181,9 @@ class _NativeState:
         self.medium = medium
         self.req: dict[str, list[int]] = {}  # request id -> block ids, in order
         self.num_cached: dict[str, int] = {}  # request id -> leading cached blocks
-        # request id -> (keys, tails): the native keys (n, 2) of its block hashes and, for
-        # 32-byte hashes, their other 16 bytes (n, 2), which every hit is checked against
+        # request id -> (request, keys, tails): the native keys (n, 2) of the request's block
+        # hashes and, for 32-byte hashes, their other 16 bytes (n, 2), which every hit is
+        # checked against; rebuilt when another Request object comes under the same id
         self.keys: dict[str, tuple] = {}
         self.tail = np.zeros((num_blocks, 2), dtype=np.uint64)  # cached block -> its tail
         self.hash_of: dict[int, bytes] = {}  # block id -> vLLM block hash (group 0)
@@ -239,14 +240,16 @@ class _NativeState:
         """(keys, tails) of the request's first n block hashes (kept per request, extended
         as its hashes grow)."""
         kt = self.keys.get(request.request_id)
-        if kt is None or len(kt[0]) < n:
-            start = 0 if kt is None else len(kt[0])
+        if kt is not None and kt[0] is not request:  # another request under the same id
+            kt = None
+        if kt is None or len(kt[1]) < n:
+            start = 0 if kt is None else len(kt[1])
             k, t = self.to_keys_tails(request.block_hashes[start:n])
             if kt is not None:
-                k = np.concatenate((kt[0], k))
-                t = None if t is None or kt[1] is None else np.concatenate((kt[1], t))
-            kt = self.keys[request.request_id] = (k, t)
-        return kt[0][:n], None if kt[1] is None else kt[1][:n]
+                k = np.concatenate((kt[1], k))
+                t = None if t is None or kt[2] is None else np.concatenate((kt[2], t))
+            kt = self.keys[request.request_id] = (request, k, t)
+        return kt[1][:n], None if kt[2] is None else kt[2][:n]
 
     # -- pool operations ----------------------------------------------------------------------
     def lookup(
