@@ -1,0 +1,1029 @@
+"""kvblocks' KV cache manager for vLLM 0.34's scheduler (``vllm.v1.core``).
+
+``KVCacheManager`` has vLLM's constructor and methods. For a configuration kvblocks serves
+natively (see ``native_unsupported``) the block pool, the free list, the ref counts and the
+prefix-cache table live in one ``kvblocks.BlockPool``, and each scheduler call is a few
+batched native calls over a request's whole hash chain:
+
+- ``get_computed_blocks``: one ``lookup`` over the request's block hashes (vLLM's own bytes
+  hashes, computed in its ``Request``: the native key is their first 128 bits; every hit is
+  checked against the full bytes hash kept beside it);
+- ``allocate_slots``: one ``incref`` of the hit (vLLM's ``touch``), one ``allocate`` of the
+  new blocks, one ``cache`` of the newly full blocks;
+- ``free``: two ``free`` calls (blocks without a cache entry go to the head of the free list
+  in vLLM's order, cached ones to the tail for LRU eviction, as vLLM's ``free_blocks``).
+
+Block tables are lists of int ids; ``KVCacheBlock``-shaped objects (``_BlockView``) are made
+only when something reads them (``KVCacheBlocks.blocks``, ``block_pool.blocks[i]``,
+``req_to_blocks``), once per block id, and read their ref count and hash from the native
+pool. Any other configuration (other attention kinds, hybrid models, partial-block hashes,
+EAGLE, context parallelism, lookahead hashes, a metrics collector, KV zeroing) runs vLLM's
+own coordinator and single-type managers unchanged, and says so in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Optional
+
+import numpy as np
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VLLMKVCacheBlocks
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import RequestStatus
+
+import kvblocks
+
+logger = logging.getLogger(__name__)
+
+# VLLMKVCacheManager: vLLM's own class (this module is imported before enable() patches)
+
+_EMPTY_I32 = np.empty(0, dtype=np.int32)
+
+
+def native_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
+    """Why a configuration runs on vLLM's own managers, or None when kvblocks serves it."""
+    coord = mgr.coordinator
+    groups = mgr.kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        return f"{len(groups)} KV cache groups (hybrid model)"
+    spec = groups[0].kv_cache_spec
+    if type(spec) is not FullAttentionSpec:
+        return f"attention kind {type(spec).__name__}"
+    if mgr.enable_caching and type(coord) is not UnitaryKVCacheCoordinator:
+        return f"coordinator {type(coord).__name__}"
+    if opts.get("dcp_world_size", 1) != 1 or opts.get("pcp_world_size", 1) != 1:
+        return "decode/prefill context parallelism"
+    if mgr.use_eagle:
+        return "EAGLE / MTP lookahead"
+    if opts.get("num_hash_lookahead_tokens", 0) or opts.get("num_prefill_lookahead", 0):
+        return "lookahead block hashes"
+    if opts.get("metrics_collector") is not None:
+        return "KV cache residency metrics"
+    stm = coord.single_type_managers[0]
+    if stm.block_size != coord.block_pool.hash_block_size:
+        return "hash block size differs from the block size (partial-block hits)"
+    if getattr(stm, "_record_new_block_ids", False):
+        return "KV cache zeroing of new blocks"
+    if getattr(coord, "retention_interval", None) not in (None,):
+        return "sparse retention interval"
+    return None
+
+
+class _BlockView:
+    """A ``KVCacheBlock``-shaped view of one native block: ``block_id``, ``ref_cnt`` (read
+    from and written to the native pool), ``block_hash`` (vLLM's hash + group id)."""
+
+    __slots__ = ("_s", "block_id", "__weakref__")
+
+    def __init__(self, state: _NativeState, block_id: int) -> None:
+        self._s = state
+        self.block_id = block_id
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == 0
+
+    @property
+    def ref_cnt(self) -> int:
+        return 0 if self.block_id == 0 else int(self._s.pool.ref_count(self.block_id))
+
+    @ref_cnt.setter
+    def ref_cnt(self, value: int) -> None:
+        cur = self.ref_cnt
+        ids = np.array([self.block_id], dtype=np.int32)
+        for _ in range(value - cur):
+            self._s.pool.incref(ids)
+        for _ in range(cur - value):
+            self._s.release(ids)
+
+    @property
+    def block_hash(self) -> Optional[bytes]:
+        h = self._s.hash_of.get(self.block_id)
+        return None if h is None else make_block_hash_with_group_id(h, 0)
+
+    @property
+    def block_hash_num_tokens(self) -> Optional[int]:
+        return None if self.block_id not in self._s.hash_of else self._s.block_size
+
+    @property
+    def pool(self) -> Any:
+        return None
+
+    @property
+    def next_free_block(self) -> Any:
+        return self._s.free_queue._neighbour(self.block_id, +1)
+
+    @property
+    def prev_free_block(self) -> Any:
+        return self._s.free_queue._neighbour(self.block_id, -1)
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
+            f"_block_hash={self.block_hash!r})"
+        )
+
+
+class NativeKVCacheBlocks(VLLMKVCacheBlocks):
+    """vLLM's ``KVCacheBlocks`` over id arrays: ``get_block_ids`` reads the ids directly; the
+    per-block views of ``blocks`` are made on first access."""
+
+    def __init__(self, state: _NativeState, ids: Sequence[Any]) -> None:  # one array per group
+        self._state = state
+        self._ids = ids
+        self._blocks: Optional[tuple] = None
+
+    @property
+    def blocks(self) -> tuple:
+        if self._blocks is None:
+            view = self._state.view
+            self._blocks = tuple([view(int(b)) for b in ids] for ids in self._ids)
+        return self._blocks
+
+    def get_block_ids(self, allow_none: bool = False, *, group_ids: Any = None) -> Any:
+        groups = self._ids if group_ids is None else tuple(self._ids[g] for g in group_ids)
+        if allow_none and all(len(g) == 0 for g in groups):
+            return None
+        return tuple(g.tolist() if isinstance(g, np.ndarray) else list(g) for g in groups)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+class _NativeState:
+    """The native pool and the request tables of one full-attention group."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        enable_events: bool,
+        medium: str,
+    ) -> None:
+        self.pool = kvblocks.BlockPool(num_blocks, enable_prefix_caching=enable_caching)
+        self.refs = self.pool.ref_counts()  # live read-only view of the native ref counts
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.enable_events = enable_events
+        self.medium = medium
+        self.req: dict[str, list[int]] = {}  # request id -> block ids, in order
+        self.num_cached: dict[str, int] = {}  # request id -> leading cached blocks
+        # request id -> (request, keys, tails): the native keys (n, 2) of the request's block
+        # hashes and, for 32-byte hashes, their other 16 bytes (n, 2), which every hit is
+        # checked against; rebuilt when another Request object comes under the same id
+        self.keys: dict[str, tuple] = {}
+        self.tail = np.zeros((num_blocks, 2), dtype=np.uint64)  # cached block -> its tail
+        self.hash_of: dict[int, bytes] = {}  # block id -> vLLM block hash (group 0)
+        self.hashed = np.zeros(num_blocks, dtype=np.bool_)  # mirror: native cache entry
+        # vLLM lets several blocks hold one hash (a prompt computed again while its blocks are
+        # cached: the hit stops one block short of the prompt); lookups return the earliest.
+        # The native table holds one block per key: the first is cached under the key, later
+        # ones under a salted key of their own (so they are evictable and evicted like any
+        # cached block), listed here in insertion order for lookups to fall back on.
+        self.dups: dict[bytes, list[int]] = {}
+        self._salt = 0
+        self.events: list[Any] = []
+        self._views: dict[int, _BlockView] = {}
+        self.free_queue: Any = None  # the _FreeQueueView, set by NativeBlockPoolView
+
+    # -- views --------------------------------------------------------------------------------
+    def view(self, block_id: int) -> _BlockView:
+        v = self._views.get(block_id)
+        if v is None:
+            v = self._views[block_id] = _BlockView(self, block_id)
+        return v
+
+    # -- keys ---------------------------------------------------------------------------------
+    @staticmethod
+    def to_keys(hashes: Sequence[bytes]) -> np.ndarray:
+        """Native 128-bit keys of vLLM's bytes hashes: their first 16 bytes."""
+        n = len(hashes)
+        if n == 0:
+            return np.empty((0, 2), dtype=np.uint64)
+        width = len(hashes[0])
+        raw = b"".join(hashes)
+        if width >= 16 and width % 8 == 0 and len(raw) == n * width:
+            return np.array(np.frombuffer(raw, dtype=np.uint64).reshape(n, width // 8)[:, :2])
+        if width >= 16 and len(raw) == n * width:
+            b = np.frombuffer(raw, dtype=np.uint8).reshape(n, width)[:, :16]
+        else:  # short or mixed widths: pad each to 16 bytes
+            b = np.frombuffer(
+                b"".join(bytes(h[:16]).ljust(16, b"\0") for h in hashes), dtype=np.uint8
+            ).reshape(n, 16)
+        return b.copy().view(np.uint64)  # a writable, contiguous copy
+
+    @staticmethod
+    def to_keys_tails(hashes: Sequence[bytes]) -> tuple:
+        """(keys, tails) of 32-byte hashes (tails: bytes 16..31); (keys, None) otherwise."""
+        n = len(hashes)
+        if n and len(hashes[0]) == 32:
+            raw = b"".join(hashes)
+            if len(raw) == 32 * n:
+                w = np.frombuffer(raw, dtype=np.uint64).reshape(n, 4)
+                return np.array(w[:, :2]), np.array(w[:, 2:])
+        return _NativeState.to_keys(hashes), None
+
+    def request_keys(self, request: Any, n: int) -> tuple:
+        """(keys, tails) of the request's first n block hashes (kept per request, extended
+        as its hashes grow)."""
+        kt = self.keys.get(request.request_id)
+        if kt is not None and kt[0] is not request:  # another request under the same id
+            kt = None
+        if kt is None or len(kt[1]) < n:
+            start = 0 if kt is None else len(kt[1])
+            k, t = self.to_keys_tails(request.block_hashes[start:n])
+            if kt is not None:
+                k = np.concatenate((kt[1], k))
+                t = None if t is None or kt[2] is None else np.concatenate((kt[2], t))
+            kt = self.keys[request.request_id] = (request, k, t)
+        return kt[1][:n], None if kt[2] is None else kt[2][:n]
+
+    # -- pool operations ----------------------------------------------------------------------
+    def lookup(
+        self,
+        hashes: Sequence[bytes],
+        n: int,
+        keys: Optional[np.ndarray] = None,
+        tails: Optional[np.ndarray] = None,
+    ) -> np.ndarray:
+        """Ids of the longest cached prefix of hashes[:n], not pinned (vLLM's phase 1);
+        ``keys`` their native keys when known."""
+        if n <= 0 or not self.enable_caching:
+            return _EMPTY_I32
+        if keys is None:
+            keys = self.to_keys(hashes[:n])
+        hash_of = self.hash_of
+        pos = 0
+        parts = []
+        while pos < n:
+            hit = self.pool.lookup(keys[pos:])
+            k = len(hit)
+            if tails is not None:  # the other half of each hit's hash (0 once evicted)
+                ok = (self.tail[hit] == tails[pos : pos + k]).all(axis=1)
+                if not ok.all():
+                    k = int(np.argmin(ok))
+            else:
+                for i, b in enumerate(hit.tolist()):  # exact bytes check (and evict_blocks)
+                    if hash_of.get(b) != hashes[pos + i]:
+                        k = i
+                        break
+            parts.append(hit[:k])
+            pos += k
+            if pos == n or not self.dups:
+                break
+            d = self.dups.get(hashes[pos])  # the key's first block is gone: the next one
+            if not d:
+                break
+            parts.append(np.array(d[:1], dtype=np.int32))
+            pos += 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def allocate(self, n: int) -> np.ndarray:
+        """n new blocks (ref 1), popping the free list's head; evicted entries leave the
+        table (with their BlockRemoved events, in pop order)."""
+        if n <= 0:
+            return _EMPTY_I32
+        if n > self.pool.num_free:
+            raise ValueError(f"Cannot get {n} free blocks from the pool")
+        evictable = self.pool.num_evictable  # none: no popped block can hold an entry
+        ids = self.pool.allocate(n)
+        if evictable and self.enable_caching:
+            was = self.hashed[ids]
+            if was.any():
+                self.hashed[ids] = False
+                for b in ids[was].tolist():
+                    h = self.hash_of.pop(b, None)
+                    if h is None:
+                        continue
+                    self._drop_dup(h, b)
+                    if self.enable_events:
+                        self.events.append(self._removed(h))
+        return ids
+
+    def _drop_dup(self, h: bytes, b: int) -> None:
+        d = self.dups.get(h)
+        if d is not None and b in d:
+            d.remove(b)
+            if not d:
+                del self.dups[h]
+
+    def _removed(self, h: bytes) -> BlockRemoved:
+        return BlockRemoved(
+            block_hashes=[maybe_convert_block_hash(h)], medium=self.medium, group_idx=0
+        )
+
+    def release(self, ids_in_eviction_order: np.ndarray) -> None:
+        """vLLM's ``free_blocks``: one reference less each; blocks reaching 0 without a cache
+        entry go to the free list's front in the given order, cached ones to its back."""
+        ids = ids_in_eviction_order
+        if len(ids) == 0:
+            return
+        m = self.hashed[ids]
+        if m.all():
+            self.pool.free(ids)
+        elif not m.any():
+            self.pool.free(ids[::-1])  # each goes to the head: reversed keeps the order
+        else:
+            self.pool.free(ids[~m][::-1])
+            self.pool.free(ids[m])
+
+    def cache(self, request: Any, num_tokens: int) -> None:
+        """vLLM's ``cache_blocks`` for full attention: register the request's newly full
+        blocks under its block hashes (one native call) and record one BlockStored."""
+        rid = request.request_id
+        num_cached = self.num_cached.get(rid, 0)
+        hashes = request.block_hashes
+        num_full = min(num_tokens, len(hashes) * self.block_size) // self.block_size
+        if num_cached >= num_full:
+            return
+        # blocks past num_cached are the request's own (allocated, so without an entry)
+        ids = np.array(self.req[rid][num_cached:num_full], dtype=np.int32)
+        keys, tails = self.request_keys(request, num_full)
+        keys = keys[num_cached:num_full]
+        if tails is not None:
+            self.tail[ids] = tails[num_cached:num_full]
+        hs = hashes[num_cached:num_full]
+        dups = self.dups
+        if dups and any(h in dups for h in hs):  # a hash with duplicates: append to them
+            first = np.array([h not in dups for h in hs], dtype=np.bool_)
+            stored = self.pool.cache(ids[first], keys[first])
+            all_in = False
+        else:
+            first = None
+            stored = self.pool.cache(ids, keys)
+            all_in = stored == len(ids)
+        self.hashed[ids] = True
+        self.hash_of.update(zip(ids.tolist(), hs))
+        if not all_in:  # some keys were held by another block: cache these as duplicates
+            is_cached = self.pool.is_cached
+            for j, b in enumerate(ids.tolist()):
+                if (first is None or first[j]) and is_cached(b):
+                    continue
+                self._salt += 1
+                k = keys[j : j + 1].copy()
+                k[0, 1] ^= np.uint64((self._salt * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+                self.pool.cache(ids[j : j + 1], k)
+                dups.setdefault(hs[j], []).append(b)
+        self.num_cached[rid] = num_full
+        if self.enable_events:
+            self.events.append(self._stored(request, num_cached, num_full))
+
+    def _stored(self, request: Any, num_cached: int, num_full: int) -> BlockStored:
+        """vLLM's BlockStored for blocks [num_cached, num_full) of a request (the shape of
+        BlockPool._build_block_stored_event)."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        extra: list = []
+        mm_idx = 0
+        for i in range(num_cached, num_full):
+            keys, mm_idx = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
+            extra.append(keys)
+        lora = request.lora_request
+        return BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in hashes[num_cached:num_full]],
+            parent_block_hash=(
+                None if num_cached == 0 else maybe_convert_block_hash(hashes[num_cached - 1])
+            ),
+            token_ids=request.all_token_ids[num_cached * bs : num_full * bs],
+            block_size=bs,
+            lora_id=lora.adapter_id if lora else None,
+            medium=self.medium,
+            lora_name=lora.name if lora else None,
+            extra_keys=to_event_extra_keys(extra),
+            group_idx=0,
+            session_id=request.session_id,
+            lookahead_token_ids=None,
+        )
+
+    def evict(self, block_ids: Iterable[int]) -> None:
+        """vLLM's ``evict_blocks``: drop the blocks' cache entries (in use or not)."""
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise AssertionError(f"Invalid block_id {b} >= {self.num_blocks}.")
+            h = self.hash_of.pop(b, None)
+            if h is None:
+                continue
+            self.tail[b] = 0  # lookups check the tail: the entry no longer hits
+            self._drop_dup(h, b)
+            if self.enable_events:
+                self.events.append(self._removed(h))
+            # the native entry stays until the block is reused; lookups check hash_of first
+
+    def reset(self) -> bool:
+        if self.pool.num_free != self.num_blocks - 1:
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                self.num_blocks - 1 - self.pool.num_free,
+            )
+            return False
+        if self.enable_caching and self.hashed.any():
+            # vLLM drops the entries and keeps the free list's order (the native reset moves
+            # cached blocks to the head): take every block (which evicts each entry) and give
+            # them back uncached, each to the head, in reverse, so the order is as it was
+            ids = self.pool.allocate(self.pool.num_free)
+            self.pool.free(ids[::-1])
+        self.hash_of.clear()
+        self.hashed[:] = False
+        self.dups.clear()
+        logger.info("Successfully reset prefix cache")
+        if self.enable_events:
+            self.events.append(AllBlocksCleared())
+        return True
+
+
+class _FreeEnd:
+    """vLLM's ``fake_free_list_head`` / ``fake_free_list_tail`` over the native free list."""
+
+    def __init__(self, q: _FreeQueueView, head: bool) -> None:
+        self._q = q
+        self._head = head
+
+    @property
+    def next_free_block(self) -> Any:
+        return self._q._neighbour(None, +1) if self._head else None
+
+    @property
+    def prev_free_block(self) -> Any:
+        return None if self._head else self._q._neighbour(None, -1)
+
+
+class _FreeQueueView:
+    """vLLM's ``free_block_queue``, read from the native free list (O(free) per walk
+    step: for tests and debugging, not the scheduler's path)."""
+
+    def __init__(self, state: _NativeState) -> None:
+        self._s = state
+        self.fake_free_list_head = _FreeEnd(self, True)
+        self.fake_free_list_tail = _FreeEnd(self, False)
+
+    def _neighbour(self, block_id: Optional[int], step: int) -> Any:
+        order = self._s.pool.free_list().tolist()
+        if block_id is None:
+            i = -1 if step > 0 else len(order)
+        elif block_id in order:
+            i = order.index(block_id)
+        else:
+            return None
+        j = i + step
+        if j < 0:
+            return self.fake_free_list_head
+        if j >= len(order):
+            return self.fake_free_list_tail
+        return self._s.view(order[j])
+
+    @property
+    def num_free_blocks(self) -> int:
+        return int(self._s.pool.num_free)
+
+    def get_all_free_blocks(self) -> list:
+        return [self._s.view(b) for b in self._s.pool.free_list().tolist()]
+
+
+class _CacheMapView:
+    """Read-only view of vLLM's ``cached_block_hash_to_block``."""
+
+    def __init__(self, state: _NativeState) -> None:
+        self._s = state
+
+    def _key(self, key: bytes) -> Optional[int]:
+        h, g = bytes(key[:-4]), int.from_bytes(key[-4:], "big")
+        if g != 0:
+            return None
+        hit = self._s.lookup([h], 1)
+        return int(hit[0]) if len(hit) else None
+
+    def get_one_block(self, key: bytes) -> Optional[_BlockView]:
+        b = self._key(key)
+        return None if b is None else self._s.view(b)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self._key(key) is not None
+
+    def __len__(self) -> int:
+        return len(self._s.hash_of)
+
+    @property
+    def _cache(self) -> dict:
+        return {
+            make_block_hash_with_group_id(h, 0): self._s.view(b) for b, h in self._s.hash_of.items()
+        }
+
+
+class _BlocksView(Sequence):
+    def __init__(self, state: _NativeState) -> None:
+        self._s = state
+
+    def __len__(self) -> int:
+        return self._s.num_blocks
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._s.view(b) for b in range(*i.indices(self._s.num_blocks))]
+        if i < 0:
+            i += self._s.num_blocks
+        if not 0 <= i < self._s.num_blocks:
+            raise IndexError(i)
+        return self._s.view(i)
+
+    def __iter__(self) -> Iterator[_BlockView]:
+        return (self._s.view(b) for b in range(self._s.num_blocks))
+
+
+class NativeBlockPoolView:
+    """The ``BlockPool`` surface the scheduler and vLLM's tests read, over the native pool."""
+
+    def __init__(self, state: _NativeState, hash_block_size: int) -> None:
+        self._s = state
+        self.num_gpu_blocks = state.num_blocks
+        self.enable_caching = state.enable_caching
+        self.enable_kv_cache_events = state.enable_events
+        self.hash_block_size = hash_block_size
+        self.medium = state.medium
+        self.null_block = state.view(0)
+        self.blocks = _BlocksView(state)
+        self.free_block_queue = state.free_queue = _FreeQueueView(state)
+        self.cached_block_hash_to_block = _CacheMapView(state)
+
+    @property
+    def native(self) -> kvblocks.BlockPool:
+        """The kvblocks pool behind this view."""
+        return self._s.pool
+
+    def get_num_free_blocks(self) -> int:
+        return int(self._s.pool.num_free)
+
+    def get_usage(self) -> float:
+        total = self.num_gpu_blocks - 1
+        return 0 if not total else 1.0 - self._s.pool.num_free / total
+
+    def get_new_blocks(self, num_blocks: int) -> list:
+        return [self._s.view(b) for b in self._s.allocate(num_blocks).tolist()]
+
+    def touch(self, blocks: Sequence[Any]) -> None:
+        ids = np.array([b.block_id for b in blocks if not b.is_null], dtype=np.int32)
+        if len(ids):
+            self._s.pool.incref(ids)
+
+    def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
+        if evict_first:
+            raise NotImplementedError("kvblocks' vLLM pool: free_blocks(evict_first=True)")
+        ids = np.array([b.block_id for b in ordered_blocks if not b.is_null], dtype=np.int32)
+        self._s.release(ids)
+
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list) -> Any:
+        if list(kv_cache_group_ids) != [0]:
+            return None
+        hit = self._s.lookup([block_hash], 1)
+        return [self._s.view(int(hit[0]))] if len(hit) else None
+
+    def evict_blocks(self, block_ids: set) -> None:
+        self._s.evict(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self._s.reset()
+
+    def take_events(self) -> list:
+        if not self._s.enable_events:
+            return []
+        ev, self._s.events = self._s.events, []
+        return ev
+
+    @property
+    def kv_event_queue(self) -> list:
+        return self._s.events
+
+
+class _GroupView:
+    """vLLM's single-type manager of the one group, with the native request tables; other
+    attributes (block_size, kv_cache_spec, kv_cache_group_id, ...) are vLLM's."""
+
+    def __init__(self, inner: Any, state: _NativeState, pool: NativeBlockPoolView) -> None:
+        self._inner = inner
+        self._s = state
+        self.block_pool = pool
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @property
+    def req_to_blocks(self) -> dict:
+        view = self._s.view
+        return {rid: [view(b) for b in ids] for rid, ids in self._s.req.items()}
+
+    @property
+    def num_cached_block(self) -> dict:
+        return self._s.num_cached
+
+
+class _CoordinatorView:
+    """vLLM's coordinator, with the calls that touch blocks answered natively."""
+
+    def __init__(self, inner: Any, mgr: KVCacheManager) -> None:
+        self._inner = inner
+        self._m = mgr
+        self.block_pool = mgr.block_pool
+        self.single_type_managers = (
+            _GroupView(inner.single_type_managers[0], mgr._native, mgr.block_pool),
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Any],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        return self._m._blocks_to_allocate(request_id, num_tokens, _ids_of(new_computed_blocks[0]))
+
+    def get_blocks(self, request_id: str) -> tuple:
+        return self._m.get_blocks(request_id).blocks
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple:
+        s = self._m._native
+        hit = s.lookup(block_hashes, min(max_cache_hit_length // s.block_size, len(block_hashes)))
+        return ([s.view(b) for b in hit.tolist()],), len(hit) * s.block_size, 0
+
+    def free(self, request_id: str) -> None:
+        self._m._free_id(request_id)
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        self._m.cache_blocks(request, num_computed_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        return self._m._native.reset()
+
+    def remove_skipped_blocks(self, *args: Any, **kwargs: Any) -> None:
+        return None  # full attention skips nothing
+
+
+def _ids_of(blocks: Any) -> np.ndarray:
+    """int32 ids of one group's computed blocks (a native array or KVCacheBlock objects)."""
+    if isinstance(blocks, np.ndarray):
+        return blocks
+    if len(blocks) == 0:
+        return _EMPTY_I32
+    return np.array([b.block_id for b in blocks], dtype=np.int32)
+
+
+class KVCacheManager(VLLMKVCacheManager):
+    """vLLM's ``KVCacheManager`` (same constructor and methods), on kvblocks' native pool
+    for full-attention models; on vLLM's own managers otherwise (logged)."""
+
+    native: bool  # True when kvblocks' pool serves this configuration
+    block_pool: Any  # NativeBlockPoolView when native, else vLLM's BlockPool
+    coordinator: Any  # _CoordinatorView when native, else vLLM's coordinator
+    _native: _NativeState
+    _bs: int
+
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            kv_cache_config, max_model_len, scheduler_block_size, hash_block_size, *args, **kwargs
+        )
+        opts = dict(kwargs)
+        names = (
+            "max_in_flight_tokens",
+            "enable_caching",
+            "use_eagle",
+            "num_hash_lookahead_tokens",
+            "num_prefill_lookahead",
+            "log_stats",
+            "enable_kv_cache_events",
+            "dcp_world_size",
+            "pcp_world_size",
+            "metrics_collector",
+            "watermark",
+            "enable_mamba_shared_prefix_checkpoint",
+        )
+        opts.update(zip(names, args))
+        why = native_unsupported(self, opts)
+        self.native = why is None
+        if not self.native:
+            logger.info("kvblocks: vLLM's own KV cache managers serve this model (%s)", why)
+            return
+        vpool = self.coordinator.block_pool
+        stm = self.coordinator.single_type_managers[0]
+        self._native = _NativeState(
+            vpool.num_gpu_blocks,
+            stm.block_size,
+            self.enable_caching,
+            self.enable_kv_cache_events,
+            vpool.medium,
+        )
+        self._bs = stm.block_size
+        self.block_pool = NativeBlockPoolView(self._native, vpool.hash_block_size)
+        self._vllm_coordinator = self.coordinator
+        self.coordinator = _CoordinatorView(self.coordinator, self)
+        logger.debug(
+            "kvblocks: native KV cache manager, %d blocks of %d tokens",
+            self._native.num_blocks,
+            self._bs,
+        )
+
+    # -- the scheduler's API ------------------------------------------------------------------
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: Optional[int] = None
+    ) -> tuple:
+        if not self.native:
+            return super().get_computed_blocks(request, max_cache_hit_length)
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        max_len = request.get_max_cache_hit_length(max_cache_hit_length)
+        s = self._native
+        hashes = request.block_hashes
+        n = min(max_len // self._bs, len(hashes))
+        # keys of the whole chain, once: allocate_slots caches the blocks past the hit
+        if n <= 0:
+            return self.empty_kv_cache_blocks, 0, 0
+        keys, tails = s.request_keys(request, len(hashes))
+        hit = s.lookup(hashes, n, keys[:n], None if tails is None else tails[:n])
+        if not len(hit):
+            return self.empty_kv_cache_blocks, 0, 0
+        if (
+            self.enable_kv_cache_events
+            and getattr(request, "kv_cache_report_mode", "incremental") == "full"
+        ):
+            s.events.append(s._stored(request, 0, len(hit)))
+        return NativeKVCacheBlocks(s, (hit,)), len(hit) * self._bs, 0
+
+    def get_num_cached_tokens(self, request: Any) -> int:
+        if not self.native:
+            return super().get_num_cached_tokens(request)
+        if not self.prefix_cache_lookup_enabled(request):
+            return 0
+        hashes = request.block_hashes
+        n = min((request.num_tokens - 1) // self._bs, len(hashes))
+        return len(self._native.lookup(hashes, n)) * self._bs
+
+    def _blocks_to_allocate(self, request_id: str, num_tokens: int, new_ids: np.ndarray) -> int:
+        s = self._native
+        required = cdiv(num_tokens, self._bs)
+        have = len(s.req.get(request_id, ()))
+        if request_id in s.num_cached:
+            assert len(new_ids) == 0
+            return max(required - have, 0)
+        new = max(required - len(new_ids) - have, 0)
+        if len(new_ids):
+            new += int(np.count_nonzero(s.refs[new_ids] == 0))
+        return new
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple = (),
+    ) -> Any:
+        if not self.native:
+            return super().allocate_slots(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                delay_cache_blocks,
+                num_encoder_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
+                has_scheduled_reqs,
+                skip_zeroing_group_ids,
+            )
+        if (
+            num_new_tokens == 0
+            and num_external_computed_tokens == 0
+            and num_new_computed_tokens == 0
+        ):
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
+            )
+        s = self._native
+        rid = request.request_id
+        table = s.req.get(rid)
+        if (
+            table is not None
+            and new_computed_blocks is None
+            and num_external_computed_tokens == 0
+            and not full_sequence_must_fit
+            and rid in s.num_cached
+        ):  # a running request (decode, next chunk): the same rules, fewer steps
+            max_len = self.max_model_len
+            num_main = min(request.num_computed_tokens + num_new_computed_tokens, max_len)
+            num_main += num_new_tokens
+            n_new = cdiv(min(num_main + num_lookahead_tokens, max_len), self._bs) - len(table)
+            watermark = 0
+            if has_scheduled_reqs and request.status in (
+                RequestStatus.WAITING,
+                RequestStatus.PREEMPTED,
+            ):
+                watermark = self.watermark_blocks
+            if max(n_new, 0) + watermark > s.pool.num_free - reserved_blocks:
+                return None
+            if n_new > 0:
+                new = s.allocate(n_new)
+                table.extend(new.tolist())
+            if not delay_cache_blocks and self.enable_caching:
+                s.cache(request, min(num_main, request.num_tokens))
+            if n_new > 0:
+                return NativeKVCacheBlocks(s, (new,))
+            return self.empty_kv_cache_blocks
+        if new_computed_blocks is None or new_computed_blocks is self.empty_kv_cache_blocks:
+            new_ids = _EMPTY_I32
+        elif isinstance(new_computed_blocks, NativeKVCacheBlocks):
+            new_ids = _ids_of(new_computed_blocks._ids[0])
+        else:
+            new_ids = _ids_of(new_computed_blocks.blocks[0])
+        num_local = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(num_local + num_external_computed_tokens, self.max_model_len)
+        watermark = 0
+        if has_scheduled_reqs and request.status in (
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+        ):
+            watermark = self.watermark_blocks
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, self.max_model_len)
+            if self._blocks_to_allocate(rid, full, new_ids) + watermark > s.pool.num_free:
+                return None
+        num_main = total_computed + num_new_tokens
+        need = min(num_main + num_lookahead_tokens, self.max_model_len)
+        n_alloc = self._blocks_to_allocate(rid, need, new_ids)
+        if n_alloc + watermark > s.pool.num_free - reserved_blocks:
+            return None
+        if table is None:
+            table = s.req[rid] = []
+        adopt = (
+            new_computed_blocks is not None
+            and new_computed_blocks is not self.empty_kv_cache_blocks
+        )
+        if (adopt or num_external_computed_tokens > 0) and rid not in s.num_cached:
+            if len(new_ids):
+                if not self.enable_caching:
+                    raise AssertionError(
+                        "Computed blocks should be empty when prefix caching is disabled"
+                    )
+                s.pool.incref(new_ids)
+                table.extend(new_ids.tolist())
+            s.num_cached[rid] = len(table)
+            if num_external_computed_tokens > 0:
+                n_ext = max(
+                    0, cdiv(num_local + num_external_computed_tokens, self._bs) - len(table)
+                )
+                table.extend(s.allocate(n_ext).tolist())
+        n_new = cdiv(need, self._bs) - len(table)
+        new = s.allocate(n_new) if n_new > 0 else _EMPTY_I32
+        if len(new):
+            table.extend(new.tolist())
+        if not delay_cache_blocks and self.enable_caching:
+            s.cache(request, min(total_computed + num_new_tokens, request.num_tokens))
+        if not len(new):
+            return self.empty_kv_cache_blocks
+        return NativeKVCacheBlocks(s, (new,))
+
+    def _free_id(self, request_id: str) -> None:
+        s = self._native
+        table = s.req.pop(request_id, None)
+        c = s.num_cached.pop(request_id, 0)
+        s.keys.pop(request_id, None)
+        if not table:
+            return
+        # vLLM frees the table in reverse: blocks without an entry (the table's tail past
+        # its c cached blocks) to the free list's head in that order, cached ones to the
+        # tail. The native free puts each uncached block at the head, so they go in forward
+        # order; with at most one of them, one call does both.
+        if len(table) - c <= 1:
+            s.pool.free(np.array(table[::-1], dtype=np.int32))
+        else:
+            s.pool.free(np.array(table[c:], dtype=np.int32))
+            if c:
+                s.pool.free(np.array(table[c - 1 :: -1], dtype=np.int32))
+
+    def free(self, request: Any) -> None:
+        if not self.native:
+            return super().free(request)
+        self._free_id(request.request_id)
+
+    def pop_blocks_for_free(self, request: Any) -> list:
+        if not self.native:
+            return super().pop_blocks_for_free(request)
+        s = self._native
+        table = s.req.pop(request.request_id, None) or []
+        s.num_cached.pop(request.request_id, None)
+        s.keys.pop(request.request_id, None)
+        return [s.view(b) for b in table]
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: Optional[int] = None,
+    ) -> None:
+        if not self.native:
+            super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        if not self.native:
+            return super().cache_blocks(request, num_computed_tokens)
+        if self.enable_caching:
+            self._native.cache(request, num_computed_tokens)
+
+    def get_blocks(self, request_id: str) -> Any:
+        if not self.native:
+            return super().get_blocks(request_id)
+        table = self._native.req.get(request_id)
+        if not table:
+            return self.empty_kv_cache_blocks
+        return NativeKVCacheBlocks(self._native, (table,))
+
+    def get_block_ids(self, request_id: str) -> tuple:
+        if not self.native:
+            return super().get_block_ids(request_id)
+        return (list(self._native.req.get(request_id) or ()),)
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple:
+        if not self.native:
+            return super().get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+        table = self._native.req.get(request_id) or []
+        return (list(table[: cdiv(num_computed_tokens, self._bs)]),)
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        if not self.native:
+            return super().estimate_cached_tokens(request)
+        return self.get_num_cached_tokens(request)
+
+    def create_kv_cache_blocks(self, blocks: tuple) -> Any:
+        return VLLMKVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def take_new_block_ids(self) -> list:
+        if not self.native:
+            return super().take_new_block_ids()
+        return []
+
+    def take_boundary_state_offloads(self) -> dict:
+        if not self.native:
+            return super().take_boundary_state_offloads()
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list:
+        if not self.native:
+            return super().finalize_partial_tail_offloads(request)
+        return []
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        if not self.native:
+            super().record_blocks_for_zeroing(request_id, start_token)
+
+    def new_step_starts(self) -> None:
+        if not self.native:
+            super().new_step_starts()
+
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        if not self.native:
+            return super().truncate_computed_blocks(blocks, num_computed_tokens)
+        assert num_computed_tokens % self._bs == 0
+        n = num_computed_tokens // self._bs
+        ids = (
+            blocks._ids[0] if isinstance(blocks, NativeKVCacheBlocks) else _ids_of(blocks.blocks[0])
+        )
+        assert n <= len(ids)
+        if n == 0:
+            return self.empty_kv_cache_blocks
+        return NativeKVCacheBlocks(self._native, (np.asarray(ids[:n], dtype=np.int32),))
