@@ -370,6 +370,10 @@ cdef class BlockManager:
     cdef uint64_t _epoch  # bumped by every call that may change tables (StepPlan staleness)
     cdef int _enter(self, bint mutates=*) except -1
     cdef int _step_enter(self, object plan, int32_t g, str what) except -1
+    cdef object _step_commit(self, object plan)
+    cdef object _step_metadata(self, object plan, object group, object out)
+    cdef object _step_rows(self, object plan, object group, object stride, object offset,
+                           bint block_tables, object max_blocks, object out)
     cdef void _leave(self) noexcept
     cdef int32_t _slot(self, object seq_id) except -1
     cdef object _id_list(self, object seq_ids)

@@ -21,7 +21,7 @@ from cpython.object cimport PyObject
 from libc.stdint cimport (INT32_MAX, INT32_MIN, INT64_MAX, int32_t, int64_t, uint8_t, uint32_t,
                           uint64_t)
 from cpython.long cimport PyLong_AsLongLongAndOverflow
-from libc.stdlib cimport calloc, free, realloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 from cpython.bytes cimport PyBytes_FromStringAndSize
 

@@ -1183,9 +1183,11 @@ cdef class BlockManager:
             if commit:
                 kvb_step_commit(self.gp, self.ng, sl, q, d, B)
             plan.committed = commit
-            plan._sizes = tuple(StepSize(self._zs[j].tokens, self._zs[j].blocks,
-                                         self._zs[j].max_blocks, self._zs[j].context)
-                                for j in range(self.ng))
+            plan._zs = <kvb_step_size_t *>malloc(self.ng * sizeof(kvb_step_size_t))
+            if plan._zs is NULL:
+                raise MemoryError()
+            memcpy(plan._zs, self._zs, self.ng * sizeof(kvb_step_size_t))
+            plan._ng = self.ng
             plan.manager = self
             plan.seq_ids = ids if type(ids) is SeqBatch else tuple(ids)
             plan._B = B
@@ -1194,7 +1196,8 @@ cdef class BlockManager:
         finally:
             self._leave()
 
-    def _step_commit(self, StepPlan plan):
+    cdef object _step_commit(self, object step):
+        cdef StepPlan plan = <StepPlan>step
         if plan.committed:
             raise InvalidStateError("StepPlan.commit: the step was committed already")
         self._step_enter(plan, 0, "commit")
@@ -1207,12 +1210,6 @@ cdef class BlockManager:
         finally:
             self._leave()
 
-    def _group_index(self, group):
-        return self._group(group)
-
-    def _step_stale(self, StepPlan plan):
-        return plan.manager is not self or plan._epoch != self._epoch
-
     cdef int _step_enter(self, object step, int32_t g, str what) except -1:
         """Enter a writer of ``step`` (no table changes): refuse a stale plan; the group's
         sizes become the checked step's."""
@@ -1222,12 +1219,11 @@ cdef class BlockManager:
             self._leave()
             raise InvalidStateError(f"StepPlan.{what}: the manager changed since plan_step "
                                     f"(plan the step again)")
-        s = plan._sizes[g]
-        self._zs[g].tokens, self._zs[g].blocks = s.tokens, s.blocks
-        self._zs[g].max_blocks, self._zs[g].context = s.max_blocks, s.context
+        self._zs[g] = plan._zs[g]
         return 0
 
-    def _step_metadata(self, StepPlan plan, group, out):
+    cdef object _step_metadata(self, object step, object group, object out):
+        cdef StepPlan plan = <StepPlan>step
         cdef int32_t g = self._group(group)
         if out is not None:
             if not isinstance(out, AttentionMetadata):
@@ -1248,8 +1244,9 @@ cdef class BlockManager:
         finally:
             self._leave()
 
-    def _step_rows(self, StepPlan plan, group, stride, offset, bint block_tables, max_blocks,
-                   out):
+    cdef object _step_rows(self, object step, object group, object stride, object offset,
+                           bint block_tables, object max_blocks, object out):
+        cdef StepPlan plan = <StepPlan>step
         cdef int32_t g = self._group(group)
         if self.gp[g].kind == KVB_G_STATE:
             raise InvalidArgumentError(f"StepPlan.rows: group {g} is a state group, which "

@@ -44,39 +44,45 @@ cdef class StepPlan:
     cdef cnp.ndarray _d
     cdef Py_ssize_t _B
     cdef uint64_t _epoch
-    cdef tuple _sizes
+    cdef kvb_step_size_t *_zs  # [_ng] each group's sizes (owned)
+    cdef int32_t _ng
+
+    def __dealloc__(self):
+        free(self._zs)
 
     def __len__(self):
         return self._B
 
     def size(self, group=0):
         """The StepSize of group ``group``'s part of the step."""
-        return self._sizes[self.manager._group_index(group)]
+        cdef int32_t g = (<BlockManager>self.manager)._group(group)
+        return StepSize(self._zs[g].tokens, self._zs[g].blocks, self._zs[g].max_blocks,
+                        self._zs[g].context)
 
     @property
     def stale(self):
         """True once the manager changed after this plan: its writers would raise."""
-        return self.manager._step_stale(self)
+        return self._epoch != (<BlockManager>self.manager)._epoch
 
     def commit(self):
         """Declare a step planned with ``commit=False``, once its forward wrote the K/V:
         every committed token counts as computed, newly full blocks enter the prefix cache.
         The writers stay valid. Raises InvalidStateError when committed already or stale."""
-        self.manager._step_commit(self)
+        (<BlockManager>self.manager)._step_commit(self)
 
     def metadata(self, group=0, *, out=None):
         """Group ``group``'s attention metadata of the step (``BlockManager.metadata``'s
         result), into ``out`` (an AttentionMetadata from ``AttentionMetadata.allocate``) or
         fresh arrays of the step's size. Writes only (the step is declared by plan_step or
         commit)."""
-        return self.manager._step_metadata(self, group, out)
+        return (<BlockManager>self.manager)._step_metadata(self, group, out)
 
     def rows(self, group=0, *, stride, offset=0, bint block_tables=False, max_blocks=None,
              out=None):
         """Group ``group``'s per-token cache rows of the step (``BlockManager.row_indices``'
         result, same arguments). Writes only."""
-        return self.manager._step_rows(self, group, stride, offset, block_tables, max_blocks,
-                                       out)
+        return (<BlockManager>self.manager)._step_rows(self, group, stride, offset,
+                                                       block_tables, max_blocks, out)
 
     def __repr__(self):
-        return f"StepPlan({self._B} sequences, {len(self._sizes)} group(s))"
+        return f"StepPlan({self._B} sequences, {self._ng} group(s))"
