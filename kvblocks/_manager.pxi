@@ -1177,17 +1177,17 @@ cdef class BlockManager:
                 if B:
                     memcpy(cnp.PyArray_DATA(plan._d), cnp.PyArray_DATA(d_arr),
                            B * sizeof(int32_t))
+            plan._zs = <kvb_step_size_t *>malloc(self.ng * sizeof(kvb_step_size_t))
+            if plan._zs is NULL:  # (before anything changes: all or nothing)
+                raise MemoryError()
+            memcpy(plan._zs, self._zs, self.ng * sizeof(kvb_step_size_t))
+            plan._ng = self.ng
             sl, q = i32_data(plan._slots), i32_data(plan._q)
             d = i32_data(plan._d) if plan._d is not None else NULL
             kvb_step_release(self.gp, self.ng, sl, q, B)
             if commit:
                 kvb_step_commit(self.gp, self.ng, sl, q, d, B)
             plan.committed = commit
-            plan._zs = <kvb_step_size_t *>malloc(self.ng * sizeof(kvb_step_size_t))
-            if plan._zs is NULL:
-                raise MemoryError()
-            memcpy(plan._zs, self._zs, self.ng * sizeof(kvb_step_size_t))
-            plan._ng = self.ng
             plan.manager = self
             plan.seq_ids = ids if type(ids) is SeqBatch else tuple(ids)
             plan._B = B
