@@ -157,3 +157,33 @@ def test_failed_free_midway_restores_head_tail_and_counters():
     pool.free(np.asarray([1, 3, 2, 4], dtype=np.int32))
     assert list(pool.free_list()) == [4, 3, 5, 6, 7, 1, 2]
     pool.check()
+
+
+def test_the_scalar_path_matches_the_array_path_and_refuses_what_free_refuses():
+    a = BlockPool(N, enable_prefix_caching=True, hash_key=KEY)
+    b = BlockPool(N, enable_prefix_caching=True, hash_key=KEY)
+    got = [a.allocate_one() for _ in range(N - 1)]
+    assert got == list(b.allocate(N - 1))
+    with pytest.raises(kvblocks.OutOfBlocksError):
+        a.allocate_one()
+    assert _state(a) == _state(b)
+    for x in got[::-1]:
+        a.free_one(x)
+    b.free(np.asarray(got[::-1], dtype=np.int32))
+    assert _state(a) == _state(b)
+    for bad, exc in (
+        (0, kvblocks.InvalidArgumentError),
+        (N, kvblocks.InvalidArgumentError),
+        (-1, kvblocks.InvalidArgumentError),
+        (1, kvblocks.InvalidStateError),
+        (2**40, kvblocks.InvalidArgumentError),
+        (1.0, kvblocks.InvalidTypeError),
+        (True, kvblocks.InvalidTypeError),
+        ("1", kvblocks.InvalidTypeError),
+    ):
+        with pytest.raises(exc):
+            a.free_one(bad)  # block 1 is free now: dropping a reference it lacks is refused
+        assert _state(a) == _state(b)
+    x = a.allocate_one()
+    a.free_one(np.int64(x))  # numpy integers are ints
+    a.check()
