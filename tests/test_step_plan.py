@@ -248,3 +248,24 @@ def test_metadata_without_the_flashinfer_page_list():
         q = [1, 1, 1]
     with pytest.raises(kvblocks.InvalidArgumentError):
         AttentionMetadata.allocate(3, 64, 0, 16)  # a page list needs room
+
+
+@pytest.mark.parametrize("path", ["v1", "plan", "rows"])
+def test_a_window_steps_tables_read_the_null_block_where_it_released(path):
+    """Every path writes the window group's table as the manager holds it: positions the
+    step's queries cannot read (released when the token was appended) read the null block 0."""
+    mgr = BlockManager(64, BS, hash_key=KEY, groups=GROUPS["window"])  # window 6, BS 4
+    mgr.add("s", list(range(20)))
+    mgr.schedule(["s"], [20])
+    mgr.append("s", [7])  # the query: position 20, which reads positions 15..20
+    held = mgr.block_table("s", group=1).tolist()
+    if path == "rows":
+        rows = mgr.row_indices(["s"], [1], stride=BS, block_tables=True, group=1)
+        table = rows.block_tables[0].tolist()
+    elif path == "plan":
+        table = mgr.plan_step(["s"], [1]).metadata(1).block_tables[0].tolist()
+    else:
+        table = mgr.metadata(["s"], [1], group=1).block_tables[0].tolist()
+    assert held[:3] == [0, 0, 0] and 0 not in held[3:6]  # blocks 0-2: positions 0-11
+    assert table[:6] == held[:6]
+    mgr.check()
