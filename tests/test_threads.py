@@ -1,7 +1,9 @@
 """Threads hammering one BlockManager, each on its own sequences.
 
 docs/engine-integration.md (*Threads and callbacks*): each public call is atomic with respect
-to other Python threads. Each worker adds, appends (one call and batched), builds metadata, forks and frees its own sequences,
+to other Python threads. Each worker adds, appends (one call and batched), builds metadata
+(directly or from a plan_step, whose writer refuses once another worker changed the manager),
+forks and frees its own sequences,
 passing ids and tokens as Python lists (their conversion runs Python code, so the GIL can
 switch threads in the middle of a call). Every call's result is checked against the worker's
 own model; at the end every sequence holds exactly its own tokens, no block is shared between
@@ -68,11 +70,14 @@ def _worker(mgr, w, errors, models, barrier):
                 ]
                 mgr.take_copies()
                 try:
-                    meta = mgr.metadata(batch, qlens)
+                    if rng.random() < 0.5:
+                        meta = mgr.metadata(batch, qlens)
+                    else:  # the plan: another worker's call in between makes it stale
+                        meta = mgr.plan_step(batch, qlens).metadata()
                 except InvalidStateError as exc:
-                    if "copy-on-write" not in str(exc):
+                    if "copy-on-write" not in str(exc) and "since plan_step" not in str(exc):
                         raise
-                    continue  # another worker queued a copy in between: a legal refusal
+                    continue  # another worker changed the manager in between: legal refusals
                 lens = [len(model[s]) for s in batch]
                 if meta.seq_lens.tolist() != lens:
                     raise AssertionError(
