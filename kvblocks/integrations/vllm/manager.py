@@ -263,6 +263,11 @@ class _NativeState:
         ``keys`` their native keys when known."""
         if n <= 0 or not self.enable_caching:
             return _EMPTY_I32
+        if keys is None and type(hashes) is list and len(hashes[0]) == 32:
+            try:
+                return self._lookup32(hashes, n)
+            except kvblocks.InvalidArgumentError:  # mixed widths: the general path
+                pass
         if keys is None:
             keys = self.to_keys(hashes[:n])
         hash_of = self.hash_of
@@ -290,6 +295,28 @@ class _NativeState:
             parts.append(np.array(d[:1], dtype=np.int32))
             pos += 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _lookup32(self, hashes: list, n: int) -> np.ndarray:
+        """``lookup`` of 32-byte hashes: keys and the full-width check in native calls (one
+        per run between duplicates)."""
+        pool, tail = self.pool, self.tail
+        hit = pool.lookup_bytes(hashes, n, tails=tail)
+        pos = len(hit)
+        if pos == n or not self.dups:
+            return hit
+        parts = [hit]
+        while pos < n:
+            d = self.dups.get(hashes[pos])  # the key's first block is gone: the next one
+            if not d:
+                break
+            parts.append(np.array(d[:1], dtype=np.int32))
+            pos += 1
+            if pos == n:
+                break
+            more = pool.lookup_bytes(hashes, n, start=pos, tails=tail)
+            parts.append(more)
+            pos += len(more)
+        return np.concatenate(parts)
 
     def allocate(self, n: int) -> np.ndarray:
         """n new blocks (ref 1), popping the free list's head; evicted entries leave the
@@ -350,13 +377,33 @@ class _NativeState:
         if num_cached >= num_full:
             return
         # blocks past num_cached are the request's own (allocated, so without an entry)
-        ids = np.array(self.req[rid][num_cached:num_full], dtype=np.int32)
+        ids_l = self.req[rid][num_cached:num_full]
+        hs = hashes[num_cached:num_full]
+        dups = self.dups
+        if (
+            type(hashes) is list
+            and len(hashes[0]) == 32
+            and not (dups and any(h in dups for h in hs))
+        ):
+            try:
+                stored = self.pool.cache_bytes(
+                    ids_l, hashes, num_cached, tails=self.tail, mark=self.hashed
+                )
+            except kvblocks.InvalidArgumentError:  # mixed widths: the general path
+                pass
+            else:
+                self.hash_of.update(zip(ids_l, hs))
+                if stored != len(ids_l):  # keys held by other blocks: cache duplicates
+                    self._cache_dups(ids_l, hs, self.to_keys(hs), None)
+                self.num_cached[rid] = num_full
+                if self.enable_events:
+                    self.events.append(self._stored(request, num_cached, num_full))
+                return
+        ids = np.array(ids_l, dtype=np.int32)
         keys, tails = self.request_keys(request, num_full)
         keys = keys[num_cached:num_full]
         if tails is not None:
             self.tail[ids] = tails[num_cached:num_full]
-        hs = hashes[num_cached:num_full]
-        dups = self.dups
         if dups and any(h in dups for h in hs):  # a hash with duplicates: append to them
             first = np.array([h not in dups for h in hs], dtype=np.bool_)
             stored = self.pool.cache(ids[first], keys[first])
@@ -368,18 +415,25 @@ class _NativeState:
         self.hashed[ids] = True
         self.hash_of.update(zip(ids.tolist(), hs))
         if not all_in:  # some keys were held by another block: cache these as duplicates
-            is_cached = self.pool.is_cached
-            for j, b in enumerate(ids.tolist()):
-                if (first is None or first[j]) and is_cached(b):
-                    continue
-                self._salt += 1
-                k = keys[j : j + 1].copy()
-                k[0, 1] ^= np.uint64((self._salt * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
-                self.pool.cache(ids[j : j + 1], k)
-                dups.setdefault(hs[j], []).append(b)
+            self._cache_dups(ids.tolist(), hs, keys, first)
         self.num_cached[rid] = num_full
         if self.enable_events:
             self.events.append(self._stored(request, num_cached, num_full))
+
+    def _cache_dups(
+        self, ids: list, hs: Sequence[bytes], keys: np.ndarray, first: Optional[np.ndarray]
+    ) -> None:
+        """Cache the blocks of ``ids`` left uncached (their key held by another block; or
+        not ``first``) under salted keys of their own, listed in ``dups`` under the hash."""
+        is_cached = self.pool.is_cached
+        for j, b in enumerate(ids):
+            if (first is None or first[j]) and is_cached(b):
+                continue
+            self._salt += 1
+            k = keys[j : j + 1].copy()
+            k[0, 1] ^= np.uint64((self._salt * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+            self.pool.cache(np.array([b], dtype=np.int32), k)
+            self.dups.setdefault(hs[j], []).append(b)
 
     def _stored(self, request: Any, num_cached: int, num_full: int) -> BlockStored:
         """vLLM's BlockStored for blocks [num_cached, num_full) of a request (the shape of
@@ -765,8 +819,11 @@ class KVCacheManager(VLLMKVCacheManager):
         # keys of the whole chain, once: allocate_slots caches the blocks past the hit
         if n <= 0:
             return self.empty_kv_cache_blocks, 0, 0
-        keys, tails = s.request_keys(request, len(hashes))
-        hit = s.lookup(hashes, n, keys[:n], None if tails is None else tails[:n])
+        if type(hashes) is list and len(hashes[0]) == 32:
+            hit = s.lookup(hashes, n)  # keys and the full-width check natively
+        else:
+            keys, tails = s.request_keys(request, len(hashes))
+            hit = s.lookup(hashes, n, keys[:n], None if tails is None else tails[:n])
         if not len(hit):
             return self.empty_kv_cache_blocks, 0, 0
         if (
@@ -794,7 +851,7 @@ class KVCacheManager(VLLMKVCacheManager):
             return max(required - have, 0)
         new = max(required - len(new_ids) - have, 0)
         if len(new_ids):
-            new += int(np.count_nonzero(s.refs[new_ids] == 0))
+            new += s.pool.num_unreferenced(new_ids)
         return new
 
     def allocate_slots(
@@ -928,13 +985,8 @@ class KVCacheManager(VLLMKVCacheManager):
         # vLLM frees the table in reverse: blocks without an entry (the table's tail past
         # its c cached blocks) to the free list's head in that order, cached ones to the
         # tail. The native free puts each uncached block at the head, so they go in forward
-        # order; with at most one of them, one call does both.
-        if len(table) - c <= 1:
-            s.pool.free(np.array(table[::-1], dtype=np.int32))
-        else:
-            s.pool.free(np.array(table[c:], dtype=np.int32))
-            if c:
-                s.pool.free(np.array(table[c - 1 :: -1], dtype=np.int32))
+        # order, then the cached ones in reverse: one call (it takes them in order).
+        s.pool.free(table[c:] + table[c - 1 :: -1] if c else table)
 
     def free(self, request: Any) -> None:
         if not self.native:
