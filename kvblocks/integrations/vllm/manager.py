@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 # VLLMKVCacheManager: vLLM's own class (this module is imported before enable() patches)
 
 _EMPTY_I32 = np.empty(0, dtype=np.int32)
+_ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # the watermark applies
 
 
 def native_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
@@ -903,21 +904,27 @@ class KVCacheManager(VLLMKVCacheManager):
             and rid in s.num_cached
         ):  # a running request (decode, next chunk): the same rules, fewer steps
             max_len = self.max_model_len
-            num_main = min(request.num_computed_tokens + num_new_computed_tokens, max_len)
+            bs = self._bs
+            num_main = request.num_computed_tokens + num_new_computed_tokens
+            if num_main > max_len:
+                num_main = max_len
             num_main += num_new_tokens
-            n_new = cdiv(min(num_main + num_lookahead_tokens, max_len), self._bs) - len(table)
+            need = num_main + num_lookahead_tokens
+            n_new = -(-(need if need < max_len else max_len) // bs) - len(table)  # cdiv
             watermark = 0
-            if has_scheduled_reqs and request.status in (
-                RequestStatus.WAITING,
-                RequestStatus.PREEMPTED,
-            ):
+            if has_scheduled_reqs and request.status in _ADMITTING:
                 watermark = self.watermark_blocks
-            if max(n_new, 0) + watermark > s.pool.num_free - reserved_blocks:
+            if (n_new if n_new > 0 else 0) + watermark > s.pool.num_free - reserved_blocks:
                 return None
             if n_new > 0:
                 new = s.allocate(n_new)
                 table.extend(new.tolist())
-            if not delay_cache_blocks and self.enable_caching:
+            # (cache() does nothing unless a hash past the cached blocks exists)
+            if (
+                not delay_cache_blocks
+                and self.enable_caching
+                and len(request.block_hashes) > s.num_cached[rid]
+            ):
                 s.cache(request, min(num_main, request.num_tokens))
             if n_new > 0:
                 return NativeKVCacheBlocks(s, (new,))
@@ -931,10 +938,7 @@ class KVCacheManager(VLLMKVCacheManager):
         num_local = request.num_computed_tokens + num_new_computed_tokens
         total_computed = min(num_local + num_external_computed_tokens, self.max_model_len)
         watermark = 0
-        if has_scheduled_reqs and request.status in (
-            RequestStatus.WAITING,
-            RequestStatus.PREEMPTED,
-        ):
+        if has_scheduled_reqs and request.status in _ADMITTING:
             watermark = self.watermark_blocks
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
@@ -942,7 +946,14 @@ class KVCacheManager(VLLMKVCacheManager):
                 return None
         num_main = total_computed + num_new_tokens
         need = min(num_main + num_lookahead_tokens, self.max_model_len)
-        n_alloc = self._blocks_to_allocate(rid, need, new_ids)
+        if table is None:  # a new request (so not in num_cached): _blocks_to_allocate's rule
+            n_alloc = -(-need // self._bs) - len(new_ids)
+            if n_alloc < 0:
+                n_alloc = 0
+            if len(new_ids):
+                n_alloc += s.pool.num_unreferenced(new_ids)
+        else:
+            n_alloc = self._blocks_to_allocate(rid, need, new_ids)
         if n_alloc + watermark > s.pool.num_free - reserved_blocks:
             return None
         if table is None:
@@ -965,7 +976,7 @@ class KVCacheManager(VLLMKVCacheManager):
                     0, cdiv(num_local + num_external_computed_tokens, self._bs) - len(table)
                 )
                 table.extend(s.allocate(n_ext).tolist())
-        n_new = cdiv(need, self._bs) - len(table)
+        n_new = -(-need // self._bs) - len(table)  # cdiv
         new = s.allocate(n_new) if n_new > 0 else _EMPTY_I32
         if len(new):
             table.extend(new.tolist())
