@@ -346,7 +346,7 @@ cdef class BlockPool:
     cdef int32_t _wire_cap
     cdef int32_t _event_tag(self, object lora_name, object lora_id, object salt) except -1
     cdef str _medium
-    cdef uint64_t *_tails_ptr(self, object tails, str what) except? NULL
+    cdef uint64_t *_full_ptr(self, object full, str what) except? NULL
 
 
 cdef class BlockManager:

@@ -501,26 +501,27 @@ cdef class BlockPool:
         return out[:keep]
 
     # -- vLLM's bytes block hashes --------------------------------------------------------
-    def lookup_bytes(self, hashes, stop=None, *, Py_ssize_t start=0, tails=None, group=0):
+    def lookup_bytes(self, hashes, stop=None, *, Py_ssize_t start=0, full=None, group=0):
         """Ids of the longest cached prefix of ``hashes[start:stop]`` (int32), NOT pinned,
         for hashes given as vLLM keeps them: a list of ``bytes`` (one per block). The key
         of a hash is its first 16 bytes (zero-padded when shorter), read as ``lookup`` reads
         an (n, 2) uint64 row; only blocks cached for ``group`` count.
 
-        ``tails`` (an (num_blocks, 2) uint64 C-contiguous array kept by the caller, which
-        ``cache_bytes(..., tails=)`` fills) checks the full width too: every hash must then
-        be 32 bytes, and a hit stops at the first block whose tail row is not the hash's
-        bytes 16..31 (so a 128-bit key collision, or a tail the caller zeroed, never hits).
+        ``full`` (an (num_blocks, 4) uint64 C-contiguous array kept by the caller, which
+        ``cache_bytes(..., full=)`` fills with each block's whole hash) checks the full width
+        too: every hash must then be 32 bytes, and a hit stops at the first block whose row
+        is not the hash's 32 bytes (so a 128-bit key collision, or a row the caller zeroed,
+        never hits).
 
         Raises InvalidTypeError when ``hashes`` is not a list of bytes, InvalidArgumentError
-        for a bad range, a hash of another width than 32 with ``tails``, or a bad ``tails``.
+        for a bad range, a hash of another width than 32 with ``full``, or a bad ``full``.
 
         >>> pool = BlockPool(8)
         >>> h = [bytes([i]) * 32 for i in (1, 2, 3)]
-        >>> tails = np.zeros((8, 2), dtype=np.uint64)
-        >>> pool.cache_bytes(pool.allocate(2), h, tails=tails)
+        >>> full = np.zeros((8, 4), dtype=np.uint64)
+        >>> pool.cache_bytes(pool.allocate(2), h, full=full)
         2
-        >>> pool.lookup_bytes(h, tails=tails).tolist()
+        >>> pool.lookup_bytes(h, full=full).tolist()
         [1, 2]
         """
         self._sync()
@@ -533,7 +534,7 @@ cdef class BlockPool:
         if start < 0 or start > end:
             raise InvalidArgumentError(f"lookup_bytes: start {start} not in [0, {end}]")
         cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
-        cdef const uint64_t *tl = self._tails_ptr(tails, "lookup_bytes")
+        cdef const uint64_t *tl = self._full_ptr(full, "lookup_bytes")
         cdef Py_ssize_t n = end - start
         cdef kvb_hash_t *keys = _bytes_keys(hs, start, n, tl != NULL, "lookup_bytes")
         cdef cnp.ndarray out = new_i32(n)
@@ -545,14 +546,14 @@ cdef class BlockPool:
             for i in range(k):
                 b = o[i]
                 if self.p.gid[b] != g or (tl != NULL and memcmp(
-                        &tl[2 * <int64_t>b], PyBytes_AS_STRING(hs[start + i]) + 16, 16)):
+                        &tl[4 * <int64_t>b], PyBytes_AS_STRING(hs[start + i]), 32)):
                     k = i
                     break
         finally:
             PyMem_Free(keys)
         return out[:k]
 
-    def cache_bytes(self, ids, hashes, Py_ssize_t start=0, *, tails=None, mark=None,
+    def cache_bytes(self, ids, hashes, Py_ssize_t start=0, *, full=None, mark=None,
                     group=0):
         """``cache(ids, keys)`` with the keys of vLLM's bytes hashes: block ``ids[i]`` is
         registered under ``hashes[start + i]`` (its first 16 bytes, as in lookup_bytes).
@@ -560,9 +561,9 @@ cdef class BlockPool:
         No BlockStored is recorded (the caller publishes its own events): raises
         InvalidStateError while this pool records events or when caching is disabled.
 
-        On success only, ``tails[ids[i]]`` gets bytes 16..31 of the hash (every hash must be
-        32 bytes then) and ``mark[ids[i]]`` (a (num_blocks,) bool or uint8 array) is set to
-        1, for every id, stored or not. All-or-nothing: bad ids, hashes, ``tails`` or
+        On success only, ``full[ids[i]]`` (see lookup_bytes) gets the hash's 32 bytes (every
+        hash must be 32 bytes then) and ``mark[ids[i]]`` (a (num_blocks,) bool or uint8 array)
+        is set to 1, for every id, stored or not. All-or-nothing: bad ids, hashes, ``full`` or
         ``mark`` raise InvalidTypeError / InvalidArgumentError / InvalidStateError (as
         ``cache``) and change nothing.
         """
@@ -577,7 +578,7 @@ cdef class BlockPool:
             raise InvalidArgumentError(f"cache_bytes: {n} ids from hash {start}, but "
                                        f"{len(hs)} hashes")
         cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
-        cdef uint64_t *tl = self._tails_ptr(tails, "cache_bytes")
+        cdef uint64_t *tl = self._full_ptr(full, "cache_bytes")
         cdef uint8_t *mk = NULL
         if mark is not None:
             if (not cnp.PyArray_Check(mark) or cnp.PyArray_NDIM(<cnp.ndarray>mark) != 1
@@ -609,7 +610,7 @@ cdef class BlockPool:
                 for i in range(n):
                     b = d[i]
                     if tl != NULL:
-                        memcpy(&tl[2 * <int64_t>b], PyBytes_AS_STRING(hs[start + i]) + 16, 16)
+                        memcpy(&tl[4 * <int64_t>b], PyBytes_AS_STRING(hs[start + i]), 32)
                     if mk != NULL:
                         mk[b] = 1
         finally:
@@ -618,19 +619,19 @@ cdef class BlockPool:
             raise_code(rc, "cache_bytes", self.p.err_a, self.p.err_b)
         return stored
 
-    cdef uint64_t *_tails_ptr(self, object tails, str what) except? NULL:
-        """The data of a (num_blocks, 2) uint64 C-contiguous writable array, NULL for
+    cdef uint64_t *_full_ptr(self, object full, str what) except? NULL:
+        """The data of a (num_blocks, 4) uint64 C-contiguous writable array, NULL for
         None."""
-        if tails is None:
+        if full is None:
             return NULL
-        if (not cnp.PyArray_Check(tails) or cnp.PyArray_NDIM(<cnp.ndarray>tails) != 2
-                or cnp.PyArray_TYPE(<cnp.ndarray>tails) != cnp.NPY_UINT64
-                or not cnp.PyArray_ISCARRAY(<cnp.ndarray>tails)
-                or cnp.PyArray_DIM(<cnp.ndarray>tails, 0) != self.p.num_blocks
-                or cnp.PyArray_DIM(<cnp.ndarray>tails, 1) != 2):
-            raise InvalidArgumentError(f"{what}: tails must be a writable C-contiguous "
-                                       f"({self.p.num_blocks}, 2) uint64 array")
-        return <uint64_t *>cnp.PyArray_DATA(<cnp.ndarray>tails)
+        if (not cnp.PyArray_Check(full) or cnp.PyArray_NDIM(<cnp.ndarray>full) != 2
+                or cnp.PyArray_TYPE(<cnp.ndarray>full) != cnp.NPY_UINT64
+                or not cnp.PyArray_ISCARRAY(<cnp.ndarray>full)
+                or cnp.PyArray_DIM(<cnp.ndarray>full, 0) != self.p.num_blocks
+                or cnp.PyArray_DIM(<cnp.ndarray>full, 1) != 4):
+            raise InvalidArgumentError(f"{what}: full must be a writable C-contiguous "
+                                       f"({self.p.num_blocks}, 4) uint64 array")
+        return <uint64_t *>cnp.PyArray_DATA(<cnp.ndarray>full)
 
     def num_unreferenced(self, ids):
         """How many of ``ids`` have ref count 0 (free blocks, cached or not); the null block
@@ -943,7 +944,7 @@ cdef kvb_hash_t *_bytes_keys(list hs, Py_ssize_t start, Py_ssize_t n, bint full,
         w = PyBytes_GET_SIZE(h)
         if full and w != 32:
             PyMem_Free(keys)
-            raise InvalidArgumentError(f"{what}: hash {start + i} is {w} bytes; tails need "
+            raise InvalidArgumentError(f"{what}: hash {start + i} is {w} bytes; full needs "
                                        f"32-byte hashes")
         if w >= 16:
             memcpy(&keys[i], PyBytes_AS_STRING(h), 16)

@@ -19,31 +19,31 @@ def _h(i, width=32):
 def test_cache_bytes_and_lookup_bytes_match_the_array_keys():
     pool = BlockPool(16)
     hs = [_h(i) for i in range(1, 6)]
-    tails = np.zeros((16, 2), dtype=np.uint64)
+    full = np.zeros((16, 4), dtype=np.uint64)
     mark = np.zeros(16, dtype=np.bool_)
     ids = pool.allocate(4)
-    assert pool.cache_bytes(ids, hs, tails=tails, mark=mark) == 4
+    assert pool.cache_bytes(ids, hs, full=full, mark=mark) == 4
     assert mark.tolist() == [False, True, True, True, True] + [False] * 11
-    assert tails[ids].tobytes() == b"".join(h[16:] for h in hs[:4])
+    assert full[ids].tobytes() == b"".join(hs[:4])
     assert pool.lookup(_keys(hs)).tolist() == ids.tolist()
-    assert pool.lookup_bytes(hs, tails=tails).tolist() == ids.tolist()
+    assert pool.lookup_bytes(hs, full=full).tolist() == ids.tolist()
     assert pool.lookup_bytes(hs, 2).tolist() == ids[:2].tolist()
-    assert pool.lookup_bytes(hs, start=2, tails=tails).tolist() == ids[2:].tolist()
+    assert pool.lookup_bytes(hs, start=2, full=full).tolist() == ids[2:].tolist()
     assert pool.lookup_bytes(hs, 3, start=3).tolist() == []
     assert pool.lookup_bytes(hs, group=1).tolist() == []
 
 
-def test_lookup_bytes_checks_the_full_width_with_tails():
+def test_lookup_bytes_checks_the_full_width():
     pool = BlockPool(8)
-    tails = np.zeros((8, 2), dtype=np.uint64)
+    full = np.zeros((8, 4), dtype=np.uint64)
     hs = [_h(1), _h(2), _h(3)]
     ids = pool.allocate(3)
-    pool.cache_bytes(ids, hs, tails=tails)
+    pool.cache_bytes(ids, hs, full=full)
     other = [hs[0], hs[1][:16] + b"\x09" * 16, hs[2]]  # same key, other tail
     assert pool.lookup_bytes(other).tolist() == ids.tolist()  # keys only
-    assert pool.lookup_bytes(other, tails=tails).tolist() == ids[:1].tolist()
-    tails[ids[0]] = 0  # the caller drops an entry: no hit from there
-    assert pool.lookup_bytes(hs, tails=tails).tolist() == []
+    assert pool.lookup_bytes(other, full=full).tolist() == ids[:1].tolist()
+    full[ids[0]] = 0  # the caller drops an entry: no hit from there
+    assert pool.lookup_bytes(hs, full=full).tolist() == []
 
 
 def test_short_hashes_are_zero_padded():
@@ -55,20 +55,20 @@ def test_short_hashes_are_zero_padded():
     assert pool.lookup_bytes(hs).tolist() == ids.tolist()
 
 
-def test_cache_bytes_keeps_the_first_block_of_a_key_and_sets_tails_of_all():
+def test_cache_bytes_keeps_the_first_block_of_a_key_and_fills_full_of_all():
     pool = BlockPool(8)
-    tails = np.zeros((8, 2), dtype=np.uint64)
+    full = np.zeros((8, 4), dtype=np.uint64)
     mark = np.zeros(8, dtype=np.uint8)
     a, b = pool.allocate(2).tolist()
-    assert pool.cache_bytes([a], [_h(1)], tails=tails, mark=mark) == 1
-    assert pool.cache_bytes([b], [_h(7), _h(1)], 1, tails=tails, mark=mark) == 0
-    assert not pool.is_cached(b) and mark[b] == 1 and tails[b].tobytes() == _h(1)[16:]
+    assert pool.cache_bytes([a], [_h(1)], full=full, mark=mark) == 1
+    assert pool.cache_bytes([b], [_h(7), _h(1)], 1, full=full, mark=mark) == 0
+    assert not pool.is_cached(b) and mark[b] == 1 and full[b].tobytes() == _h(1)
     assert pool.lookup_bytes([_h(1)]).tolist() == [a]
 
 
 def test_cache_bytes_failures_change_nothing():
     pool = BlockPool(8)
-    tails = np.zeros((8, 2), dtype=np.uint64)
+    full = np.zeros((8, 4), dtype=np.uint64)
     mark = np.zeros(8, dtype=np.bool_)
     ids = pool.allocate(2)
     hs = [_h(1), _h(2)]
@@ -78,20 +78,21 @@ def test_cache_bytes_failures_change_nothing():
         (InvalidArgumentError, dict(hashes=hs[:1])),
         (InvalidArgumentError, dict(start=1)),
         (InvalidArgumentError, dict(start=-1)),
-        (InvalidArgumentError, dict(hashes=[_h(1), _h(2, 16)], tails=tails)),
-        (InvalidArgumentError, dict(tails=np.zeros((7, 2), dtype=np.uint64))),
-        (InvalidArgumentError, dict(tails=np.zeros((8, 2), dtype=np.int64))),
+        (InvalidArgumentError, dict(hashes=[_h(1), _h(2, 16)], full=full)),
+        (InvalidArgumentError, dict(full=np.zeros((7, 4), dtype=np.uint64))),
+        (InvalidArgumentError, dict(full=np.zeros((8, 2), dtype=np.uint64))),
+        (InvalidArgumentError, dict(full=np.zeros((8, 4), dtype=np.int64))),
         (InvalidArgumentError, dict(mark=np.zeros(8, dtype=np.int32))),
         (InvalidArgumentError, dict(mark=np.zeros(7, dtype=np.bool_))),
         (InvalidArgumentError, dict(ids=[1, 99])),
         (InvalidStateError, dict(ids=[1, 5])),  # block 5 is free
     ]
     for exc, kw in bad:
-        args = dict(ids=ids, hashes=hs, start=0, tails=tails, mark=mark)
+        args = dict(ids=ids, hashes=hs, start=0, full=full, mark=mark)
         args.update(kw)
         with pytest.raises(exc):
             pool.cache_bytes(args.pop("ids"), args.pop("hashes"), args.pop("start"), **args)
-        assert pool.num_cached == 0 and not mark.any() and not tails.any()
+        assert pool.num_cached == 0 and not mark.any() and not full.any()
     pool.record_events = True
     with pytest.raises(InvalidStateError):
         pool.cache_bytes(ids, hs)
@@ -113,9 +114,9 @@ def test_lookup_bytes_failures():
     with pytest.raises(InvalidArgumentError):
         pool.lookup_bytes([_h(1)], start=2)
     with pytest.raises(InvalidArgumentError):
-        pool.lookup_bytes([_h(1, 16)], tails=np.zeros((8, 2), dtype=np.uint64))
+        pool.lookup_bytes([_h(1, 16)], full=np.zeros((8, 4), dtype=np.uint64))
     with pytest.raises(InvalidArgumentError):
-        pool.lookup_bytes([_h(1)], tails=np.zeros((8, 3), dtype=np.uint64))
+        pool.lookup_bytes([_h(1)], full=np.zeros((8, 3), dtype=np.uint64))
     with pytest.raises(InvalidArgumentError):
         pool.lookup_bytes([_h(1)], group=255)
     assert pool.lookup_bytes([]).tolist() == []

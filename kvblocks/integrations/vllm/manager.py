@@ -162,6 +162,53 @@ class NativeKVCacheBlocks(VLLMKVCacheBlocks):
         return len(self._ids)
 
 
+class _HashMirror:
+    """Block id -> vLLM block hash (group 0) of the blocks whose hash vLLM would show: read
+    from ``full`` (32-byte hashes, written natively) or, for other widths, a dict. A block
+    has one while it holds a native entry (``hashed``) that ``evict`` did not drop."""
+
+    def __init__(self, state: _NativeState) -> None:
+        self._s = state
+        self._other: dict[int, bytes] = {}  # hashes of other widths than 32
+
+    def get(self, b: int, default: Optional[bytes] = None) -> Optional[bytes]:
+        s = self._s
+        if not s.hashed[b]:
+            return default
+        h = self._other.get(b)
+        if h is not None:
+            return h
+        row = s.full[b]
+        return row.tobytes() if row.any() else default
+
+    def __contains__(self, b: object) -> bool:
+        return isinstance(b, (int, np.integer)) and self.get(int(b)) is not None
+
+    def pop(self, b: int, default: Optional[bytes] = None) -> Optional[bytes]:
+        h = self.get(b)
+        self._other.pop(b, None)
+        self._s.full[b] = 0
+        return default if h is None else h
+
+    def update(self, pairs: Iterable[tuple]) -> None:
+        self._other.update(pairs)
+
+    def clear(self) -> None:
+        self._other.clear()
+        self._s.full[:] = 0
+
+    def items(self) -> list:
+        out = []
+        for b in np.flatnonzero(self._s.hashed).tolist():
+            h = self.get(b)
+            if h is not None:
+                out.append((b, h))
+        return out
+
+    def __len__(self) -> int:
+        return len(self.items())
+
+
 class _NativeState:
     """The native pool and the request tables of one full-attention group."""
 
@@ -186,9 +233,11 @@ class _NativeState:
         # hashes and, for 32-byte hashes, their other 16 bytes (n, 2), which every hit is
         # checked against; rebuilt when another Request object comes under the same id
         self.keys: dict[str, tuple] = {}
-        self.tail = np.zeros((num_blocks, 2), dtype=np.uint64)  # cached block -> its tail
-        self.hash_of: dict[int, bytes] = {}  # block id -> vLLM block hash (group 0)
+        # block -> its 32-byte vLLM hash (0 when it has none, or it was evicted): written by
+        # the native cache_bytes, checked by the native lookup_bytes
+        self.full = np.zeros((num_blocks, 4), dtype=np.uint64)
         self.hashed = np.zeros(num_blocks, dtype=np.bool_)  # mirror: native cache entry
+        self.hash_of = _HashMirror(self)  # block id -> vLLM block hash (group 0)
         # vLLM lets several blocks hold one hash (a prompt computed again while its blocks are
         # cached: the hit stops one block short of the prompt); lookups return the earliest.
         # The native table holds one block per key: the first is cached under the key, later
@@ -278,7 +327,7 @@ class _NativeState:
             hit = self.pool.lookup(keys[pos:])
             k = len(hit)
             if tails is not None:  # the other half of each hit's hash (0 once evicted)
-                ok = (self.tail[hit] == tails[pos : pos + k]).all(axis=1)
+                ok = (self.full[hit, 2:] == tails[pos : pos + k]).all(axis=1)
                 if not ok.all():
                     k = int(np.argmin(ok))
             else:
@@ -300,8 +349,8 @@ class _NativeState:
     def _lookup32(self, hashes: list, n: int) -> np.ndarray:
         """``lookup`` of 32-byte hashes: keys and the full-width check in native calls (one
         per run between duplicates)."""
-        pool, tail = self.pool, self.tail
-        hit = pool.lookup_bytes(hashes, n, tails=tail)
+        pool, full = self.pool, self.full
+        hit = pool.lookup_bytes(hashes, n, full=full)
         pos = len(hit)
         if pos == n or not self.dups:
             return hit
@@ -314,7 +363,7 @@ class _NativeState:
             pos += 1
             if pos == n:
                 break
-            more = pool.lookup_bytes(hashes, n, start=pos, tails=tail)
+            more = pool.lookup_bytes(hashes, n, start=pos, full=full)
             parts.append(more)
             pos += len(more)
         return np.concatenate(parts)
@@ -331,14 +380,14 @@ class _NativeState:
         if evictable and self.enable_caching:
             was = self.hashed[ids]
             if was.any():
-                self.hashed[ids] = False
-                for b in ids[was].tolist():
+                for b in ids[was].tolist():  # (the mirror reads hashed: clear it after)
                     h = self.hash_of.pop(b, None)
                     if h is None:
                         continue
                     self._drop_dup(h, b)
                     if self.enable_events:
                         self.events.append(self._removed(h))
+                self.hashed[ids] = False
         return ids
 
     def _drop_dup(self, h: bytes, b: int) -> None:
@@ -388,12 +437,11 @@ class _NativeState:
         ):
             try:
                 stored = self.pool.cache_bytes(
-                    ids_l, hashes, num_cached, tails=self.tail, mark=self.hashed
+                    ids_l, hashes, num_cached, full=self.full, mark=self.hashed
                 )
             except kvblocks.InvalidArgumentError:  # mixed widths: the general path
                 pass
             else:
-                self.hash_of.update(zip(ids_l, hs))
                 if stored != len(ids_l):  # keys held by other blocks: cache duplicates
                     self._cache_dups(ids_l, hs, self.to_keys(hs), None)
                 self.num_cached[rid] = num_full
@@ -404,7 +452,8 @@ class _NativeState:
         keys, tails = self.request_keys(request, num_full)
         keys = keys[num_cached:num_full]
         if tails is not None:
-            self.tail[ids] = tails[num_cached:num_full]
+            self.full[ids, :2] = keys
+            self.full[ids, 2:] = tails[num_cached:num_full]
         if dups and any(h in dups for h in hs):  # a hash with duplicates: append to them
             first = np.array([h not in dups for h in hs], dtype=np.bool_)
             stored = self.pool.cache(ids[first], keys[first])
@@ -471,7 +520,6 @@ class _NativeState:
             h = self.hash_of.pop(b, None)
             if h is None:
                 continue
-            self.tail[b] = 0  # lookups check the tail: the entry no longer hits
             self._drop_dup(h, b)
             if self.enable_events:
                 self.events.append(self._removed(h))
