@@ -529,8 +529,9 @@ cdef class BlockPool:
             raise InvalidTypeError(f"lookup_bytes: hashes must be a list of bytes, got "
                                    f"{type(hashes).__name__}")
         cdef list hs = <list>hashes
-        cdef Py_ssize_t end = len(hs) if stop is None else as_int(stop, "lookup_bytes: stop",
-                                                                   0, len(hs))
+        cdef Py_ssize_t end = len(hs)
+        if stop is not None:
+            end = as_int(stop, "lookup_bytes: stop", 0, len(hs))
         if start < 0 or start > end:
             raise InvalidArgumentError(f"lookup_bytes: start {start} not in [0, {end}]")
         cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
@@ -580,11 +581,11 @@ cdef class BlockPool:
         cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
         cdef uint64_t *tl = self._full_ptr(full, "cache_bytes")
         cdef uint8_t *mk = NULL
+        cdef int mtype
         if mark is not None:
-            if (not cnp.PyArray_Check(mark) or cnp.PyArray_NDIM(<cnp.ndarray>mark) != 1
-                    or cnp.PyArray_ITEMSIZE(<cnp.ndarray>mark) != 1
-                    or cnp.PyArray_TYPE(<cnp.ndarray>mark) not in (cnp.NPY_BOOL,
-                                                                  cnp.NPY_UINT8)
+            mtype = cnp.PyArray_TYPE(<cnp.ndarray>mark) if cnp.PyArray_Check(mark) else -1
+            if (mtype not in (cnp.NPY_BOOL, cnp.NPY_UINT8)
+                    or cnp.PyArray_NDIM(<cnp.ndarray>mark) != 1
                     or not cnp.PyArray_ISCARRAY(<cnp.ndarray>mark)
                     or cnp.PyArray_DIM(<cnp.ndarray>mark, 0) != self.p.num_blocks):
                 raise InvalidArgumentError(f"cache_bytes: mark must be a writable "
