@@ -5,12 +5,13 @@ natively (see ``native_unsupported``) the block pool, the free list, the ref cou
 prefix-cache table live in one ``kvblocks.BlockPool``, and each scheduler call is a few
 batched native calls over a request's whole hash chain:
 
-- ``get_computed_blocks``: one ``lookup`` over the request's block hashes (vLLM's own bytes
-  hashes, computed in its ``Request``: the native key is their first 128 bits; every hit is
-  checked against the full bytes hash kept beside it);
+- ``get_computed_blocks``: one ``lookup_bytes`` over the request's block hashes (vLLM's own
+  bytes hashes, computed in its ``Request``, passed as the list they are: the native key is
+  their first 128 bits; every hit is checked against the full 32-byte hash kept beside it,
+  natively; other widths take a numpy path);
 - ``allocate_slots``: one ``incref`` of the hit (vLLM's ``touch``), one ``allocate`` of the
-  new blocks, one ``cache`` of the newly full blocks;
-- ``free``: two ``free`` calls (blocks without a cache entry go to the head of the free list
+  new blocks, one ``cache_bytes`` of the newly full blocks;
+- ``free``: one ``free`` call (blocks without a cache entry go to the head of the free list
   in vLLM's order, cached ones to the tail for LRU eviction, as vLLM's ``free_blocks``).
 
 Block tables are lists of int ids; ``KVCacheBlock``-shaped objects (``_BlockView``) are made
