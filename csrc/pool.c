@@ -297,6 +297,32 @@ int kvb_pool_incref(kvb_pool_t *p, const int32_t *ids, int64_t n) {
     return KVB_OK;
 }
 
+/* vLLM's BlockPool.touch: one reference more for each id; a free block, cached or not, leaves
+ * the free list (its flags and any entry stay). Validated first (range, not null, no ref count
+ * overflow even when an id repeats): all-or-nothing. */
+int kvb_pool_touch(kvb_pool_t *p, const int32_t *ids, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (KVB_UNLIKELY(b <= 0 || b >= p->num_blocks)) {
+            p->err_a = i; p->err_b = b;
+            return KVB_ERANGE;
+        }
+        if (KVB_UNLIKELY(p->ref_count[b] > INT32_MAX - n)) {
+            p->err_a = i; p->err_b = b;
+            return KVB_EINVAL;
+        }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (p->ref_count[b]++ == 0) { /* free: leaves the list, at any place in it */
+            unlink_free(p, b);
+            if (p->twins) p->twins->spent[b] = 0;
+            if (p->flags[b] & KVB_F_CACHED) p->num_evictable--;
+        }
+    }
+    return KVB_OK;
+}
+
 void kvb_pool_pin(kvb_pool_t *p, const int32_t *ids, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         int32_t b = ids[i];

@@ -324,6 +324,22 @@ cdef class BlockPool:
         if rc:
             raise_code(rc, "incref", self.p.err_a, self.p.err_b)
 
+    def touch(self, ids):
+        """vLLM's ``BlockPool.touch``: add one reference to each block, where a free block
+        (cached or not) leaves the free list from wherever it is; ``incref`` refuses a free
+        block without a cache entry. Raises InvalidArgumentError for an id out of range or the
+        null block (nothing changed).
+
+        >>> pool = BlockPool(4)
+        >>> pool.touch([2]); pool.ref_count(2), pool.free_list().tolist()
+        (1, [1, 3])
+        """
+        self._sync()
+        cdef cnp.ndarray v = as_int32(ids, "ids")
+        cdef int rc = kvb_pool_touch(&self.p, i32_data(v), cnp.PyArray_DIM(v, 0))
+        if rc:
+            raise_code(rc, "touch", self.p.err_a, self.p.err_b)
+
     def ref_count(self, block_id):
         block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
         self._sync()

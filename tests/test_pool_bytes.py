@@ -132,3 +132,34 @@ def test_num_unreferenced():
         pool.num_unreferenced([1, 8])
     with pytest.raises(InvalidArgumentError):
         pool.num_unreferenced([-1])
+
+
+def test_touch_takes_any_free_block_off_the_list():
+    pool = BlockPool(8)
+    ids = pool.allocate(3)  # 1, 2, 3
+    pool.cache(ids[:1], np.array([[5, 5]], dtype=np.uint64))
+    pool.free(ids)  # 2, 3 to the head (uncached), 1 to the tail (cached)
+    order = pool.free_list().tolist()
+    with pytest.raises(InvalidStateError):
+        pool.incref([2])  # incref refuses a free uncached block
+    pool.touch([2, 1, 5, 5])
+    assert [pool.ref_count(b) for b in (1, 2, 5)] == [1, 1, 2]
+    assert pool.free_list().tolist() == [b for b in order if b not in (1, 2, 5)]
+    assert pool.num_evictable == 0 and pool.num_free == 4 and pool.is_cached(1)
+    pool.check()
+    pool.free([2, 1, 5, 5])
+    pool.check()
+    assert pool.num_free == 7 and pool.num_evictable == 1
+
+
+def test_touch_failures_change_nothing():
+    pool = BlockPool(8)
+    before = pool.free_list().tolist()
+    for bad in ([3, 0], [3, 8], [3, -1]):
+        with pytest.raises(InvalidArgumentError):
+            pool.touch(bad)
+        assert pool.free_list().tolist() == before and pool.ref_count(3) == 0
+    with pytest.raises(InvalidTypeError):
+        pool.touch([1.5])
+    pool.touch([])
+    pool.check()

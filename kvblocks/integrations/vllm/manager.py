@@ -105,7 +105,7 @@ class _BlockView:
         cur = self.ref_cnt
         ids = np.array([self.block_id], dtype=np.int32)
         for _ in range(value - cur):
-            self._s.pool.incref(ids)
+            self._s.pool.touch(ids)
         for _ in range(cur - value):
             self._s.release(ids)
 
@@ -679,7 +679,7 @@ class NativeBlockPoolView:
     def touch(self, blocks: Sequence[Any]) -> None:
         ids = np.array([b.block_id for b in blocks if not b.is_null], dtype=np.int32)
         if len(ids):
-            self._s.pool.incref(ids)
+            self._s.pool.touch(ids)  # vLLM's touch: free blocks too, cached or not
 
     def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
         if evict_first:
