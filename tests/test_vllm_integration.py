@@ -276,3 +276,27 @@ def test_evicted_blocks_miss_and_lose_their_hash_as_in_vllm():
         )
 
     assert removed(ref) == removed(kvb)
+
+
+def test_touch_of_a_free_uncached_block_as_in_vllm():
+    """vLLM's BlockPool.touch takes a free block off the free queue whether it is cached or
+    not; block_pool.touch and free_blocks give the same free lists as vLLM's pool."""
+    ref, kvb = managers(16)
+    for m in (ref, kvb):
+        r = request("t", list(range(1, 7)))  # one full (cached) block and a partial one
+        m.allocate_slots(r, r.num_tokens)
+        m.free(r)
+
+    def free_ids(m):
+        return [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+
+    assert free_ids(ref) == free_ids(kvb)
+    for b in (2, 1, 7):  # uncached, cached, never used
+        for m in (ref, kvb):
+            m.block_pool.touch([m.block_pool.blocks[b]])
+        assert free_ids(ref) == free_ids(kvb)
+        assert ref.block_pool.blocks[b].ref_cnt == kvb.block_pool.blocks[b].ref_cnt == 1
+    for m in (ref, kvb):
+        m.block_pool.free_blocks([m.block_pool.blocks[b] for b in (7, 1, 2)])
+    assert free_ids(ref) == free_ids(kvb)
+    assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
