@@ -365,6 +365,20 @@ int kvb_pool_reset_cache(kvb_pool_t *p) {
     return KVB_OK;
 }
 
+/* kvb_pool_reset_cache leaving every block where it is in the free list (vLLM's
+ * reset_prefix_cache): the same check and events, no block moved. */
+int kvb_pool_reset_cache_keep_order(kvb_pool_t *p) {
+    KVB_CLEAR_ERR(p);
+    if (p->num_cached != p->num_evictable) {
+        p->err_a = p->num_cached - p->num_evictable;
+        p->err_b = p->num_cached;
+        return KVB_ESTATE;
+    }
+    kvb_cache_clear(p);
+    p->num_evictable = 0;
+    return KVB_OK;
+}
+
 /* ---- invariant check -------------------------------------------------------------------- */
 #define FAIL(what, item) do { p->err_what = (what); p->err_a = 0; p->err_b = (item); \
                              return KVB_ECORRUPT; } while (0)

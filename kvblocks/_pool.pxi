@@ -679,14 +679,17 @@ cdef class BlockPool:
                 return i
         return k
 
-    def reset_prefix_cache(self):
+    def reset_prefix_cache(self, *, bint keep_order=False):
         """Drop every cache entry. Only when no cached block is referenced (else raises
-        InvalidStateError, nothing changed). Its event is one ``AllBlocksCleared``, except on
-        either pool of a BlockManager with a host tier: there the other tier keeps its
-        entries, so this pool records one ``BlockRemoved`` of its own ``medium`` listing every
-        entry it dropped (``BlockManager.reset_prefix_cache()`` clears both tiers)."""
+        InvalidStateError, nothing changed). The dropped blocks move to the free list's head
+        (reused first), or, with ``keep_order``, stay where they are (vLLM's reset). Its
+        event is one ``AllBlocksCleared``, except on either pool of a BlockManager with a
+        host tier: there the other tier keeps its entries, so this pool records one
+        ``BlockRemoved`` of its own ``medium`` listing every entry it dropped
+        (``BlockManager.reset_prefix_cache()`` clears both tiers)."""
         self._sync()
-        cdef int rc = kvb_pool_reset_cache(&self.p)
+        cdef int rc = (kvb_pool_reset_cache_keep_order(&self.p) if keep_order
+                       else kvb_pool_reset_cache(&self.p))
         if rc:
             raise InvalidStateError(f"reset_prefix_cache: {self.p.err_a} of {self.p.err_b} "
                                     f"cached blocks are still referenced")

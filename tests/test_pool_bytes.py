@@ -163,3 +163,29 @@ def test_touch_failures_change_nothing():
         pool.touch([1.5])
     pool.touch([])
     pool.check()
+
+
+def test_reset_prefix_cache_keep_order():
+    for keep in (False, True):
+        pool = BlockPool(8)
+        ids = pool.allocate(4)
+        pool.cache(ids[1:3], np.array([[1, 1], [2, 2]], dtype=np.uint64))
+        pool.free(ids)  # 4, 1 at the head; 2, 3 (cached) at the tail
+        before = pool.free_list().tolist()
+        pool.reset_prefix_cache(keep_order=keep)
+        assert pool.num_cached == 0 and pool.num_evictable == 0 and pool.num_free == 7
+        after = pool.free_list().tolist()
+        assert after == (before if keep else [3, 2] + [b for b in before if b not in (2, 3)])
+        pool.check()
+
+
+def test_reset_prefix_cache_keep_order_refuses_referenced_cached_blocks():
+    pool = BlockPool(8)
+    ids = pool.allocate(2)
+    pool.cache(ids, np.array([[1, 1], [2, 2]], dtype=np.uint64))
+    pool.free(ids[:1])
+    before = pool.free_list().tolist()
+    with pytest.raises(InvalidStateError):
+        pool.reset_prefix_cache(keep_order=True)
+    assert pool.num_cached == 2 and pool.free_list().tolist() == before
+    pool.check()

@@ -534,11 +534,7 @@ class _NativeState:
             )
             return False
         if self.enable_caching and self.hashed.any():
-            # vLLM drops the entries and keeps the free list's order (the native reset moves
-            # cached blocks to the head): take every block (which evicts each entry) and give
-            # them back uncached, each to the head, in reverse, so the order is as it was
-            ids = self.pool.allocate(self.pool.num_free)
-            self.pool.free(ids[::-1])
+            self.pool.reset_prefix_cache(keep_order=True)  # vLLM keeps the free list's order
         self.hash_of.clear()
         self.hashed[:] = False
         self.dups.clear()
