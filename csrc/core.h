@@ -249,6 +249,12 @@ int kvb_pool_free(kvb_pool_t *p, const int32_t *ids, int64_t n);
  * An evictable cached block leaves the free list (is pinned). */
 int kvb_pool_incref(kvb_pool_t *p, const int32_t *ids, int64_t n);
 int kvb_pool_check(kvb_pool_t *p);
+/* vLLM's touch: kvb_pool_incref that also takes free never-cached blocks off the free list
+ * (validated first: range, not null, no overflow). */
+int kvb_pool_touch(kvb_pool_t *p, const int32_t *ids, int64_t n);
+/* kvb_pool_reset_cache without moving the dropped blocks to the head: the free list keeps
+ * its order (vLLM's reset_prefix_cache). */
+int kvb_pool_reset_cache_keep_order(kvb_pool_t *p);
 
 /* Prefix cache (cache.c). */
 int32_t kvb_cache_find(const kvb_pool_t *p, const kvb_hash_t *h);         /* id or KVB_NONE */

@@ -297,6 +297,32 @@ int kvb_pool_incref(kvb_pool_t *p, const int32_t *ids, int64_t n) {
     return KVB_OK;
 }
 
+/* vLLM's BlockPool.touch: one reference more for each id; a free block, cached or not, leaves
+ * the free list (its flags and any entry stay). Validated first (range, not null, no ref count
+ * overflow even when an id repeats): all-or-nothing. */
+int kvb_pool_touch(kvb_pool_t *p, const int32_t *ids, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (KVB_UNLIKELY(b <= 0 || b >= p->num_blocks)) {
+            p->err_a = i; p->err_b = b;
+            return KVB_ERANGE;
+        }
+        if (KVB_UNLIKELY(p->ref_count[b] > INT32_MAX - n)) {
+            p->err_a = i; p->err_b = b;
+            return KVB_EINVAL;
+        }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (p->ref_count[b]++ == 0) { /* free: leaves the list, at any place in it */
+            unlink_free(p, b);
+            if (p->twins) p->twins->spent[b] = 0;
+            if (p->flags[b] & KVB_F_CACHED) p->num_evictable--;
+        }
+    }
+    return KVB_OK;
+}
+
 void kvb_pool_pin(kvb_pool_t *p, const int32_t *ids, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         int32_t b = ids[i];
@@ -334,6 +360,20 @@ int kvb_pool_reset_cache(kvb_pool_t *p) {
     }
     for (int32_t b = 1; b < p->num_blocks; b++) /* every cached block is free: reused first */
         if (p->flags[b] & KVB_F_CACHED) move_to_head(p, b);
+    kvb_cache_clear(p);
+    p->num_evictable = 0;
+    return KVB_OK;
+}
+
+/* kvb_pool_reset_cache leaving every block where it is in the free list (vLLM's
+ * reset_prefix_cache): the same check and events, no block moved. */
+int kvb_pool_reset_cache_keep_order(kvb_pool_t *p) {
+    KVB_CLEAR_ERR(p);
+    if (p->num_cached != p->num_evictable) {
+        p->err_a = p->num_cached - p->num_evictable;
+        p->err_b = p->num_cached;
+        return KVB_ESTATE;
+    }
     kvb_cache_clear(p);
     p->num_evictable = 0;
     return KVB_OK;

@@ -124,6 +124,8 @@ cdef extern from "core.h" nogil:
     int kvb_pool_free(kvb_pool_t *p, const int32_t *ids, int64_t n)
     int kvb_pool_incref(kvb_pool_t *p, const int32_t *ids, int64_t n)
     int kvb_pool_check(kvb_pool_t *p)
+    int kvb_pool_touch(kvb_pool_t *p, const int32_t *ids, int64_t n)
+    int kvb_pool_reset_cache_keep_order(kvb_pool_t *p)
     int32_t kvb_cache_find(const kvb_pool_t *p, const kvb_hash_t *h)
     int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes, int64_t n,
                          const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,
@@ -346,6 +348,7 @@ cdef class BlockPool:
     cdef int32_t _wire_cap
     cdef int32_t _event_tag(self, object lora_name, object lora_id, object salt) except -1
     cdef str _medium
+    cdef uint64_t *_full_ptr(self, object full, str what) except? NULL
 
 
 cdef class BlockManager:

@@ -1,4 +1,9 @@
 # BlockPool and the read-only views it exports (included by _core.pyx).
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.string cimport memcmp
+
 # ---------------------------------------------------------------------------------------------
 # zero-copy read-only views of C arrays
 # ---------------------------------------------------------------------------------------------
@@ -319,6 +324,22 @@ cdef class BlockPool:
         if rc:
             raise_code(rc, "incref", self.p.err_a, self.p.err_b)
 
+    def touch(self, ids):
+        """vLLM's ``BlockPool.touch``: add one reference to each block, where a free block
+        (cached or not) leaves the free list from wherever it is; ``incref`` refuses a free
+        block without a cache entry. Raises InvalidArgumentError for an id out of range or the
+        null block (nothing changed).
+
+        >>> pool = BlockPool(4)
+        >>> pool.touch([2]); pool.ref_count(2), pool.free_list().tolist()
+        (1, [1, 3])
+        """
+        self._sync()
+        cdef cnp.ndarray v = as_int32(ids, "ids")
+        cdef int rc = kvb_pool_touch(&self.p, i32_data(v), cnp.PyArray_DIM(v, 0))
+        if rc:
+            raise_code(rc, "touch", self.p.err_a, self.p.err_b)
+
     def ref_count(self, block_id):
         block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
         self._sync()
@@ -495,6 +516,161 @@ cdef class BlockPool:
             kvb_pool_free(&self.p, i32_data(out) + keep, k - keep)
         return out[:keep]
 
+    # -- vLLM's bytes block hashes --------------------------------------------------------
+    def lookup_bytes(self, hashes, stop=None, *, Py_ssize_t start=0, full=None, group=0):
+        """Ids of the longest cached prefix of ``hashes[start:stop]`` (int32), NOT pinned,
+        for hashes given as vLLM keeps them: a list of ``bytes`` (one per block). The key
+        of a hash is its first 16 bytes (zero-padded when shorter), read as ``lookup`` reads
+        an (n, 2) uint64 row; only blocks cached for ``group`` count.
+
+        ``full`` (an (num_blocks, 4) uint64 C-contiguous array kept by the caller, which
+        ``cache_bytes(..., full=)`` fills with each block's whole hash) checks the full width
+        too: every hash must then be 32 bytes, and a hit stops at the first block whose row
+        is not the hash's 32 bytes (so a 128-bit key collision, or a row the caller zeroed,
+        never hits).
+
+        Raises InvalidTypeError when ``hashes`` is not a list of bytes, InvalidArgumentError
+        for a bad range, a hash of another width than 32 with ``full``, or a bad ``full``.
+
+        >>> pool = BlockPool(8)
+        >>> h = [bytes([i]) * 32 for i in (1, 2, 3)]
+        >>> full = np.zeros((8, 4), dtype=np.uint64)
+        >>> pool.cache_bytes(pool.allocate(2), h, full=full)
+        2
+        >>> pool.lookup_bytes(h, full=full).tolist()
+        [1, 2]
+        """
+        self._sync()
+        if type(hashes) is not list:
+            raise InvalidTypeError(f"lookup_bytes: hashes must be a list of bytes, got "
+                                   f"{type(hashes).__name__}")
+        cdef list hs = <list>hashes
+        cdef Py_ssize_t end = len(hs)
+        if stop is not None:
+            end = as_int(stop, "lookup_bytes: stop", 0, len(hs))
+        if start < 0 or start > end:
+            raise InvalidArgumentError(f"lookup_bytes: start {start} not in [0, {end}]")
+        cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
+        cdef const uint64_t *tl = self._full_ptr(full, "lookup_bytes")
+        cdef Py_ssize_t n = end - start
+        cdef kvb_hash_t *keys = _bytes_keys(hs, start, n, tl != NULL, "lookup_bytes")
+        cdef cnp.ndarray out = new_i32(n)
+        cdef int32_t *o = i32_data(out)
+        cdef int64_t k, i
+        cdef int32_t b
+        try:
+            k = kvb_cache_lookup(&self.p, keys, n, o)
+            for i in range(k):
+                b = o[i]
+                if self.p.gid[b] != g or (tl != NULL and memcmp(
+                        &tl[4 * <int64_t>b], PyBytes_AS_STRING(hs[start + i]), 32)):
+                    k = i
+                    break
+        finally:
+            PyMem_Free(keys)
+        return out[:k]
+
+    def cache_bytes(self, ids, hashes, Py_ssize_t start=0, *, full=None, mark=None,
+                    group=0):
+        """``cache(ids, keys)`` with the keys of vLLM's bytes hashes: block ``ids[i]`` is
+        registered under ``hashes[start + i]`` (its first 16 bytes, as in lookup_bytes).
+        Returns how many entries were added (a key already cached keeps its first block).
+        No BlockStored is recorded (the caller publishes its own events): raises
+        InvalidStateError while this pool records events or when caching is disabled.
+
+        On success only, ``full[ids[i]]`` (see lookup_bytes) gets the hash's 32 bytes (every
+        hash must be 32 bytes then) and ``mark[ids[i]]`` (a (num_blocks,) bool or uint8 array)
+        is set to 1, for every id, stored or not. All-or-nothing: bad ids, hashes, ``full`` or
+        ``mark`` raise InvalidTypeError / InvalidArgumentError / InvalidStateError (as
+        ``cache``) and change nothing.
+        """
+        self._sync()
+        cdef cnp.ndarray v = as_int32(ids, "ids")
+        cdef Py_ssize_t n = cnp.PyArray_DIM(v, 0), i
+        if type(hashes) is not list:
+            raise InvalidTypeError(f"cache_bytes: hashes must be a list of bytes, got "
+                                   f"{type(hashes).__name__}")
+        cdef list hs = <list>hashes
+        if start < 0 or start + n > len(hs):
+            raise InvalidArgumentError(f"cache_bytes: {n} ids from hash {start}, but "
+                                       f"{len(hs)} hashes")
+        cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
+        cdef uint64_t *tl = self._full_ptr(full, "cache_bytes")
+        cdef uint8_t *mk = NULL
+        cdef int mtype
+        if mark is not None:
+            mtype = cnp.PyArray_TYPE(<cnp.ndarray>mark) if cnp.PyArray_Check(mark) else -1
+            if (mtype not in (cnp.NPY_BOOL, cnp.NPY_UINT8)
+                    or cnp.PyArray_NDIM(<cnp.ndarray>mark) != 1
+                    or not cnp.PyArray_ISCARRAY(<cnp.ndarray>mark)
+                    or cnp.PyArray_DIM(<cnp.ndarray>mark, 0) != self.p.num_blocks):
+                raise InvalidArgumentError(f"cache_bytes: mark must be a writable "
+                                           f"C-contiguous ({self.p.num_blocks},) bool array")
+            mk = <uint8_t *>cnp.PyArray_DATA(<cnp.ndarray>mark)
+        if not self.p.caching:
+            raise InvalidStateError("cache_bytes: prefix caching is disabled on this pool")
+        if self.p.record_events:
+            raise InvalidStateError("cache_bytes: records no events; this pool records "
+                                    "them (use cache() with token_ids)")
+        cdef kvb_hash_t *keys = _bytes_keys(hs, start, n, tl != NULL, "cache_bytes")
+        cdef int32_t *d = i32_data(v)
+        cdef int32_t b
+        cdef int64_t stored = 0
+        cdef int rc
+        try:
+            for i in range(n):  # the group of the blocks about to be cached (as cache())
+                b = d[i]
+                if 0 < b < self.p.num_blocks and not (self.p.flags[b] & KVB_F_CACHED):
+                    self.p.gid[b] = g
+            rc = kvb_cache_insert(&self.p, d, keys, n, NULL, NULL, 0, &stored)
+            if rc == 0:
+                for i in range(n):
+                    b = d[i]
+                    if tl != NULL:
+                        memcpy(&tl[4 * <int64_t>b], PyBytes_AS_STRING(hs[start + i]), 32)
+                    if mk != NULL:
+                        mk[b] = 1
+        finally:
+            PyMem_Free(keys)
+        if rc:
+            raise_code(rc, "cache_bytes", self.p.err_a, self.p.err_b)
+        return stored
+
+    cdef uint64_t *_full_ptr(self, object full, str what) except? NULL:
+        """The data of a (num_blocks, 4) uint64 C-contiguous writable array, NULL for
+        None."""
+        if full is None:
+            return NULL
+        if (not cnp.PyArray_Check(full) or cnp.PyArray_NDIM(<cnp.ndarray>full) != 2
+                or cnp.PyArray_TYPE(<cnp.ndarray>full) != cnp.NPY_UINT64
+                or not cnp.PyArray_ISCARRAY(<cnp.ndarray>full)
+                or cnp.PyArray_DIM(<cnp.ndarray>full, 0) != self.p.num_blocks
+                or cnp.PyArray_DIM(<cnp.ndarray>full, 1) != 4):
+            raise InvalidArgumentError(f"{what}: full must be a writable C-contiguous "
+                                       f"({self.p.num_blocks}, 4) uint64 array")
+        return <uint64_t *>cnp.PyArray_DATA(<cnp.ndarray>full)
+
+    def num_unreferenced(self, ids):
+        """How many of ``ids`` have ref count 0 (free blocks, cached or not); the null block
+        counts as referenced. Raises InvalidArgumentError for an id out of range.
+
+        >>> pool = BlockPool(8)
+        >>> pool.num_unreferenced([1, 2, 0])
+        2
+        """
+        self._sync()
+        cdef cnp.ndarray v = as_int32(ids, "ids")
+        cdef Py_ssize_t n = cnp.PyArray_DIM(v, 0), i
+        cdef int32_t *d = i32_data(v)
+        cdef int64_t count = 0
+        for i in range(n):
+            if d[i] < 0 or d[i] >= self.p.num_blocks:
+                raise InvalidArgumentError(f"num_unreferenced: block {d[i]} out of range "
+                                           f"[0, {self.p.num_blocks})")
+            if d[i] and self.p.ref_count[d[i]] == 0:
+                count += 1
+        return count
+
     cdef int64_t _in_group(self, cnp.ndarray ids, int64_t k, uint8_t g):
         """Leading hits among ids[:k] that are cached for group g."""
         cdef int64_t i
@@ -503,14 +679,17 @@ cdef class BlockPool:
                 return i
         return k
 
-    def reset_prefix_cache(self):
+    def reset_prefix_cache(self, *, bint keep_order=False):
         """Drop every cache entry. Only when no cached block is referenced (else raises
-        InvalidStateError, nothing changed). Its event is one ``AllBlocksCleared``, except on
-        either pool of a BlockManager with a host tier: there the other tier keeps its
-        entries, so this pool records one ``BlockRemoved`` of its own ``medium`` listing every
-        entry it dropped (``BlockManager.reset_prefix_cache()`` clears both tiers)."""
+        InvalidStateError, nothing changed). The dropped blocks move to the free list's head
+        (reused first), or, with ``keep_order``, stay where they are (vLLM's reset). Its
+        event is one ``AllBlocksCleared``, except on either pool of a BlockManager with a
+        host tier: there the other tier keeps its entries, so this pool records one
+        ``BlockRemoved`` of its own ``medium`` listing every entry it dropped
+        (``BlockManager.reset_prefix_cache()`` clears both tiers)."""
         self._sync()
-        cdef int rc = kvb_pool_reset_cache(&self.p)
+        cdef int rc = (kvb_pool_reset_cache_keep_order(&self.p) if keep_order
+                       else kvb_pool_reset_cache(&self.p))
         if rc:
             raise InvalidStateError(f"reset_prefix_cache: {self.p.err_a} of {self.p.err_b} "
                                     f"cached blocks are still referenced")
@@ -765,3 +944,31 @@ cdef bytes _encode_log(const kvb_events_t *ev, const kvb_wire_opts_t *w):
         return PyBytes_FromStringAndSize(<char *>buf.data, <Py_ssize_t>buf.len)
     finally:
         kvb_buf_free(&buf)
+
+
+cdef kvb_hash_t *_bytes_keys(list hs, Py_ssize_t start, Py_ssize_t n, bint full,
+                             str what) except NULL:
+    """The native keys of hs[start:start + n] (bytes hashes: the first 16 bytes of each,
+    zero-padded), in a PyMem_Malloc'd array the caller frees; with ``full`` every hash must
+    be 32 bytes. Raises InvalidTypeError / InvalidArgumentError (nothing allocated then)."""
+    cdef kvb_hash_t *keys = <kvb_hash_t *>PyMem_Malloc(max(n, 1) * sizeof(kvb_hash_t))
+    if keys is NULL:
+        raise MemoryError()
+    cdef Py_ssize_t i, w
+    cdef object h
+    for i in range(n):
+        h = hs[start + i]
+        if not PyBytes_Check(h):
+            PyMem_Free(keys)
+            raise InvalidTypeError(f"{what}: hash {start + i} is {type(h).__name__}, not bytes")
+        w = PyBytes_GET_SIZE(h)
+        if full and w != 32:
+            PyMem_Free(keys)
+            raise InvalidArgumentError(f"{what}: hash {start + i} is {w} bytes; full needs "
+                                       f"32-byte hashes")
+        if w >= 16:
+            memcpy(&keys[i], PyBytes_AS_STRING(h), 16)
+        else:
+            memset(&keys[i], 0, 16)
+            memcpy(&keys[i], PyBytes_AS_STRING(h), w)
+    return keys

@@ -239,3 +239,64 @@ def test_a_new_request_under_a_used_id_is_looked_up_by_its_own_hashes():
     for toks in ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9, 9]):
         got = [m.get_computed_blocks(request("probe", toks))[1] for m in (ref, kvb)]
         assert got[0] == got[1]
+
+
+def test_evicted_blocks_miss_and_lose_their_hash_as_in_vllm():
+    """evict_blocks of a cached block in use: its hash (views, cache map) is gone, lookups stop
+    before it, and its reuse later records no second BlockRemoved; as vLLM's pool (but for
+    the free-list place of the evicted block, a named difference)."""
+    ref, kvb = managers(16, enable_kv_cache_events=True)
+    toks = list(range(1, 14))  # 3 full blocks of 4
+    for m in (ref, kvb):
+        r = request("x", toks)
+        m.allocate_slots(r, r.num_tokens)
+    ids = kvb.get_block_ids("x")[0]
+    assert ids == ref.get_block_ids("x")[0]
+    for m in (ref, kvb):
+        m.evict_blocks({ids[1]})
+    for b in ids:
+        assert ref.block_pool.blocks[b].block_hash == kvb.block_pool.blocks[b].block_hash
+    assert kvb.block_pool.blocks[ids[1]].block_hash is None
+    assert len(ref.block_pool.cached_block_hash_to_block._cache) == len(
+        kvb.block_pool.cached_block_hash_to_block._cache
+    )
+    got = [m.get_computed_blocks(request("y", toks))[1] for m in (ref, kvb)]
+    assert got[0] == got[1] == 4
+    for m in (ref, kvb):
+        m.free(request("x", toks))
+        big = request("z", list(range(100, 100 + 4 * 15)))
+        assert m.allocate_slots(big, big.num_tokens) is not None  # reuses every block
+    # the freed evicted block goes to the free list's tail natively (vLLM: its head), a
+    # difference docs/vllm.md names: the same blocks, popped in another order
+    assert sorted(ref.get_block_ids("z")[0]) == sorted(kvb.get_block_ids("z")[0])
+
+    def removed(m):
+        return sorted(
+            h for e in m.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes
+        )
+
+    assert removed(ref) == removed(kvb)
+
+
+def test_touch_of_a_free_uncached_block_as_in_vllm():
+    """vLLM's BlockPool.touch takes a free block off the free queue whether it is cached or
+    not; block_pool.touch and free_blocks give the same free lists as vLLM's pool."""
+    ref, kvb = managers(16)
+    for m in (ref, kvb):
+        r = request("t", list(range(1, 7)))  # one full (cached) block and a partial one
+        m.allocate_slots(r, r.num_tokens)
+        m.free(r)
+
+    def free_ids(m):
+        return [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+
+    assert free_ids(ref) == free_ids(kvb)
+    for b in (2, 1, 7):  # uncached, cached, never used
+        for m in (ref, kvb):
+            m.block_pool.touch([m.block_pool.blocks[b]])
+        assert free_ids(ref) == free_ids(kvb)
+        assert ref.block_pool.blocks[b].ref_cnt == kvb.block_pool.blocks[b].ref_cnt == 1
+    for m in (ref, kvb):
+        m.block_pool.free_blocks([m.block_pool.blocks[b] for b in (7, 1, 2)])
+    assert free_ids(ref) == free_ids(kvb)
+    assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()

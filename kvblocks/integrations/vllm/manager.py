@@ -5,12 +5,13 @@ natively (see ``native_unsupported``) the block pool, the free list, the ref cou
 prefix-cache table live in one ``kvblocks.BlockPool``, and each scheduler call is a few
 batched native calls over a request's whole hash chain:
 
-- ``get_computed_blocks``: one ``lookup`` over the request's block hashes (vLLM's own bytes
-  hashes, computed in its ``Request``: the native key is their first 128 bits; every hit is
-  checked against the full bytes hash kept beside it);
+- ``get_computed_blocks``: one ``lookup_bytes`` over the request's block hashes (vLLM's own
+  bytes hashes, computed in its ``Request``, passed as the list they are: the native key is
+  their first 128 bits; every hit is checked against the full 32-byte hash kept beside it,
+  natively; other widths take a numpy path);
 - ``allocate_slots``: one ``incref`` of the hit (vLLM's ``touch``), one ``allocate`` of the
-  new blocks, one ``cache`` of the newly full blocks;
-- ``free``: two ``free`` calls (blocks without a cache entry go to the head of the free list
+  new blocks, one ``cache_bytes`` of the newly full blocks;
+- ``free``: one ``free`` call (blocks without a cache entry go to the head of the free list
   in vLLM's order, cached ones to the tail for LRU eviction, as vLLM's ``free_blocks``).
 
 Block tables are lists of int ids; ``KVCacheBlock``-shaped objects (``_BlockView``) are made
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 # VLLMKVCacheManager: vLLM's own class (this module is imported before enable() patches)
 
 _EMPTY_I32 = np.empty(0, dtype=np.int32)
+_ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # the watermark applies
 
 
 def native_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
@@ -103,7 +105,7 @@ class _BlockView:
         cur = self.ref_cnt
         ids = np.array([self.block_id], dtype=np.int32)
         for _ in range(value - cur):
-            self._s.pool.incref(ids)
+            self._s.pool.touch(ids)
         for _ in range(cur - value):
             self._s.release(ids)
 
@@ -161,6 +163,53 @@ class NativeKVCacheBlocks(VLLMKVCacheBlocks):
         return len(self._ids)
 
 
+class _HashMirror:
+    """Block id -> vLLM block hash (group 0) of the blocks whose hash vLLM would show: read
+    from ``full`` (32-byte hashes, written natively) or, for other widths, a dict. A block
+    has one while it holds a native entry (``hashed``) that ``evict`` did not drop."""
+
+    def __init__(self, state: _NativeState) -> None:
+        self._s = state
+        self._other: dict[int, bytes] = {}  # hashes of other widths than 32
+
+    def get(self, b: int, default: Optional[bytes] = None) -> Optional[bytes]:
+        s = self._s
+        if not s.hashed[b]:
+            return default
+        h = self._other.get(b)
+        if h is not None:
+            return h
+        row = s.full[b]
+        return row.tobytes() if row.any() else default
+
+    def __contains__(self, b: object) -> bool:
+        return isinstance(b, (int, np.integer)) and self.get(int(b)) is not None
+
+    def pop(self, b: int, default: Optional[bytes] = None) -> Optional[bytes]:
+        h = self.get(b)
+        self._other.pop(b, None)
+        self._s.full[b] = 0
+        return default if h is None else h
+
+    def update(self, pairs: Iterable[tuple]) -> None:
+        self._other.update(pairs)
+
+    def clear(self) -> None:
+        self._other.clear()
+        self._s.full[:] = 0
+
+    def items(self) -> list:
+        out = []
+        for b in np.flatnonzero(self._s.hashed).tolist():
+            h = self.get(b)
+            if h is not None:
+                out.append((b, h))
+        return out
+
+    def __len__(self) -> int:
+        return len(self.items())
+
+
 class _NativeState:
     """The native pool and the request tables of one full-attention group."""
 
@@ -185,9 +234,11 @@ class _NativeState:
         # hashes and, for 32-byte hashes, their other 16 bytes (n, 2), which every hit is
         # checked against; rebuilt when another Request object comes under the same id
         self.keys: dict[str, tuple] = {}
-        self.tail = np.zeros((num_blocks, 2), dtype=np.uint64)  # cached block -> its tail
-        self.hash_of: dict[int, bytes] = {}  # block id -> vLLM block hash (group 0)
+        # block -> its 32-byte vLLM hash (0 when it has none, or it was evicted): written by
+        # the native cache_bytes, checked by the native lookup_bytes
+        self.full = np.zeros((num_blocks, 4), dtype=np.uint64)
         self.hashed = np.zeros(num_blocks, dtype=np.bool_)  # mirror: native cache entry
+        self.hash_of = _HashMirror(self)  # block id -> vLLM block hash (group 0)
         # vLLM lets several blocks hold one hash (a prompt computed again while its blocks are
         # cached: the hit stops one block short of the prompt); lookups return the earliest.
         # The native table holds one block per key: the first is cached under the key, later
@@ -263,6 +314,11 @@ class _NativeState:
         ``keys`` their native keys when known."""
         if n <= 0 or not self.enable_caching:
             return _EMPTY_I32
+        if keys is None and type(hashes) is list and len(hashes[0]) == 32:
+            try:
+                return self._lookup32(hashes, n)
+            except kvblocks.InvalidArgumentError:  # mixed widths: the general path
+                pass
         if keys is None:
             keys = self.to_keys(hashes[:n])
         hash_of = self.hash_of
@@ -272,7 +328,7 @@ class _NativeState:
             hit = self.pool.lookup(keys[pos:])
             k = len(hit)
             if tails is not None:  # the other half of each hit's hash (0 once evicted)
-                ok = (self.tail[hit] == tails[pos : pos + k]).all(axis=1)
+                ok = (self.full[hit, 2:] == tails[pos : pos + k]).all(axis=1)
                 if not ok.all():
                     k = int(np.argmin(ok))
             else:
@@ -291,6 +347,28 @@ class _NativeState:
             pos += 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def _lookup32(self, hashes: list, n: int) -> np.ndarray:
+        """``lookup`` of 32-byte hashes: keys and the full-width check in native calls (one
+        per run between duplicates)."""
+        pool, full = self.pool, self.full
+        hit = pool.lookup_bytes(hashes, n, full=full)
+        pos = len(hit)
+        if pos == n or not self.dups:
+            return hit
+        parts = [hit]
+        while pos < n:
+            d = self.dups.get(hashes[pos])  # the key's first block is gone: the next one
+            if not d:
+                break
+            parts.append(np.array(d[:1], dtype=np.int32))
+            pos += 1
+            if pos == n:
+                break
+            more = pool.lookup_bytes(hashes, n, start=pos, full=full)
+            parts.append(more)
+            pos += len(more)
+        return np.concatenate(parts)
+
     def allocate(self, n: int) -> np.ndarray:
         """n new blocks (ref 1), popping the free list's head; evicted entries leave the
         table (with their BlockRemoved events, in pop order)."""
@@ -303,14 +381,14 @@ class _NativeState:
         if evictable and self.enable_caching:
             was = self.hashed[ids]
             if was.any():
-                self.hashed[ids] = False
-                for b in ids[was].tolist():
+                for b in ids[was].tolist():  # (the mirror reads hashed: clear it after)
                     h = self.hash_of.pop(b, None)
                     if h is None:
                         continue
                     self._drop_dup(h, b)
                     if self.enable_events:
                         self.events.append(self._removed(h))
+                self.hashed[ids] = False
         return ids
 
     def _drop_dup(self, h: bytes, b: int) -> None:
@@ -350,13 +428,33 @@ class _NativeState:
         if num_cached >= num_full:
             return
         # blocks past num_cached are the request's own (allocated, so without an entry)
-        ids = np.array(self.req[rid][num_cached:num_full], dtype=np.int32)
+        ids_l = self.req[rid][num_cached:num_full]
+        hs = hashes[num_cached:num_full]
+        dups = self.dups
+        if (
+            type(hashes) is list
+            and len(hashes[0]) == 32
+            and not (dups and any(h in dups for h in hs))
+        ):
+            try:
+                stored = self.pool.cache_bytes(
+                    ids_l, hashes, num_cached, full=self.full, mark=self.hashed
+                )
+            except kvblocks.InvalidArgumentError:  # mixed widths: the general path
+                pass
+            else:
+                if stored != len(ids_l):  # keys held by other blocks: cache duplicates
+                    self._cache_dups(ids_l, hs, self.to_keys(hs), None)
+                self.num_cached[rid] = num_full
+                if self.enable_events:
+                    self.events.append(self._stored(request, num_cached, num_full))
+                return
+        ids = np.array(ids_l, dtype=np.int32)
         keys, tails = self.request_keys(request, num_full)
         keys = keys[num_cached:num_full]
         if tails is not None:
-            self.tail[ids] = tails[num_cached:num_full]
-        hs = hashes[num_cached:num_full]
-        dups = self.dups
+            self.full[ids, :2] = keys
+            self.full[ids, 2:] = tails[num_cached:num_full]
         if dups and any(h in dups for h in hs):  # a hash with duplicates: append to them
             first = np.array([h not in dups for h in hs], dtype=np.bool_)
             stored = self.pool.cache(ids[first], keys[first])
@@ -368,18 +466,25 @@ class _NativeState:
         self.hashed[ids] = True
         self.hash_of.update(zip(ids.tolist(), hs))
         if not all_in:  # some keys were held by another block: cache these as duplicates
-            is_cached = self.pool.is_cached
-            for j, b in enumerate(ids.tolist()):
-                if (first is None or first[j]) and is_cached(b):
-                    continue
-                self._salt += 1
-                k = keys[j : j + 1].copy()
-                k[0, 1] ^= np.uint64((self._salt * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
-                self.pool.cache(ids[j : j + 1], k)
-                dups.setdefault(hs[j], []).append(b)
+            self._cache_dups(ids.tolist(), hs, keys, first)
         self.num_cached[rid] = num_full
         if self.enable_events:
             self.events.append(self._stored(request, num_cached, num_full))
+
+    def _cache_dups(
+        self, ids: list, hs: Sequence[bytes], keys: np.ndarray, first: Optional[np.ndarray]
+    ) -> None:
+        """Cache the blocks of ``ids`` left uncached (their key held by another block; or
+        not ``first``) under salted keys of their own, listed in ``dups`` under the hash."""
+        is_cached = self.pool.is_cached
+        for j, b in enumerate(ids):
+            if (first is None or first[j]) and is_cached(b):
+                continue
+            self._salt += 1
+            k = keys[j : j + 1].copy()
+            k[0, 1] ^= np.uint64((self._salt * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+            self.pool.cache(np.array([b], dtype=np.int32), k)
+            self.dups.setdefault(hs[j], []).append(b)
 
     def _stored(self, request: Any, num_cached: int, num_full: int) -> BlockStored:
         """vLLM's BlockStored for blocks [num_cached, num_full) of a request (the shape of
@@ -416,7 +521,6 @@ class _NativeState:
             h = self.hash_of.pop(b, None)
             if h is None:
                 continue
-            self.tail[b] = 0  # lookups check the tail: the entry no longer hits
             self._drop_dup(h, b)
             if self.enable_events:
                 self.events.append(self._removed(h))
@@ -430,11 +534,7 @@ class _NativeState:
             )
             return False
         if self.enable_caching and self.hashed.any():
-            # vLLM drops the entries and keeps the free list's order (the native reset moves
-            # cached blocks to the head): take every block (which evicts each entry) and give
-            # them back uncached, each to the head, in reverse, so the order is as it was
-            ids = self.pool.allocate(self.pool.num_free)
-            self.pool.free(ids[::-1])
+            self.pool.reset_prefix_cache(keep_order=True)  # vLLM keeps the free list's order
         self.hash_of.clear()
         self.hashed[:] = False
         self.dups.clear()
@@ -575,7 +675,7 @@ class NativeBlockPoolView:
     def touch(self, blocks: Sequence[Any]) -> None:
         ids = np.array([b.block_id for b in blocks if not b.is_null], dtype=np.int32)
         if len(ids):
-            self._s.pool.incref(ids)
+            self._s.pool.touch(ids)  # vLLM's touch: free blocks too, cached or not
 
     def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
         if evict_first:
@@ -765,8 +865,11 @@ class KVCacheManager(VLLMKVCacheManager):
         # keys of the whole chain, once: allocate_slots caches the blocks past the hit
         if n <= 0:
             return self.empty_kv_cache_blocks, 0, 0
-        keys, tails = s.request_keys(request, len(hashes))
-        hit = s.lookup(hashes, n, keys[:n], None if tails is None else tails[:n])
+        if type(hashes) is list and len(hashes[0]) == 32:
+            hit = s.lookup(hashes, n)  # keys and the full-width check natively
+        else:
+            keys, tails = s.request_keys(request, len(hashes))
+            hit = s.lookup(hashes, n, keys[:n], None if tails is None else tails[:n])
         if not len(hit):
             return self.empty_kv_cache_blocks, 0, 0
         if (
@@ -794,7 +897,7 @@ class KVCacheManager(VLLMKVCacheManager):
             return max(required - have, 0)
         new = max(required - len(new_ids) - have, 0)
         if len(new_ids):
-            new += int(np.count_nonzero(s.refs[new_ids] == 0))
+            new += s.pool.num_unreferenced(new_ids)
         return new
 
     def allocate_slots(
@@ -846,21 +949,27 @@ class KVCacheManager(VLLMKVCacheManager):
             and rid in s.num_cached
         ):  # a running request (decode, next chunk): the same rules, fewer steps
             max_len = self.max_model_len
-            num_main = min(request.num_computed_tokens + num_new_computed_tokens, max_len)
+            bs = self._bs
+            num_main = request.num_computed_tokens + num_new_computed_tokens
+            if num_main > max_len:
+                num_main = max_len
             num_main += num_new_tokens
-            n_new = cdiv(min(num_main + num_lookahead_tokens, max_len), self._bs) - len(table)
+            need = num_main + num_lookahead_tokens
+            n_new = -(-(need if need < max_len else max_len) // bs) - len(table)  # cdiv
             watermark = 0
-            if has_scheduled_reqs and request.status in (
-                RequestStatus.WAITING,
-                RequestStatus.PREEMPTED,
-            ):
+            if has_scheduled_reqs and request.status in _ADMITTING:
                 watermark = self.watermark_blocks
-            if max(n_new, 0) + watermark > s.pool.num_free - reserved_blocks:
+            if (n_new if n_new > 0 else 0) + watermark > s.pool.num_free - reserved_blocks:
                 return None
             if n_new > 0:
                 new = s.allocate(n_new)
                 table.extend(new.tolist())
-            if not delay_cache_blocks and self.enable_caching:
+            # (cache() does nothing unless a hash past the cached blocks exists)
+            if (
+                not delay_cache_blocks
+                and self.enable_caching
+                and len(request.block_hashes) > s.num_cached[rid]
+            ):
                 s.cache(request, min(num_main, request.num_tokens))
             if n_new > 0:
                 return NativeKVCacheBlocks(s, (new,))
@@ -874,10 +983,7 @@ class KVCacheManager(VLLMKVCacheManager):
         num_local = request.num_computed_tokens + num_new_computed_tokens
         total_computed = min(num_local + num_external_computed_tokens, self.max_model_len)
         watermark = 0
-        if has_scheduled_reqs and request.status in (
-            RequestStatus.WAITING,
-            RequestStatus.PREEMPTED,
-        ):
+        if has_scheduled_reqs and request.status in _ADMITTING:
             watermark = self.watermark_blocks
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
@@ -885,7 +991,14 @@ class KVCacheManager(VLLMKVCacheManager):
                 return None
         num_main = total_computed + num_new_tokens
         need = min(num_main + num_lookahead_tokens, self.max_model_len)
-        n_alloc = self._blocks_to_allocate(rid, need, new_ids)
+        if table is None:  # a new request (so not in num_cached): _blocks_to_allocate's rule
+            n_alloc = -(-need // self._bs) - len(new_ids)
+            if n_alloc < 0:
+                n_alloc = 0
+            if len(new_ids):
+                n_alloc += s.pool.num_unreferenced(new_ids)
+        else:
+            n_alloc = self._blocks_to_allocate(rid, need, new_ids)
         if n_alloc + watermark > s.pool.num_free - reserved_blocks:
             return None
         if table is None:
@@ -908,7 +1021,7 @@ class KVCacheManager(VLLMKVCacheManager):
                     0, cdiv(num_local + num_external_computed_tokens, self._bs) - len(table)
                 )
                 table.extend(s.allocate(n_ext).tolist())
-        n_new = cdiv(need, self._bs) - len(table)
+        n_new = -(-need // self._bs) - len(table)  # cdiv
         new = s.allocate(n_new) if n_new > 0 else _EMPTY_I32
         if len(new):
             table.extend(new.tolist())
@@ -928,13 +1041,8 @@ class KVCacheManager(VLLMKVCacheManager):
         # vLLM frees the table in reverse: blocks without an entry (the table's tail past
         # its c cached blocks) to the free list's head in that order, cached ones to the
         # tail. The native free puts each uncached block at the head, so they go in forward
-        # order; with at most one of them, one call does both.
-        if len(table) - c <= 1:
-            s.pool.free(np.array(table[::-1], dtype=np.int32))
-        else:
-            s.pool.free(np.array(table[c:], dtype=np.int32))
-            if c:
-                s.pool.free(np.array(table[c - 1 :: -1], dtype=np.int32))
+        # order, then the cached ones in reverse: one call (it takes them in order).
+        s.pool.free(table[c:] + table[c - 1 :: -1] if c else table)
 
     def free(self, request: Any) -> None:
         if not self.native:
