@@ -549,22 +549,25 @@ int64_t kvb_manager_pending_copies(kvb_manager_t *m) {
     return n;
 }
 
-/* a step's validation (all groups: group < 0), the copies pending refusing it */
+/* A step's one check (all groups: group < 0), the copies pending refusing it; with sizes
+ * (one per group checked), the step is sized in the same pass (kvb_step_check). */
 static int check_step(kvb_manager_t *m, const int32_t *seqs, const int32_t *qlens,
-                      const int32_t *drafts, int64_t B, int32_t group) {
+                      const int32_t *drafts, int64_t B, int32_t group, kvb_step_size_t *sizes) {
     if (B < 0 || (B && (!seqs || !qlens))) return fail(m, KVB_EINVAL, 0, B, "B, seqs, qlens");
     int64_t nc = kvb_manager_pending_copies(m);
     if (m->ng > 1 && nc) return fail(m, KVB_EPENDING, nc, 0, NULL);
-    if (group < 0) return fin(m, kvb_grp_schedule(m->gp, m->ng, seqs, qlens, drafts, B, 0), 0);
-    return fin(m, kvb_mgr_schedule(m->gp[group], seqs, qlens, drafts, B, 0), group);
+    if (!sizes) return fin(m, kvb_grp_schedule(m->gp, m->ng, seqs, qlens, drafts, B, 0), 0);
+    if (group < 0) return fin(m, kvb_step_check(m->gp, m->ng, seqs, qlens, drafts, B, sizes), 0);
+    return fin(m, kvb_step_check(&m->gp[group], 1, seqs, qlens, drafts, B, sizes), group);
 }
 
 int kvb_manager_schedule(kvb_manager_t *m, const int32_t *seqs, const int32_t *qlens,
                          const int32_t *drafts, int64_t B) {
     MUTATE(m);
-    int rc = check_step(m, seqs, qlens, drafts, B, -1);
+    int rc = check_step(m, seqs, qlens, drafts, B, -1, NULL);
     if (rc) return rc;
-    return fin(m, kvb_grp_schedule(m->gp, m->ng, seqs, qlens, drafts, B, 1), 0);
+    kvb_step_commit(m->gp, m->ng, seqs, qlens, drafts, B);
+    return KVB_OK;
 }
 
 /* Scratch targets for buffers a step of no tokens or no blocks may leave NULL. */
@@ -624,14 +627,16 @@ int kvb_manager_metadata(kvb_manager_t *m, int32_t group, const int32_t *seqs,
         return fail(m, KVB_EINVAL, 0, group, "out, group");
     kvb_meta_t meta;
     zeros_t z = {0, 0};
+    kvb_step_size_t size;
     int rc = meta_view(m, B, out, &meta, &z);
-    if (!rc) rc = check_step(m, seqs, qlens, drafts, B, group);
+    if (!rc) rc = check_step(m, seqs, qlens, drafts, B, group, &size);
+    if (!rc) rc = fin(m, kvb_meta_fits(m->gp[group], &size, &meta), group);
     if (rc) return rc;
-    rc = kvb_mgr_metadata(m->gp[group], seqs, qlens, drafts, B, &meta);
-    if (rc) return fin(m, rc, group);
+    kvb_step_release(&m->gp[group], 1, seqs, qlens, B); /* before the tables are written */
+    kvb_meta_write(m->gp[group], seqs, qlens, drafts, B, &meta);
     out->n_tokens = meta.n_tokens;
     out->n_indices = meta.n_indices;
-    KVB_MUST(kvb_mgr_schedule(m->gp[group], seqs, qlens, drafts, B, 1));
+    kvb_step_commit(&m->gp[group], 1, seqs, qlens, drafts, B);
     return KVB_OK;
 }
 
@@ -642,14 +647,16 @@ int kvb_manager_rows(kvb_manager_t *m, int32_t group, const int32_t *seqs,
     if (!out || out->size < sizeof *out || group < 0 || group >= m->ng)
         return fail(m, KVB_EINVAL, 0, group, "out, group");
     kvb_rows_t r;
+    kvb_step_size_t size;
     int rc = rows_view(m, group, out, &r);
-    if (!rc) rc = check_step(m, seqs, qlens, drafts, B, group);
+    if (!rc) rc = check_step(m, seqs, qlens, drafts, B, group, &size);
+    if (!rc) rc = fin(m, kvb_rows_fits(m->gp[group], &size, &r), group);
     if (rc) return rc;
-    rc = kvb_mgr_rows(m->gp[group], seqs, qlens, drafts, B, &r);
-    if (rc) return fin(m, rc, group);
+    kvb_step_release(&m->gp[group], 1, seqs, qlens, B); /* before the rows are written */
+    kvb_rows_write(m->gp[group], seqs, qlens, drafts, B, &r);
     out->n_read = r.n_read;
     out->n_write = r.n_write;
-    KVB_MUST(kvb_mgr_schedule(m->gp[group], seqs, qlens, drafts, B, 1));
+    kvb_step_commit(&m->gp[group], 1, seqs, qlens, drafts, B);
     return KVB_OK;
 }
 
@@ -682,17 +689,11 @@ int kvb_manager_plan_step(kvb_manager_t *m, const int32_t *seqs, const int32_t *
         kvb_plan_delete(p);
         return fail(m, KVB_ENOMEM, 0, 0, NULL);
     }
-    int rc = KVB_OK;
-    int64_t nc = kvb_manager_pending_copies(m);
-    if (B && (!seqs || !qlens)) rc = fail(m, KVB_EINVAL, 0, B, "B, seqs, qlens");
-    else if (m->ng > 1 && nc) rc = fail(m, KVB_EPENDING, nc, 0, NULL);
-    if (!rc) { /* the one check of the step, for every group, with its sizes */
-        kvb_copy(p->seqs, seqs, (size_t)B * sizeof(int32_t));
-        kvb_copy(p->qlens, qlens, (size_t)B * sizeof(int32_t));
-        if (drafts) kvb_copy(p->drafts, drafts, (size_t)B * sizeof(int32_t));
-        rc = fin(m, kvb_step_check(m->gp, m->ng, p->seqs, p->qlens, p->drafts, B, p->sizes), 0);
-    }
+    int rc = check_step(m, seqs, qlens, drafts, B, -1, p->sizes); /* once, every group */
     if (rc) { kvb_plan_delete(p); return rc; }
+    kvb_copy(p->seqs, seqs, (size_t)B * sizeof(int32_t));
+    kvb_copy(p->qlens, qlens, (size_t)B * sizeof(int32_t));
+    if (drafts) kvb_copy(p->drafts, drafts, (size_t)B * sizeof(int32_t));
     kvb_step_release(m->gp, m->ng, p->seqs, p->qlens, B);
     if (commit) kvb_step_commit(m->gp, m->ng, p->seqs, p->qlens, p->drafts, B);
     p->m = m;

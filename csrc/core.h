@@ -599,14 +599,12 @@ typedef struct {
     int64_t valid_rows;        /* in/out: leading rows of the row cache that are valid */
     int64_t n_tokens;          /* out: query tokens written */
     int64_t n_indices;         /* out: kv_indices written */
-} kvb_meta_t;
-
-int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
-                     const int32_t *drafts, int64_t B, kvb_meta_t *out);
+} kvb_meta_t; /* written by kvb_meta_write for a step kvb_step_check checked (step.c) */
 
 /* Per-token row indices of a step (rows.c), for a cache laid out as rows: token p of a sequence
- * is row blocks[p / block_size] * stride + offset + p % block_size. Same step model and
- * validation as kvb_mgr_metadata; NULL read_index / write_index / block_tables are skipped. */
+ * is row blocks[p / block_size] * stride + offset + p % block_size. Same step model as the
+ * metadata (written by kvb_rows_write for a checked step); NULL read_index / write_index /
+ * block_tables are skipped. */
 typedef struct {
     int64_t *read_index;       /* [cap_read] rows of every context token, sequence by sequence */
     int64_t *write_index;      /* [cap_write] rows of every query token */
@@ -622,9 +620,6 @@ typedef struct {
     int64_t n_read;            /* out: read rows written */
     int64_t n_write;           /* out: write rows written */
 } kvb_rows_t;
-
-int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
-                 const int32_t *drafts, int64_t B, kvb_rows_t *out);
 
 /* ---- a step planned once (step.c) ------------------------------------------------------- *
  * A forward step over sequences slots[0..B): each computes its last qlens[i] committed tokens

@@ -74,18 +74,6 @@ int kvb_rows_fits(kvb_mgr_t *m, const kvb_step_size_t *z, const kvb_rows_t *out)
     return KVB_OK;
 }
 
-/* The v1 call: check (one group), fit, release, write; the caller commits (schedule). */
-int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
-                 const int32_t *drafts, int64_t B, kvb_rows_t *out) {
-    kvb_step_size_t z;
-    int rc = kvb_step_check(&m, 1, slots, qlens, drafts, B, &z);
-    if (!rc) rc = kvb_rows_fits(m, &z, out);
-    if (rc) return rc;
-    kvb_mgr_step_release(m, slots, qlens, B); /* before the rows are written (as metadata) */
-    kvb_rows_write(m, slots, qlens, drafts, B, out);
-    return KVB_OK;
-}
-
 void kvb_rows_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                     const int32_t *drafts, int64_t B, kvb_rows_t *out) {
     int64_t bs = m->block_size, stride = out->stride, offset = out->offset;

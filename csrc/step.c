@@ -13,8 +13,9 @@
  * kvblocks' plan_step runs check, release and commit in one call (kvb_step_plan) and writes
  * afterwards, as often as asked, until the manager next changes (the tables written are the
  * same before and after the commit: it caches blocks, it never moves them). The v1 calls
- * (schedule, metadata, row_indices) are this sequence for one group or all, writing between
- * release and commit so that a buffer too small fails before anything is declared.
+ * (schedule, metadata, row_indices, in the Cython layer and in capi.c) are this sequence for
+ * one group or all, checking the buffers before the release and writing between release and
+ * commit, so that a buffer too small fails before anything changes.
  */
 #include "internal.h"
 

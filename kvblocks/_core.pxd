@@ -286,9 +286,6 @@ cdef extern from "core.h" nogil:
         int64_t cap_rows, valid_rows
         int64_t n_tokens, n_indices
 
-    int kvb_mgr_metadata(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
-                         const int32_t *drafts, int64_t B, kvb_meta_t *out)
-
     ctypedef struct kvb_rows_t:
         int64_t *read_index
         int64_t *write_index
@@ -299,9 +296,6 @@ cdef extern from "core.h" nogil:
         int32_t max_blocks
         int64_t stride, offset
         int64_t n_read, n_write
-
-    int kvb_mgr_rows(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
-                     const int32_t *drafts, int64_t B, kvb_rows_t *out)
 
     ctypedef struct kvb_step_size_t:
         int64_t tokens, blocks, max_blocks, context

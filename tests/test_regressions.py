@@ -16,7 +16,7 @@ from kvblocks import (
 
 
 def test_fork_and_metadata_of_an_empty_sequence():
-    """UBSan: memcpy(dst, NULL, 0) in kvb_mgr_fork and kvb_mgr_metadata for a sequence with
+    """UBSan: memcpy(dst, NULL, 0) in kvb_mgr_fork and the metadata writer (then kvb_mgr_metadata) for a sequence with
     no tokens and no blocks (fixed with kvb_copy)."""
     mgr = BlockManager(8, 4, num_host_blocks=4)
     mgr.add("e", [])
