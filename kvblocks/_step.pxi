@@ -47,42 +47,51 @@ cdef class StepPlan:
     cdef kvb_step_size_t *_zs  # [_ng] each group's sizes (owned)
     cdef int32_t _ng
 
+    def __init__(self):
+        raise TypeError("StepPlan is made by BlockManager.plan_step")
+
     def __dealloc__(self):
         free(self._zs)
+
+    cdef BlockManager _owner(self):
+        """The manager; a plan not made by plan_step (StepPlan.__new__) has none."""
+        if self.manager is None:
+            raise InvalidStateError("this StepPlan was not made by BlockManager.plan_step")
+        return <BlockManager>self.manager
 
     def __len__(self):
         return self._B
 
     def size(self, group=0):
         """The StepSize of group ``group``'s part of the step."""
-        cdef int32_t g = (<BlockManager>self.manager)._group(group)
+        cdef int32_t g = self._owner()._group(group)
         return StepSize(self._zs[g].tokens, self._zs[g].blocks, self._zs[g].max_blocks,
                         self._zs[g].context)
 
     @property
     def stale(self):
         """True once the manager changed after this plan: its writers would raise."""
-        return self._epoch != (<BlockManager>self.manager)._epoch
+        return self._epoch != self._owner()._epoch
 
     def commit(self):
         """Declare a step planned with ``commit=False``, once its forward wrote the K/V:
         every committed token counts as computed, newly full blocks enter the prefix cache.
         The writers stay valid. Raises InvalidStateError when committed already or stale."""
-        (<BlockManager>self.manager)._step_commit(self)
+        self._owner()._step_commit(self)
 
     def metadata(self, group=0, *, out=None):
         """Group ``group``'s attention metadata of the step (``BlockManager.metadata``'s
         result), into ``out`` (an AttentionMetadata from ``AttentionMetadata.allocate``) or
         fresh arrays of the step's size. Writes only (the step is declared by plan_step or
         commit)."""
-        return (<BlockManager>self.manager)._step_metadata(self, group, out)
+        return self._owner()._step_metadata(self, group, out)
 
     def rows(self, group=0, *, stride, offset=0, bint block_tables=False, max_blocks=None,
              out=None):
         """Group ``group``'s per-token cache rows of the step (``BlockManager.row_indices``'
         result, same arguments). Writes only."""
-        return (<BlockManager>self.manager)._step_rows(self, group, stride, offset,
-                                                       block_tables, max_blocks, out)
+        return self._owner()._step_rows(self, group, stride, offset, block_tables,
+                                        max_blocks, out)
 
     def __repr__(self):
         return f"StepPlan({self._B} sequences, {self._ng} group(s))"

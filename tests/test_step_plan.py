@@ -269,3 +269,19 @@ def test_a_window_steps_tables_read_the_null_block_where_it_released(path):
     assert held[:3] == [0, 0, 0] and 0 not in held[3:6]  # blocks 0-2: positions 0-11
     assert table[:6] == held[:6]
     mgr.check()
+
+
+def test_a_plan_not_made_by_plan_step_refuses_instead_of_crashing():
+    with pytest.raises(TypeError):
+        kvblocks.StepPlan()
+    bare = kvblocks.StepPlan.__new__(kvblocks.StepPlan)
+    for call in (
+        bare.metadata,
+        bare.commit,
+        lambda: bare.rows(stride=4),
+        bare.size,
+        lambda: bare.stale,
+    ):
+        with pytest.raises(kvblocks.InvalidStateError, match="not made by"):
+            call()
+    assert len(bare) == 0
