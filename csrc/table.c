@@ -170,22 +170,24 @@ static void drop_dead_copies(kvb_mgr_t *m) {
 }
 
 /* ---- write rule ------------------------------------------------------------------------- */
-/* Blocks covering ntokens + n tokens, for any n in [0, INT64_MAX]; saturates at INT64_MAX
- * (never fits) instead of overflowing: ntokens is below 2^62 and n's quotient comes first. */
-static int64_t blocks_after(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t n) {
-    int64_t q = n / m->block_size, r = n % m->block_size;
-    int64_t b = blocks_for(m, s->ntokens + r);
-    return q > INT64_MAX - b ? INT64_MAX : q + b;
+/* Blocks beyond the first `base` that ntokens + n tokens cover, for any n in [0, INT64_MAX]:
+ * exact, saturating at INT64_MAX (never fits) rather than overflowing. ntokens is below 2^62,
+ * so only n's quotient can overflow, and it is added last. Subtracting `base` before the
+ * quotient keeps the answer exact up to INT64_MAX itself (a fuzz finding: a saturated cover
+ * less the table length answered INT64_MAX - nblocks for block_size 1). */
+static int64_t growth(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t n, int64_t base) {
+    int64_t q = n / m->block_size;
+    int64_t d = blocks_for(m, s->ntokens + n % m->block_size) - base;
+    if (d > 0 && q > INT64_MAX - d) return INT64_MAX;
+    return q + d > 0 ? q + d : 0;
 }
 
 /* Blocks taking n more written tokens would cost: growth plus copy-on-write of block w. */
 static int64_t need_for(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t n) {
     if (n <= 0 || m->kind == KVB_G_STATE) return 0;
-    int64_t grow = blocks_after(m, s, n) - s->nblocks;
-    if (grow < 0) grow = 0;
+    int64_t grow = growth(m, s, n, s->nblocks);
     int64_t w = blk_of(m, s->ntokens);
-    if (w < s->nblocks && users(m, s->blocks[w]) > 1) grow++;
-    return grow;
+    return w < s->nblocks && users(m, s->blocks[w]) > 1 ? add_sat(grow, 1) : grow;
 }
 
 /* Make block w private (copy-on-write) and uncached; one free block is available if needed. */
@@ -660,8 +662,8 @@ int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n) {
     const kvb_seq_t *s = live_seq(m, slot);
     if (!s) return KVB_EUNKNOWN;
     if (s->swapped) {
-        int64_t grow = m->kind == KVB_G_STATE ? 0 : blocks_after(m, s, n) - s->nblocks;
-        return swap_in_need(m, s, NULL) + (grow > 0 ? grow : 0);
+        int64_t grow = m->kind == KVB_G_STATE ? 0 : growth(m, s, n, s->nblocks);
+        return add_sat(swap_in_need(m, s, NULL), grow);
     }
     return need_for(m, s, n);
 }
@@ -699,8 +701,7 @@ KVB_NOINLINE static int exact_batch_need(kvb_mgr_t *m, const int32_t *slots, int
     int64_t need = 0, nshared = 0;
     for (int64_t i = 0; i < count; i++) {
         const kvb_seq_t *s = &m->seqs[slots[i]];
-        int64_t grow = blocks_after(m, s, n) - s->nblocks;
-        if (grow > 0) need = add_sat(need, grow);
+        need = add_sat(need, growth(m, s, n, s->nblocks));
         int64_t w = blk_of(m, s->ntokens);
         if (w < s->nblocks && users(m, s->blocks[w]) > 1) shared[nshared++] = s->blocks[w];
     }
@@ -738,14 +739,12 @@ int kvb_mgr_step_need(kvb_mgr_t *m, const int32_t *slots, const int64_t *ns,
     for (int64_t i = 0; i < count; i++) {
         const kvb_seq_t *s = &m->seqs[slots[i]];
         if (forks && forks[i] > 0 && cn[i] > 0) { /* each child: its write block, growth */
-            int64_t after = blocks_after(m, s, cn[i]);
-            int64_t child = after == INT64_MAX ? INT64_MAX
-                            : after - blocks_for(m, s->ntokens) + (off_in(m, s->ntokens) != 0);
+            int64_t full = blocks_for(m, s->ntokens) - (off_in(m, s->ntokens) != 0);
+            int64_t child = growth(m, s, cn[i], full);
             need = add_sat(need, mul_sat(forks[i], child));
         }
         if (ns[i] <= 0) continue;
-        int64_t after = blocks_after(m, s, ns[i]);
-        if (after > s->nblocks) need = add_sat(need, after - s->nblocks);
+        need = add_sat(need, growth(m, s, ns[i], s->nblocks));
         int64_t w = blk_of(m, s->ntokens);
         if (w < s->nblocks && users(m, s->blocks[w]) > 1) shared[nshared++] = s->blocks[w];
     }
