@@ -348,28 +348,31 @@ typedef struct {               /* per-sequence hash chain state beside hashes[] 
 } kvb_chain_t;
 
 typedef struct {
+    /* the first 64 bytes are what a decode step (append_batch) reads and writes of a
+     * record: one cache line (before, its fields were spread over three) */
     int32_t *blocks;           /* [bcap] block table: physical ids in logical order */
-    int32_t nblocks, bcap;     /* blocks held (committed + reserved), capacity */
     int32_t *tokens;           /* [tcap] committed token ids */
-    int64_t ntokens, tcap;     /* committed tokens, capacity */
     kvb_hash_t *hashes;        /* [hcap] hashes of the leading full blocks */
+    int64_t ntokens, tcap;     /* committed tokens, capacity */
+    int32_t nblocks, bcap;     /* blocks held (committed + reserved), capacity */
     int32_t nhashed, hcap;     /* hashes known (<= ntokens / block_size), capacity */
+    uint32_t stamp;            /* last append_batch call that touched it (duplicate check) */
+    int32_t swapped;           /* blocks refer to the host pool (swap_out) */
+    /* the rest */
     int64_t ncomputed;         /* leading tokens whose K/V are written (or promised by the
                                 * last schedule/metadata call); <= ntokens */
     int64_t drafted;           /* positions < drafted were scheduled as draft slots since the
                                 * last commit: append(computed=1) may commit up to here */
-    kvb_hash_t root;           /* chain seed (salt folded in) */
-    kvb_chain_t chain;         /* the rest of the hash chain's state (chain.c) */
     uint32_t gen;              /* bumped when the slot is freed; odd = live */
     uint32_t tver;             /* bumped when an existing table entry changes (not on growth) */
-    uint32_t stamp;            /* last append_batch call that touched it (duplicate check) */
     int32_t next_free;         /* free-slot stack link */
-    int32_t swapped;           /* blocks refer to the host pool (swap_out) */
     int32_t lo;                /* blocks[0..lo) were released (window / chunk groups): 0 */
     int64_t room;              /* STATE: the blocks a token group's table of this sequence
                                 * holds (its tokens' blocks, grown by reserve, cut by
                                 * truncate), which its draft slots must lie within as in
                                 * every kind; other kinds: unused (0) */
+    kvb_hash_t root;           /* chain seed (salt folded in) */
+    kvb_chain_t chain;         /* the rest of the hash chain's state (chain.c) */
 } kvb_seq_t;
 
 /* KV cache group kinds: a manager is one group; groups.c runs several over one pool. */
