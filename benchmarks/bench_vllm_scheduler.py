@@ -138,6 +138,7 @@ def p99(xs: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--verbose", action="store_true", help="every rep's step times")
     ap.add_argument(
         "--out", default=str(Path(__file__).parent / "results/bench_vllm_scheduler.json")
     )
@@ -155,6 +156,11 @@ def main() -> None:
             side = "kvblocks" if native else "vllm"
             res[side]["prefill"].append(prefill)
             res[side]["decode"].append(statistics.median(steps))
+            if args.verbose:
+                print(
+                    f"rep {rep} {side:8s} prefill {prefill:7.2f} ms, decode steps "
+                    f"{' '.join(f'{x:.2f}' for x in steps)}"
+                )
             got[native] = (trace, blocks)
         if got[False] != got[True]:
             sys.exit("the two managers scheduled different steps or gave different blocks")
