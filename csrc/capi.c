@@ -318,9 +318,7 @@ int kvb_manager_new(const kvb_manager_config_t *given, kvb_manager_t **out) {
         if (k < KVB_GROUP_FULL || k > KVB_GROUP_STATE) return KVB_EINVAL;
         if (k != KVB_GROUP_FULL && (c->groups[j].span < 1 || c->groups[j].span > INT32_MAX))
             return KVB_EINVAL;
-        if (tier && k != KVB_GROUP_FULL) return KVB_EINVAL;
     }
-    if (tier && c->num_groups > 1) return KVB_EINVAL;
 
     kvb_manager_t *m = calloc(1, sizeof *m);
     if (!m) return KVB_ENOMEM;

@@ -510,6 +510,12 @@ int64_t kvb_mgr_add_need(const kvb_mgr_t *m, int64_t n, int64_t k);
 void kvb_mgr_add_pin(kvb_mgr_t *m, const int32_t *tokens, int64_t n, int64_t k, int stats,
                      int recompute, int32_t *slot_out);
 void kvb_mgr_add_fill(kvb_mgr_t *m, int32_t slot);
+/* the pool's query counters for an add of n tokens with a k-block device hit (pin's stats) */
+void kvb_mgr_add_stats(kvb_mgr_t *m, int64_t n, int64_t k, int recompute);
+/* the first block a k-block hit of an n-token prompt needs (below: null entries) and the
+ * blocks a table of n tokens takes in this group */
+int64_t kvb_mgr_hit_lo(const kvb_mgr_t *m, int64_t n, int64_t k);
+int64_t kvb_mgr_table_blocks(const kvb_mgr_t *m, int64_t n);
 /* Append validation alone (unknown, swapped, n < 0, computed tokens without draft slots). */
 int kvb_mgr_append_check(kvb_mgr_t *m, int32_t slot, int64_t n, int computed);
 /* Truncate validation alone (KVB_EINVAL, KVB_ESTATE when it would need released blocks). */
@@ -677,6 +683,7 @@ typedef struct {               /* an evicted device entry on its way to the host
     kvb_hash_t parent;         /* its parent hash, for the host's events (0: none) */
     int32_t block;             /* the device block, the offload's source */
     int32_t has_tokens;        /* its tokens were kept (demtok), for the host's events */
+    uint8_t gid;               /* its KV cache group (the host entry's, for events) */
 } kvb_demotion_t;
 
 typedef struct {               /* the device blocks carrying one drain-scoped flag (tier.c) */

@@ -109,6 +109,10 @@ int kvb_grp_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n
     int rc = prepare_all(g, G, tokens, n, salt, salt_len, &k, &need);
     if (rc) return rc;
     kvb_pool_t *p = g[0]->pool;
+    if (p->tier) { /* a longer hit with the host tier, when it fits (hosthits.c) */
+        rc = kvb_hh_add(g, G, tokens, n, k, recompute, slot_out, cached_out);
+        if (rc) return rc > 0 ? KVB_OK : rc;
+    }
     if (need > p->num_free) return out_of_blocks(g[0], need, p->num_free);
     int32_t slot = 0;
     for (int32_t j = 0; j < G; j++) { /* every group pins its hits before any allocates */
@@ -130,7 +134,7 @@ int kvb_grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t
     if (rc) return rc;
     *cached_out = k * g[0]->block_size;
     *need_out = need;
-    return KVB_OK;
+    return g[0]->pool->tier ? kvb_hh_probe(g, G, n, k, cached_out, need_out) : KVB_OK;
 }
 
 /* ---- growth ----------------------------------------------------------------------------- */

@@ -118,10 +118,6 @@ cdef class BlockManager:
         gs = _group_tuple(groups)
         cdef bint tier = _host_tier_args(host_prefix_cache, host_write_through, nh,
                                          enable_prefix_caching)
-        if tier and (len(gs) > 1 or (<object>gs[0]).kind != "full"):
-            raise InvalidArgumentError(
-                "host_prefix_cache serves one full-attention group only, not "
-                f"{[g.kind for g in gs]} (host hits across KV cache groups are not supported)")
         self.pool = BlockPool(nb, enable_prefix_caching=enable_prefix_caching,
                               hash_key=hash_key, enable_kv_events=enable_kv_events,
                               block_size=bs, hash_algo=hash_algo, hash_seed=hash_seed)
