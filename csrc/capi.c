@@ -309,7 +309,6 @@ int kvb_manager_new(const kvb_manager_config_t *given, kvb_manager_t **out) {
         c->num_groups > 255 || (c->num_groups > 1 && !c->groups) ||
         (c->hash_seed_len && !c->hash_seed))
         return KVB_EINVAL;
-    if (c->num_groups > 1 && c->hash_mode != KVB_HASH_MODE_SIPHASH) return KVB_EINVAL;
     int tier = c->host_prefix_cache != 0;
     if (c->host_write_through && !tier) return KVB_EINVAL;
     if (tier && (!c->num_host_blocks || !c->prefix_caching)) return KVB_EINVAL;

@@ -231,7 +231,13 @@ typedef struct kvb_pool {
     int tiered;                /* 1: one of a host tier's two pools (set by kvb_mgr_host_tier):
                                 * a reset records a BlockRemoved per entry (the events carry
                                 * the pool's medium), never the medium-less AllBlocksCleared */
+    kvb_hash_t *gtag;          /* [256] each group's tag in a 256-bit hash mode with groups
+                                * (kvb_grp_link), or NULL: a cached block's key is the engine's
+                                * hash XOR its group's tag, and its events carry the engine's
+                                * hash and the group (vLLM keys a block by (hash, group id)) */
 } kvb_pool_t;
+/* The hash a cached block's events carry: its key, untagged in a 256-bit mode with groups. */
+void kvb_pool_event_hash(const kvb_pool_t *p, int32_t b, kvb_hash_t *out);
 
 int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching);
 void kvb_pool_destroy(kvb_pool_t *p);
@@ -395,7 +401,8 @@ typedef struct kvb_mgr {
     int32_t kind;              /* KVB_G_* */
     int64_t span;              /* window (WINDOW), chunk (CHUNK) or blocks (STATE); 0 (FULL) */
     uint8_t gidx;              /* group index (events) */
-    kvb_hash_t tag;            /* SipHash: XORed onto the group-0 chain hash (0 in group 0) */
+    kvb_hash_t tag;            /* XORed onto the group-0 chain hash (0 in group 0): the key of
+                                * the group's blocks (every hash mode) */
     const struct kvb_mgr *hsrc; /* an earlier hashing group of the same sequences, whose
                                 * hashes XOR hxor are this group's (kvb_grp_link), or NULL */
     kvb_hash_t hxor;           /* hsrc->tag ^ tag */

@@ -33,7 +33,9 @@ KVB_INLINE int64_t add_sat(int64_t a, int64_t b) { /* a, b >= 0 */
 
 /* Group g's block hash is the group-0 chain hash of the block XOR a secret 128-bit tag,
  * SipHash(key, "kvblocks:group:" g): identical tokens in two groups never share a cache
- * entry, and the SipHash of a block is computed once for all groups (chain.c). */
+ * entry, and the SipHash of a block is computed once for all groups (chain.c). In the
+ * 256-bit modes the key is the engine's hash XOR the tag too (vLLM keys a block by its hash
+ * and group id); the pools' events untag it (kvb_pool_t.gtag). */
 void kvb_group_tag(const uint8_t key[16], uint8_t gidx, kvb_hash_t *out) {
     if (!gidx) { out->lo = out->hi = 0; return; }
     uint8_t msg[16] = "kvblocks:group:";
@@ -57,8 +59,16 @@ int kvb_grp_link(kvb_mgr_t *const *g, int32_t G) {
         windowed |= m->kind == KVB_G_WINDOW || m->kind == KVB_G_CHUNK;
     }
     kvb_pool_t *p = g[0]->pool;
-    if (!p->caching || anchor < 0 || !windowed || g[0]->hash_algo != KVB_HASH_SIPHASH)
-        return KVB_OK;
+    if (G > 1 && g[0]->hash_algo != KVB_HASH_SIPHASH) { /* keys (hash, group): events untag */
+        kvb_pool_t *pools[2] = {p, g[0]->host};
+        for (int i = 0; i < 2; i++) {
+            if (!pools[i] || pools[i]->gtag) continue;
+            pools[i]->gtag = calloc(256, sizeof *pools[i]->gtag);
+            if (!pools[i]->gtag) return KVB_ENOMEM;
+            for (int32_t j = 0; j < G; j++) pools[i]->gtag[g[j]->gidx] = g[j]->tag;
+        }
+    }
+    if (!p->caching || anchor < 0 || !windowed) return KVB_OK;
     kvb_twins_t *tw = calloc(1, sizeof *tw);
     if (tw) tw->spent = calloc((size_t)p->num_blocks, 1);
     if (!tw || !tw->spent) {

@@ -16,6 +16,8 @@ from kvblocks import (
     BlockStored,
     KVGroup,
     OutOfBlocksError,
+    hash_blocks,
+    hash_to_int,
 )
 from kvblocks.testing import KVReadback
 from kvblocks.testing.machines import GroupsEngineMachine
@@ -40,13 +42,14 @@ PROMPT = list(range(1, 10))  # 4 full blocks of 2 and one token
 
 
 def tier(groups, num_blocks=16, host=24, **kw):
+    if kw.get("hash_algo", "siphash") == "siphash":
+        kw["hash_key"] = KEY
     return BlockManager(
         num_blocks,
         BS,
         groups=groups,
         num_host_blocks=host,
         host_prefix_cache=True,
-        hash_key=KEY,
         **kw,
     )
 
@@ -347,6 +350,7 @@ class GroupsHostTierMachine(GroupsEngineMachine):
     the host LRU evicts too): K/V read back after every step, check() after every rule."""
 
     write_through = False
+    hash_algo = "siphash"
 
     def make_manager(
         self, num_blocks, block_size, *, num_host_blocks, enable_prefix_caching, groups=None
@@ -359,6 +363,7 @@ class GroupsHostTierMachine(GroupsEngineMachine):
             host_prefix_cache=True,
             host_write_through=self.write_through,
             groups=groups,
+            hash_algo=self.hash_algo,
         )
 
 
@@ -366,8 +371,15 @@ class GroupsWriteThroughMachine(GroupsHostTierMachine):
     write_through = True
 
 
+class GroupsVllmHashMachine(GroupsHostTierMachine):
+    """The same in vLLM's 256-bit hash mode: each group's blocks keyed by (hash, group)."""
+
+    hash_algo = "vllm_sha256_cbor"
+
+
 TestGroupsHostTierEngine = GroupsHostTierMachine.TestCase
 TestGroupsWriteThroughEngine = GroupsWriteThroughMachine.TestCase
+TestGroupsVllmHashEngine = GroupsVllmHashMachine.TestCase
 
 
 def test_needed_blocks_matches_the_tables():
@@ -379,3 +391,54 @@ def test_needed_blocks_matches_the_tables():
     mgr.add("b", PROMPT)
     table = np.asarray(mgr.block_table("b", group=1))
     assert [i for i in range(4) if table[i]] == sorted(needed_blocks(FULL_WINDOW[1], 4))
+
+
+# -- the 256-bit hash modes with groups --------------------------------------------------------
+@pytest.mark.parametrize("algo", ["vllm_sha256_cbor", "vllm_sha256_cbor_v030", "sglang_sha256"])
+def test_256_bit_modes_key_each_group_apart_and_events_carry_hash_and_group(algo):
+    """vLLM keys a group's cached block by (block hash, group id): every group's events carry
+    the engine's own hash of the block (the same in every group) and their group_idx, on the
+    device and on the host; a router's view (cached_hashes) agrees; host hits read back."""
+    mgr, rb = engine(FULL_WINDOW, hash_algo=algo, enable_kv_events=True)
+    run(rb, "a", PROMPT)
+    ref = [hash_to_int(h) for h in hash_blocks(PROMPT, BS, algo=algo)]
+    stored = [e for e in mgr.take_events() if isinstance(e, BlockStored)]
+    for g in (0, 1):
+        got = [h for e in stored if e.group_idx == g for h in e.block_hashes]
+        assert got == ref
+        wire = sorted(int(h) for h in mgr.pool.cached_hashes(group=g, wire=True))
+        assert wire == sorted(h & (2**64 - 1) for h in ref)
+        assert [hash_to_int(h) for h in mgr.block_hashes("a", group=g)] == ref
+    rb.free("a")
+    demote_all(rb)
+    mgr.take_offloads()
+    host = [e for e in mgr.take_events() if e.medium == "CPU" and isinstance(e, BlockStored)]
+    for g in (0, 1):
+        on_host = {h for e in host if e.group_idx == g for h in e.block_hashes}
+        assert on_host & set(ref) and on_host <= set(ref) | _evict_hashes(mgr, algo)
+    assert rb.add("b", PROMPT) == 8
+    rb.drain()
+    rb.assert_all()
+    rb.forward(["b"])
+    rb.assert_all()
+    mgr.check()
+
+
+def _evict_hashes(mgr, algo):
+    """The engine hashes of demote_all's prompts (their blocks may reach the host too)."""
+    out = set()
+    for size in range(2, 80, 2):
+        out |= {hash_to_int(h) for h in hash_blocks([900 + i for i in range(size)], BS, algo=algo)}
+    return out
+
+
+@pytest.mark.parametrize("algo", ["vllm_sha256_cbor", "sglang_sha256"])
+def test_256_bit_modes_with_groups_never_share_a_block_across_groups(algo):
+    mgr = BlockManager(32, BS, groups=(KVGroup("full"), KVGroup("full")), hash_algo=algo)
+    mgr.add("a", PROMPT)
+    mgr.schedule(["a"], [len(PROMPT)])
+    assert mgr.pool.num_cached == 8  # 4 blocks per group, none shared
+    assert mgr.add("b", PROMPT) == 8
+    t0, t1 = (set(mgr.block_table("b", group=g).tolist()) for g in (0, 1))
+    assert not t0 & t1
+    mgr.check()
