@@ -297,7 +297,12 @@ def test_demotions_keep_their_group_in_the_host_events():
     mgr.take_offloads()
     host = [e for e in mgr.take_events() if e.medium == "CPU"]
     host_stored = {
-        g: {h for e in host if isinstance(e, BlockStored) and e.group_idx == g for h in e.block_hashes}
+        g: {
+            h
+            for e in host
+            if isinstance(e, BlockStored) and e.group_idx == g
+            for h in e.block_hashes
+        }
         for g in (0, 1)
     }
     assert host_stored[0] and host_stored[0] <= set(by_group[0])
