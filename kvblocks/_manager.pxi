@@ -1626,7 +1626,7 @@ cdef void *_rows_buf(object arr, int typenum, int ndim, Py_ssize_t rows,
     return cnp.PyArray_DATA(a)
 
 
-cdef void _untag(cnp.ndarray out, kvb_hash_t tag):
+cdef void _untag(cnp.ndarray out, kvb_hash_t tag) noexcept:
     """XOR a group's tag off (n, 2) uint64 hash rows, in place."""
     cdef uint64_t *o = <uint64_t *>cnp.PyArray_DATA(out)
     cdef Py_ssize_t i
