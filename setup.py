@@ -38,6 +38,7 @@ C_SOURCES = [
     "csrc/tier.c",
     "csrc/meta.c",
     "csrc/groups.c",
+    "csrc/hosthits.c",
     "csrc/rows.c",
     "csrc/step.c",
 ]

@@ -309,7 +309,6 @@ int kvb_manager_new(const kvb_manager_config_t *given, kvb_manager_t **out) {
         c->num_groups > 255 || (c->num_groups > 1 && !c->groups) ||
         (c->hash_seed_len && !c->hash_seed))
         return KVB_EINVAL;
-    if (c->num_groups > 1 && c->hash_mode != KVB_HASH_MODE_SIPHASH) return KVB_EINVAL;
     int tier = c->host_prefix_cache != 0;
     if (c->host_write_through && !tier) return KVB_EINVAL;
     if (tier && (!c->num_host_blocks || !c->prefix_caching)) return KVB_EINVAL;
@@ -318,9 +317,7 @@ int kvb_manager_new(const kvb_manager_config_t *given, kvb_manager_t **out) {
         if (k < KVB_GROUP_FULL || k > KVB_GROUP_STATE) return KVB_EINVAL;
         if (k != KVB_GROUP_FULL && (c->groups[j].span < 1 || c->groups[j].span > INT32_MAX))
             return KVB_EINVAL;
-        if (tier && k != KVB_GROUP_FULL) return KVB_EINVAL;
     }
-    if (tier && c->num_groups > 1) return KVB_EINVAL;
 
     kvb_manager_t *m = calloc(1, sizeof *m);
     if (!m) return KVB_ENOMEM;

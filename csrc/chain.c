@@ -112,12 +112,15 @@ void kvb_chain_hash(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens, int
     kvb_hasher_t hs;
     kvb_digest_t parent;
     seq_hasher(m, s, &hs);
-    if (from) {
+    if (from) { /* the digest without the group's tag (a key is the hash XOR the tag) */
         parent.h = s->hashes[from - 1];
+        xor_into(&parent.h, &m->tag);
         parent.x = s->chain.ext[from - 1];
     }
     kvb_hash_blocks(&hs, from ? &parent : NULL, from, tokens, to - from, m->block_size,
                     s->hashes + from, s->chain.ext + from);
+    if (m->tag.lo | m->tag.hi)
+        for (int64_t j = from; j < to; j++) xor_into(&s->hashes[j], &m->tag);
 }
 
 void kvb_chain_block(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t j, kvb_hash_t *out) {
@@ -134,9 +137,11 @@ void kvb_chain_block(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t j, kvb_hash
     seq_hasher(m, s, &hs);
     if (j) {
         parent.h = s->hashes[j - 1];
+        xor_into(&parent.h, &m->tag);
         parent.x = s->chain.ext[j - 1];
     }
     kvb_hash_blocks(&hs, j ? &parent : NULL, j, tokens, 1, m->block_size, out, NULL);
+    xor_into(out, &m->tag);
 }
 
 int kvb_chain_fork(const kvb_mgr_t *m, kvb_seq_t *child, const kvb_seq_t *parent) {

@@ -231,7 +231,13 @@ typedef struct kvb_pool {
     int tiered;                /* 1: one of a host tier's two pools (set by kvb_mgr_host_tier):
                                 * a reset records a BlockRemoved per entry (the events carry
                                 * the pool's medium), never the medium-less AllBlocksCleared */
+    kvb_hash_t *gtag;          /* [256] each group's tag in a 256-bit hash mode with groups
+                                * (kvb_grp_link), or NULL: a cached block's key is the engine's
+                                * hash XOR its group's tag, and its events carry the engine's
+                                * hash and the group (vLLM keys a block by (hash, group id)) */
 } kvb_pool_t;
+/* The hash a cached block's events carry: its key, untagged in a 256-bit mode with groups. */
+void kvb_pool_event_hash(const kvb_pool_t *p, int32_t b, kvb_hash_t *out);
 
 int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching);
 void kvb_pool_destroy(kvb_pool_t *p);
@@ -398,7 +404,8 @@ typedef struct kvb_mgr {
     int32_t kind;              /* KVB_G_* */
     int64_t span;              /* window (WINDOW), chunk (CHUNK) or blocks (STATE); 0 (FULL) */
     uint8_t gidx;              /* group index (events) */
-    kvb_hash_t tag;            /* SipHash: XORed onto the group-0 chain hash (0 in group 0) */
+    kvb_hash_t tag;            /* XORed onto the group-0 chain hash (0 in group 0): the key of
+                                * the group's blocks (every hash mode) */
     const struct kvb_mgr *hsrc; /* an earlier hashing group of the same sequences, whose
                                 * hashes XOR hxor are this group's (kvb_grp_link), or NULL */
     kvb_hash_t hxor;           /* hsrc->tag ^ tag */
@@ -513,6 +520,12 @@ int64_t kvb_mgr_add_need(const kvb_mgr_t *m, int64_t n, int64_t k);
 void kvb_mgr_add_pin(kvb_mgr_t *m, const int32_t *tokens, int64_t n, int64_t k, int stats,
                      int recompute, int32_t *slot_out);
 void kvb_mgr_add_fill(kvb_mgr_t *m, int32_t slot);
+/* the pool's query counters for an add of n tokens with a k-block device hit (pin's stats) */
+void kvb_mgr_add_stats(kvb_mgr_t *m, int64_t n, int64_t k, int recompute);
+/* the first block a k-block hit of an n-token prompt needs (below: null entries) and the
+ * blocks a table of n tokens takes in this group */
+int64_t kvb_mgr_hit_lo(const kvb_mgr_t *m, int64_t n, int64_t k);
+int64_t kvb_mgr_table_blocks(const kvb_mgr_t *m, int64_t n);
 /* Append validation alone (unknown, swapped, n < 0, computed tokens without draft slots). */
 int kvb_mgr_append_check(kvb_mgr_t *m, int32_t slot, int64_t n, int computed);
 /* Truncate validation alone (KVB_EINVAL, KVB_ESTATE when it would need released blocks). */
@@ -680,6 +693,7 @@ typedef struct {               /* an evicted device entry on its way to the host
     kvb_hash_t parent;         /* its parent hash, for the host's events (0: none) */
     int32_t block;             /* the device block, the offload's source */
     int32_t has_tokens;        /* its tokens were kept (demtok), for the host's events */
+    uint8_t gid;               /* its KV cache group (the host entry's, for events) */
 } kvb_demotion_t;
 
 typedef struct {               /* the device blocks carrying one drain-scoped flag (tier.c) */

@@ -94,6 +94,11 @@ void kvb_pool_record(kvb_pool_t *p, int kind, int32_t b, const kvb_hash_t *h,
     ev->stamp[i] = p->tiered ? next_stamp() : 0;
     if (h) ev->hash[i] = *h; else ev->hash[i].lo = ev->hash[i].hi = 0;
     if (parent) ev->parent[i] = *parent; else ev->parent[i].lo = ev->parent[i].hi = 0;
+    if (KVB_UNLIKELY(p->gtag != NULL)) { /* the engine's own hash and the group (pool.c) */
+        const kvb_hash_t *t = &p->gtag[ev->group[i]];
+        if (h) { ev->hash[i].lo ^= t->lo; ev->hash[i].hi ^= t->hi; }
+        if (parent) { ev->parent[i].lo ^= t->lo; ev->parent[i].hi ^= t->hi; }
+    }
     if (tokens) {
         ev->tok_off[i] = ev->ntok;
         memcpy(ev->tokens + ev->ntok, tokens, (size_t)ntok * sizeof *tokens);

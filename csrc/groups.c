@@ -33,7 +33,9 @@ KVB_INLINE int64_t add_sat(int64_t a, int64_t b) { /* a, b >= 0 */
 
 /* Group g's block hash is the group-0 chain hash of the block XOR a secret 128-bit tag,
  * SipHash(key, "kvblocks:group:" g): identical tokens in two groups never share a cache
- * entry, and the SipHash of a block is computed once for all groups (chain.c). */
+ * entry, and the SipHash of a block is computed once for all groups (chain.c). In the
+ * 256-bit modes the key is the engine's hash XOR the tag too (vLLM keys a block by its hash
+ * and group id); the pools' events untag it (kvb_pool_t.gtag). */
 void kvb_group_tag(const uint8_t key[16], uint8_t gidx, kvb_hash_t *out) {
     if (!gidx) { out->lo = out->hi = 0; return; }
     uint8_t msg[16] = "kvblocks:group:";
@@ -57,8 +59,16 @@ int kvb_grp_link(kvb_mgr_t *const *g, int32_t G) {
         windowed |= m->kind == KVB_G_WINDOW || m->kind == KVB_G_CHUNK;
     }
     kvb_pool_t *p = g[0]->pool;
-    if (!p->caching || anchor < 0 || !windowed || g[0]->hash_algo != KVB_HASH_SIPHASH)
-        return KVB_OK;
+    if (G > 1 && g[0]->hash_algo != KVB_HASH_SIPHASH) { /* keys (hash, group): events untag */
+        kvb_pool_t *pools[2] = {p, g[0]->host};
+        for (int i = 0; i < 2; i++) {
+            if (!pools[i] || pools[i]->gtag) continue;
+            pools[i]->gtag = calloc(256, sizeof *pools[i]->gtag);
+            if (!pools[i]->gtag) return KVB_ENOMEM;
+            for (int32_t j = 0; j < G; j++) pools[i]->gtag[g[j]->gidx] = g[j]->tag;
+        }
+    }
+    if (!p->caching || anchor < 0 || !windowed) return KVB_OK;
     kvb_twins_t *tw = calloc(1, sizeof *tw);
     if (tw) tw->spent = calloc((size_t)p->num_blocks, 1);
     if (!tw || !tw->spent) {
@@ -109,6 +119,10 @@ int kvb_grp_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n
     int rc = prepare_all(g, G, tokens, n, salt, salt_len, &k, &need);
     if (rc) return rc;
     kvb_pool_t *p = g[0]->pool;
+    if (p->tier) { /* a longer hit with the host tier, when it fits (hosthits.c) */
+        rc = kvb_hh_add(g, G, tokens, n, k, recompute, slot_out, cached_out);
+        if (rc) return rc > 0 ? KVB_OK : rc;
+    }
     if (need > p->num_free) return out_of_blocks(g[0], need, p->num_free);
     int32_t slot = 0;
     for (int32_t j = 0; j < G; j++) { /* every group pins its hits before any allocates */
@@ -130,7 +144,7 @@ int kvb_grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t
     if (rc) return rc;
     *cached_out = k * g[0]->block_size;
     *need_out = need;
-    return KVB_OK;
+    return g[0]->pool->tier ? kvb_hh_probe(g, G, n, k, cached_out, need_out) : KVB_OK;
 }
 
 /* ---- growth ----------------------------------------------------------------------------- */

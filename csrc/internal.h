@@ -110,6 +110,20 @@ void kvb_tier_inflight(kvb_tier_t *t, int32_t b); /* b's content arrives with th
 void kvb_tier_swap_dst(kvb_tier_t *t, int32_t b); /* a swap-in pair of the drain writes b */
 void kvb_tier_swap_src(kvb_tier_t *t, int32_t b); /* a swap-out pair of the drain reads b */
 int64_t kvb_tier_onload_targets(const kvb_pool_t *p, kvb_seq_t *s, int64_t from, int64_t n);
+/* Queue the onload of host block hb into block i of s (fresh, pinned host block). */
+void kvb_tier_onload_at(kvb_mgr_t *m, kvb_seq_t *s, int64_t i, int32_t hb);
+/* Blocks a swap pair of the coming drain reads (swap-out source) or writes (released swap-in
+ * destination, in flight): never an onload destination (tier.c). */
+#define KVB_F_NOT_ONLOAD (KVB_F_SWAP_SRC | KVB_F_INFLIGHT)
+
+/* hosthits.c: host-tier hits for KV cache groups (groups.c's add and probe, after prepare).
+ * kdev: the device-only joint hit. add: 1 when it took a longer hit with the host (slot and
+ * cached tokens set), 0 when the device-only hit stands (nothing changed), or an error code
+ * (negative, nothing changed). probe: the joint hit's cached tokens and need, when longer. */
+int kvb_hh_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n, int64_t kdev,
+               int recompute, int32_t *slot_out, int64_t *cached_out);
+int kvb_hh_probe(kvb_mgr_t *const *g, int32_t G, int64_t n, int64_t kdev, int64_t *cached_out,
+                 int64_t *need_out);
 void kvb_tier_destroy(kvb_pool_t *p);            /* free p->tier and detach it */
 
 #endif

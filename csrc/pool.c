@@ -101,6 +101,8 @@ int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching) {
 }
 
 void kvb_pool_destroy(kvb_pool_t *p) {
+    free(p->gtag);
+    p->gtag = NULL;
     free(p->ref_count); free(p->prev); free(p->next); free(p->hash); free(p->flags);
     free(p->gid); free(p->table);
     if (p->twins) free(p->twins->spent);
@@ -424,4 +426,12 @@ int kvb_pool_check(kvb_pool_t *p) {
     }
     if (entries != p->num_cached) FAIL("hash table entries != num_cached", entries);
     return KVB_OK;
+}
+
+void kvb_pool_event_hash(const kvb_pool_t *p, int32_t b, kvb_hash_t *out) {
+    *out = p->hash[b];
+    if (p->gtag) {
+        out->lo ^= p->gtag[p->gid[b]].lo;
+        out->hi ^= p->gtag[p->gid[b]].hi;
+    }
 }

@@ -446,6 +446,10 @@ KVB_INLINE int64_t hit_lo(const kvb_mgr_t *m, int64_t n, int64_t k) {
     return lo < k - 1 ? lo : k - 1;
 }
 
+int64_t kvb_mgr_hit_lo(const kvb_mgr_t *m, int64_t n, int64_t k) { return hit_lo(m, n, k); }
+
+int64_t kvb_mgr_table_blocks(const kvb_mgr_t *m, int64_t n) { return table_blocks(m, n); }
+
 int kvb_mgr_add_prepare(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
                         size_t salt_len, uint8_t *ok, int64_t kmax) {
     kvb_pool_t *p = m->pool;
@@ -507,13 +511,24 @@ void kvb_mgr_add_pin(kvb_mgr_t *m, const int32_t *tokens, int64_t n, int64_t k, 
     take_slot(m, slot);
     s->lo = (int32_t)hit_lo(m, n, k);
     for (int64_t j = 0; j < s->lo; j++) s->blocks[j] = KVB_NULL_BLOCK;
-    kvb_pool_pin(p, s->blocks + s->lo, k - s->lo);
+    for (int64_t j = s->lo, e; j < k; j = e) { /* 0: a host hit's entry (hosthits.c) */
+        while (j < k && !s->blocks[j]) j++;
+        for (e = j; e < k && s->blocks[e]; e++) {}
+        kvb_pool_pin(p, s->blocks + j, e - j);
+    }
     s->nblocks = (int32_t)k;
     kvb_copy(s->tokens, tokens, (size_t)n * sizeof *tokens);
     s->ntokens = n;
     s->ncomputed = k * m->block_size; /* the rest enters the cache once computed */
     if (m->caching) s->nhashed = (int32_t)full;
-    if (stats && p->caching) {
+    if (stats) kvb_mgr_add_stats(m, n, k, recompute);
+    *slot_out = slot;
+}
+
+void kvb_mgr_add_stats(kvb_mgr_t *m, int64_t n, int64_t k, int recompute) {
+    kvb_pool_t *p = m->pool;
+    int64_t full = blk_of(m, n);
+    if (p->caching) {
         p->stats.queries++;
         p->stats.query_blocks += (uint64_t)full;
         p->stats.hit_blocks += (uint64_t)k;
@@ -525,7 +540,6 @@ void kvb_mgr_add_pin(kvb_mgr_t *m, const int32_t *tokens, int64_t n, int64_t k, 
             p->stats.hit_tokens += (uint64_t)(k * m->block_size);
         }
     }
-    *slot_out = slot;
 }
 
 void kvb_mgr_add_fill(kvb_mgr_t *m, int32_t slot) {
@@ -538,6 +552,8 @@ void kvb_mgr_add_fill(kvb_mgr_t *m, int32_t slot) {
 
 int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
                 size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out) {
+    if (m->pool->tier && m->kind != KVB_G_FULL) /* host hits by the window / chunk rule */
+        return kvb_grp_add(&m, 1, tokens, n, salt, salt_len, recompute, slot_out, cached_out);
     uint8_t small[64];
     int64_t K = n > 0 ? blk_of(m, n - 1) : 0;
     uint8_t *ok = K < 64 ? small : malloc((size_t)K + 1);
@@ -550,7 +566,7 @@ int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *s
     if (rc) return rc;
     int64_t need = kvb_mgr_add_need(m, n, k);
     if (need > m->pool->num_free) return out_of_blocks(m, need, m->pool->num_free);
-    kvb_tier_t *t = m->pool->tier; /* a single full group only (the manager refuses more) */
+    kvb_tier_t *t = m->pool->tier; /* one full group; other kinds: hosthits.c, via groups.c */
     int64_t hh = 0;
     if (t && m->caching && k < K) { /* the prefix continues on the host: fresh blocks + onloads */
         hh = kvb_tier_match(t, m->seqs[m->free_slot].hashes + k, K - k);

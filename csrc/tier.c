@@ -131,12 +131,13 @@ void kvb_tier_destroy(kvb_pool_t *p) {
  * offload the caller queues (capacity for it reserved). Returns it, or 0 when no host block
  * is free (nothing changed then). */
 static int32_t take_host_block(kvb_tier_t *t, const kvb_hash_t *hash, const kvb_hash_t *parent,
-                               const int32_t *tokens) {
+                               const int32_t *tokens, uint8_t gid) {
     kvb_pool_t *h = t->host;
     if (h->num_free == 0) return 0;
     int32_t hb;
     KVB_MUST(kvb_pool_allocate(h, 1, &hb)); /* may evict the LRU host entry; ref 1: the hold */
     h->flags[hb] |= KVB_F_WRITTEN;          /* promised by the offload, run before any read */
+    h->gid[hb] = gid;                       /* the host entry's events name its group */
     kvb_cache_put(h, hb, hash, parent->lo | parent->hi ? parent : NULL, tokens, t->block_size);
     t->stats.offloads++;
     return hb;
@@ -152,11 +153,11 @@ KVB_INLINE void push_offload(kvb_tier_t *t, int32_t b, int32_t hb) {
  * block). Returns 1 when queued, 0 when no host block is free or the queue cannot grow
  * (nothing changed then). */
 static int queue_offload(kvb_tier_t *t, int32_t b, const kvb_hash_t *hash,
-                         const kvb_hash_t *parent, const int32_t *tokens) {
+                         const kvb_hash_t *parent, const int32_t *tokens, uint8_t gid) {
     if (t->host->num_free == 0 ||
         kvb_grow((void **)&t->off, &t->offcap, 2 * (t->noff + 1), sizeof *t->off))
         return 0;
-    push_offload(t, b, take_host_block(t, hash, parent, tokens));
+    push_offload(t, b, take_host_block(t, hash, parent, tokens, gid));
     return 1;
 }
 
@@ -171,6 +172,7 @@ KVB_NOINLINE void kvb_tier_demote(kvb_pool_t *p, int32_t b) {
     kvb_demotion_t *d = &t->dem[t->ndem];
     d->hash = p->hash[b];
     d->block = b;
+    d->gid = p->gid[b];
     d->has_tokens = 0;
     d->parent = t->parent[b]; /* the flush's order and the host's events */
     if (t->host->record_events && t->has_tokens[b] &&
@@ -245,7 +247,7 @@ void kvb_tier_flush(kvb_tier_t *t) {
             const kvb_demotion_t *d = &t->dem[i];
             if (kvb_cache_find(t->host, &d->hash) != KVB_NONE ||
                 queue_offload(t, d->block, &d->hash, &d->parent,
-                              d->has_tokens ? t->demtok + i * t->block_size : NULL))
+                              d->has_tokens ? t->demtok + i * t->block_size : NULL, d->gid))
                 t->stats.demotions++;
             else
                 t->stats.dropped++;
@@ -260,7 +262,8 @@ void kvb_tier_flush(kvb_tier_t *t) {
         hb[i] = 0;
         if (kvb_cache_find(t->host, &d->hash) != KVB_NONE ||
             (hb[i] = take_host_block(t, &d->hash, &d->parent,
-                                     d->has_tokens ? t->demtok + i * t->block_size : NULL)))
+                                     d->has_tokens ? t->demtok + i * t->block_size : NULL,
+                                     d->gid)))
             t->stats.demotions++;
         else
             t->stats.dropped++;
@@ -282,7 +285,7 @@ KVB_NOINLINE void kvb_tier_stored(kvb_pool_t *p, int32_t b, const kvb_hash_t *pa
     /* content arriving with this drain (or a pending copy) is written through once evicted */
     if (!t->write_through || (p->flags[b] & (KVB_F_INFLIGHT | KVB_F_COPY_DST))) return;
     if (kvb_cache_find(t->host, &p->hash[b]) == KVB_NONE)
-        t->nwt += queue_offload(t, b, &p->hash[b], &t->parent[b], tokens);
+        t->nwt += queue_offload(t, b, &p->hash[b], &t->parent[b], tokens, p->gid[b]);
 }
 
 /* ---- onloads ---------------------------------------------------------------------------- */
@@ -322,21 +325,25 @@ static int marks_agree(const kvb_pool_t *p, const kvb_marks_t *ms, uint8_t flag)
 
 void kvb_tier_inflight(kvb_tier_t *t, int32_t b) { mark(t->pool, &t->inflight, KVB_F_INFLIGHT, b); }
 
-void kvb_tier_onload(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t n) {
+void kvb_tier_onload_at(kvb_mgr_t *m, kvb_seq_t *s, int64_t i, int32_t hb) {
     kvb_pool_t *p = m->pool;
     kvb_tier_t *t = p->tier;
-    for (int64_t i = from; i < from + n; i++) {
-        int32_t d = s->blocks[i], hb = t->scratch[i - from];
-        p->ref_count[d]++;              /* the onload's hold (fresh: not in the free list) */
-        p->flags[d] |= KVB_F_WRITTEN;   /* filled by the onload, before any reader runs */
-        kvb_tier_inflight(t, d);
-        kvb_cache_put(p, d, &s->hashes[i], i ? &s->hashes[i - 1] : NULL,
-                      s->tokens + i * m->block_size, m->block_size);
-        t->on[2 * t->non] = hb;
-        t->on[2 * t->non + 1] = d;
-        t->non++;
-    }
-    t->stats.onloads += (uint64_t)n;
+    int32_t d = s->blocks[i];
+    p->ref_count[d]++;              /* the onload's hold (fresh: not in the free list) */
+    p->flags[d] |= KVB_F_WRITTEN;   /* filled by the onload, before any reader runs */
+    kvb_tier_inflight(t, d);
+    p->gid[d] = m->gidx;
+    kvb_cache_put(p, d, &s->hashes[i], i ? &s->hashes[i - 1] : NULL,
+                  s->tokens + i * m->block_size, m->block_size);
+    t->on[2 * t->non] = hb;
+    t->on[2 * t->non + 1] = d;
+    t->non++;
+    t->stats.onloads++;
+}
+
+void kvb_tier_onload(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t n) {
+    kvb_tier_t *t = m->pool->tier;
+    for (int64_t i = from; i < from + n; i++) kvb_tier_onload_at(m, s, i, t->scratch[i - from]);
     t->stats.hit_blocks += (uint64_t)n;
 }
 
@@ -362,8 +369,8 @@ void kvb_tier_swap_dst(kvb_tier_t *t, int32_t b) {
 /* Blocks a pair of the coming drain reads or writes after the onloads ran: a swap-out source
  * (KVB_F_SWAP_SRC) would copy the onload's bytes instead of its own; a released swap-in
  * destination (KVB_F_INFLIGHT on a block handed out again) would be overwritten by its swap
- * pair after the onload filled it. Neither may be an onload destination. */
-#define KVB_F_NOT_ONLOAD (KVB_F_SWAP_SRC | KVB_F_INFLIGHT)
+ * pair after the onload filled it. Neither may be an onload destination (KVB_F_NOT_ONLOAD,
+ * internal.h). */
 
 /* Onload destinations for host hits [from, from + n) of a fresh sequence: blocks no swap pair
  * of the coming drain reads or writes (KVB_F_NOT_ONLOAD). Such a block trades places with

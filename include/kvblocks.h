@@ -178,7 +178,7 @@ typedef struct {
     int32_t num_host_blocks;   /* host pool for swapping: 0 (none) or >= 2 */
     int32_t prefix_caching;    /* 1 (default): cache full computed blocks by hash */
     int32_t kv_events;         /* record KV events in the pools */
-    int32_t host_prefix_cache; /* the host pool is a second prefix-cache tier (one FULL group) */
+    int32_t host_prefix_cache; /* the host pool is a second prefix-cache tier (any groups) */
     int32_t host_write_through; /* with it: copy newly cached blocks to the host at once */
     int32_t hash_mode;         /* KVB_HASH_MODE_* (default SipHash) */
     int32_t has_hash_key;      /* 1: hash_key is the SipHash key; 0: the built-in default key */

@@ -201,6 +201,7 @@ cdef extern from "core.h" nogil:
         int32_t block_size
         uint8_t key[16]
         int32_t hash_algo
+        kvb_hash_t tag
         kvb_seq_t *seqs
         int32_t nseqs, scap
         int64_t *copies
@@ -208,6 +209,7 @@ cdef extern from "core.h" nogil:
         int64_t err_a, err_b
         const char *err_what
 
+    void kvb_pool_event_hash(const kvb_pool_t *p, int32_t b, kvb_hash_t *out)
     int kvb_mgr_init(kvb_mgr_t *m, kvb_pool_t *pool, kvb_pool_t *host, int32_t block_size,
                      const uint8_t *key)
     void kvb_mgr_destroy(kvb_mgr_t *m)

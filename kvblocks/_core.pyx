@@ -96,7 +96,8 @@ def hash_blocks(token_ids, block_size, *, parent=None, salt=None, key=None, algo
     so identical tokens in two groups never share a block, while a block is SipHashed once
     for all groups. A ``parent`` is then a row of the same group. Only the siphash mode has
     per-group hashes (the 256-bit modes are engines' own hashes, which key a group's blocks
-    by (hash, group) outside the hash).
+    by (hash, group) outside the hash, as a BlockManager with groups in those modes does;
+    its events carry the engine's hash and ``group_idx``).
 
     >>> import kvblocks
     >>> h = kvblocks.hash_blocks(list(range(40)), 16, key=b"0123456789abcdef")

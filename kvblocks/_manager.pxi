@@ -71,6 +71,9 @@ cdef class BlockManager:
     - ``host_prefix_cache``: the host pool also becomes a second prefix-cache tier: evicted
       device entries are demoted to it (``take_offloads``) and prompts continue their cached
       prefix on it (``take_onloads``); see docs/host-tier.md. Needs ``num_host_blocks``.
+      Works with any ``groups``: a host hit counts only as far as every group serves it
+      (device and host together, by the device rule), each group onloads the blocks its next
+      query reads, and a state group serves no hit on either tier.
     - ``host_write_through``: with the host tier, copy each newly cached device block to the
       host at once, so that its eviction later costs no copy.
     - ``groups``: KV cache groups of a hybrid model, a sequence of ``KVGroup`` (full
@@ -118,17 +121,9 @@ cdef class BlockManager:
         gs = _group_tuple(groups)
         cdef bint tier = _host_tier_args(host_prefix_cache, host_write_through, nh,
                                          enable_prefix_caching)
-        if tier and (len(gs) > 1 or (<object>gs[0]).kind != "full"):
-            raise InvalidArgumentError(
-                "host_prefix_cache serves one full-attention group only, not "
-                f"{[g.kind for g in gs]} (host hits across KV cache groups are not supported)")
         self.pool = BlockPool(nb, enable_prefix_caching=enable_prefix_caching,
                               hash_key=hash_key, enable_kv_events=enable_kv_events,
                               block_size=bs, hash_algo=hash_algo, hash_seed=hash_seed)
-        if len(gs) > 1 and self.pool._algo != KVB_HASH_SIPHASH:
-            raise InvalidArgumentError(
-                f"hash_algo={hash_algo!r} with {len(gs)} KV cache groups: only the siphash "
-                "mode keys each group's blocks apart (vLLM keys them by (hash, group))")
         self.host_pool = (BlockPool(nh, enable_prefix_caching=tier, hash_key=hash_key,
                                     enable_kv_events=enable_kv_events and tier, block_size=bs,
                                     hash_algo=hash_algo, hash_seed=hash_seed)
@@ -788,7 +783,10 @@ cdef class BlockManager:
     def block_hashes(self, seq_id, group=0):
         """Hashes of the full blocks in one KV cache group, (n, 2) uint64 (empty without
         prefix caching, and in a state group): ``hash_blocks(tokens, block_size, salt=...,
-        key=..., group=group)`` of the sequence's tokens."""
+        key=..., group=group)`` of the sequence's tokens. In the 256-bit modes every group
+        shows the engine's own hashes, ``hash_blocks(..., algo=...)``: a group's blocks are
+        keyed by (hash, group), as vLLM keys them, and their events carry the hash and
+        ``group_idx``."""
         return self._copy_out(seq_id, 2, self._group(group))
 
     def is_swapped(self, seq_id):
@@ -828,6 +826,8 @@ cdef class BlockManager:
                        s.blocks if which == 0 else (<void *>s.tokens if which == 1
                                                     else <void *>s.hashes),
                        n * (sizeof(kvb_hash_t) if which == 2 else sizeof(int32_t)))
+            if which == 2 and n and self.m.hash_algo != KVB_HASH_SIPHASH:
+                _untag(out, self.gp[group].tag)  # the engine's own hashes (key: hash, group)
             return out
         finally:
             self._leave()
@@ -1624,3 +1624,12 @@ cdef void *_rows_buf(object arr, int typenum, int ndim, Py_ssize_t rows,
         raise InvalidArgumentError(f"row_indices: out.{name} holds {cnp.PyArray_DIM(a, 0)} "
                                    f"rows, the batch needs {rows}")
     return cnp.PyArray_DATA(a)
+
+
+cdef void _untag(cnp.ndarray out, kvb_hash_t tag) noexcept:
+    """XOR a group's tag off (n, 2) uint64 hash rows, in place."""
+    cdef uint64_t *o = <uint64_t *>cnp.PyArray_DATA(out)
+    cdef Py_ssize_t i
+    for i in range(cnp.PyArray_DIM(out, 0)):
+        o[2 * i] ^= tag.lo
+        o[2 * i + 1] ^= tag.hi

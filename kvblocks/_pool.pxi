@@ -403,10 +403,12 @@ cdef class BlockPool:
         cdef cnp.ndarray out = np.empty((n, 2), dtype=np.uint64)
         cdef uint64_t *o = <uint64_t *>cnp.PyArray_DATA(out)
         cdef int32_t k = 0
+        cdef kvb_hash_t h
         for b in range(1, self.p.num_blocks):
             if self.p.flags[b] & KVB_F_CACHED and (g < 0 or self.p.gid[b] == g):
-                o[2 * k] = self.p.hash[b].lo
-                o[2 * k + 1] = self.p.hash[b].hi
+                kvb_pool_event_hash(&self.p, b, &h)  # as its events carry it
+                o[2 * k] = h.lo
+                o[2 * k + 1] = h.hi
                 k += 1
         return out[:, 0].copy() if wire else out
 

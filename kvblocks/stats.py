@@ -63,12 +63,15 @@ class HostStats:
     - ``hits`` / ``hit_tokens``: blocks and tokens that ``add`` served from the host tier
       (onloads), first admissions; ``recompute_hit_tokens`` the same for re-admissions.
       Device-tier hits are in ``pool.stats``; a prompt's cached tokens are the sum of both.
+      With KV cache groups these count prompt blocks, not copies: the joint hit beyond the
+      one the device alone serves (every group onloads only what its query reads).
     - ``query_tokens``: tokens asked for by first admissions (``pool.stats.query_tokens``),
       so ``hit_rate`` is the host tier's share of them.
     - ``demotions``: evicted device entries kept on the host, by a copy or because the host
       already held the hash; ``dropped``: evicted entries lost (no host block free, or their
       content was still arriving).
-    - ``offloads`` / ``onloads``: (device, host) and (host, device) copies queued.
+    - ``offloads`` / ``onloads``: (device, host) and (host, device) copies queued (in all
+      KV cache groups).
     - ``evictions`` / ``stored``: host-cache entries dropped to make room / registered.
 
     >>> HostStats(hits=2, hit_tokens=32, query_tokens=128).hit_rate

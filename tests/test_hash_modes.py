@@ -422,16 +422,26 @@ def test_failed_calls_change_nothing(call):
 
 
 @pytest.mark.parametrize("algo", ["vllm_sha256_cbor", "sglang_sha256"])
-def test_groups_need_the_siphash_mode(algo):
-    """The 256-bit modes are the engines' own hashes, identical across groups: a manager
-    with several groups would let one group hit another's blocks, so it is refused."""
+def test_groups_key_the_256_bit_hashes_per_group(algo):
+    """The 256-bit modes work with groups, each group's blocks keyed by (hash, group) as
+    vLLM keys them: identical tokens in two groups never share a block, each group hits its
+    own blocks, and block_hashes shows the engine's own hash in every group.
+    ``hash_blocks(..., group=1)`` stays refused: the engine's hash has no group in it."""
     groups = (kvblocks.KVGroup("full"), kvblocks.KVGroup("sliding_window", window=8))
-    with pytest.raises(InvalidArgumentError, match="groups"):
-        BlockManager(16, 4, groups=groups, hash_algo=algo)
+    mgr = BlockManager(16, 4, groups=groups, hash_algo=algo)
+    mgr.add("a", list(range(13)))
+    compute(mgr, "a")
+    ref = hash_blocks(list(range(13)), 4, algo=algo)
+    for g in (0, 1):
+        assert mgr.block_hashes("a", group=g).tolist() == ref.tolist()
+    assert mgr.pool.num_cached == 6  # 3 blocks in each group: none shared
+    assert mgr.add("b", list(range(13))) == 12  # each group hits its own blocks
+    tables = [set(mgr.block_table("b", group=g).tolist()) - {0} for g in (0, 1)]
+    assert not tables[0] & tables[1]
+    mgr.check()
     with pytest.raises(InvalidArgumentError, match="group=1"):
         hash_blocks(list(range(8)), 4, algo=algo, group=1)
     assert len(hash_blocks(list(range(8)), 4, algo=algo, group=0)) == 2
-    BlockManager(16, 4, groups=groups[:1], hash_algo=algo).check()
 
 
 def test_lora_name_reaches_every_groups_events():

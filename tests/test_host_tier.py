@@ -563,19 +563,6 @@ def test_check_catches_a_broken_host_hold():
         mgr.check()
 
 
-@pytest.mark.parametrize(
-    "groups",
-    [
-        (kvblocks.KVGroup("full"), kvblocks.KVGroup("sliding_window", window=4)),
-        (kvblocks.KVGroup("sliding_window", window=4),),
-    ],
-)
-def test_host_tier_serves_one_full_group_only(groups):
-    with pytest.raises(InvalidArgumentError, match="one full-attention group"):
-        tier(groups=groups)
-    BlockManager(8, 2, num_host_blocks=4, groups=groups).check()  # swapping alone is fine
-
-
 @pytest.mark.parametrize("algo", ["siphash", "vllm_sha256_cbor_v030", "sglang_sha256"])
 def test_host_hits_keep_the_hash_mode_and_the_adapter(algo):
     """A prompt served from the host in a vLLM hash mode: the onloaded blocks are cached

@@ -72,6 +72,13 @@ static void configs(void) {
     g[1].span = 8;
     EXPECT(kvb_manager_new(&c, &m) == KVB_OK && kvb_manager_num_groups(m) == 2);
     kvb_manager_delete(m);
+    c.num_host_blocks = 8; /* the host tier and the 256-bit modes work with groups */
+    c.host_prefix_cache = 1;
+    c.hash_mode = KVB_HASH_MODE_VLLM_SHA256_CBOR;
+    EXPECT(kvb_manager_new(&c, &m) == KVB_OK && kvb_manager_num_groups(m) == 2);
+    kvb_manager_delete(m);
+    c.prefix_caching = 0; /* but the tier still needs prefix caching */
+    EXPECT(kvb_manager_new(&c, &m) == KVB_EINVAL && m == NULL);
     kvb_manager_delete(NULL);
     kvb_pool_delete(NULL);
 }
