@@ -25,6 +25,7 @@ own coordinator and single-type managers unchanged, and says so in the log.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Optional
 
@@ -50,6 +51,9 @@ logger = logging.getLogger(__name__)
 # VLLMKVCacheManager: vLLM's own class (this module is imported before enable() patches)
 
 _EMPTY_I32 = np.empty(0, dtype=np.int32)
+# managers built in this process, by path: "full" (one full-attention group, native),
+# "hybrid" (full attention + sliding window groups, native), "fallback" (vLLM's managers)
+NATIVE_BUILDS: Counter = Counter()
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # the watermark applies
 
 
@@ -112,7 +116,9 @@ class _BlockView:
     @property
     def block_hash(self) -> Optional[bytes]:
         h = self._s.hash_of.get(self.block_id)
-        return None if h is None else make_block_hash_with_group_id(h, 0)
+        return (
+            None if h is None else make_block_hash_with_group_id(h, int(self._s.gid[self.block_id]))
+        )
 
     @property
     def block_hash_num_tokens(self) -> Optional[int]:
@@ -244,7 +250,9 @@ class _NativeState:
         # The native table holds one block per key: the first is cached under the key, later
         # ones under a salted key of their own (so they are evictable and evicted like any
         # cached block), listed here in insertion order for lookups to fall back on.
-        self.dups: dict[bytes, list[int]] = {}
+        self.dups: dict[Any, list[int]] = {}  # keys: dup_key(hash, group)
+        # block -> the KV cache group its cache entry belongs to (vLLM's group id in the key)
+        self.gid = np.zeros(num_blocks, dtype=np.uint8)
         self._salt = 0
         self.events: list[Any] = []
         self._views: dict[int, _BlockView] = {}
@@ -347,6 +355,13 @@ class _NativeState:
             pos += 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def lookup_one(self, h: bytes, g: int) -> Optional[int]:
+        """The block vLLM's map gives for hash h in group g (the earliest), or None."""
+        if g != 0:
+            return None
+        hit = self.lookup([h], 1)
+        return int(hit[0]) if len(hit) else None
+
     def _lookup32(self, hashes: list, n: int) -> np.ndarray:
         """``lookup`` of 32-byte hashes: keys and the full-width check in native calls (one
         per run between duplicates)."""
@@ -385,22 +400,29 @@ class _NativeState:
                     h = self.hash_of.pop(b, None)
                     if h is None:
                         continue
-                    self._drop_dup(h, b)
+                    g = int(self.gid[b])
+                    self._drop_dup(h, b, g)
                     if self.enable_events:
-                        self.events.append(self._removed(h))
+                        self.events.append(self._removed(h, g))
                 self.hashed[ids] = False
         return ids
 
-    def _drop_dup(self, h: bytes, b: int) -> None:
-        d = self.dups.get(h)
+    @staticmethod
+    def dup_key(h: bytes, g: int) -> Any:
+        """The ``dups`` key of a hash in KV cache group g (the bare hash for group 0)."""
+        return h if g == 0 else (h, g)
+
+    def _drop_dup(self, h: bytes, b: int, g: int = 0) -> None:
+        k = self.dup_key(h, g)
+        d = self.dups.get(k)
         if d is not None and b in d:
             d.remove(b)
             if not d:
-                del self.dups[h]
+                del self.dups[k]
 
-    def _removed(self, h: bytes) -> BlockRemoved:
+    def _removed(self, h: bytes, g: int = 0) -> BlockRemoved:
         return BlockRemoved(
-            block_hashes=[maybe_convert_block_hash(h)], medium=self.medium, group_idx=0
+            block_hashes=[maybe_convert_block_hash(h)], medium=self.medium, group_idx=g
         )
 
     def release(self, ids_in_eviction_order: np.ndarray) -> None:
@@ -486,19 +508,32 @@ class _NativeState:
             self.pool.cache(np.array([b], dtype=np.int32), k)
             self.dups.setdefault(hs[j], []).append(b)
 
-    def _stored(self, request: Any, num_cached: int, num_full: int) -> BlockStored:
-        """vLLM's BlockStored for blocks [num_cached, num_full) of a request (the shape of
-        BlockPool._build_block_stored_event)."""
+    def _stored(
+        self,
+        request: Any,
+        num_cached: int,
+        num_full: int,
+        group: int = 0,
+        ids: Optional[Sequence[int]] = None,
+    ) -> BlockStored:
+        """vLLM's BlockStored for blocks [num_cached, num_full) of a request in KV cache
+        group ``group`` (the shape of BlockPool._build_block_stored_event); ``ids`` (the
+        blocks of that range) leaves out the null blocks' hashes and extra keys, as vLLM's
+        ``cache_full_blocks`` does for sliding-window tables."""
         bs = self.block_size
         hashes = request.block_hashes
         extra: list = []
         mm_idx = 0
-        for i in range(num_cached, num_full):
+        if ids is None:
+            pos: Sequence[int] = range(num_cached, num_full)
+        else:
+            pos = [num_cached + j for j, b in enumerate(ids) if b]
+        for i in pos:
             keys, mm_idx = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
             extra.append(keys)
         lora = request.lora_request
         return BlockStored(
-            block_hashes=[maybe_convert_block_hash(h) for h in hashes[num_cached:num_full]],
+            block_hashes=[maybe_convert_block_hash(hashes[i]) for i in pos],
             parent_block_hash=(
                 None if num_cached == 0 else maybe_convert_block_hash(hashes[num_cached - 1])
             ),
@@ -508,7 +543,7 @@ class _NativeState:
             medium=self.medium,
             lora_name=lora.name if lora else None,
             extra_keys=to_event_extra_keys(extra),
-            group_idx=0,
+            group_idx=group,
             session_id=request.session_id,
             lookahead_token_ids=None,
         )
@@ -521,9 +556,10 @@ class _NativeState:
             h = self.hash_of.pop(b, None)
             if h is None:
                 continue
-            self._drop_dup(h, b)
+            g = int(self.gid[b])
+            self._drop_dup(h, b, g)
             if self.enable_events:
-                self.events.append(self._removed(h))
+                self.events.append(self._removed(h, g))
             # the native entry stays until the block is reused; lookups check hash_of first
 
     def reset(self) -> bool:
@@ -599,11 +635,7 @@ class _CacheMapView:
         self._s = state
 
     def _key(self, key: bytes) -> Optional[int]:
-        h, g = bytes(key[:-4]), int.from_bytes(key[-4:], "big")
-        if g != 0:
-            return None
-        hit = self._s.lookup([h], 1)
-        return int(hit[0]) if len(hit) else None
+        return self._s.lookup_one(bytes(key[:-4]), int.from_bytes(key[-4:], "big"))
 
     def get_one_block(self, key: bytes) -> Optional[_BlockView]:
         b = self._key(key)
@@ -617,8 +649,10 @@ class _CacheMapView:
 
     @property
     def _cache(self) -> dict:
+        gid = self._s.gid
         return {
-            make_block_hash_with_group_id(h, 0): self._s.view(b) for b, h in self._s.hash_of.items()
+            make_block_hash_with_group_id(h, int(gid[b])): self._s.view(b)
+            for b, h in self._s.hash_of.items()
         }
 
 
@@ -684,10 +718,13 @@ class NativeBlockPoolView:
         self._s.release(ids)
 
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list) -> Any:
-        if list(kv_cache_group_ids) != [0]:
-            return None
-        hit = self._s.lookup([block_hash], 1)
-        return [self._s.view(int(hit[0]))] if len(hit) else None
+        out = []
+        for g in kv_cache_group_ids:
+            b = self._s.lookup_one(block_hash, g)
+            if b is None:
+                return None
+            out.append(self._s.view(b))
+        return out
 
     def evict_blocks(self, block_ids: set) -> None:
         self._s.evict(block_ids)
@@ -827,10 +864,23 @@ class KVCacheManager(VLLMKVCacheManager):
         )
         opts.update(zip(names, args))
         why = native_unsupported(self, opts)
+        if why is not None and len(self.kv_cache_config.kv_cache_groups) > 1:
+            from .hybrid import HybridKVCacheManager, hybrid_unsupported
+
+            why = hybrid_unsupported(self, opts)
+            if why is None:  # full attention + sliding window groups: the hybrid adapter
+                self.native = True
+                self.__class__ = HybridKVCacheManager
+                self._init_hybrid()  # type: ignore[attr-defined]
+                NATIVE_BUILDS["hybrid"] += 1
+                logger.debug("kvblocks: native hybrid KV cache manager")
+                return
         self.native = why is None
         if not self.native:
+            NATIVE_BUILDS["fallback"] += 1
             logger.info("kvblocks: vLLM's own KV cache managers serve this model (%s)", why)
             return
+        NATIVE_BUILDS["full"] += 1
         vpool = self.coordinator.block_pool
         stm = self.coordinator.single_type_managers[0]
         self._native = _NativeState(

@@ -1,0 +1,769 @@
+"""kvblocks' KV cache manager for vLLM's hybrid models: full attention + sliding window.
+
+A model whose layers attend differently (gpt-oss, Gemma 2/3, Mistral with a window) has
+several KV cache groups; vLLM's ``HybridKVCacheCoordinator`` drives one single-type manager
+per group over one shared ``BlockPool``. ``HybridKVCacheManager`` answers the same calls
+over one native ``kvblocks.BlockPool``, with vLLM's rules per group kind:
+
+- cache hits: vLLM's fixed point over the attention groups (full attention first, its hit
+  scanned left to right; a sliding window's right to left for the rightmost run of
+  ``cdiv(window - 1, block_size)`` cached blocks, the blocks before it null); each group's
+  run is one native ``lookup`` of the group's keys (vLLM's hash + group id: the hash's first
+  128 bits, the group mixed into the second word, the full 32 bytes checked against the
+  array beside the pool);
+- skipped blocks: a sliding-window block no later query can attend to is freed and its
+  table entry becomes the null block 0 (``remove_skipped_blocks``, before each allocation);
+- allocation, caching and free group by group in vLLM's order (one native call each where
+  vLLM makes one per group: new blocks for all groups in one ``allocate``, popped in the
+  order vLLM pops them; a request's blocks freed in one ``free`` in vLLM's placement).
+
+Served natively: every group ``FullAttentionSpec`` or ``SlidingWindowSpec`` (window > 1),
+one block size equal to the hash and scheduler block sizes, prefix caching on or off, no
+EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, KV zeroing, sparse
+retention or partial hash hits. Anything else (chunked local, Mamba, cross-attention, ...)
+runs on vLLM's own managers (``hybrid_unsupported`` says why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+from .manager import (
+    _ADMITTING,
+    _EMPTY_I32,
+    KVCacheManager,
+    NativeBlockPoolView,
+    NativeKVCacheBlocks,
+    VLLMKVCacheManager,
+    _ids_of,
+    _NativeState,
+)
+
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+_DUP_SALT = 0x9E3779B97F4A7C15  # as _NativeState._cache_dups
+
+
+def _group_salt(g: int) -> np.uint64:
+    """XORed into the second key word of group g's entries (0 for group 0)."""
+    return np.uint64((g * 0xD1B54A32D192ED03) & _MASK64)
+
+
+def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
+    """Why a hybrid configuration runs on vLLM's own managers, or None when kvblocks
+    serves it natively."""
+    coord = mgr.coordinator
+    groups = mgr.kv_cache_config.kv_cache_groups
+    for g in groups:
+        spec = g.kv_cache_spec
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+            return f"attention kind {type(spec).__name__} in a hybrid model"
+        if str(getattr(g, "role", "default")) != "default":
+            return f"KV cache group role {g.role}"
+        if not getattr(spec, "prefix_cacheable", True):
+            return "a group outside prefix caching"
+        if type(spec) is SlidingWindowSpec and spec.sliding_window <= 1:
+            return "sliding window of one token"
+    want = HybridKVCacheCoordinator if mgr.enable_caching else KVCacheCoordinatorNoPrefixCache
+    if type(coord) is not want:
+        return f"coordinator {type(coord).__name__}"
+    sizes = {stm.block_size for stm in coord.single_type_managers}
+    if len(sizes) != 1:
+        return "groups of different block sizes"
+    (bs,) = sizes
+    if bs != coord.block_pool.hash_block_size or bs != coord.scheduler_block_size:
+        return "hash or scheduler block size differs from the block size"
+    if getattr(coord, "enable_partial_hash_hits", False):
+        return "partial hash hits"
+    if opts.get("dcp_world_size", 1) != 1 or opts.get("pcp_world_size", 1) != 1:
+        return "decode/prefill context parallelism"
+    if mgr.use_eagle or coord.eagle_group_ids:
+        return "EAGLE / MTP lookahead"
+    if opts.get("num_hash_lookahead_tokens", 0) or opts.get("num_prefill_lookahead", 0):
+        return "lookahead block hashes"
+    if getattr(coord, "num_reprefillable_tokens", 0):
+        return "re-prefillable tokens (multi-module MTP)"
+    if opts.get("metrics_collector") is not None:
+        return "KV cache residency metrics"
+    if any(getattr(stm, "_record_new_block_ids", False) for stm in coord.single_type_managers):
+        return "KV cache zeroing of new blocks"
+    if getattr(coord, "retention_interval", None) is not None:
+        return "sparse retention interval"
+    if getattr(mgr, "retained_hit_group_ids", ()):
+        return "groups retaining longer hits"
+    return None
+
+
+class _HybridState(_NativeState):
+    """The native pool, and per request one block table per KV cache group."""
+
+    def __init__(self, mgr: VLLMKVCacheManager, coord: Any) -> None:
+        vpool = coord.block_pool
+        stms = coord.single_type_managers
+        super().__init__(
+            vpool.num_gpu_blocks,
+            stms[0].block_size,
+            mgr.enable_caching,
+            mgr.enable_kv_cache_events,
+            vpool.medium,
+        )
+        self.num_groups = len(stms)
+        # per group: sliding window (0 for full attention), extra retained tokens, vLLM's
+        # admission cap in blocks (None: no cap)
+        self.window = [getattr(m.kv_cache_spec, "sliding_window", 0) or 0 for m in stms]
+        self.extra = [getattr(m.kv_cache_spec, "extra_retained_tokens", 0) or 0 for m in stms]
+        self.cap = [getattr(m, "max_admission_blocks_per_request", None) for m in stms]
+        self.sw_groups = [g for g in range(self.num_groups) if self.window[g]]
+        self.salt = [_group_salt(g) for g in range(self.num_groups)]
+        # vLLM's attention groups (groups of one spec, looked up jointly), full attention
+        # first: (is_full, group ids, contiguous blocks a window hit needs)
+        self.attn: list[tuple[bool, list[int], int]] = []
+        for sg in getattr(coord, "attention_groups", ()):
+            is_full = isinstance(sg.spec, FullAttentionSpec)
+            need = 0 if is_full else cdiv(sg.spec.sliding_window - 1, self.block_size)
+            self.attn.append((is_full, list(sg.group_ids), need))
+        self.simple = len(self.attn) == 2 and self.attn[0][0]
+        self.tables: dict[str, list[list[int]]] = {}  # request id -> table per group
+        # request id -> cached blocks per group (vLLM's num_cached_block: present while the
+        # request has been cached or adopted hits)
+        self.ncached: dict[str, list[int]] = {}
+
+    def skipped(self, g: int, num_computed_tokens: int) -> int:
+        """vLLM's get_num_skipped_tokens of group g."""
+        w = self.window[g]
+        if not w:
+            return 0
+        n = num_computed_tokens - w + 1 - self.extra[g]
+        return n if n > 0 else 0
+
+    # -- lookups ------------------------------------------------------------------------------
+    def _gkeys(self, keys: np.ndarray, g: int, s: int, e: int) -> np.ndarray:
+        k = keys[s:e]
+        if g == 0:
+            return k
+        k = k.copy()
+        k[:, 1] ^= self.salt[g]
+        return k
+
+    def run(
+        self,
+        g: int,
+        hashes: Sequence[bytes],
+        keys: np.ndarray,
+        tails: Optional[np.ndarray],
+        s: int,
+        e: int,
+    ) -> np.ndarray:
+        """Ids of group g's longest run of cached blocks for hashes[s:e] (vLLM's
+        ``get_cached_block`` per block: the earliest block under each hash)."""
+        if s >= e:
+            return _EMPTY_I32
+        kg = self._gkeys(keys, g, s, e)
+        pool, full, hash_of = self.pool, self.full, self.hash_of
+        pos = s
+        parts = []
+        while pos < e:
+            hit = pool.lookup(kg[pos - s :], group=g)
+            k = len(hit)
+            if k:
+                if tails is not None:  # the other half of each hit's hash (0 once evicted)
+                    ok = (full[hit, 2:] == tails[pos : pos + k]).all(axis=1)
+                    if not ok.all():
+                        k = int(np.argmin(ok))
+                else:
+                    for i, b in enumerate(hit.tolist()):
+                        if hash_of.get(b) != hashes[pos + i]:
+                            k = i
+                            break
+                parts.append(hit[:k])
+                pos += k
+            if pos == e or not self.dups:
+                break
+            d = self.dups.get(self.dup_key(hashes[pos], g))
+            if not d:
+                break
+            parts.append(np.array(d[:1], dtype=np.int32))
+            pos += 1
+        if not parts:
+            return _EMPTY_I32
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def lookup_one(self, h: bytes, g: int) -> Optional[int]:
+        if not 0 <= g < self.num_groups or not self.enable_caching:
+            return None
+        keys, tails = self.to_keys_tails([h])
+        hit = self.run(g, [h], keys, tails, 0, 1)
+        return int(hit[0]) if len(hit) else None
+
+    def _full_hit(self, gids: list[int], hk: tuple, m: int) -> tuple[list, int]:
+        runs = [self.run(g, *hk, 0, m) for g in gids]
+        k = min(len(r) for r in runs)
+        return [r[:k].tolist() for r in runs], k
+
+    def _window_hit(self, gids: list[int], need: int, hk: tuple, m: int) -> tuple[list, int]:
+        """vLLM's SlidingWindowManager.find_longest_cache_hit: the rightmost run of
+        ``need`` blocks cached in every group of gids ending at or before block m, the
+        blocks before it null; else the cached run from block 0 (shorter than need)."""
+        e = m
+        while e >= need:
+            s = e - need
+            runs = [self.run(g, *hk, s, e) for g in gids]
+            k = min(len(r) for r in runs)
+            if k == need:
+                return [[0] * s + r.tolist() for r in runs], e
+            e = s + k  # block s + k misses: every window ending past it does too
+        runs = [self.run(g, *hk, 0, e) for g in gids]
+        k = min(len(r) for r in runs)
+        return [r[:k].tolist() for r in runs], k
+
+    def find(self, hk: tuple, max_length: int) -> tuple[list, int, int]:
+        """vLLM's HybridKVCacheCoordinator.find_longest_cache_hit over (hashes, keys,
+        tails): per-group id lists (0 = null), the hit length and the uncached common
+        prefix tokens."""
+        bs = self.block_size
+        hashes = hk[0]
+        hit_length = max_length
+        longest = 0
+        by_group: list[Optional[list]] = [None] * self.num_groups
+        len_by = [0] * self.num_groups
+        while True:
+            curr = hit_length
+            for is_full, gids, need in self.attn:
+                g0 = gids[0]
+                if is_full and by_group[g0] is not None:
+                    curr = min(curr, len_by[g0])
+                    continue
+                m = min(curr // bs, len(hashes))
+                if is_full:
+                    blocks, k = self._full_hit(gids, hk, m)
+                else:
+                    blocks, k = self._window_hit(gids, need, hk, m)
+                curr = k * bs
+                for g, b in zip(gids, blocks):
+                    by_group[g] = b
+                    len_by[g] = curr
+                longest = max(longest, curr)
+            if curr >= hit_length:
+                break
+            hit_length = curr
+            if self.simple:
+                break
+        nb = cdiv(hit_length, bs)
+        for is_full, gids, _ in self.attn:
+            if is_full:
+                for g in gids:
+                    b = by_group[g]
+                    if b is not None:
+                        del b[nb:]
+        return [b if b is not None else [] for b in by_group], hit_length, longest - hit_length
+
+    # -- caching ------------------------------------------------------------------------------
+    def cache_groups(self, request: Any, num_tokens: int) -> None:
+        """vLLM's coordinator cache_blocks: each group's newly full blocks (null blocks
+        skipped) under the request's hashes, one BlockStored per group that caches."""
+        rid = request.request_id
+        bs = self.block_size
+        hashes = request.block_hashes
+        num_full = min(num_tokens // bs * bs, len(hashes) * bs) // bs
+        nc = self.ncached.get(rid)
+        if nc is not None and min(nc) >= num_full:
+            return
+        if num_full <= 0:
+            return
+        tables = self.tables[rid]
+        if nc is None:
+            nc = self.ncached[rid] = [0] * self.num_groups
+        keys = tails = None
+        for g in range(self.num_groups):
+            c = nc[g]
+            if c >= num_full:
+                continue
+            ids_l = tables[g][c:num_full]
+            if keys is None:
+                keys, tails = self.request_keys(request, num_full)
+            self._cache_run(g, ids_l, hashes, keys, tails, c)
+            nc[g] = num_full
+            if self.enable_events:
+                self.events.append(self._stored(request, c, num_full, g, ids_l))
+
+    def _cache_run(
+        self,
+        g: int,
+        ids_l: list,
+        hashes: Sequence[bytes],
+        keys: np.ndarray,
+        tails: Optional[np.ndarray],
+        c: int,
+    ) -> None:
+        ids = np.array(ids_l, dtype=np.int32)
+        pos = np.arange(c, c + len(ids))
+        live = ids != 0
+        if not live.all():
+            ids, pos = ids[live], pos[live]
+        if not len(ids):
+            return
+        raw = keys[pos]
+        if tails is not None:
+            self.full[ids, :2] = raw
+            self.full[ids, 2:] = tails[pos]
+        kg = raw
+        if g:
+            kg[:, 1] ^= self.salt[g]  # (raw is a copy: fancy indexing)
+        plist = pos.tolist()
+        hs = [hashes[i] for i in plist]
+        dups, dk = self.dups, self.dup_key
+        if dups and any(dk(h, g) in dups for h in hs):  # a hash with duplicates: append
+            first = np.array([dk(h, g) not in dups for h in hs], dtype=np.bool_)
+            self.pool.cache(ids[first], kg[first], group=g)
+            all_in = False
+        else:
+            first = None
+            all_in = self.pool.cache(ids, kg, group=g) == len(ids)
+        self.hashed[ids] = True
+        self.gid[ids] = g
+        if tails is None:
+            self.hash_of.update(zip(ids.tolist(), hs))
+        if not all_in:  # keys held by other blocks: duplicates under salted keys
+            is_cached = self.pool.is_cached
+            for j, b in enumerate(ids.tolist()):
+                if (first is None or first[j]) and is_cached(b):
+                    continue
+                self._salt += 1
+                k = kg[j : j + 1].copy()
+                k[0, 1] ^= np.uint64((self._salt * _DUP_SALT) & _MASK64)
+                self.pool.cache(np.array([b], dtype=np.int32), k, group=g)
+                dups.setdefault(dk(hs[j], g), []).append(b)
+
+    # -- freeing ------------------------------------------------------------------------------
+    def remove_skipped(self, rid: str, processed: int) -> None:
+        """vLLM's remove_skipped_blocks: each sliding-window group's blocks before the
+        window are freed (one free_blocks per group, last first) and become null."""
+        tables = self.tables.get(rid)
+        if tables is None:
+            return
+        bs = self.block_size
+        for g in self.sw_groups:
+            n = self.skipped(g, processed) // bs
+            if n <= 0:
+                continue
+            t = tables[g]
+            if n > len(t):
+                n = len(t)
+            freed = []
+            for i in range(n - 1, -1, -1):
+                b = t[i]
+                if b == 0:
+                    break
+                freed.append(b)
+                t[i] = 0
+            if freed:
+                self.release(np.array(freed, dtype=np.int32))
+
+    def free_request(self, rid: str) -> None:
+        """vLLM's coordinator free: group by group, each table without its null head
+        freed last block first (uncached blocks to the free list's head, cached ones to its
+        tail), in one native call."""
+        tables = self.tables.pop(rid, None)
+        self.ncached.pop(rid, None)
+        self.keys.pop(rid, None)
+        if not tables:
+            return
+        parts = []
+        hashed = self.hashed
+        for t in tables:
+            if not t:
+                continue
+            rev = np.array(t[::-1], dtype=np.int32)
+            rev = rev[rev != 0]
+            if not len(rev):
+                continue
+            m = hashed[rev]
+            if m.all():
+                parts.append(rev)
+            elif not m.any():
+                parts.append(rev[::-1])
+            else:
+                parts.append(rev[~m][::-1])
+                parts.append(rev[m])
+        if parts:
+            self.pool.free(parts[0] if len(parts) == 1 else np.concatenate(parts))
+
+    def pop(self, rid: str) -> list[int]:
+        tables = self.tables.pop(rid, None) or []
+        self.ncached.pop(rid, None)
+        self.keys.pop(rid, None)
+        out: list[int] = []
+        for t in tables:
+            i = 0
+            while i < len(t) and t[i] == 0:
+                i += 1
+            out.extend(t[i:])
+        return out
+
+
+class _HybridGroupView:
+    """vLLM's single-type manager of group g, with the native request tables."""
+
+    def __init__(self, inner: Any, state: _HybridState, g: int, pool: Any) -> None:
+        self._inner = inner
+        self._s = state
+        self._g = g
+        self.block_pool = pool
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @property
+    def req_to_blocks(self) -> dict:
+        view, g = self._s.view, self._g
+        return {rid: [view(b) for b in t[g]] for rid, t in self._s.tables.items()}
+
+    @property
+    def num_cached_block(self) -> dict:
+        g = self._g
+        return {rid: nc[g] for rid, nc in self._s.ncached.items()}
+
+
+class _HybridCoordinatorView:
+    """vLLM's hybrid coordinator, with the calls that touch blocks answered natively."""
+
+    def __init__(self, inner: Any, mgr: HybridKVCacheManager) -> None:
+        self._inner = inner
+        self._m = mgr
+        s = mgr._native
+        self.block_pool = mgr.block_pool
+        self.single_type_managers = tuple(
+            _HybridGroupView(stm, s, g, mgr.block_pool)
+            for g, stm in enumerate(inner.single_type_managers)
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Any],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        return self._m._to_allocate(
+            request_id,
+            num_tokens,
+            [_ids_of(b) for b in new_computed_blocks],
+            total_computed_tokens,
+            apply_admission_cap,
+        )
+
+    def get_blocks(self, request_id: str) -> tuple:
+        s = self._m._native
+        t = s.tables.get(request_id)
+        if t is None:
+            return tuple([] for _ in range(s.num_groups))
+        return tuple([s.view(b) for b in ids] for ids in t)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple:
+        s = self._m._native
+        keys, tails = s.to_keys_tails(list(block_hashes))
+        blocks, hit, uncached = s.find((block_hashes, keys, tails), max_cache_hit_length)
+        return tuple([s.view(b) for b in ids] for ids in blocks), hit, uncached
+
+    def free(self, request_id: str) -> None:
+        self._m._native.free_request(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list:
+        s = self._m._native
+        return [s.view(b) for b in s.pop(request_id)]
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        self._m.cache_blocks(request, num_computed_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        return self._m._native.reset()
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: Any = None
+    ) -> None:
+        self._m._native.remove_skipped(request_id, processed_computed_tokens)
+
+    def new_step_starts(self) -> None:
+        return None
+
+
+class HybridKVCacheManager(KVCacheManager):
+    """``KVCacheManager`` of a hybrid model (full attention + sliding window groups) on
+    kvblocks' native pool; ``KVCacheManager.__init__`` turns an instance into this class
+    when ``hybrid_unsupported`` finds nothing against it."""
+
+    _native: _HybridState  # type: ignore[assignment]
+
+    def _init_hybrid(self) -> None:
+        coord = self.coordinator
+        self._native = _HybridState(self, coord)
+        self._bs = self._native.block_size
+        self.block_pool = NativeBlockPoolView(self._native, coord.block_pool.hash_block_size)
+        self._vllm_coordinator = coord
+        self.coordinator = _HybridCoordinatorView(coord, self)
+        self._empty_groups = tuple(_EMPTY_I32 for _ in range(self._native.num_groups))
+
+    def _blocks(self, per_group: Sequence[Any]) -> Any:
+        if any(len(b) for b in per_group):
+            return NativeKVCacheBlocks(self._native, per_group)
+        return self.empty_kv_cache_blocks
+
+    # -- lookups ------------------------------------------------------------------------------
+    def _find(self, request: Any, max_length: int) -> tuple:
+        s = self._native
+        hashes = request.block_hashes
+        n = min(max_length // self._bs, len(hashes))
+        if n <= 0 or not s.attn:
+            return [[] for _ in range(s.num_groups)], 0, 0
+        keys, tails = s.request_keys(request, n)
+        return s.find((hashes, keys, tails), max_length)
+
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: Optional[int] = None
+    ) -> tuple:
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        max_len = request.get_max_cache_hit_length(max_cache_hit_length)
+        blocks, hit, uncached = self._find(request, max_len)
+        s = self._native
+        if (
+            hit > 0
+            and self.enable_kv_cache_events
+            and getattr(request, "kv_cache_report_mode", "incremental") == "full"
+        ):
+            for g, b in enumerate(blocks):
+                if b:
+                    s.events.append(s._stored(request, 0, len(b), g))
+        return self._blocks(blocks), hit, (hit + uncached if uncached else 0)
+
+    def get_num_cached_tokens(self, request: Any) -> int:
+        if not self.prefix_cache_lookup_enabled(request):
+            return 0
+        return self._find(request, request.num_tokens - 1)[1]
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        s = self._native
+        tables = s.tables.get(request.request_id)
+        if not tables:
+            return 0
+        out: Optional[int] = None
+        for t in tables:
+            n = 0
+            for i in range(len(t) - 1, -1, -1):
+                if t[i] and t[i] in s.hash_of:
+                    n = (i + 1) * self._bs
+                    break
+            out = n if out is None else min(out, n)
+        return out or 0
+
+    # -- allocation ---------------------------------------------------------------------------
+    def _to_allocate(
+        self,
+        rid: str,
+        num_tokens: int,
+        new_lists: Sequence[Any],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """vLLM's coordinator get_num_blocks_to_allocate, summed over the groups."""
+        s = self._native
+        bs = self._bs
+        tables = s.tables.get(rid)
+        running = rid in s.ncached
+        required = cdiv(num_tokens, bs)
+        total = 0
+        for g in range(s.num_groups):
+            req = required
+            cap = s.cap[g]
+            if apply_admission_cap and cap is not None and cap < req:
+                req = cap
+            have = len(tables[g]) if tables is not None else 0
+            if running:
+                total += max(req - have, 0)
+                continue
+            nsb = s.skipped(g, total_computed_tokens) // bs
+            new_g = new_lists[g]
+            n = max(req - max(nsb, len(new_g) + have), 0)
+            tail = new_g[max(0, nsb - have) :]
+            if len(tail):
+                n += s.pool.num_unreferenced(np.asarray(tail, dtype=np.int32))
+            total += n
+        return total
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple = (),
+    ) -> Any:
+        if (
+            num_new_tokens == 0
+            and num_external_computed_tokens == 0
+            and num_new_computed_tokens == 0
+        ):
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
+            )
+        s = self._native
+        bs = self._bs
+        rid = request.request_id
+        ng = s.num_groups
+        adopt = (
+            new_computed_blocks is not None
+            and new_computed_blocks is not self.empty_kv_cache_blocks
+        )
+        if not adopt:
+            new_lists: Sequence[Any] = self._empty_groups
+        elif isinstance(new_computed_blocks, NativeKVCacheBlocks):
+            new_lists = new_computed_blocks._ids
+        else:
+            new_lists = [_ids_of(b) for b in new_computed_blocks.blocks]
+        ext = num_external_computed_tokens
+        num_local = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(num_local + ext, self.max_model_len)
+        watermark = 0
+        if has_scheduled_reqs and request.status in _ADMITTING:
+            watermark = self.watermark_blocks
+        if full_sequence_must_fit:
+            full_n = min(request.num_tokens, self.max_model_len)
+            n = self._to_allocate(rid, full_n, new_lists, total_computed, True)
+            if n + watermark > s.pool.num_free:
+                return None
+        num_main = total_computed + num_new_tokens
+        need = min(num_main + num_lookahead_tokens, self.max_model_len)
+        if s.sw_groups:
+            s.remove_skipped(rid, max(0, total_computed - request.num_in_flight_tokens))
+        n = self._to_allocate(rid, need, new_lists, num_local + ext)
+        if n + watermark > s.pool.num_free - reserved_blocks:
+            return None
+        tables = s.tables.get(rid)
+        if tables is None:
+            tables = s.tables[rid] = [[] for _ in range(ng)]
+        if (adopt or ext > 0) and rid not in s.ncached:
+            nc = [0] * ng
+            touch = []
+            for g in range(ng):
+                nsb = s.skipped(g, num_local + ext) // bs
+                blocks = new_lists[g]
+                blocks = blocks[nsb:] if nsb else blocks
+                ids = blocks.tolist() if isinstance(blocks, np.ndarray) else list(blocks)
+                if any(ids):
+                    if not self.enable_caching:
+                        raise AssertionError(
+                            "Computed blocks should be empty when prefix caching is disabled"
+                        )
+                    touch.extend(b for b in ids if b)
+                t = tables[g]
+                t.extend([0] * nsb)
+                t.extend(ids)
+                nc[g] = len(t)
+            if touch:
+                s.pool.touch(np.array(touch, dtype=np.int32))
+            s.ncached[rid] = nc
+            if ext > 0:
+                num_total = num_local + ext
+                for g in range(ng):
+                    sk = s.skipped(g, num_total)
+                    e = min(num_total - sk, ext) if sk > 0 else ext
+                    if e <= 0:
+                        continue
+                    k = cdiv(num_total, bs) - len(tables[g])
+                    if k > 0:
+                        tables[g].extend(s.allocate(k).tolist())
+        required = cdiv(need, bs)
+        counts = [required - len(t) for t in tables]
+        n_new = sum(c for c in counts if c > 0)
+        out: list = []
+        if n_new:
+            new = s.allocate(n_new).tolist()
+            pos = 0
+            for t, c in zip(tables, counts):
+                if c > 0:
+                    part = new[pos : pos + c]
+                    pos += c
+                    t.extend(part)
+                    out.append(part)
+                else:
+                    out.append([])
+        if not delay_cache_blocks and self.enable_caching:
+            s.cache_groups(request, min(total_computed + num_new_tokens, request.num_tokens))
+        if not n_new:
+            return self.empty_kv_cache_blocks
+        return NativeKVCacheBlocks(s, out)
+
+    # -- the rest of the scheduler's API ------------------------------------------------------
+    def free(self, request: Any) -> None:
+        self._native.free_request(request.request_id)
+
+    def pop_blocks_for_free(self, request: Any) -> list:
+        s = self._native
+        return [s.view(b) for b in s.pop(request.request_id)]
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: Optional[int] = None,
+    ) -> None:
+        self._native.remove_skipped(request_id, processed_computed_tokens)
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        if self.enable_caching:
+            self._native.cache_groups(request, num_computed_tokens)
+
+    def get_blocks(self, request_id: str) -> Any:
+        t = self._native.tables.get(request_id)
+        if not t:
+            return self.empty_kv_cache_blocks
+        return self._blocks(tuple(t))
+
+    def get_block_ids(self, request_id: str) -> tuple:
+        t = self._native.tables.get(request_id)
+        if t is None:
+            return tuple([] for _ in range(self._native.num_groups))
+        return tuple(list(ids) for ids in t)
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple:
+        n = cdiv(num_computed_tokens, self._bs)
+        return tuple(ids[:n] for ids in self.get_block_ids(request_id))
+
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        assert num_computed_tokens % self._bs == 0
+        n = num_computed_tokens // self._bs
+        groups = (
+            blocks._ids
+            if isinstance(blocks, NativeKVCacheBlocks)
+            else [_ids_of(b) for b in blocks.blocks]
+        )
+        out = []
+        for ids in groups:
+            assert n <= len(ids)
+            out.append(list(ids[:n]))
+        return self._blocks(out)
