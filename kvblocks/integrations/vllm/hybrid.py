@@ -281,18 +281,19 @@ class _HybridState(_NativeState):
         tables = self.tables[rid]
         if nc is None:
             nc = self.ncached[rid] = [0] * self.num_groups
-        keys = tails = None
         for g in range(self.num_groups):
             c = nc[g]
-            if c >= num_full:
-                continue
-            ids_l = tables[g][c:num_full]
-            if keys is None:
-                keys, tails = self.request_keys(request, num_full)
-            self._cache_run(g, ids_l, hashes, keys, tails, c)
-            nc[g] = num_full
-            if self.enable_events:
-                self.events.append(self._stored(request, c, num_full, g, ids_l))
+            if c < num_full:
+                self.cache_ids(request, g, tables[g][c:num_full], c, num_full)
+                nc[g] = num_full
+
+    def cache_ids(self, request: Any, g: int, ids_l: list, c: int, num_full: int) -> None:
+        """vLLM's BlockPool.cache_full_blocks: blocks ids_l (0: null, skipped) of group g
+        under the request's hashes [c, num_full), and its BlockStored."""
+        keys, tails = self.request_keys(request, num_full)
+        self._cache_run(g, ids_l, request.block_hashes, keys, tails, c)
+        if self.enable_events:
+            self.events.append(self._stored(request, c, num_full, g, ids_l))
 
     def _cache_run(
         self,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from typing import Any, Optional
 
 import numpy as np
@@ -54,6 +54,7 @@ _EMPTY_I32 = np.empty(0, dtype=np.int32)
 # managers built in this process, by path: "full" (one full-attention group, native),
 # "hybrid" (full attention + sliding window groups, native), "fallback" (vLLM's managers)
 NATIVE_BUILDS: Counter = Counter()
+FALLBACK_REASONS: Counter = Counter()  # why the "fallback" ones run on vLLM's managers
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # the watermark applies
 
 
@@ -648,12 +649,55 @@ class _CacheMapView:
         return len(self._s.hash_of)
 
     @property
-    def _cache(self) -> dict:
+    def _cache(self) -> Any:
+        # an empty map is a plain (empty, so untracked by the cyclic GC) dict, as vLLM's
+        return _CacheDict(self._s) if len(self._s.hash_of) else {}
+
+
+class _CacheDict(MutableMapping):
+    """vLLM's ``cached_block_hash_to_block._cache`` (hash + group id -> block) over the
+    native table. vLLM's tests pop entries to stage a miss and put them back: ``pop`` hides
+    the entry (the block keeps its native entry and place; lookups and its ``block_hash``
+    miss it, no event) and setting the key to the same block shows it again. ``copy.copy``
+    gives a plain dict snapshot."""
+
+    def __init__(self, state: _NativeState) -> None:
+        self._s = state
+
+    def _items(self) -> dict:
         gid = self._s.gid
         return {
             make_block_hash_with_group_id(h, int(gid[b])): self._s.view(b)
             for b, h in self._s.hash_of.items()
         }
+
+    def __getitem__(self, key: bytes) -> _BlockView:
+        b = self._s.lookup_one(bytes(key[:-4]), int.from_bytes(key[-4:], "big"))
+        if b is None:
+            raise KeyError(key)
+        return self._s.view(b)
+
+    def __setitem__(self, key: bytes, block: Any) -> None:
+        s, b, h = self._s, int(block.block_id), bytes(key[:-4])
+        if not s.hashed[b] or int(s.gid[b]) != int.from_bytes(key[-4:], "big"):
+            raise NotImplementedError("kvblocks' vLLM pool: only a popped entry can be set back")
+        if len(h) == 32:
+            s.full[b] = np.frombuffer(h, dtype=np.uint64)
+        else:
+            s.hash_of.update([(b, h)])
+
+    def __delitem__(self, key: bytes) -> None:
+        b = self[key].block_id
+        self._s.hash_of.pop(b)  # hidden: the native entry stays (as evict_blocks)
+
+    def __iter__(self) -> Iterator:
+        return iter(self._items())
+
+    def __len__(self) -> int:
+        return len(self._s.hash_of)
+
+    def __copy__(self) -> dict:
+        return self._items()
 
 
 class _BlocksView(Sequence):
@@ -728,6 +772,24 @@ class NativeBlockPoolView:
 
     def evict_blocks(self, block_ids: set) -> None:
         self._s.evict(block_ids)
+
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: Sequence[Any],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Optional[list] = None,
+    ) -> None:
+        """vLLM's ``BlockPool.cache_full_blocks`` (hybrid pools: the per-group cache)."""
+        if num_cached_blocks >= num_full_blocks:
+            return
+        ids = [b.block_id for b in blocks[num_cached_blocks:num_full_blocks]]
+        if block_mask is not None:
+            ids = [b if keep else 0 for b, keep in zip(ids, block_mask)]
+        self._s.cache_ids(request, kv_cache_group_id, ids, num_cached_blocks, num_full_blocks)
 
     def reset_prefix_cache(self) -> bool:
         return self._s.reset()
@@ -878,6 +940,7 @@ class KVCacheManager(VLLMKVCacheManager):
         self.native = why is None
         if not self.native:
             NATIVE_BUILDS["fallback"] += 1
+            FALLBACK_REASONS[why] += 1
             logger.info("kvblocks: vLLM's own KV cache managers serve this model (%s)", why)
             return
         NATIVE_BUILDS["full"] += 1
