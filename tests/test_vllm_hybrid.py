@@ -117,6 +117,7 @@ SPECS = {
     "full+sw5": lambda: [full_spec(), sw_spec(5)],
     "sw8+full+sw8": lambda: [sw_spec(8), full_spec(), sw_spec(8)],
     "full+sw6+sw12": lambda: [full_spec(), sw_spec(6), sw_spec(12)],
+    "sw8": lambda: [sw_spec(8)],
 }
 
 
@@ -130,7 +131,13 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(shape, seed):
     every step: the same hits, shared-prefix boundary, block ids per group (nulls included),
     free counts, usage, events and cached-token probes."""
     rng = random.Random(seed)
-    ref, kvb = managers(rng.choice([24, 40, 64]), SPECS[shape](), enable_kv_cache_events=True)
+    caching = seed != 5  # one seed per shape without prefix caching
+    ref, kvb = managers(
+        rng.choice([24, 40, 64]),
+        SPECS[shape](),
+        enable_kv_cache_events=True,
+        enable_caching=caching,
+    )
     assert kvb.native and type(kvb) is HybridKVCacheManager
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.choice([4, 8, 13, 21]))] for _ in range(3)]
     live: dict[str, tuple] = {}
@@ -201,7 +208,7 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(shape, seed):
     assert free[0] == free[1]
     assert ref.reset_prefix_cache() and kvb.reset_prefix_cache()
     assert ref.take_events() == kvb.take_events()
-    assert all(seen.values()), seen  # hits, window hits, null blocks, evictions
+    assert all(seen.values()) or not caching, seen  # hits, window hits, null blocks, evictions
 
 
 def test_sliding_window_hit_has_null_blocks_and_decode_frees_them():

@@ -1,4 +1,5 @@
-"""kvblocks' KV cache manager for vLLM's hybrid models: full attention + sliding window.
+"""kvblocks' KV cache manager for vLLM's hybrid models (full attention + sliding window
+groups) and sliding-window models.
 
 A model whose layers attend differently (gpt-oss, Gemma 2/3, Mistral with a window) has
 several KV cache groups; vLLM's ``HybridKVCacheCoordinator`` drives one single-type manager
@@ -17,7 +18,8 @@ over one native ``kvblocks.BlockPool``, with vLLM's rules per group kind:
   vLLM makes one per group: new blocks for all groups in one ``allocate``, popped in the
   order vLLM pops them; a request's blocks freed in one ``free`` in vLLM's placement).
 
-Served natively: every group ``FullAttentionSpec`` or ``SlidingWindowSpec`` (window > 1),
+Served natively: every group ``FullAttentionSpec`` or ``SlidingWindowSpec`` (window > 1;
+one sliding-window group alone too, under vLLM's unitary coordinator),
 one block size equal to the hash and scheduler block sizes, prefix caching on or off, no
 EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, KV zeroing, sparse
 retention or partial hash hits. Anything else (chunked local, Mamba, cross-attention, ...)
@@ -34,6 +36,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
+    UnitaryKVCacheCoordinator,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
@@ -72,7 +75,12 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
             return "a group outside prefix caching"
         if type(spec) is SlidingWindowSpec and spec.sliding_window <= 1:
             return "sliding window of one token"
-    want = HybridKVCacheCoordinator if mgr.enable_caching else KVCacheCoordinatorNoPrefixCache
+    if not mgr.enable_caching:
+        want: type = KVCacheCoordinatorNoPrefixCache
+    elif len(groups) > 1:
+        want = HybridKVCacheCoordinator
+    else:
+        want = UnitaryKVCacheCoordinator
     if type(coord) is not want:
         return f"coordinator {type(coord).__name__}"
     sizes = {stm.block_size for stm in coord.single_type_managers}
@@ -123,13 +131,23 @@ class _HybridState(_NativeState):
         self.cap = [getattr(m, "max_admission_blocks_per_request", None) for m in stms]
         self.sw_groups = [g for g in range(self.num_groups) if self.window[g]]
         self.salt = [_group_salt(g) for g in range(self.num_groups)]
-        # vLLM's attention groups (groups of one spec, looked up jointly), full attention
-        # first: (is_full, group ids, contiguous blocks a window hit needs)
+        # vLLM's attention groups (verify_and_split_kv_cache_groups: groups of one spec,
+        # looked up jointly), full attention first: (is_full, group ids, contiguous blocks a
+        # window hit needs); none without prefix caching
+        split: list[tuple[Any, list[int]]] = []
+        for g, m in enumerate(stms if mgr.enable_caching else ()):
+            for spec, gids in split:
+                if spec == m.kv_cache_spec:
+                    gids.append(g)
+                    break
+            else:
+                split.append((m.kv_cache_spec, [g]))
+        split.sort(key=lambda sg: not isinstance(sg[0], FullAttentionSpec))
         self.attn: list[tuple[bool, list[int], int]] = []
-        for sg in getattr(coord, "attention_groups", ()):
-            is_full = isinstance(sg.spec, FullAttentionSpec)
-            need = 0 if is_full else cdiv(sg.spec.sliding_window - 1, self.block_size)
-            self.attn.append((is_full, list(sg.group_ids), need))
+        for spec, gids in split:
+            is_full = isinstance(spec, FullAttentionSpec)
+            need = 0 if is_full else cdiv(spec.sliding_window - 1, self.block_size)
+            self.attn.append((is_full, gids, need))
         self.simple = len(self.attn) == 2 and self.attn[0][0]
         self.tables: dict[str, list[list[int]]] = {}  # request id -> table per group
         # request id -> cached blocks per group (vLLM's num_cached_block: present while the

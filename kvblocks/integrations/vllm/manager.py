@@ -41,7 +41,7 @@ from vllm.v1.core.kv_cache_utils import (
     maybe_convert_block_hash,
     to_event_extra_keys,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 import kvblocks
@@ -926,11 +926,14 @@ class KVCacheManager(VLLMKVCacheManager):
         )
         opts.update(zip(names, args))
         why = native_unsupported(self, opts)
-        if why is not None and len(self.kv_cache_config.kv_cache_groups) > 1:
+        groups = self.kv_cache_config.kv_cache_groups
+        if why is not None and (
+            len(groups) > 1 or type(groups[0].kv_cache_spec) is SlidingWindowSpec
+        ):
             from .hybrid import HybridKVCacheManager, hybrid_unsupported
 
             why = hybrid_unsupported(self, opts)
-            if why is None:  # full attention + sliding window groups: the hybrid adapter
+            if why is None:  # full attention + sliding window groups: the group adapter
                 self.native = True
                 self.__class__ = HybridKVCacheManager
                 self._init_hybrid()  # type: ignore[attr-defined]
