@@ -40,6 +40,8 @@ from vllm.v1.core.kv_cache_coordinator import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
+import kvblocks
+
 from .manager import (
     _ADMITTING,
     _EMPTY_I32,
@@ -131,6 +133,7 @@ class _HybridState(_NativeState):
         self.cap = [getattr(m, "max_admission_blocks_per_request", None) for m in stms]
         self.sw_groups = [g for g in range(self.num_groups) if self.window[g]]
         self.salt = [_group_salt(g) for g in range(self.num_groups)]
+        self.salt_int = [int(x) for x in self.salt]
         # vLLM's attention groups (verify_and_split_kv_cache_groups: groups of one spec,
         # looked up jointly), full attention first: (is_full, group ids, contiguous blocks a
         # window hit needs); none without prefix caching
@@ -150,6 +153,9 @@ class _HybridState(_NativeState):
             self.attn.append((is_full, gids, need))
         self.simple = len(self.attn) == 2 and self.attn[0][0]
         self.tables: dict[str, list[list[int]]] = {}  # request id -> table per group
+        # request id -> per group, how many leading table entries are null (vLLM's tables
+        # of a window: nulls, then blocks; nulls come from hits and remove_skipped only)
+        self.nulls: dict[str, list[int]] = {}
         # request id -> cached blocks per group (vLLM's num_cached_block: present while the
         # request has been cached or adopted hits)
         self.ncached: dict[str, list[int]] = {}
@@ -184,10 +190,27 @@ class _HybridState(_NativeState):
         ``get_cached_block`` per block: the earliest block under each hash)."""
         if s >= e:
             return _EMPTY_I32
-        kg = self._gkeys(keys, g, s, e)
         pool, full, hash_of = self.pool, self.full, self.hash_of
         pos = s
         parts = []
+        if keys is None:  # 32-byte hashes in a list: keys, salt and check natively
+            salt = self.salt_int[g]
+            while pos < e:
+                hit = pool.lookup_bytes(hashes, e, start=pos, full=full, group=g, key_salt=salt)
+                if len(hit):
+                    parts.append(hit)
+                    pos += len(hit)
+                if pos == e or not self.dups:
+                    break
+                d = self.dups.get(self.dup_key(hashes[pos], g))
+                if not d:
+                    break
+                parts.append(np.array(d[:1], dtype=np.int32))
+                pos += 1
+            if not parts:
+                return _EMPTY_I32
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        kg = self._gkeys(keys, g, s, e)
         while pos < e:
             hit = pool.lookup(kg[pos - s :], group=g)
             k = len(hit)
@@ -217,9 +240,22 @@ class _HybridState(_NativeState):
     def lookup_one(self, h: bytes, g: int) -> Optional[int]:
         if not 0 <= g < self.num_groups or not self.enable_caching:
             return None
-        keys, tails = self.to_keys_tails([h])
-        hit = self.run(g, [h], keys, tails, 0, 1)
+        hit = self.run(g, *self.hash_keys([h], 1), 0, 1)
         return int(hit[0]) if len(hit) else None
+
+    @staticmethod
+    def is32(hashes: Sequence[bytes], n: int) -> bool:
+        """Whether hashes[:n] can take the native bytes path (a list of 32-byte hashes;
+        mixed widths past the first raise InvalidArgumentError there)."""
+        return type(hashes) is list and n > 0 and len(hashes[0]) == 32
+
+    def hash_keys(self, hashes: Sequence[bytes], n: int, request: Any = None) -> tuple:
+        """(hashes, keys, tails) for ``run``: keys None for the native bytes path."""
+        if self.is32(hashes, n):
+            return hashes, None, None
+        if request is not None:
+            return (hashes, *self.request_keys(request, n))
+        return (hashes, *self.to_keys_tails(list(hashes[:n])))
 
     def _full_hit(self, gids: list[int], hk: tuple, m: int) -> tuple[list, int]:
         runs = [self.run(g, *hk, 0, m) for g in gids]
@@ -243,9 +279,18 @@ class _HybridState(_NativeState):
         return [r[:k].tolist() for r in runs], k
 
     def find(self, hk: tuple, max_length: int) -> tuple[list, int, int]:
-        """vLLM's HybridKVCacheCoordinator.find_longest_cache_hit over (hashes, keys,
-        tails): per-group id lists (0 = null), the hit length and the uncached common
-        prefix tokens."""
+        """vLLM's HybridKVCacheCoordinator.find_longest_cache_hit over hk (hash_keys):
+        per-group id lists (0 = null), the hit length and the uncached common prefix
+        tokens."""
+        if hk[1] is None:
+            try:
+                return self._find(hk, max_length)
+            except kvblocks.InvalidArgumentError:  # mixed widths: the numpy path
+                hashes = hk[0]
+                hk = (hashes, *self.to_keys_tails(list(hashes)))
+        return self._find(hk, max_length)
+
+    def _find(self, hk: tuple, max_length: int) -> tuple[list, int, int]:
         bs = self.block_size
         hashes = hk[0]
         hit_length = max_length
@@ -308,10 +353,62 @@ class _HybridState(_NativeState):
     def cache_ids(self, request: Any, g: int, ids_l: list, c: int, num_full: int) -> None:
         """vLLM's BlockPool.cache_full_blocks: blocks ids_l (0: null, skipped) of group g
         under the request's hashes [c, num_full), and its BlockStored."""
-        keys, tails = self.request_keys(request, num_full)
-        self._cache_run(g, ids_l, request.block_hashes, keys, tails, c)
+        hashes = request.block_hashes
+        if not (self.is32(hashes, num_full) and self._cache32(g, ids_l, hashes, c)):
+            keys, tails = self.request_keys(request, num_full)
+            self._cache_run(g, ids_l, hashes, keys, tails, c)
         if self.enable_events:
             self.events.append(self._stored(request, c, num_full, g, ids_l))
+
+    def _cache32(self, g: int, ids_l: list, hashes: list, c: int) -> bool:
+        """``_cache_run`` in one native call (cache_bytes) when it can: 32-byte hashes,
+        the blocks after the leading nulls all real, no hash among the duplicates."""
+        j = 0
+        n = len(ids_l)
+        while j < n and ids_l[j] == 0:
+            j += 1
+        if j == n:
+            return True
+        ids = ids_l[j:] if j else ids_l
+        if 0 in ids:
+            return False
+        dups = self.dups
+        if dups:
+            dk = self.dup_key
+            if any(dk(hashes[i], g) in dups for i in range(c + j, c + n)):
+                return False
+        try:
+            stored = self.pool.cache_bytes(
+                ids,
+                hashes,
+                c + j,
+                full=self.full,
+                mark=self.hashed,
+                group=g,
+                key_salt=self.salt_int[g],
+            )
+        except kvblocks.InvalidArgumentError:  # mixed widths: the numpy path
+            return False
+        self.gid[ids] = g
+        if stored != len(ids):  # keys held by other blocks: duplicates under salted keys
+            is_cached = self.pool.is_cached
+            for i, b in enumerate(ids):
+                if not is_cached(b):
+                    h = hashes[c + j + i]
+                    k = self.to_keys([h])
+                    if g:
+                        k[:, 1] ^= self.salt[g]
+                    self._dup(b, h, g, k)
+        return True
+
+    def _dup(self, b: int, h: bytes, g: int, k: np.ndarray) -> None:
+        """Cache block b (key k of hash h in group g, held by another block) under a
+        salted key of its own, listed in ``dups``."""
+        self._salt += 1
+        k = k.copy()
+        k[0, 1] ^= np.uint64((self._salt * _DUP_SALT) & _MASK64)
+        self.pool.cache(np.array([b], dtype=np.int32), k, group=g)
+        self.dups.setdefault(self.dup_key(h, g), []).append(b)
 
     def _cache_run(
         self,
@@ -355,11 +452,7 @@ class _HybridState(_NativeState):
             for j, b in enumerate(ids.tolist()):
                 if (first is None or first[j]) and is_cached(b):
                     continue
-                self._salt += 1
-                k = kg[j : j + 1].copy()
-                k[0, 1] ^= np.uint64((self._salt * _DUP_SALT) & _MASK64)
-                self.pool.cache(np.array([b], dtype=np.int32), k, group=g)
-                dups.setdefault(dk(hs[j], g), []).append(b)
+                self._dup(b, hs[j], g, kg[j : j + 1])
 
     # -- freeing ------------------------------------------------------------------------------
     def remove_skipped(self, rid: str, processed: int) -> None:
@@ -369,62 +462,60 @@ class _HybridState(_NativeState):
         if tables is None:
             return
         bs = self.block_size
+        nulls = self.nulls[rid]
         for g in self.sw_groups:
             n = self.skipped(g, processed) // bs
-            if n <= 0:
-                continue
             t = tables[g]
             if n > len(t):
                 n = len(t)
-            freed = []
-            for i in range(n - 1, -1, -1):
-                b = t[i]
-                if b == 0:
-                    break
-                freed.append(b)
-                t[i] = 0
-            if freed:
-                self.release(np.array(freed, dtype=np.int32))
+            nn = nulls[g]
+            if n <= nn:
+                continue
+            # blocks nn..n-1 leave, last first: a table is [nulls | cached | uncached], so
+            # vLLM's free_blocks puts t[c:n] (uncached) at the free list's head and
+            # t[nn:c] (cached) at its tail, last first; one native free in that order
+            c = self._cached_end(rid, g)
+            self.pool.free(t[max(c, nn) : n] + t[nn : min(c, n)][::-1])
+            t[nn:n] = [0] * (n - nn)
+            nulls[g] = n
+
+    def _cached_end(self, rid: str, g: int) -> int:
+        """The table position past the request's cached blocks in group g."""
+        nc = self.ncached.get(rid)
+        return nc[g] if nc is not None and self.enable_caching else 0
 
     def free_request(self, rid: str) -> None:
         """vLLM's coordinator free: group by group, each table without its null head
         freed last block first (uncached blocks to the free list's head, cached ones to its
         tail), in one native call."""
-        tables = self.tables.pop(rid, None)
-        self.ncached.pop(rid, None)
-        self.keys.pop(rid, None)
+        tables = self.tables.get(rid)
         if not tables:
+            self.pop(rid)
             return
-        parts = []
-        hashed = self.hashed
-        for t in tables:
-            if not t:
+        order: list[int] = []
+        nulls = self.nulls[rid]
+        for g, t in enumerate(tables):
+            nn = nulls[g]
+            if nn >= len(t):
                 continue
-            rev = np.array(t[::-1], dtype=np.int32)
-            rev = rev[rev != 0]
-            if not len(rev):
-                continue
-            m = hashed[rev]
-            if m.all():
-                parts.append(rev)
-            elif not m.any():
-                parts.append(rev[::-1])
+            c = self._cached_end(rid, g)
+            if c > nn:
+                order += t[c:] + t[c - 1 : nn - 1 : -1] if nn else t[c:] + t[c - 1 :: -1]
             else:
-                parts.append(rev[~m][::-1])
-                parts.append(rev[m])
-        if parts:
-            self.pool.free(parts[0] if len(parts) == 1 else np.concatenate(parts))
+                order += t[nn:]
+        self.pop(rid)
+        if order:
+            self.pool.free(order)
 
     def pop(self, rid: str) -> list[int]:
+        """Drop the request's tables; its blocks without the null heads, group by group."""
         tables = self.tables.pop(rid, None) or []
+        nulls = self.nulls.pop(rid, None)
         self.ncached.pop(rid, None)
         self.keys.pop(rid, None)
         out: list[int] = []
-        for t in tables:
-            i = 0
-            while i < len(t) and t[i] == 0:
-                i += 1
-            out.extend(t[i:])
+        for g, t in enumerate(tables):
+            out.extend(t[nulls[g] :] if nulls else t)
         return out
 
 
@@ -436,6 +527,10 @@ class _HybridGroupView:
         self._s = state
         self._g = g
         self.block_pool = pool
+
+    @property
+    def _null_block(self) -> Any:
+        return self.block_pool.null_block
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -498,8 +593,8 @@ class _HybridCoordinatorView:
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> tuple:
         s = self._m._native
-        keys, tails = s.to_keys_tails(list(block_hashes))
-        blocks, hit, uncached = s.find((block_hashes, keys, tails), max_cache_hit_length)
+        hk = s.hash_keys(block_hashes, len(block_hashes))
+        blocks, hit, uncached = s.find(hk, max_cache_hit_length)
         return tuple([s.view(b) for b in ids] for ids in blocks), hit, uncached
 
     def free(self, request_id: str) -> None:
@@ -552,8 +647,7 @@ class HybridKVCacheManager(KVCacheManager):
         n = min(max_length // self._bs, len(hashes))
         if n <= 0 or not s.attn:
             return [[] for _ in range(s.num_groups)], 0, 0
-        keys, tails = s.request_keys(request, n)
-        return s.find((hashes, keys, tails), max_length)
+        return s.find(s.hash_keys(hashes, n, request), max_length)
 
     def get_computed_blocks(
         self, request: Any, max_cache_hit_length: Optional[int] = None
@@ -685,7 +779,9 @@ class HybridKVCacheManager(KVCacheManager):
         tables = s.tables.get(rid)
         if tables is None:
             tables = s.tables[rid] = [[] for _ in range(ng)]
+            s.nulls[rid] = [0] * ng
         if (adopt or ext > 0) and rid not in s.ncached:
+            nulls = s.nulls[rid]
             nc = [0] * ng
             touch = []
             for g in range(ng):
@@ -703,6 +799,10 @@ class HybridKVCacheManager(KVCacheManager):
                 t.extend([0] * nsb)
                 t.extend(ids)
                 nc[g] = len(t)
+                nn = nsb
+                while nn < len(t) and t[nn] == 0:
+                    nn += 1
+                nulls[g] = nn
             if touch:
                 s.pool.touch(np.array(touch, dtype=np.int32))
             s.ncached[rid] = nc

@@ -814,6 +814,10 @@ class _GroupView:
         self._s = state
         self.block_pool = pool
 
+    @property
+    def _null_block(self) -> Any:
+        return self.block_pool.null_block
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
