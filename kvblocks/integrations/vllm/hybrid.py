@@ -28,6 +28,7 @@ runs on vLLM's own managers (``hybrid_unsupported`` says why).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -152,6 +153,9 @@ class _HybridState(_NativeState):
             need = 0 if is_full else cdiv(spec.sliding_window - 1, self.block_size)
             self.attn.append((is_full, gids, need))
         self.simple = len(self.attn) == 2 and self.attn[0][0]
+        # the common shape (gpt-oss, Gemma): one full-attention and one window group
+        self.simple1 = self.simple and self.num_groups == 2 and len(self.attn[1][1]) == 1
+        self.simple1 = self.simple1 and len(self.attn[0][1]) == 1
         self.tables: dict[str, list[list[int]]] = {}  # request id -> table per group
         # request id -> per group, how many leading table entries are null (vLLM's tables
         # of a window: nulls, then blocks; nulls come from hits and remove_skipped only)
@@ -278,17 +282,48 @@ class _HybridState(_NativeState):
         k = min(len(r) for r in runs)
         return [r[:k].tolist() for r in runs], k
 
-    def find(self, hk: tuple, max_length: int) -> tuple[list, int, int]:
+    def find(self, hk: tuple, max_length: int) -> tuple:
         """vLLM's HybridKVCacheCoordinator.find_longest_cache_hit over hk (hash_keys):
-        per-group id lists (0 = null), the hit length and the uncached common prefix
-        tokens."""
+        per-group ids (lists or int32 arrays, 0 = null), the hit length, the uncached common
+        prefix tokens, and per group how many leading ids are null (None: not counted)."""
         if hk[1] is None:
             try:
-                return self._find(hk, max_length)
+                if self.simple1 and not self.dups:
+                    return self._find_simple(hk[0], max_length)
+                return (*self._find(hk, max_length), None)
             except kvblocks.InvalidArgumentError:  # mixed widths: the numpy path
                 hashes = hk[0]
                 hk = (hashes, *self.to_keys_tails(list(hashes)))
-        return self._find(hk, max_length)
+        return (*self._find(hk, max_length), None)
+
+    def _find_simple(self, hashes: list, max_length: int) -> tuple:
+        """``_find`` of one full-attention group and one sliding-window group, 32-byte
+        hashes and no duplicates: native lookups only (vLLM's simple hybrid: one pass)."""
+        bs = self.block_size
+        _, (gf,), _ = self.attn[0]
+        _, (gw,), need = self.attn[1]
+        lookup, full = self.pool.lookup_bytes, self.full
+        m = min(max_length // bs, len(hashes))
+        hf = lookup(hashes, m, full=full, group=gf, key_salt=self.salt_int[gf])
+        e = kf = len(hf)
+        sw_salt = self.salt_int[gw]
+        nulls = [0, 0]
+        while e >= need:
+            s0 = e - need
+            r = lookup(hashes, e, start=s0, full=full, group=gw, key_salt=sw_salt)
+            k = len(r)
+            if k == need:
+                hw = np.concatenate((np.zeros(s0, dtype=np.int32), r)) if s0 else r
+                nulls[gw] = s0
+                break
+            e = s0 + k
+        else:
+            hw = lookup(hashes, e, full=full, group=gw, key_salt=sw_salt)
+            e = len(hw)
+        out: list = [None, None]
+        out[gf] = hf[:e] if e < kf else hf
+        out[gw] = hw
+        return out, e * bs, (kf - e) * bs, nulls
 
     def _find(self, hk: tuple, max_length: int) -> tuple[list, int, int]:
         bs = self.block_size
@@ -594,7 +629,7 @@ class _HybridCoordinatorView:
     ) -> tuple:
         s = self._m._native
         hk = s.hash_keys(block_hashes, len(block_hashes))
-        blocks, hit, uncached = s.find(hk, max_cache_hit_length)
+        blocks, hit, uncached, _ = s.find(hk, max_cache_hit_length)
         return tuple([s.view(b) for b in ids] for ids in blocks), hit, uncached
 
     def free(self, request_id: str) -> None:
@@ -646,7 +681,7 @@ class HybridKVCacheManager(KVCacheManager):
         hashes = request.block_hashes
         n = min(max_length // self._bs, len(hashes))
         if n <= 0 or not s.attn:
-            return [[] for _ in range(s.num_groups)], 0, 0
+            return [[] for _ in range(s.num_groups)], 0, 0, None
         return s.find(s.hash_keys(hashes, n, request), max_length)
 
     def get_computed_blocks(
@@ -655,7 +690,7 @@ class HybridKVCacheManager(KVCacheManager):
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         max_len = request.get_max_cache_hit_length(max_cache_hit_length)
-        blocks, hit, uncached = self._find(request, max_len)
+        blocks, hit, uncached, nulls = self._find(request, max_len)
         s = self._native
         if (
             hit > 0
@@ -663,9 +698,12 @@ class HybridKVCacheManager(KVCacheManager):
             and getattr(request, "kv_cache_report_mode", "incremental") == "full"
         ):
             for g, b in enumerate(blocks):
-                if b:
+                if len(b):
                     s.events.append(s._stored(request, 0, len(b), g))
-        return self._blocks(blocks), hit, (hit + uncached if uncached else 0)
+        out = self._blocks(blocks)
+        if nulls is not None and out is not self.empty_kv_cache_blocks:
+            out._nulls = nulls
+        return out, hit, (hit + uncached if uncached else 0)
 
     def get_num_cached_tokens(self, request: Any) -> int:
         if not self.prefix_cache_lookup_enabled(request):
@@ -752,6 +790,21 @@ class HybridKVCacheManager(KVCacheManager):
             new_computed_blocks is not None
             and new_computed_blocks is not self.empty_kv_cache_blocks
         )
+        if (
+            not adopt
+            and num_external_computed_tokens == 0
+            and not full_sequence_must_fit
+            and rid in s.ncached
+        ):  # a running request (decode, next chunk): the same rules, fewer steps
+            return self._allocate_running(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                num_lookahead_tokens,
+                delay_cache_blocks,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
         if not adopt:
             new_lists: Sequence[Any] = self._empty_groups
         elif isinstance(new_computed_blocks, NativeKVCacheBlocks):
@@ -782,29 +835,32 @@ class HybridKVCacheManager(KVCacheManager):
             s.nulls[rid] = [0] * ng
         if (adopt or ext > 0) and rid not in s.ncached:
             nulls = s.nulls[rid]
+            hit_nulls = getattr(new_computed_blocks, "_nulls", None)
             nc = [0] * ng
-            touch = []
+            touch: list = []
             for g in range(ng):
                 nsb = s.skipped(g, num_local + ext) // bs
                 blocks = new_lists[g]
                 blocks = blocks[nsb:] if nsb else blocks
                 ids = blocks.tolist() if isinstance(blocks, np.ndarray) else list(blocks)
-                if any(ids):
+                if hit_nulls is not None:  # leading nulls of the hit past the skipped ones
+                    nl = hit_nulls[g] - nsb if hit_nulls[g] > nsb else 0
+                else:
+                    nl = bisect_left(ids, True, key=bool)  # nulls lead a table, then blocks
+                if nl < len(ids):
                     if not self.enable_caching:
                         raise AssertionError(
                             "Computed blocks should be empty when prefix caching is disabled"
                         )
-                    touch.extend(b for b in ids if b)
+                    touch += ids[nl:] if nl else ids
                 t = tables[g]
-                t.extend([0] * nsb)
+                if nsb:
+                    t.extend([0] * nsb)
                 t.extend(ids)
                 nc[g] = len(t)
-                nn = nsb
-                while nn < len(t) and t[nn] == 0:
-                    nn += 1
-                nulls[g] = nn
+                nulls[g] = nsb + nl
             if touch:
-                s.pool.touch(np.array(touch, dtype=np.int32))
+                s.pool.touch(touch)
             s.ncached[rid] = nc
             if ext > 0:
                 num_total = num_local + ext
@@ -833,6 +889,65 @@ class HybridKVCacheManager(KVCacheManager):
                     out.append([])
         if not delay_cache_blocks and self.enable_caching:
             s.cache_groups(request, min(total_computed + num_new_tokens, request.num_tokens))
+        if not n_new:
+            return self.empty_kv_cache_blocks
+        return NativeKVCacheBlocks(s, out)
+
+    def _allocate_running(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> Any:
+        """allocate_slots of a request vLLM's managers track as running (in
+        num_cached_block: no new hits; each group needs its table grown to the tokens)."""
+        s = self._native
+        rid = request.request_id
+        max_len = self.max_model_len
+        total = request.num_computed_tokens + num_new_computed_tokens
+        if total > max_len:
+            total = max_len
+        num_main = total + num_new_tokens
+        need = num_main + num_lookahead_tokens
+        if need > max_len:
+            need = max_len
+        if s.sw_groups:
+            done = total - request.num_in_flight_tokens
+            s.remove_skipped(rid, done if done > 0 else 0)
+        tables = s.tables[rid]
+        required = -(-need // self._bs)  # cdiv
+        n_new = 0
+        for t in tables:
+            if required > len(t):
+                n_new += required - len(t)
+        watermark = 0
+        if has_scheduled_reqs and request.status in _ADMITTING:
+            watermark = self.watermark_blocks
+        if n_new + watermark > s.pool.num_free - reserved_blocks:
+            return None
+        out: list = []
+        if n_new:
+            new = s.allocate(n_new).tolist()
+            pos = 0
+            for t in tables:
+                c = required - len(t)
+                if c > 0:
+                    part = new[pos : pos + c]
+                    pos += c
+                    t.extend(part)
+                    out.append(part)
+                else:
+                    out.append([])
+        if (
+            not delay_cache_blocks
+            and self.enable_caching
+            and len(request.block_hashes) > min(s.ncached[rid])
+        ):
+            s.cache_groups(request, min(num_main, request.num_tokens))
         if not n_new:
             return self.empty_kv_cache_blocks
         return NativeKVCacheBlocks(s, out)

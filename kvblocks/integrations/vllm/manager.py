@@ -148,6 +148,8 @@ class NativeKVCacheBlocks(VLLMKVCacheBlocks):
     """vLLM's ``KVCacheBlocks`` over id arrays: ``get_block_ids`` reads the ids directly; the
     per-block views of ``blocks`` are made on first access."""
 
+    _nulls: Optional[list] = None  # per group, how many leading ids are null (when known)
+
     def __init__(self, state: _NativeState, ids: Sequence[Any]) -> None:  # one array per group
         self._state = state
         self._ids = ids
