@@ -66,7 +66,7 @@ def _group_salt(g: int) -> np.uint64:
 def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
     """Why a hybrid configuration runs on vLLM's own managers, or None when kvblocks
     serves it natively."""
-    coord = mgr.coordinator
+    coord: Any = mgr.coordinator
     groups = mgr.kv_cache_config.kv_cache_groups
     for g in groups:
         spec = g.kv_cache_spec
@@ -84,8 +84,9 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
         want = HybridKVCacheCoordinator
     else:
         want = UnitaryKVCacheCoordinator
-    if type(coord) is not want:
-        return f"coordinator {type(coord).__name__}"
+    coord_cls: Any = type(coord)
+    if coord_cls is not want:
+        return f"coordinator {coord_cls.__name__}"
     sizes = {stm.block_size for stm in coord.single_type_managers}
     if len(sizes) != 1:
         return "groups of different block sizes"
@@ -244,7 +245,8 @@ class _HybridState(_NativeState):
     def lookup_one(self, h: bytes, g: int) -> Optional[int]:
         if not 0 <= g < self.num_groups or not self.enable_caching:
             return None
-        hit = self.run(g, *self.hash_keys([h], 1), 0, 1)
+        hk = self.hash_keys([h], 1)
+        hit = self.run(g, hk[0], hk[1], hk[2], 0, 1)
         return int(hit[0]) if len(hit) else None
 
     @staticmethod
@@ -262,7 +264,7 @@ class _HybridState(_NativeState):
         return (hashes, *self.to_keys_tails(list(hashes[:n])))
 
     def _full_hit(self, gids: list[int], hk: tuple, m: int) -> tuple[list, int]:
-        runs = [self.run(g, *hk, 0, m) for g in gids]
+        runs = [self.run(g, hk[0], hk[1], hk[2], 0, m) for g in gids]
         k = min(len(r) for r in runs)
         return [r[:k].tolist() for r in runs], k
 
@@ -273,12 +275,12 @@ class _HybridState(_NativeState):
         e = m
         while e >= need:
             s = e - need
-            runs = [self.run(g, *hk, s, e) for g in gids]
+            runs = [self.run(g, hk[0], hk[1], hk[2], s, e) for g in gids]
             k = min(len(r) for r in runs)
             if k == need:
                 return [[0] * s + r.tolist() for r in runs], e
             e = s + k  # block s + k misses: every window ending past it does too
-        runs = [self.run(g, *hk, 0, e) for g in gids]
+        runs = [self.run(g, hk[0], hk[1], hk[2], 0, e) for g in gids]
         k = min(len(r) for r in runs)
         return [r[:k].tolist() for r in runs], k
 
@@ -659,7 +661,7 @@ class HybridKVCacheManager(KVCacheManager):
     kvblocks' native pool; ``KVCacheManager.__init__`` turns an instance into this class
     when ``hybrid_unsupported`` finds nothing against it."""
 
-    _native: _HybridState  # type: ignore[assignment]
+    _native: _HybridState
 
     def _init_hybrid(self) -> None:
         coord = self.coordinator

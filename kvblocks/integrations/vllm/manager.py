@@ -358,6 +358,10 @@ class _NativeState:
             pos += 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def cache_ids(self, request: Any, g: int, ids_l: list, c: int, num_full: int) -> None:
+        """vLLM's BlockPool.cache_full_blocks (the group pools of hybrid.py have it)."""
+        raise NotImplementedError("kvblocks' vLLM pool: cache_full_blocks on a one-group pool")
+
     def lookup_one(self, h: bytes, g: int) -> Optional[int]:
         """The block vLLM's map gives for hash h in group g (the earliest), or None."""
         if g != 0:
@@ -942,7 +946,7 @@ class KVCacheManager(VLLMKVCacheManager):
             if why is None:  # full attention + sliding window groups: the group adapter
                 self.native = True
                 self.__class__ = HybridKVCacheManager
-                self._init_hybrid()  # type: ignore[attr-defined]
+                self._init_hybrid()
                 NATIVE_BUILDS["hybrid"] += 1
                 logger.debug("kvblocks: native hybrid KV cache manager")
                 return
