@@ -525,22 +525,20 @@ class _HybridState(_NativeState):
         """vLLM's coordinator free: group by group, each table without its null head
         freed last block first (uncached blocks to the free list's head, cached ones to its
         tail), in one native call."""
-        tables = self.tables.get(rid)
-        if not tables:
-            self.pop(rid)
+        tables = self.tables.pop(rid, None)
+        nulls = self.nulls.pop(rid, None)
+        nc = self.ncached.pop(rid, None)
+        self.keys.pop(rid, None)
+        if not tables or nulls is None:
             return
+        if nc is None or not self.enable_caching:
+            nc = nulls
         order: list[int] = []
-        nulls = self.nulls[rid]
-        for g, t in enumerate(tables):
-            nn = nulls[g]
-            if nn >= len(t):
-                continue
-            c = self._cached_end(rid, g)
-            if c > nn:
+        for t, nn, c in zip(tables, nulls, nc):
+            if c > nn:  # t[c:] to the head (forward: each pushed there), t[c-1..nn] to the tail
                 order += t[c:] + t[c - 1 : nn - 1 : -1] if nn else t[c:] + t[c - 1 :: -1]
-            else:
+            elif nn < len(t):
                 order += t[nn:]
-        self.pop(rid)
         if order:
             self.pool.free(order)
 
