@@ -39,20 +39,13 @@ from vllm.v1.core.kv_cache_coordinator import (
     KVCacheCoordinatorNoPrefixCache,
     UnitaryKVCacheCoordinator,
 )
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 import kvblocks
 
-from .manager import (
-    _ADMITTING,
-    _EMPTY_I32,
-    KVCacheManager,
-    NativeBlockPoolView,
-    NativeKVCacheBlocks,
-    VLLMKVCacheManager,
-    _ids_of,
-    _NativeState,
-)
+from .pool_view import NativeBlockPoolView
+from .state import _ADMITTING, _EMPTY_I32, NativeKVCacheBlocks, _ids_of, _NativeState
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 _DUP_SALT = 0x9E3779B97F4A7C15  # as _NativeState._cache_dups
@@ -654,12 +647,16 @@ class _HybridCoordinatorView:
         return None
 
 
-class HybridKVCacheManager(KVCacheManager):
+class HybridKVCacheManager(VLLMKVCacheManager):
     """``KVCacheManager`` of a hybrid model (full attention + sliding window groups) on
     kvblocks' native pool; ``KVCacheManager.__init__`` turns an instance into this class
     when ``hybrid_unsupported`` finds nothing against it."""
 
+    native: bool = True  # (manager.KVCacheManager's flag: this class is always native)
     _native: _HybridState
+    _bs: int
+    block_pool: Any  # NativeBlockPoolView
+    coordinator: Any  # _HybridCoordinatorView
 
     def _init_hybrid(self) -> None:
         coord = self.coordinator

@@ -14,7 +14,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 import kvblocks
 
 if TYPE_CHECKING:
-    from .manager import _BlockView, _NativeState
+    from .state import _BlockView, _NativeState
 
 
 class _FreeEnd:
