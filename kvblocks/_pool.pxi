@@ -519,7 +519,8 @@ cdef class BlockPool:
         return out[:keep]
 
     # -- vLLM's bytes block hashes --------------------------------------------------------
-    def lookup_bytes(self, hashes, stop=None, *, Py_ssize_t start=0, full=None, group=0):
+    def lookup_bytes(self, hashes, stop=None, *, Py_ssize_t start=0, full=None, group=0,
+                     uint64_t key_salt=0):
         """Ids of the longest cached prefix of ``hashes[start:stop]`` (int32), NOT pinned,
         for hashes given as vLLM keeps them: a list of ``bytes`` (one per block). The key
         of a hash is its first 16 bytes (zero-padded when shorter), read as ``lookup`` reads
@@ -530,6 +531,10 @@ cdef class BlockPool:
         too: every hash must then be 32 bytes, and a hit stops at the first block whose row
         is not the hash's 32 bytes (so a 128-bit key collision, or a row the caller zeroed,
         never hits).
+
+        ``key_salt`` is XORed into the second 8 bytes of every key (so one hash can key one
+        entry per salt: the vLLM adapter gives each KV cache group its own salt, as vLLM's
+        keys carry the group id); ``cache_bytes`` must have used the same salt.
 
         Raises InvalidTypeError when ``hashes`` is not a list of bytes, InvalidArgumentError
         for a bad range, a hash of another width than 32 with ``full``, or a bad ``full``.
@@ -555,7 +560,8 @@ cdef class BlockPool:
         cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
         cdef const uint64_t *tl = self._full_ptr(full, "lookup_bytes")
         cdef Py_ssize_t n = end - start
-        cdef kvb_hash_t *keys = _bytes_keys(hs, start, n, tl != NULL, "lookup_bytes")
+        cdef kvb_hash_t *keys = _bytes_keys(hs, start, n, tl != NULL, "lookup_bytes",
+                                            key_salt)
         cdef cnp.ndarray out = new_i32(n)
         cdef int32_t *o = i32_data(out)
         cdef int64_t k, i
@@ -573,10 +579,11 @@ cdef class BlockPool:
         return out[:k]
 
     def cache_bytes(self, ids, hashes, Py_ssize_t start=0, *, full=None, mark=None,
-                    group=0):
+                    group=0, uint64_t key_salt=0):
         """``cache(ids, keys)`` with the keys of vLLM's bytes hashes: block ``ids[i]`` is
         registered under ``hashes[start + i]`` (its first 16 bytes, as in lookup_bytes).
         Returns how many entries were added (a key already cached keeps its first block).
+        ``key_salt``: as in lookup_bytes (the full hash written to ``full`` is unsalted).
         No BlockStored is recorded (the caller publishes its own events): raises
         InvalidStateError while this pool records events or when caching is disabled.
 
@@ -614,7 +621,8 @@ cdef class BlockPool:
         if self.p.record_events:
             raise InvalidStateError("cache_bytes: records no events; this pool records "
                                     "them (use cache() with token_ids)")
-        cdef kvb_hash_t *keys = _bytes_keys(hs, start, n, tl != NULL, "cache_bytes")
+        cdef kvb_hash_t *keys = _bytes_keys(hs, start, n, tl != NULL, "cache_bytes",
+                                            key_salt)
         cdef int32_t *d = i32_data(v)
         cdef int32_t b
         cdef int64_t stored = 0
@@ -949,10 +957,11 @@ cdef bytes _encode_log(const kvb_events_t *ev, const kvb_wire_opts_t *w):
 
 
 cdef kvb_hash_t *_bytes_keys(list hs, Py_ssize_t start, Py_ssize_t n, bint full,
-                             str what) except NULL:
+                             str what, uint64_t salt=0) except NULL:
     """The native keys of hs[start:start + n] (bytes hashes: the first 16 bytes of each,
-    zero-padded), in a PyMem_Malloc'd array the caller frees; with ``full`` every hash must
-    be 32 bytes. Raises InvalidTypeError / InvalidArgumentError (nothing allocated then)."""
+    zero-padded, ``salt`` XORed into bytes 8..15), in a PyMem_Malloc'd array the caller
+    frees; with ``full`` every hash must be 32 bytes. Raises InvalidTypeError /
+    InvalidArgumentError (nothing allocated then)."""
     cdef kvb_hash_t *keys = <kvb_hash_t *>PyMem_Malloc(max(n, 1) * sizeof(kvb_hash_t))
     if keys is NULL:
         raise MemoryError()
@@ -973,4 +982,6 @@ cdef kvb_hash_t *_bytes_keys(list hs, Py_ssize_t start, Py_ssize_t n, bint full,
         else:
             memset(&keys[i], 0, 16)
             memcpy(&keys[i], PyBytes_AS_STRING(h), w)
+        if salt:
+            (<uint64_t *>&keys[i])[1] ^= salt
     return keys

@@ -189,3 +189,22 @@ def test_reset_prefix_cache_keep_order_refuses_referenced_cached_blocks():
         pool.reset_prefix_cache(keep_order=True)
     assert pool.num_cached == 2 and pool.free_list().tolist() == before
     pool.check()
+
+
+def test_key_salt_keys_one_hash_once_per_salt():
+    """key_salt XORs into the key's second 8 bytes (the vLLM adapter's per-group keys): the
+    same hash caches one block per salt, found only with its salt, and the array keys are
+    the salted ones."""
+    pool = BlockPool(16)
+    hs = [_h(i) for i in range(1, 4)]
+    full = np.zeros((16, 4), dtype=np.uint64)
+    a, b = pool.allocate(3), pool.allocate(3)
+    assert pool.cache_bytes(a, hs, full=full) == 3
+    assert pool.cache_bytes(b, hs, full=full, group=1, key_salt=0x1234) == 3
+    assert full[b].tobytes() == b"".join(hs)  # the full hash is unsalted
+    assert pool.lookup_bytes(hs, full=full).tolist() == a.tolist()
+    assert pool.lookup_bytes(hs, full=full, group=1, key_salt=0x1234).tolist() == b.tolist()
+    assert pool.lookup_bytes(hs, full=full, group=1).tolist() == []
+    salted = _keys(hs)
+    salted[:, 1] ^= np.uint64(0x1234)
+    assert pool.lookup(salted, group=1).tolist() == b.tolist()

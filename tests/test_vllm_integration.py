@@ -92,21 +92,23 @@ def test_plugin_registers_only_when_asked(monkeypatch):
         kvb_vllm.disable()
 
 
-def test_sliding_window_falls_back_to_vllm(caplog):
+def test_sliding_window_alone_is_native():
+    """One sliding-window group (vLLM's unitary coordinator) runs on the native group
+    manager (kvblocks.integrations.vllm.hybrid; differential tests in test_vllm_hybrid.py)."""
+    from kvblocks.integrations.vllm.hybrid import HybridKVCacheManager
+
     spec = SlidingWindowSpec(
         block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=8
     )
     init_none_hash(sha256)
-    with caplog.at_level("INFO", logger="kvblocks.integrations.vllm.manager"):
-        m = KVCacheManager(
-            config(16, spec),
-            max_model_len=64,
-            scheduler_block_size=BS,
-            hash_block_size=BS,
-            enable_caching=True,
-        )
-    assert not m.native
-    assert "SlidingWindowSpec" in caplog.text
+    m = KVCacheManager(
+        config(16, spec),
+        max_model_len=64,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        enable_caching=True,
+    )
+    assert m.native and type(m) is HybridKVCacheManager
 
 
 def _admit(m, r, chunk, la):

@@ -17,40 +17,44 @@ batched native calls over a request's whole hash chain:
 Block tables are lists of int ids; ``KVCacheBlock``-shaped objects (``_BlockView``) are made
 only when something reads them (``KVCacheBlocks.blocks``, ``block_pool.blocks[i]``,
 ``req_to_blocks``), once per block id, and read their ref count and hash from the native
-pool. Any other configuration (other attention kinds, hybrid models, partial-block hashes,
-EAGLE, context parallelism, lookahead hashes, a metrics collector, KV zeroing) runs vLLM's
-own coordinator and single-type managers unchanged, and says so in the log.
+pool. Models of full-attention and sliding-window groups (hybrid or a window alone) run on
+``hybrid.HybridKVCacheManager`` (this class turns an instance into it). Any other
+configuration (other attention kinds, partial-block hashes, EAGLE, context parallelism,
+lookahead hashes, a metrics collector, KV zeroing) runs vLLM's own coordinator and
+single-type managers unchanged, and says so in the log.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VLLMKVCacheBlocks
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
-from vllm.v1.core.kv_cache_utils import (
-    generate_block_hash_extra_keys,
-    make_block_hash_with_group_id,
-    maybe_convert_block_hash,
-    to_event_extra_keys,
-)
-from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.request import RequestStatus
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-import kvblocks
+from .pool_view import NativeBlockPoolView
+from .state import (  # noqa: F401  (NativeKVCacheBlocks, _NativeState: names tests import)
+    _ADMITTING,
+    _EMPTY_I32,
+    NativeKVCacheBlocks,
+    _ids_of,
+    _NativeState,
+)
 
 logger = logging.getLogger(__name__)
 
 # VLLMKVCacheManager: vLLM's own class (this module is imported before enable() patches)
 
-_EMPTY_I32 = np.empty(0, dtype=np.int32)
-_ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # the watermark applies
+# managers built in this process, by path: "full" (one full-attention group, native),
+# "hybrid" (full attention + sliding window groups, native), "fallback" (vLLM's managers)
+NATIVE_BUILDS: Counter = Counter()
+FALLBACK_REASONS: Counter = Counter()  # why the "fallback" ones run on vLLM's managers
 
 
 def native_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
@@ -82,630 +86,6 @@ def native_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
     return None
 
 
-class _BlockView:
-    """A ``KVCacheBlock``-shaped view of one native block: ``block_id``, ``ref_cnt`` (read
-    from and written to the native pool), ``block_hash`` (vLLM's hash + group id)."""
-
-    __slots__ = ("_s", "block_id", "__weakref__")
-
-    def __init__(self, state: _NativeState, block_id: int) -> None:
-        self._s = state
-        self.block_id = block_id
-
-    @property
-    def is_null(self) -> bool:
-        return self.block_id == 0
-
-    @property
-    def ref_cnt(self) -> int:
-        return 0 if self.block_id == 0 else int(self._s.pool.ref_count(self.block_id))
-
-    @ref_cnt.setter
-    def ref_cnt(self, value: int) -> None:
-        cur = self.ref_cnt
-        ids = np.array([self.block_id], dtype=np.int32)
-        for _ in range(value - cur):
-            self._s.pool.touch(ids)
-        for _ in range(cur - value):
-            self._s.release(ids)
-
-    @property
-    def block_hash(self) -> Optional[bytes]:
-        h = self._s.hash_of.get(self.block_id)
-        return None if h is None else make_block_hash_with_group_id(h, 0)
-
-    @property
-    def block_hash_num_tokens(self) -> Optional[int]:
-        return None if self.block_id not in self._s.hash_of else self._s.block_size
-
-    @property
-    def pool(self) -> Any:
-        return None
-
-    @property
-    def next_free_block(self) -> Any:
-        return self._s.free_queue._neighbour(self.block_id, +1)
-
-    @property
-    def prev_free_block(self) -> Any:
-        return self._s.free_queue._neighbour(self.block_id, -1)
-
-    def __repr__(self) -> str:
-        return (
-            f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
-            f"_block_hash={self.block_hash!r})"
-        )
-
-
-class NativeKVCacheBlocks(VLLMKVCacheBlocks):
-    """vLLM's ``KVCacheBlocks`` over id arrays: ``get_block_ids`` reads the ids directly; the
-    per-block views of ``blocks`` are made on first access."""
-
-    def __init__(self, state: _NativeState, ids: Sequence[Any]) -> None:  # one array per group
-        self._state = state
-        self._ids = ids
-        self._blocks: Optional[tuple] = None
-
-    @property
-    def blocks(self) -> tuple:
-        if self._blocks is None:
-            view = self._state.view
-            self._blocks = tuple([view(int(b)) for b in ids] for ids in self._ids)
-        return self._blocks
-
-    def get_block_ids(self, allow_none: bool = False, *, group_ids: Any = None) -> Any:
-        groups = self._ids if group_ids is None else tuple(self._ids[g] for g in group_ids)
-        if allow_none and all(len(g) == 0 for g in groups):
-            return None
-        return tuple(g.tolist() if isinstance(g, np.ndarray) else list(g) for g in groups)
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-
-class _HashMirror:
-    """Block id -> vLLM block hash (group 0) of the blocks whose hash vLLM would show: read
-    from ``full`` (32-byte hashes, written natively) or, for other widths, a dict. A block
-    has one while it holds a native entry (``hashed``) that ``evict`` did not drop."""
-
-    def __init__(self, state: _NativeState) -> None:
-        self._s = state
-        self._other: dict[int, bytes] = {}  # hashes of other widths than 32
-
-    def get(self, b: int, default: Optional[bytes] = None) -> Optional[bytes]:
-        s = self._s
-        if not s.hashed[b]:
-            return default
-        h = self._other.get(b)
-        if h is not None:
-            return h
-        row = s.full[b]
-        return row.tobytes() if row.any() else default
-
-    def __contains__(self, b: object) -> bool:
-        return isinstance(b, (int, np.integer)) and self.get(int(b)) is not None
-
-    def pop(self, b: int, default: Optional[bytes] = None) -> Optional[bytes]:
-        h = self.get(b)
-        self._other.pop(b, None)
-        self._s.full[b] = 0
-        return default if h is None else h
-
-    def update(self, pairs: Iterable[tuple]) -> None:
-        self._other.update(pairs)
-
-    def clear(self) -> None:
-        self._other.clear()
-        self._s.full[:] = 0
-
-    def items(self) -> list:
-        out = []
-        for b in np.flatnonzero(self._s.hashed).tolist():
-            h = self.get(b)
-            if h is not None:
-                out.append((b, h))
-        return out
-
-    def __len__(self) -> int:
-        return len(self.items())
-
-
-class _NativeState:
-    """The native pool and the request tables of one full-attention group."""
-
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        enable_caching: bool,
-        enable_events: bool,
-        medium: str,
-    ) -> None:
-        self.pool = kvblocks.BlockPool(num_blocks, enable_prefix_caching=enable_caching)
-        self.refs = self.pool.ref_counts()  # live read-only view of the native ref counts
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_caching = enable_caching
-        self.enable_events = enable_events
-        self.medium = medium
-        self.req: dict[str, list[int]] = {}  # request id -> block ids, in order
-        self.num_cached: dict[str, int] = {}  # request id -> leading cached blocks
-        # request id -> (request, keys, tails): the native keys (n, 2) of the request's block
-        # hashes and, for 32-byte hashes, their other 16 bytes (n, 2), which every hit is
-        # checked against; rebuilt when another Request object comes under the same id
-        self.keys: dict[str, tuple] = {}
-        # block -> its 32-byte vLLM hash (0 when it has none, or it was evicted): written by
-        # the native cache_bytes, checked by the native lookup_bytes
-        self.full = np.zeros((num_blocks, 4), dtype=np.uint64)
-        self.hashed = np.zeros(num_blocks, dtype=np.bool_)  # mirror: native cache entry
-        self.hash_of = _HashMirror(self)  # block id -> vLLM block hash (group 0)
-        # vLLM lets several blocks hold one hash (a prompt computed again while its blocks are
-        # cached: the hit stops one block short of the prompt); lookups return the earliest.
-        # The native table holds one block per key: the first is cached under the key, later
-        # ones under a salted key of their own (so they are evictable and evicted like any
-        # cached block), listed here in insertion order for lookups to fall back on.
-        self.dups: dict[bytes, list[int]] = {}
-        self._salt = 0
-        self.events: list[Any] = []
-        self._views: dict[int, _BlockView] = {}
-        self.free_queue: Any = None  # the _FreeQueueView, set by NativeBlockPoolView
-
-    # -- views --------------------------------------------------------------------------------
-    def view(self, block_id: int) -> _BlockView:
-        v = self._views.get(block_id)
-        if v is None:
-            v = self._views[block_id] = _BlockView(self, block_id)
-        return v
-
-    # -- keys ---------------------------------------------------------------------------------
-    @staticmethod
-    def to_keys(hashes: Sequence[bytes]) -> np.ndarray:
-        """Native 128-bit keys of vLLM's bytes hashes: their first 16 bytes."""
-        n = len(hashes)
-        if n == 0:
-            return np.empty((0, 2), dtype=np.uint64)
-        width = len(hashes[0])
-        raw = b"".join(hashes)
-        if width >= 16 and width % 8 == 0 and len(raw) == n * width:
-            return np.array(np.frombuffer(raw, dtype=np.uint64).reshape(n, width // 8)[:, :2])
-        if width >= 16 and len(raw) == n * width:
-            b = np.frombuffer(raw, dtype=np.uint8).reshape(n, width)[:, :16]
-        else:  # short or mixed widths: pad each to 16 bytes
-            b = np.frombuffer(
-                b"".join(bytes(h[:16]).ljust(16, b"\0") for h in hashes), dtype=np.uint8
-            ).reshape(n, 16)
-        return b.copy().view(np.uint64)  # a writable, contiguous copy
-
-    @staticmethod
-    def to_keys_tails(hashes: Sequence[bytes]) -> tuple:
-        """(keys, tails) of 32-byte hashes (tails: bytes 16..31); (keys, None) otherwise."""
-        n = len(hashes)
-        if n and len(hashes[0]) == 32:
-            raw = b"".join(hashes)
-            if len(raw) == 32 * n:
-                w = np.frombuffer(raw, dtype=np.uint64).reshape(n, 4)
-                return np.array(w[:, :2]), np.array(w[:, 2:])
-        return _NativeState.to_keys(hashes), None
-
-    def request_keys(self, request: Any, n: int) -> tuple:
-        """(keys, tails) of the request's first n block hashes (kept per request, extended
-        as its hashes grow)."""
-        kt = self.keys.get(request.request_id)
-        if kt is not None and kt[0] is not request:  # another request under the same id
-            kt = None
-        if kt is None or len(kt[1]) < n:
-            start = 0 if kt is None else len(kt[1])
-            k, t = self.to_keys_tails(request.block_hashes[start:n])
-            if kt is not None:
-                k = np.concatenate((kt[1], k))
-                t = None if t is None or kt[2] is None else np.concatenate((kt[2], t))
-            kt = self.keys[request.request_id] = (request, k, t)
-        return kt[1][:n], None if kt[2] is None else kt[2][:n]
-
-    # -- pool operations ----------------------------------------------------------------------
-    def lookup(
-        self,
-        hashes: Sequence[bytes],
-        n: int,
-        keys: Optional[np.ndarray] = None,
-        tails: Optional[np.ndarray] = None,
-    ) -> np.ndarray:
-        """Ids of the longest cached prefix of hashes[:n], not pinned (vLLM's phase 1);
-        ``keys`` their native keys when known."""
-        if n <= 0 or not self.enable_caching:
-            return _EMPTY_I32
-        if keys is None and type(hashes) is list and len(hashes[0]) == 32:
-            try:
-                return self._lookup32(hashes, n)
-            except kvblocks.InvalidArgumentError:  # mixed widths: the general path
-                pass
-        if keys is None:
-            keys = self.to_keys(hashes[:n])
-        hash_of = self.hash_of
-        pos = 0
-        parts = []
-        while pos < n:
-            hit = self.pool.lookup(keys[pos:])
-            k = len(hit)
-            if tails is not None:  # the other half of each hit's hash (0 once evicted)
-                ok = (self.full[hit, 2:] == tails[pos : pos + k]).all(axis=1)
-                if not ok.all():
-                    k = int(np.argmin(ok))
-            else:
-                for i, b in enumerate(hit.tolist()):  # exact bytes check (and evict_blocks)
-                    if hash_of.get(b) != hashes[pos + i]:
-                        k = i
-                        break
-            parts.append(hit[:k])
-            pos += k
-            if pos == n or not self.dups:
-                break
-            d = self.dups.get(hashes[pos])  # the key's first block is gone: the next one
-            if not d:
-                break
-            parts.append(np.array(d[:1], dtype=np.int32))
-            pos += 1
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    def _lookup32(self, hashes: list, n: int) -> np.ndarray:
-        """``lookup`` of 32-byte hashes: keys and the full-width check in native calls (one
-        per run between duplicates)."""
-        pool, full = self.pool, self.full
-        hit = pool.lookup_bytes(hashes, n, full=full)
-        pos = len(hit)
-        if pos == n or not self.dups:
-            return hit
-        parts = [hit]
-        while pos < n:
-            d = self.dups.get(hashes[pos])  # the key's first block is gone: the next one
-            if not d:
-                break
-            parts.append(np.array(d[:1], dtype=np.int32))
-            pos += 1
-            if pos == n:
-                break
-            more = pool.lookup_bytes(hashes, n, start=pos, full=full)
-            parts.append(more)
-            pos += len(more)
-        return np.concatenate(parts)
-
-    def allocate(self, n: int) -> np.ndarray:
-        """n new blocks (ref 1), popping the free list's head; evicted entries leave the
-        table (with their BlockRemoved events, in pop order)."""
-        if n <= 0:
-            return _EMPTY_I32
-        if n > self.pool.num_free:
-            raise ValueError(f"Cannot get {n} free blocks from the pool")
-        evictable = self.pool.num_evictable  # none: no popped block can hold an entry
-        ids = self.pool.allocate(n)
-        if evictable and self.enable_caching:
-            was = self.hashed[ids]
-            if was.any():
-                for b in ids[was].tolist():  # (the mirror reads hashed: clear it after)
-                    h = self.hash_of.pop(b, None)
-                    if h is None:
-                        continue
-                    self._drop_dup(h, b)
-                    if self.enable_events:
-                        self.events.append(self._removed(h))
-                self.hashed[ids] = False
-        return ids
-
-    def _drop_dup(self, h: bytes, b: int) -> None:
-        d = self.dups.get(h)
-        if d is not None and b in d:
-            d.remove(b)
-            if not d:
-                del self.dups[h]
-
-    def _removed(self, h: bytes) -> BlockRemoved:
-        return BlockRemoved(
-            block_hashes=[maybe_convert_block_hash(h)], medium=self.medium, group_idx=0
-        )
-
-    def release(self, ids_in_eviction_order: np.ndarray) -> None:
-        """vLLM's ``free_blocks``: one reference less each; blocks reaching 0 without a cache
-        entry go to the free list's front in the given order, cached ones to its back."""
-        ids = ids_in_eviction_order
-        if len(ids) == 0:
-            return
-        m = self.hashed[ids]
-        if m.all():
-            self.pool.free(ids)
-        elif not m.any():
-            self.pool.free(ids[::-1])  # each goes to the head: reversed keeps the order
-        else:
-            self.pool.free(ids[~m][::-1])
-            self.pool.free(ids[m])
-
-    def cache(self, request: Any, num_tokens: int) -> None:
-        """vLLM's ``cache_blocks`` for full attention: register the request's newly full
-        blocks under its block hashes (one native call) and record one BlockStored."""
-        rid = request.request_id
-        num_cached = self.num_cached.get(rid, 0)
-        hashes = request.block_hashes
-        num_full = min(num_tokens, len(hashes) * self.block_size) // self.block_size
-        if num_cached >= num_full:
-            return
-        # blocks past num_cached are the request's own (allocated, so without an entry)
-        ids_l = self.req[rid][num_cached:num_full]
-        hs = hashes[num_cached:num_full]
-        dups = self.dups
-        if (
-            type(hashes) is list
-            and len(hashes[0]) == 32
-            and not (dups and any(h in dups for h in hs))
-        ):
-            try:
-                stored = self.pool.cache_bytes(
-                    ids_l, hashes, num_cached, full=self.full, mark=self.hashed
-                )
-            except kvblocks.InvalidArgumentError:  # mixed widths: the general path
-                pass
-            else:
-                if stored != len(ids_l):  # keys held by other blocks: cache duplicates
-                    self._cache_dups(ids_l, hs, self.to_keys(hs), None)
-                self.num_cached[rid] = num_full
-                if self.enable_events:
-                    self.events.append(self._stored(request, num_cached, num_full))
-                return
-        ids = np.array(ids_l, dtype=np.int32)
-        keys, tails = self.request_keys(request, num_full)
-        keys = keys[num_cached:num_full]
-        if tails is not None:
-            self.full[ids, :2] = keys
-            self.full[ids, 2:] = tails[num_cached:num_full]
-        if dups and any(h in dups for h in hs):  # a hash with duplicates: append to them
-            first = np.array([h not in dups for h in hs], dtype=np.bool_)
-            stored = self.pool.cache(ids[first], keys[first])
-            all_in = False
-        else:
-            first = None
-            stored = self.pool.cache(ids, keys)
-            all_in = stored == len(ids)
-        self.hashed[ids] = True
-        self.hash_of.update(zip(ids.tolist(), hs))
-        if not all_in:  # some keys were held by another block: cache these as duplicates
-            self._cache_dups(ids.tolist(), hs, keys, first)
-        self.num_cached[rid] = num_full
-        if self.enable_events:
-            self.events.append(self._stored(request, num_cached, num_full))
-
-    def _cache_dups(
-        self, ids: list, hs: Sequence[bytes], keys: np.ndarray, first: Optional[np.ndarray]
-    ) -> None:
-        """Cache the blocks of ``ids`` left uncached (their key held by another block; or
-        not ``first``) under salted keys of their own, listed in ``dups`` under the hash."""
-        is_cached = self.pool.is_cached
-        for j, b in enumerate(ids):
-            if (first is None or first[j]) and is_cached(b):
-                continue
-            self._salt += 1
-            k = keys[j : j + 1].copy()
-            k[0, 1] ^= np.uint64((self._salt * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
-            self.pool.cache(np.array([b], dtype=np.int32), k)
-            self.dups.setdefault(hs[j], []).append(b)
-
-    def _stored(self, request: Any, num_cached: int, num_full: int) -> BlockStored:
-        """vLLM's BlockStored for blocks [num_cached, num_full) of a request (the shape of
-        BlockPool._build_block_stored_event)."""
-        bs = self.block_size
-        hashes = request.block_hashes
-        extra: list = []
-        mm_idx = 0
-        for i in range(num_cached, num_full):
-            keys, mm_idx = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
-            extra.append(keys)
-        lora = request.lora_request
-        return BlockStored(
-            block_hashes=[maybe_convert_block_hash(h) for h in hashes[num_cached:num_full]],
-            parent_block_hash=(
-                None if num_cached == 0 else maybe_convert_block_hash(hashes[num_cached - 1])
-            ),
-            token_ids=request.all_token_ids[num_cached * bs : num_full * bs],
-            block_size=bs,
-            lora_id=lora.adapter_id if lora else None,
-            medium=self.medium,
-            lora_name=lora.name if lora else None,
-            extra_keys=to_event_extra_keys(extra),
-            group_idx=0,
-            session_id=request.session_id,
-            lookahead_token_ids=None,
-        )
-
-    def evict(self, block_ids: Iterable[int]) -> None:
-        """vLLM's ``evict_blocks``: drop the blocks' cache entries (in use or not)."""
-        for b in block_ids:
-            if not 0 <= b < self.num_blocks:
-                raise AssertionError(f"Invalid block_id {b} >= {self.num_blocks}.")
-            h = self.hash_of.pop(b, None)
-            if h is None:
-                continue
-            self._drop_dup(h, b)
-            if self.enable_events:
-                self.events.append(self._removed(h))
-            # the native entry stays until the block is reused; lookups check hash_of first
-
-    def reset(self) -> bool:
-        if self.pool.num_free != self.num_blocks - 1:
-            logger.warning(
-                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
-                self.num_blocks - 1 - self.pool.num_free,
-            )
-            return False
-        if self.enable_caching and self.hashed.any():
-            self.pool.reset_prefix_cache(keep_order=True)  # vLLM keeps the free list's order
-        self.hash_of.clear()
-        self.hashed[:] = False
-        self.dups.clear()
-        logger.info("Successfully reset prefix cache")
-        if self.enable_events:
-            self.events.append(AllBlocksCleared())
-        return True
-
-
-class _FreeEnd:
-    """vLLM's ``fake_free_list_head`` / ``fake_free_list_tail`` over the native free list."""
-
-    def __init__(self, q: _FreeQueueView, head: bool) -> None:
-        self._q = q
-        self._head = head
-
-    @property
-    def next_free_block(self) -> Any:
-        return self._q._neighbour(None, +1) if self._head else None
-
-    @property
-    def prev_free_block(self) -> Any:
-        return None if self._head else self._q._neighbour(None, -1)
-
-
-class _FreeQueueView:
-    """vLLM's ``free_block_queue``, read from the native free list (O(free) per walk
-    step: for tests and debugging, not the scheduler's path)."""
-
-    def __init__(self, state: _NativeState) -> None:
-        self._s = state
-        self.fake_free_list_head = _FreeEnd(self, True)
-        self.fake_free_list_tail = _FreeEnd(self, False)
-
-    def _neighbour(self, block_id: Optional[int], step: int) -> Any:
-        order = self._s.pool.free_list().tolist()
-        if block_id is None:
-            i = -1 if step > 0 else len(order)
-        elif block_id in order:
-            i = order.index(block_id)
-        else:
-            return None
-        j = i + step
-        if j < 0:
-            return self.fake_free_list_head
-        if j >= len(order):
-            return self.fake_free_list_tail
-        return self._s.view(order[j])
-
-    @property
-    def num_free_blocks(self) -> int:
-        return int(self._s.pool.num_free)
-
-    def get_all_free_blocks(self) -> list:
-        return [self._s.view(b) for b in self._s.pool.free_list().tolist()]
-
-
-class _CacheMapView:
-    """Read-only view of vLLM's ``cached_block_hash_to_block``."""
-
-    def __init__(self, state: _NativeState) -> None:
-        self._s = state
-
-    def _key(self, key: bytes) -> Optional[int]:
-        h, g = bytes(key[:-4]), int.from_bytes(key[-4:], "big")
-        if g != 0:
-            return None
-        hit = self._s.lookup([h], 1)
-        return int(hit[0]) if len(hit) else None
-
-    def get_one_block(self, key: bytes) -> Optional[_BlockView]:
-        b = self._key(key)
-        return None if b is None else self._s.view(b)
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, bytes) and self._key(key) is not None
-
-    def __len__(self) -> int:
-        return len(self._s.hash_of)
-
-    @property
-    def _cache(self) -> dict:
-        return {
-            make_block_hash_with_group_id(h, 0): self._s.view(b) for b, h in self._s.hash_of.items()
-        }
-
-
-class _BlocksView(Sequence):
-    def __init__(self, state: _NativeState) -> None:
-        self._s = state
-
-    def __len__(self) -> int:
-        return self._s.num_blocks
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self._s.view(b) for b in range(*i.indices(self._s.num_blocks))]
-        if i < 0:
-            i += self._s.num_blocks
-        if not 0 <= i < self._s.num_blocks:
-            raise IndexError(i)
-        return self._s.view(i)
-
-    def __iter__(self) -> Iterator[_BlockView]:
-        return (self._s.view(b) for b in range(self._s.num_blocks))
-
-
-class NativeBlockPoolView:
-    """The ``BlockPool`` surface the scheduler and vLLM's tests read, over the native pool."""
-
-    def __init__(self, state: _NativeState, hash_block_size: int) -> None:
-        self._s = state
-        self.num_gpu_blocks = state.num_blocks
-        self.enable_caching = state.enable_caching
-        self.enable_kv_cache_events = state.enable_events
-        self.hash_block_size = hash_block_size
-        self.medium = state.medium
-        self.null_block = state.view(0)
-        self.blocks = _BlocksView(state)
-        self.free_block_queue = state.free_queue = _FreeQueueView(state)
-        self.cached_block_hash_to_block = _CacheMapView(state)
-
-    @property
-    def native(self) -> kvblocks.BlockPool:
-        """The kvblocks pool behind this view."""
-        return self._s.pool
-
-    def get_num_free_blocks(self) -> int:
-        return int(self._s.pool.num_free)
-
-    def get_usage(self) -> float:
-        total = self.num_gpu_blocks - 1
-        return 0 if not total else 1.0 - self._s.pool.num_free / total
-
-    def get_new_blocks(self, num_blocks: int) -> list:
-        return [self._s.view(b) for b in self._s.allocate(num_blocks).tolist()]
-
-    def touch(self, blocks: Sequence[Any]) -> None:
-        ids = np.array([b.block_id for b in blocks if not b.is_null], dtype=np.int32)
-        if len(ids):
-            self._s.pool.touch(ids)  # vLLM's touch: free blocks too, cached or not
-
-    def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
-        if evict_first:
-            raise NotImplementedError("kvblocks' vLLM pool: free_blocks(evict_first=True)")
-        ids = np.array([b.block_id for b in ordered_blocks if not b.is_null], dtype=np.int32)
-        self._s.release(ids)
-
-    def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list) -> Any:
-        if list(kv_cache_group_ids) != [0]:
-            return None
-        hit = self._s.lookup([block_hash], 1)
-        return [self._s.view(int(hit[0]))] if len(hit) else None
-
-    def evict_blocks(self, block_ids: set) -> None:
-        self._s.evict(block_ids)
-
-    def reset_prefix_cache(self) -> bool:
-        return self._s.reset()
-
-    def take_events(self) -> list:
-        if not self._s.enable_events:
-            return []
-        ev, self._s.events = self._s.events, []
-        return ev
-
-    @property
-    def kv_event_queue(self) -> list:
-        return self._s.events
-
-
 class _GroupView:
     """vLLM's single-type manager of the one group, with the native request tables; other
     attributes (block_size, kv_cache_spec, kv_cache_group_id, ...) are vLLM's."""
@@ -714,6 +94,10 @@ class _GroupView:
         self._inner = inner
         self._s = state
         self.block_pool = pool
+
+    @property
+    def _null_block(self) -> Any:
+        return self.block_pool.null_block
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -779,15 +163,6 @@ class _CoordinatorView:
         return None  # full attention skips nothing
 
 
-def _ids_of(blocks: Any) -> np.ndarray:
-    """int32 ids of one group's computed blocks (a native array or KVCacheBlock objects)."""
-    if isinstance(blocks, np.ndarray):
-        return blocks
-    if len(blocks) == 0:
-        return _EMPTY_I32
-    return np.array([b.block_id for b in blocks], dtype=np.int32)
-
-
 class KVCacheManager(VLLMKVCacheManager):
     """vLLM's ``KVCacheManager`` (same constructor and methods), on kvblocks' native pool
     for full-attention models; on vLLM's own managers otherwise (logged)."""
@@ -827,10 +202,27 @@ class KVCacheManager(VLLMKVCacheManager):
         )
         opts.update(zip(names, args))
         why = native_unsupported(self, opts)
+        groups = self.kv_cache_config.kv_cache_groups
+        if why is not None and (
+            len(groups) > 1 or type(groups[0].kv_cache_spec) is SlidingWindowSpec
+        ):
+            from .hybrid import HybridKVCacheManager, hybrid_unsupported
+
+            why = hybrid_unsupported(self, opts)
+            if why is None:  # full attention + sliding window groups: the group adapter
+                self.native = True
+                self.__class__ = HybridKVCacheManager
+                self._init_hybrid()
+                NATIVE_BUILDS["hybrid"] += 1
+                logger.debug("kvblocks: native hybrid KV cache manager")
+                return
         self.native = why is None
         if not self.native:
+            NATIVE_BUILDS["fallback"] += 1
+            FALLBACK_REASONS[why] += 1
             logger.info("kvblocks: vLLM's own KV cache managers serve this model (%s)", why)
             return
+        NATIVE_BUILDS["full"] += 1
         vpool = self.coordinator.block_pool
         stm = self.coordinator.single_type_managers[0]
         self._native = _NativeState(

@@ -1,0 +1,1000 @@
+"""kvblocks' KV cache manager for vLLM's hybrid models (full attention + sliding window
+groups) and sliding-window models.
+
+A model whose layers attend differently (gpt-oss, Gemma 2/3, Mistral with a window) has
+several KV cache groups; vLLM's ``HybridKVCacheCoordinator`` drives one single-type manager
+per group over one shared ``BlockPool``. ``HybridKVCacheManager`` answers the same calls
+over one native ``kvblocks.BlockPool``, with vLLM's rules per group kind:
+
+- cache hits: vLLM's fixed point over the attention groups (full attention first, its hit
+  scanned left to right; a sliding window's right to left for the rightmost run of
+  ``cdiv(window - 1, block_size)`` cached blocks, the blocks before it null); each group's
+  run is one native ``lookup`` of the group's keys (vLLM's hash + group id: the hash's first
+  128 bits, the group mixed into the second word, the full 32 bytes checked against the
+  array beside the pool);
+- skipped blocks: a sliding-window block no later query can attend to is freed and its
+  table entry becomes the null block 0 (``remove_skipped_blocks``, before each allocation);
+- allocation, caching and free group by group in vLLM's order (one native call each where
+  vLLM makes one per group: new blocks for all groups in one ``allocate``, popped in the
+  order vLLM pops them; a request's blocks freed in one ``free`` in vLLM's placement).
+
+Served natively: every group ``FullAttentionSpec`` or ``SlidingWindowSpec`` (window > 1;
+one sliding-window group alone too, under vLLM's unitary coordinator),
+one block size equal to the hash and scheduler block sizes, prefix caching on or off, no
+EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, KV zeroing, sparse
+retention or partial hash hits. Anything else (chunked local, Mamba, cross-attention, ...)
+runs on vLLM's own managers (``hybrid_unsupported`` says why).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+    UnitaryKVCacheCoordinator,
+)
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+import kvblocks
+
+from .pool_view import NativeBlockPoolView
+from .state import _ADMITTING, _EMPTY_I32, NativeKVCacheBlocks, _ids_of, _NativeState
+
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+_DUP_SALT = 0x9E3779B97F4A7C15  # as _NativeState._cache_dups
+
+
+def _group_salt(g: int) -> np.uint64:
+    """XORed into the second key word of group g's entries (0 for group 0)."""
+    return np.uint64((g * 0xD1B54A32D192ED03) & _MASK64)
+
+
+def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
+    """Why a hybrid configuration runs on vLLM's own managers, or None when kvblocks
+    serves it natively."""
+    coord: Any = mgr.coordinator
+    groups = mgr.kv_cache_config.kv_cache_groups
+    for g in groups:
+        spec = g.kv_cache_spec
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+            return f"attention kind {type(spec).__name__} in a hybrid model"
+        if str(getattr(g, "role", "default")) != "default":
+            return f"KV cache group role {g.role}"
+        if not getattr(spec, "prefix_cacheable", True):
+            return "a group outside prefix caching"
+        if type(spec) is SlidingWindowSpec and spec.sliding_window <= 1:
+            return "sliding window of one token"
+    if not mgr.enable_caching:
+        want: type = KVCacheCoordinatorNoPrefixCache
+    elif len(groups) > 1:
+        want = HybridKVCacheCoordinator
+    else:
+        want = UnitaryKVCacheCoordinator
+    coord_cls: Any = type(coord)
+    if coord_cls is not want:
+        return f"coordinator {coord_cls.__name__}"
+    sizes = {stm.block_size for stm in coord.single_type_managers}
+    if len(sizes) != 1:
+        return "groups of different block sizes"
+    (bs,) = sizes
+    if bs != coord.block_pool.hash_block_size or bs != coord.scheduler_block_size:
+        return "hash or scheduler block size differs from the block size"
+    if getattr(coord, "enable_partial_hash_hits", False):
+        return "partial hash hits"
+    if opts.get("dcp_world_size", 1) != 1 or opts.get("pcp_world_size", 1) != 1:
+        return "decode/prefill context parallelism"
+    if mgr.use_eagle or coord.eagle_group_ids:
+        return "EAGLE / MTP lookahead"
+    if opts.get("num_hash_lookahead_tokens", 0) or opts.get("num_prefill_lookahead", 0):
+        return "lookahead block hashes"
+    if getattr(coord, "num_reprefillable_tokens", 0):
+        return "re-prefillable tokens (multi-module MTP)"
+    if opts.get("metrics_collector") is not None:
+        return "KV cache residency metrics"
+    if any(getattr(stm, "_record_new_block_ids", False) for stm in coord.single_type_managers):
+        return "KV cache zeroing of new blocks"
+    if getattr(coord, "retention_interval", None) is not None:
+        return "sparse retention interval"
+    if getattr(mgr, "retained_hit_group_ids", ()):
+        return "groups retaining longer hits"
+    return None
+
+
+class _HybridState(_NativeState):
+    """The native pool, and per request one block table per KV cache group."""
+
+    def __init__(self, mgr: VLLMKVCacheManager, coord: Any) -> None:
+        vpool = coord.block_pool
+        stms = coord.single_type_managers
+        super().__init__(
+            vpool.num_gpu_blocks,
+            stms[0].block_size,
+            mgr.enable_caching,
+            mgr.enable_kv_cache_events,
+            vpool.medium,
+        )
+        self.num_groups = len(stms)
+        # per group: sliding window (0 for full attention), extra retained tokens, vLLM's
+        # admission cap in blocks (None: no cap)
+        self.window = [getattr(m.kv_cache_spec, "sliding_window", 0) or 0 for m in stms]
+        self.extra = [getattr(m.kv_cache_spec, "extra_retained_tokens", 0) or 0 for m in stms]
+        self.cap = [getattr(m, "max_admission_blocks_per_request", None) for m in stms]
+        self.sw_groups = [g for g in range(self.num_groups) if self.window[g]]
+        self.salt = [_group_salt(g) for g in range(self.num_groups)]
+        self.salt_int = [int(x) for x in self.salt]
+        # vLLM's attention groups (verify_and_split_kv_cache_groups: groups of one spec,
+        # looked up jointly), full attention first: (is_full, group ids, contiguous blocks a
+        # window hit needs); none without prefix caching
+        split: list[tuple[Any, list[int]]] = []
+        for g, m in enumerate(stms if mgr.enable_caching else ()):
+            for spec, gids in split:
+                if spec == m.kv_cache_spec:
+                    gids.append(g)
+                    break
+            else:
+                split.append((m.kv_cache_spec, [g]))
+        split.sort(key=lambda sg: not isinstance(sg[0], FullAttentionSpec))
+        self.attn: list[tuple[bool, list[int], int]] = []
+        for spec, gids in split:
+            is_full = isinstance(spec, FullAttentionSpec)
+            need = 0 if is_full else cdiv(spec.sliding_window - 1, self.block_size)
+            self.attn.append((is_full, gids, need))
+        self.simple = len(self.attn) == 2 and self.attn[0][0]
+        # the common shape (gpt-oss, Gemma): one full-attention and one window group
+        self.simple1 = self.simple and self.num_groups == 2 and len(self.attn[1][1]) == 1
+        self.simple1 = self.simple1 and len(self.attn[0][1]) == 1
+        self.tables: dict[str, list[list[int]]] = {}  # request id -> table per group
+        # request id -> per group, how many leading table entries are null (vLLM's tables
+        # of a window: nulls, then blocks; nulls come from hits and remove_skipped only)
+        self.nulls: dict[str, list[int]] = {}
+        # request id -> cached blocks per group (vLLM's num_cached_block: present while the
+        # request has been cached or adopted hits)
+        self.ncached: dict[str, list[int]] = {}
+
+    def skipped(self, g: int, num_computed_tokens: int) -> int:
+        """vLLM's get_num_skipped_tokens of group g."""
+        w = self.window[g]
+        if not w:
+            return 0
+        n = num_computed_tokens - w + 1 - self.extra[g]
+        return n if n > 0 else 0
+
+    # -- lookups ------------------------------------------------------------------------------
+    def _gkeys(self, keys: np.ndarray, g: int, s: int, e: int) -> np.ndarray:
+        k = keys[s:e]
+        if g == 0:
+            return k
+        k = k.copy()
+        k[:, 1] ^= self.salt[g]
+        return k
+
+    def run(
+        self,
+        g: int,
+        hashes: Sequence[bytes],
+        keys: np.ndarray,
+        tails: Optional[np.ndarray],
+        s: int,
+        e: int,
+    ) -> np.ndarray:
+        """Ids of group g's longest run of cached blocks for hashes[s:e] (vLLM's
+        ``get_cached_block`` per block: the earliest block under each hash)."""
+        if s >= e:
+            return _EMPTY_I32
+        pool, full, hash_of = self.pool, self.full, self.hash_of
+        pos = s
+        parts = []
+        if keys is None:  # 32-byte hashes in a list: keys, salt and check natively
+            salt = self.salt_int[g]
+            while pos < e:
+                hit = pool.lookup_bytes(hashes, e, start=pos, full=full, group=g, key_salt=salt)
+                if len(hit):
+                    parts.append(hit)
+                    pos += len(hit)
+                if pos == e or not self.dups:
+                    break
+                d = self.dups.get(self.dup_key(hashes[pos], g))
+                if not d:
+                    break
+                parts.append(np.array(d[:1], dtype=np.int32))
+                pos += 1
+            if not parts:
+                return _EMPTY_I32
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        kg = self._gkeys(keys, g, s, e)
+        while pos < e:
+            hit = pool.lookup(kg[pos - s :], group=g)
+            k = len(hit)
+            if k:
+                if tails is not None:  # the other half of each hit's hash (0 once evicted)
+                    ok = (full[hit, 2:] == tails[pos : pos + k]).all(axis=1)
+                    if not ok.all():
+                        k = int(np.argmin(ok))
+                else:
+                    for i, b in enumerate(hit.tolist()):
+                        if hash_of.get(b) != hashes[pos + i]:
+                            k = i
+                            break
+                parts.append(hit[:k])
+                pos += k
+            if pos == e or not self.dups:
+                break
+            d = self.dups.get(self.dup_key(hashes[pos], g))
+            if not d:
+                break
+            parts.append(np.array(d[:1], dtype=np.int32))
+            pos += 1
+        if not parts:
+            return _EMPTY_I32
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def lookup_one(self, h: bytes, g: int) -> Optional[int]:
+        if not 0 <= g < self.num_groups or not self.enable_caching:
+            return None
+        hk = self.hash_keys([h], 1)
+        hit = self.run(g, hk[0], hk[1], hk[2], 0, 1)
+        return int(hit[0]) if len(hit) else None
+
+    @staticmethod
+    def is32(hashes: Sequence[bytes], n: int) -> bool:
+        """Whether hashes[:n] can take the native bytes path (a list of 32-byte hashes;
+        mixed widths past the first raise InvalidArgumentError there)."""
+        return type(hashes) is list and n > 0 and len(hashes[0]) == 32
+
+    def hash_keys(self, hashes: Sequence[bytes], n: int, request: Any = None) -> tuple:
+        """(hashes, keys, tails) for ``run``: keys None for the native bytes path."""
+        if self.is32(hashes, n):
+            return hashes, None, None
+        if request is not None:
+            return (hashes, *self.request_keys(request, n))
+        return (hashes, *self.to_keys_tails(list(hashes[:n])))
+
+    def _full_hit(self, gids: list[int], hk: tuple, m: int) -> tuple[list, int]:
+        runs = [self.run(g, hk[0], hk[1], hk[2], 0, m) for g in gids]
+        k = min(len(r) for r in runs)
+        return [r[:k].tolist() for r in runs], k
+
+    def _window_hit(self, gids: list[int], need: int, hk: tuple, m: int) -> tuple[list, int]:
+        """vLLM's SlidingWindowManager.find_longest_cache_hit: the rightmost run of
+        ``need`` blocks cached in every group of gids ending at or before block m, the
+        blocks before it null; else the cached run from block 0 (shorter than need)."""
+        e = m
+        while e >= need:
+            s = e - need
+            runs = [self.run(g, hk[0], hk[1], hk[2], s, e) for g in gids]
+            k = min(len(r) for r in runs)
+            if k == need:
+                return [[0] * s + r.tolist() for r in runs], e
+            e = s + k  # block s + k misses: every window ending past it does too
+        runs = [self.run(g, hk[0], hk[1], hk[2], 0, e) for g in gids]
+        k = min(len(r) for r in runs)
+        return [r[:k].tolist() for r in runs], k
+
+    def find(self, hk: tuple, max_length: int) -> tuple:
+        """vLLM's HybridKVCacheCoordinator.find_longest_cache_hit over hk (hash_keys):
+        per-group ids (lists or int32 arrays, 0 = null), the hit length, the uncached common
+        prefix tokens, and per group how many leading ids are null (None: not counted)."""
+        if hk[1] is None:
+            try:
+                if self.simple1 and not self.dups:
+                    return self._find_simple(hk[0], max_length)
+                return (*self._find(hk, max_length), None)
+            except kvblocks.InvalidArgumentError:  # mixed widths: the numpy path
+                hashes = hk[0]
+                hk = (hashes, *self.to_keys_tails(list(hashes)))
+        return (*self._find(hk, max_length), None)
+
+    def _find_simple(self, hashes: list, max_length: int) -> tuple:
+        """``_find`` of one full-attention group and one sliding-window group, 32-byte
+        hashes and no duplicates: native lookups only (vLLM's simple hybrid: one pass)."""
+        bs = self.block_size
+        _, (gf,), _ = self.attn[0]
+        _, (gw,), need = self.attn[1]
+        lookup, full = self.pool.lookup_bytes, self.full
+        m = min(max_length // bs, len(hashes))
+        hf = lookup(hashes, m, full=full, group=gf, key_salt=self.salt_int[gf])
+        e = kf = len(hf)
+        sw_salt = self.salt_int[gw]
+        nulls = [0, 0]
+        while e >= need:
+            s0 = e - need
+            r = lookup(hashes, e, start=s0, full=full, group=gw, key_salt=sw_salt)
+            k = len(r)
+            if k == need:
+                hw = np.concatenate((np.zeros(s0, dtype=np.int32), r)) if s0 else r
+                nulls[gw] = s0
+                break
+            e = s0 + k
+        else:
+            hw = lookup(hashes, e, full=full, group=gw, key_salt=sw_salt)
+            e = len(hw)
+        out: list = [None, None]
+        out[gf] = hf[:e] if e < kf else hf
+        out[gw] = hw
+        return out, e * bs, (kf - e) * bs, nulls
+
+    def _find(self, hk: tuple, max_length: int) -> tuple[list, int, int]:
+        bs = self.block_size
+        hashes = hk[0]
+        hit_length = max_length
+        longest = 0
+        by_group: list[Optional[list]] = [None] * self.num_groups
+        len_by = [0] * self.num_groups
+        while True:
+            curr = hit_length
+            for is_full, gids, need in self.attn:
+                g0 = gids[0]
+                if is_full and by_group[g0] is not None:
+                    curr = min(curr, len_by[g0])
+                    continue
+                m = min(curr // bs, len(hashes))
+                if is_full:
+                    blocks, k = self._full_hit(gids, hk, m)
+                else:
+                    blocks, k = self._window_hit(gids, need, hk, m)
+                curr = k * bs
+                for g, b in zip(gids, blocks):
+                    by_group[g] = b
+                    len_by[g] = curr
+                longest = max(longest, curr)
+            if curr >= hit_length:
+                break
+            hit_length = curr
+            if self.simple:
+                break
+        nb = cdiv(hit_length, bs)
+        for is_full, gids, _ in self.attn:
+            if is_full:
+                for g in gids:
+                    b = by_group[g]
+                    if b is not None:
+                        del b[nb:]
+        return [b if b is not None else [] for b in by_group], hit_length, longest - hit_length
+
+    # -- caching ------------------------------------------------------------------------------
+    def cache_groups(self, request: Any, num_tokens: int) -> None:
+        """vLLM's coordinator cache_blocks: each group's newly full blocks (null blocks
+        skipped) under the request's hashes, one BlockStored per group that caches."""
+        rid = request.request_id
+        bs = self.block_size
+        hashes = request.block_hashes
+        num_full = min(num_tokens // bs * bs, len(hashes) * bs) // bs
+        nc = self.ncached.get(rid)
+        if nc is not None and min(nc) >= num_full:
+            return
+        if num_full <= 0:
+            return
+        tables = self.tables[rid]
+        if nc is None:
+            nc = self.ncached[rid] = [0] * self.num_groups
+        for g in range(self.num_groups):
+            c = nc[g]
+            if c < num_full:
+                self.cache_ids(request, g, tables[g][c:num_full], c, num_full)
+                nc[g] = num_full
+
+    def cache_ids(self, request: Any, g: int, ids_l: list, c: int, num_full: int) -> None:
+        """vLLM's BlockPool.cache_full_blocks: blocks ids_l (0: null, skipped) of group g
+        under the request's hashes [c, num_full), and its BlockStored."""
+        hashes = request.block_hashes
+        if not (self.is32(hashes, num_full) and self._cache32(g, ids_l, hashes, c)):
+            keys, tails = self.request_keys(request, num_full)
+            self._cache_run(g, ids_l, hashes, keys, tails, c)
+        if self.enable_events:
+            self.events.append(self._stored(request, c, num_full, g, ids_l))
+
+    def _cache32(self, g: int, ids_l: list, hashes: list, c: int) -> bool:
+        """``_cache_run`` in one native call (cache_bytes) when it can: 32-byte hashes,
+        the blocks after the leading nulls all real, no hash among the duplicates."""
+        j = 0
+        n = len(ids_l)
+        while j < n and ids_l[j] == 0:
+            j += 1
+        if j == n:
+            return True
+        ids = ids_l[j:] if j else ids_l
+        if 0 in ids:
+            return False
+        dups = self.dups
+        if dups:
+            dk = self.dup_key
+            if any(dk(hashes[i], g) in dups for i in range(c + j, c + n)):
+                return False
+        try:
+            stored = self.pool.cache_bytes(
+                ids,
+                hashes,
+                c + j,
+                full=self.full,
+                mark=self.hashed,
+                group=g,
+                key_salt=self.salt_int[g],
+            )
+        except kvblocks.InvalidArgumentError:  # mixed widths: the numpy path
+            return False
+        self.gid[ids] = g
+        if stored != len(ids):  # keys held by other blocks: duplicates under salted keys
+            is_cached = self.pool.is_cached
+            for i, b in enumerate(ids):
+                if not is_cached(b):
+                    h = hashes[c + j + i]
+                    k = self.to_keys([h])
+                    if g:
+                        k[:, 1] ^= self.salt[g]
+                    self._dup(b, h, g, k)
+        return True
+
+    def _dup(self, b: int, h: bytes, g: int, k: np.ndarray) -> None:
+        """Cache block b (key k of hash h in group g, held by another block) under a
+        salted key of its own, listed in ``dups``."""
+        self._salt += 1
+        k = k.copy()
+        k[0, 1] ^= np.uint64((self._salt * _DUP_SALT) & _MASK64)
+        self.pool.cache(np.array([b], dtype=np.int32), k, group=g)
+        self.dups.setdefault(self.dup_key(h, g), []).append(b)
+
+    def _cache_run(
+        self,
+        g: int,
+        ids_l: list,
+        hashes: Sequence[bytes],
+        keys: np.ndarray,
+        tails: Optional[np.ndarray],
+        c: int,
+    ) -> None:
+        ids = np.array(ids_l, dtype=np.int32)
+        pos = np.arange(c, c + len(ids))
+        live = ids != 0
+        if not live.all():
+            ids, pos = ids[live], pos[live]
+        if not len(ids):
+            return
+        raw = keys[pos]
+        if tails is not None:
+            self.full[ids, :2] = raw
+            self.full[ids, 2:] = tails[pos]
+        kg = raw
+        if g:
+            kg[:, 1] ^= self.salt[g]  # (raw is a copy: fancy indexing)
+        plist = pos.tolist()
+        hs = [hashes[i] for i in plist]
+        dups, dk = self.dups, self.dup_key
+        if dups and any(dk(h, g) in dups for h in hs):  # a hash with duplicates: append
+            first = np.array([dk(h, g) not in dups for h in hs], dtype=np.bool_)
+            self.pool.cache(ids[first], kg[first], group=g)
+            all_in = False
+        else:
+            first = None
+            all_in = self.pool.cache(ids, kg, group=g) == len(ids)
+        self.hashed[ids] = True
+        self.gid[ids] = g
+        if tails is None:
+            self.hash_of.update(zip(ids.tolist(), hs))
+        if not all_in:  # keys held by other blocks: duplicates under salted keys
+            is_cached = self.pool.is_cached
+            for j, b in enumerate(ids.tolist()):
+                if (first is None or first[j]) and is_cached(b):
+                    continue
+                self._dup(b, hs[j], g, kg[j : j + 1])
+
+    # -- freeing ------------------------------------------------------------------------------
+    def remove_skipped(self, rid: str, processed: int) -> None:
+        """vLLM's remove_skipped_blocks: each sliding-window group's blocks before the
+        window are freed (one free_blocks per group, last first) and become null."""
+        tables = self.tables.get(rid)
+        if tables is None:
+            return
+        bs = self.block_size
+        nulls = self.nulls[rid]
+        for g in self.sw_groups:
+            n = self.skipped(g, processed) // bs
+            t = tables[g]
+            if n > len(t):
+                n = len(t)
+            nn = nulls[g]
+            if n <= nn:
+                continue
+            # blocks nn..n-1 leave, last first: a table is [nulls | cached | uncached], so
+            # vLLM's free_blocks puts t[c:n] (uncached) at the free list's head and
+            # t[nn:c] (cached) at its tail, last first; one native free in that order
+            c = self._cached_end(rid, g)
+            self.pool.free(t[max(c, nn) : n] + t[nn : min(c, n)][::-1])
+            t[nn:n] = [0] * (n - nn)
+            nulls[g] = n
+
+    def _cached_end(self, rid: str, g: int) -> int:
+        """The table position past the request's cached blocks in group g."""
+        nc = self.ncached.get(rid)
+        return nc[g] if nc is not None and self.enable_caching else 0
+
+    def free_request(self, rid: str) -> None:
+        """vLLM's coordinator free: group by group, each table without its null head
+        freed last block first (uncached blocks to the free list's head, cached ones to its
+        tail), in one native call."""
+        tables = self.tables.pop(rid, None)
+        nulls = self.nulls.pop(rid, None)
+        nc = self.ncached.pop(rid, None)
+        self.keys.pop(rid, None)
+        if not tables or nulls is None:
+            return
+        if nc is None or not self.enable_caching:
+            nc = nulls
+        order: list[int] = []
+        for t, nn, c in zip(tables, nulls, nc):
+            if c > nn:  # t[c:] to the head (forward: each pushed there), t[c-1..nn] to the tail
+                order += t[c:] + t[c - 1 : nn - 1 : -1] if nn else t[c:] + t[c - 1 :: -1]
+            elif nn < len(t):
+                order += t[nn:]
+        if order:
+            self.pool.free(order)
+
+    def pop(self, rid: str) -> list[int]:
+        """Drop the request's tables; its blocks without the null heads, group by group."""
+        tables = self.tables.pop(rid, None) or []
+        nulls = self.nulls.pop(rid, None)
+        self.ncached.pop(rid, None)
+        self.keys.pop(rid, None)
+        out: list[int] = []
+        for g, t in enumerate(tables):
+            out.extend(t[nulls[g] :] if nulls else t)
+        return out
+
+
+class _HybridGroupView:
+    """vLLM's single-type manager of group g, with the native request tables."""
+
+    def __init__(self, inner: Any, state: _HybridState, g: int, pool: Any) -> None:
+        self._inner = inner
+        self._s = state
+        self._g = g
+        self.block_pool = pool
+
+    @property
+    def _null_block(self) -> Any:
+        return self.block_pool.null_block
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @property
+    def req_to_blocks(self) -> dict:
+        view, g = self._s.view, self._g
+        return {rid: [view(b) for b in t[g]] for rid, t in self._s.tables.items()}
+
+    @property
+    def num_cached_block(self) -> dict:
+        g = self._g
+        return {rid: nc[g] for rid, nc in self._s.ncached.items()}
+
+
+class _HybridCoordinatorView:
+    """vLLM's hybrid coordinator, with the calls that touch blocks answered natively."""
+
+    def __init__(self, inner: Any, mgr: HybridKVCacheManager) -> None:
+        self._inner = inner
+        self._m = mgr
+        s = mgr._native
+        self.block_pool = mgr.block_pool
+        self.single_type_managers = tuple(
+            _HybridGroupView(stm, s, g, mgr.block_pool)
+            for g, stm in enumerate(inner.single_type_managers)
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Any],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        return self._m._to_allocate(
+            request_id,
+            num_tokens,
+            [_ids_of(b) for b in new_computed_blocks],
+            total_computed_tokens,
+            apply_admission_cap,
+        )
+
+    def get_blocks(self, request_id: str) -> tuple:
+        s = self._m._native
+        t = s.tables.get(request_id)
+        if t is None:
+            return tuple([] for _ in range(s.num_groups))
+        return tuple([s.view(b) for b in ids] for ids in t)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple:
+        s = self._m._native
+        hk = s.hash_keys(block_hashes, len(block_hashes))
+        blocks, hit, uncached, _ = s.find(hk, max_cache_hit_length)
+        return tuple([s.view(b) for b in ids] for ids in blocks), hit, uncached
+
+    def free(self, request_id: str) -> None:
+        self._m._native.free_request(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list:
+        s = self._m._native
+        return [s.view(b) for b in s.pop(request_id)]
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        self._m.cache_blocks(request, num_computed_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        return self._m._native.reset()
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: Any = None
+    ) -> None:
+        self._m._native.remove_skipped(request_id, processed_computed_tokens)
+
+    def new_step_starts(self) -> None:
+        return None
+
+
+class HybridKVCacheManager(VLLMKVCacheManager):
+    """``KVCacheManager`` of a hybrid model (full attention + sliding window groups) on
+    kvblocks' native pool; ``KVCacheManager.__init__`` turns an instance into this class
+    when ``hybrid_unsupported`` finds nothing against it."""
+
+    native: bool = True  # (manager.KVCacheManager's flag: this class is always native)
+    _native: _HybridState
+    _bs: int
+    block_pool: Any  # NativeBlockPoolView
+    coordinator: Any  # _HybridCoordinatorView
+
+    def _init_hybrid(self) -> None:
+        coord = self.coordinator
+        self._native = _HybridState(self, coord)
+        self._bs = self._native.block_size
+        self.block_pool = NativeBlockPoolView(self._native, coord.block_pool.hash_block_size)
+        self._vllm_coordinator = coord
+        self.coordinator = _HybridCoordinatorView(coord, self)
+        self._empty_groups = tuple(_EMPTY_I32 for _ in range(self._native.num_groups))
+
+    def _blocks(self, per_group: Sequence[Any]) -> Any:
+        if any(len(b) for b in per_group):
+            return NativeKVCacheBlocks(self._native, per_group)
+        return self.empty_kv_cache_blocks
+
+    # -- lookups ------------------------------------------------------------------------------
+    def _find(self, request: Any, max_length: int) -> tuple:
+        s = self._native
+        hashes = request.block_hashes
+        n = min(max_length // self._bs, len(hashes))
+        if n <= 0 or not s.attn:
+            return [[] for _ in range(s.num_groups)], 0, 0, None
+        return s.find(s.hash_keys(hashes, n, request), max_length)
+
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: Optional[int] = None
+    ) -> tuple:
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        max_len = request.get_max_cache_hit_length(max_cache_hit_length)
+        blocks, hit, uncached, nulls = self._find(request, max_len)
+        s = self._native
+        if (
+            hit > 0
+            and self.enable_kv_cache_events
+            and getattr(request, "kv_cache_report_mode", "incremental") == "full"
+        ):
+            for g, b in enumerate(blocks):
+                if len(b):
+                    s.events.append(s._stored(request, 0, len(b), g))
+        out = self._blocks(blocks)
+        if nulls is not None and out is not self.empty_kv_cache_blocks:
+            out._nulls = nulls
+        return out, hit, (hit + uncached if uncached else 0)
+
+    def get_num_cached_tokens(self, request: Any) -> int:
+        if not self.prefix_cache_lookup_enabled(request):
+            return 0
+        return self._find(request, request.num_tokens - 1)[1]
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        s = self._native
+        tables = s.tables.get(request.request_id)
+        if not tables:
+            return 0
+        out: Optional[int] = None
+        for t in tables:
+            n = 0
+            for i in range(len(t) - 1, -1, -1):
+                if t[i] and t[i] in s.hash_of:
+                    n = (i + 1) * self._bs
+                    break
+            out = n if out is None else min(out, n)
+        return out or 0
+
+    # -- allocation ---------------------------------------------------------------------------
+    def _to_allocate(
+        self,
+        rid: str,
+        num_tokens: int,
+        new_lists: Sequence[Any],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """vLLM's coordinator get_num_blocks_to_allocate, summed over the groups."""
+        s = self._native
+        bs = self._bs
+        tables = s.tables.get(rid)
+        running = rid in s.ncached
+        required = cdiv(num_tokens, bs)
+        total = 0
+        for g in range(s.num_groups):
+            req = required
+            cap = s.cap[g]
+            if apply_admission_cap and cap is not None and cap < req:
+                req = cap
+            have = len(tables[g]) if tables is not None else 0
+            if running:
+                total += max(req - have, 0)
+                continue
+            nsb = s.skipped(g, total_computed_tokens) // bs
+            new_g = new_lists[g]
+            n = max(req - max(nsb, len(new_g) + have), 0)
+            tail = new_g[max(0, nsb - have) :]
+            if len(tail):
+                n += s.pool.num_unreferenced(np.asarray(tail, dtype=np.int32))
+            total += n
+        return total
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple = (),
+    ) -> Any:
+        if (
+            num_new_tokens == 0
+            and num_external_computed_tokens == 0
+            and num_new_computed_tokens == 0
+        ):
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
+            )
+        s = self._native
+        bs = self._bs
+        rid = request.request_id
+        ng = s.num_groups
+        adopt = (
+            new_computed_blocks is not None
+            and new_computed_blocks is not self.empty_kv_cache_blocks
+        )
+        if (
+            not adopt
+            and num_external_computed_tokens == 0
+            and not full_sequence_must_fit
+            and rid in s.ncached
+        ):  # a running request (decode, next chunk): the same rules, fewer steps
+            return self._allocate_running(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                num_lookahead_tokens,
+                delay_cache_blocks,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
+        if not adopt:
+            new_lists: Sequence[Any] = self._empty_groups
+        elif isinstance(new_computed_blocks, NativeKVCacheBlocks):
+            new_lists = new_computed_blocks._ids
+        else:
+            new_lists = [_ids_of(b) for b in new_computed_blocks.blocks]
+        ext = num_external_computed_tokens
+        num_local = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(num_local + ext, self.max_model_len)
+        watermark = 0
+        if has_scheduled_reqs and request.status in _ADMITTING:
+            watermark = self.watermark_blocks
+        if full_sequence_must_fit:
+            full_n = min(request.num_tokens, self.max_model_len)
+            n = self._to_allocate(rid, full_n, new_lists, total_computed, True)
+            if n + watermark > s.pool.num_free:
+                return None
+        num_main = total_computed + num_new_tokens
+        need = min(num_main + num_lookahead_tokens, self.max_model_len)
+        if s.sw_groups:
+            s.remove_skipped(rid, max(0, total_computed - request.num_in_flight_tokens))
+        n = self._to_allocate(rid, need, new_lists, num_local + ext)
+        if n + watermark > s.pool.num_free - reserved_blocks:
+            return None
+        tables = s.tables.get(rid)
+        if tables is None:
+            tables = s.tables[rid] = [[] for _ in range(ng)]
+            s.nulls[rid] = [0] * ng
+        if (adopt or ext > 0) and rid not in s.ncached:
+            nulls = s.nulls[rid]
+            hit_nulls = getattr(new_computed_blocks, "_nulls", None)
+            nc = [0] * ng
+            touch: list = []
+            for g in range(ng):
+                nsb = s.skipped(g, num_local + ext) // bs
+                blocks = new_lists[g]
+                blocks = blocks[nsb:] if nsb else blocks
+                ids = blocks.tolist() if isinstance(blocks, np.ndarray) else list(blocks)
+                if hit_nulls is not None:  # leading nulls of the hit past the skipped ones
+                    nl = hit_nulls[g] - nsb if hit_nulls[g] > nsb else 0
+                else:
+                    nl = bisect_left(ids, True, key=bool)  # nulls lead a table, then blocks
+                if nl < len(ids):
+                    if not self.enable_caching:
+                        raise AssertionError(
+                            "Computed blocks should be empty when prefix caching is disabled"
+                        )
+                    touch += ids[nl:] if nl else ids
+                t = tables[g]
+                if nsb:
+                    t.extend([0] * nsb)
+                t.extend(ids)
+                nc[g] = len(t)
+                nulls[g] = nsb + nl
+            if touch:
+                s.pool.touch(touch)
+            s.ncached[rid] = nc
+            if ext > 0:
+                num_total = num_local + ext
+                for g in range(ng):
+                    sk = s.skipped(g, num_total)
+                    e = min(num_total - sk, ext) if sk > 0 else ext
+                    if e <= 0:
+                        continue
+                    k = cdiv(num_total, bs) - len(tables[g])
+                    if k > 0:
+                        tables[g].extend(s.allocate(k).tolist())
+        required = cdiv(need, bs)
+        counts = [required - len(t) for t in tables]
+        n_new = sum(c for c in counts if c > 0)
+        out: list = []
+        if n_new:
+            new = s.allocate(n_new).tolist()
+            pos = 0
+            for t, c in zip(tables, counts):
+                if c > 0:
+                    part = new[pos : pos + c]
+                    pos += c
+                    t.extend(part)
+                    out.append(part)
+                else:
+                    out.append([])
+        if not delay_cache_blocks and self.enable_caching:
+            s.cache_groups(request, min(total_computed + num_new_tokens, request.num_tokens))
+        if not n_new:
+            return self.empty_kv_cache_blocks
+        return NativeKVCacheBlocks(s, out)
+
+    def _allocate_running(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> Any:
+        """allocate_slots of a request vLLM's managers track as running (in
+        num_cached_block: no new hits; each group needs its table grown to the tokens)."""
+        s = self._native
+        rid = request.request_id
+        max_len = self.max_model_len
+        total = request.num_computed_tokens + num_new_computed_tokens
+        if total > max_len:
+            total = max_len
+        num_main = total + num_new_tokens
+        need = num_main + num_lookahead_tokens
+        if need > max_len:
+            need = max_len
+        if s.sw_groups:
+            done = total - request.num_in_flight_tokens
+            s.remove_skipped(rid, done if done > 0 else 0)
+        tables = s.tables[rid]
+        required = -(-need // self._bs)  # cdiv
+        n_new = 0
+        for t in tables:
+            if required > len(t):
+                n_new += required - len(t)
+        watermark = 0
+        if has_scheduled_reqs and request.status in _ADMITTING:
+            watermark = self.watermark_blocks
+        if n_new + watermark > s.pool.num_free - reserved_blocks:
+            return None
+        out: list = []
+        if n_new:
+            new = s.allocate(n_new).tolist()
+            pos = 0
+            for t in tables:
+                c = required - len(t)
+                if c > 0:
+                    part = new[pos : pos + c]
+                    pos += c
+                    t.extend(part)
+                    out.append(part)
+                else:
+                    out.append([])
+        if (
+            not delay_cache_blocks
+            and self.enable_caching
+            and len(request.block_hashes) > min(s.ncached[rid])
+        ):
+            s.cache_groups(request, min(num_main, request.num_tokens))
+        if not n_new:
+            return self.empty_kv_cache_blocks
+        return NativeKVCacheBlocks(s, out)
+
+    # -- the rest of the scheduler's API ------------------------------------------------------
+    def free(self, request: Any) -> None:
+        self._native.free_request(request.request_id)
+
+    def pop_blocks_for_free(self, request: Any) -> list:
+        s = self._native
+        return [s.view(b) for b in s.pop(request.request_id)]
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: Optional[int] = None,
+    ) -> None:
+        self._native.remove_skipped(request_id, processed_computed_tokens)
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        if self.enable_caching:
+            self._native.cache_groups(request, num_computed_tokens)
+
+    def get_blocks(self, request_id: str) -> Any:
+        t = self._native.tables.get(request_id)
+        if not t:
+            return self.empty_kv_cache_blocks
+        return self._blocks(tuple(t))
+
+    def get_block_ids(self, request_id: str) -> tuple:
+        t = self._native.tables.get(request_id)
+        if t is None:
+            return tuple([] for _ in range(self._native.num_groups))
+        return tuple(list(ids) for ids in t)
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple:
+        n = cdiv(num_computed_tokens, self._bs)
+        return tuple(ids[:n] for ids in self.get_block_ids(request_id))
+
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        assert num_computed_tokens % self._bs == 0
+        n = num_computed_tokens // self._bs
+        groups = (
+            blocks._ids
+            if isinstance(blocks, NativeKVCacheBlocks)
+            else [_ids_of(b) for b in blocks.blocks]
+        )
+        out = []
+        for ids in groups:
+            assert n <= len(ids)
+            out.append(list(ids[:n]))
+        return self._blocks(out)

@@ -1,0 +1,248 @@
+"""kvblocks' native hybrid KV cache manager (full attention + sliding window groups) beside
+vLLM's own HybridKVCacheCoordinator; skipped unless vllm (0.34) is importable."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.kv_cache_manager")
+torch = pytest.importorskip("torch")
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from kvblocks.integrations.vllm.hybrid import HybridKVCacheManager  # noqa: E402
+from kvblocks.integrations.vllm.manager import (  # noqa: E402
+    NATIVE_BUILDS,
+    KVCacheManager,
+    VLLMKVCacheManager,
+)
+
+BS = 4
+
+
+def full_spec():
+    return FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+
+
+def sw_spec(window: int):
+    return SlidingWindowSpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
+    )
+
+
+def config(num_blocks: int, specs) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
+    )
+
+
+def request(rid: str, tokens: list) -> Request:
+    sp = SamplingParams(max_tokens=8)
+    sp.update_from_generation_config({}, eos_token_id=0)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling_params=sp,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BS, sha256),
+    )
+
+
+def managers(num_blocks: int, specs, **kw):
+    init_none_hash(sha256)
+    args = dict(max_model_len=256, scheduler_block_size=BS, hash_block_size=BS, **kw)
+    args.setdefault("enable_caching", True)
+    return (
+        VLLMKVCacheManager(config(num_blocks, specs), **args),
+        KVCacheManager(config(num_blocks, specs), **args),
+    )
+
+
+def test_full_plus_sliding_window_is_native():
+    before = NATIVE_BUILDS["hybrid"]
+    _, kvb = managers(32, [full_spec(), sw_spec(8)])
+    assert kvb.native and type(kvb) is HybridKVCacheManager
+    assert NATIVE_BUILDS["hybrid"] == before + 1
+
+
+def test_chunked_local_still_falls_back(caplog):
+    spec = ChunkedLocalAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, attention_chunk_size=8
+    )
+    with caplog.at_level("INFO", logger="kvblocks.integrations.vllm.manager"):
+        _, kvb = managers(32, [full_spec(), spec])
+    assert not kvb.native and type(kvb) is KVCacheManager
+    assert "ChunkedLocalAttentionSpec" in caplog.text
+
+
+def _ids(blocks):
+    return None if blocks is None else blocks.get_block_ids()
+
+
+def _admit(m, r, chunk, la):
+    blocks, hit, spb = m.get_computed_blocks(r)
+    n = min(r.num_tokens - hit, chunk)
+    new = m.allocate_slots(r, n, hit, blocks, num_lookahead_tokens=la, full_sequence_must_fit=True)
+    if new is not None:
+        r.num_computed_tokens = hit + n
+        r.status = RequestStatus.RUNNING
+    return hit, spb, blocks.get_block_ids(), _ids(new)
+
+
+def _step(m, r, chunk, la):
+    n = min(r.num_tokens - r.num_computed_tokens, chunk)
+    new = m.allocate_slots(r, n, num_lookahead_tokens=la)
+    if new is not None:
+        r.num_computed_tokens += n
+    return _ids(new)
+
+
+SPECS = {
+    "full+sw8": lambda: [full_spec(), sw_spec(8)],
+    "full+sw5": lambda: [full_spec(), sw_spec(5)],
+    "sw8+full+sw8": lambda: [sw_spec(8), full_spec(), sw_spec(8)],
+    "full+sw6+sw12": lambda: [full_spec(), sw_spec(6), sw_spec(12)],
+    "sw8": lambda: [sw_spec(8)],
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SPECS))
+@pytest.mark.parametrize("seed", range(6))
+def test_same_blocks_hits_free_counts_and_events_as_vllm(shape, seed):
+    """One seeded random stream into vLLM's KVCacheManager (its HybridKVCacheCoordinator)
+    and kvblocks' native hybrid manager: admission with shared prefixes (prefix hits, full
+    prompt hits), chunked prefill, decode past the window (skipped blocks become null and
+    are freed), lookahead slots, preemption and resume, free, reset, eviction pressure. At
+    every step: the same hits, shared-prefix boundary, block ids per group (nulls included),
+    free counts, usage, events and cached-token probes."""
+    rng = random.Random(seed)
+    caching = seed != 5  # one seed per shape without prefix caching
+    ref, kvb = managers(
+        rng.choice([24, 40, 64]),
+        SPECS[shape](),
+        enable_kv_cache_events=True,
+        enable_caching=caching,
+    )
+    assert kvb.native and type(kvb) is HybridKVCacheManager
+    prefixes = [[rng.randrange(1, 50) for _ in range(rng.choice([4, 8, 13, 21]))] for _ in range(3)]
+    live: dict[str, tuple] = {}
+    waiting: list[tuple] = []
+    seen = {"hit": 0, "window hit": 0, "null": 0, "evicted": 0}
+    for step in range(250):
+        chunk, la = rng.choice([3, 8, 64]), rng.choice([0, 0, 1, 3])
+        act = rng.random()
+        if live and (len(live) > 4 or act < 0.12):  # finish one
+            for m, r in zip((ref, kvb), live.pop(rng.choice(sorted(live)))):
+                m.free(r)
+        elif live and act < 0.2:  # preempt one; it waits to resume
+            pair = live.pop(rng.choice(sorted(live)))
+            for m, r in zip((ref, kvb), pair):
+                m.free(r)
+                r.num_computed_tokens = 0
+                r.status = RequestStatus.PREEMPTED
+            waiting.append(pair)
+        elif act < 0.5 or not live:  # admit a new or a preempted request
+            if waiting and rng.random() < 0.5:
+                pair = waiting.pop(0)
+            else:
+                toks = rng.choice(prefixes) + [
+                    rng.randrange(1, 50) for _ in range(rng.randrange(14))
+                ]
+                pair = (request(f"q{step}", toks), request(f"q{step}", toks))
+            assert ref.get_num_cached_tokens(pair[0]) == kvb.get_num_cached_tokens(pair[1])
+            got = [_admit(m, r, chunk, la) for m, r in zip((ref, kvb), pair)]
+            assert got[0] == got[1], step
+            seen["hit"] += got[0][0] > 0
+            seen["window hit"] += any(0 in g for g in got[0][2])
+            if got[0][3] is None:
+                for m, r in zip((ref, kvb), pair):
+                    m.free(r)
+                    r.num_computed_tokens = 0
+            else:
+                live[pair[0].request_id] = pair
+        else:  # one step of a running request (a decode token once its prompt is done)
+            rid = rng.choice(sorted(live))
+            if live[rid][0].num_computed_tokens == live[rid][0].num_tokens:
+                tok = rng.randrange(1, 50)
+                for r in live[rid]:
+                    r.append_output_token_ids(tok)
+            out = [_step(m, r, chunk, la) for m, r in zip((ref, kvb), live[rid])]
+            assert out[0] == out[1], step
+            if out[0] is None:
+                for m, r in zip((ref, kvb), live.pop(rid)):
+                    m.free(r)
+        for rid in live:
+            ids = kvb.get_block_ids(rid)
+            assert ref.get_block_ids(rid) == ids, step
+            seen["null"] += any(0 in g for g in ids)
+        assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
+        assert ref.usage == kvb.usage
+        ev = kvb.take_events()
+        assert ref.take_events() == ev, step
+        seen["evicted"] += sum(isinstance(e, BlockRemoved) for e in ev)
+        if not live and rng.random() < 0.3:
+            assert ref.reset_prefix_cache() == kvb.reset_prefix_cache()
+    for pair in live.values():
+        ref.free(pair[0])
+        kvb.free(pair[1])
+    assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
+    free = [
+        [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+        for m in (ref, kvb)
+    ]
+    assert free[0] == free[1]
+    assert ref.reset_prefix_cache() and kvb.reset_prefix_cache()
+    assert ref.take_events() == kvb.take_events()
+    assert all(seen.values()) or not caching, seen  # hits, window hits, null blocks, evictions
+
+
+def test_sliding_window_hit_has_null_blocks_and_decode_frees_them():
+    ref, kvb = managers(40, [full_spec(), sw_spec(8)], enable_kv_cache_events=True)
+    toks = list(range(1, 26))  # 6 full blocks of 4 and one token
+    for m in (ref, kvb):
+        r = request("a", toks)
+        m.allocate_slots(r, r.num_tokens)
+        m.free(r)
+    got = []
+    for m in (ref, kvb):
+        r = request("b", toks + [7, 7, 7])
+        blocks, hit, _ = m.get_computed_blocks(r)
+        got.append((hit, blocks.get_block_ids()))
+        m.allocate_slots(r, r.num_tokens - hit, hit, blocks)
+        got.append(m.get_block_ids("b"))
+    assert got[0] == got[2] and got[1] == got[3]
+    hit, (full_ids, sw_ids) = got[0]
+    # window 8, blocks of 4: a hit needs cdiv(7, 4) = 2 cached blocks, the 4 before are null
+    assert hit == 24 and len(full_ids) == 6 and sw_ids[:4] == [0] * 4 and all(sw_ids[4:])
+    assert got[1][1][:4] == [0] * 4  # and stay null in the request's table
+    ev = kvb.take_events()
+    assert ev == ref.take_events()
+    assert [type(e) for e in ev] == [BlockStored, BlockStored, BlockStored, BlockStored]
+    assert [e.group_idx for e in ev] == [0, 1, 0, 1]
+    for m in (ref, kvb):  # decode past the window: the blocks before it are freed, null
+        r = request("c", list(range(100, 117)))
+        m.allocate_slots(r, r.num_tokens)
+        r.num_computed_tokens = r.num_tokens
+        r.status = RequestStatus.RUNNING
+        for t in range(12):
+            r.append_output_token_ids(t + 1)
+            m.allocate_slots(r, 1)
+            r.num_computed_tokens += 1
+    assert ref.get_block_ids("c") == kvb.get_block_ids("c")
+    assert kvb.get_block_ids("c")[1][:5] == [0] * 5
+    assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
