@@ -1,5 +1,6 @@
 """The executable specification of kvblocks' allocator: :class:`ReferencePool` and
-:class:`ReferenceManager`.
+:class:`ReferenceManager`, group-native (KV cache groups; one full-attention group, the
+default, is G = 1 of the same rules).
 
 This is the documented behaviour of :class:`kvblocks.BlockPool` and
 :class:`kvblocks.BlockManager` (``shared/API.md``, ``docs/prefix-caching.md``,
@@ -15,7 +16,7 @@ The policy is modelled exactly, so that block ids can be compared one for one:
   reference goes away joins the HEAD if it holds no prefix-cache entry, the TAIL if it does
   (it is then *evictable*). Allocation pops from the head and drops (evicts) the cache entry of
   a cached block it takes. A block table is released tail first (last block first). With KV
-  cache groups (GroupedReference), a cached window or chunk block at the head whose
+  cache groups, a cached window or chunk block at the head whose
   full-attention twin is cached moves to the tail instead, once per stay in the free list
   (docs/hybrid-models.md, "Eviction across groups").
 * Hashes are :func:`kvblocks.hash_blocks` (chained over full blocks, the salt in the root).
@@ -60,12 +61,43 @@ Choices where the round-2 text is open (each is repeated where it is made):
    inside int64 (beyond it: InvalidArgumentError, the spec's example); a core may refuse
    such sizes instead (tests allow InvalidArgumentError / OutOfBlocksError there).
 9. An empty list is an empty token array; an empty ndarray must still have an integer dtype.
+
+KV cache groups (``groups=``; ``shared/API.md`` "Hybrid models: KV cache groups",
+``docs/hybrid-models.md``). The rules of a kind are stated once each (``_Kind`` for full
+attention, sliding window and chunked local, which differ only in the first position a step
+reads; ``_StateKind``); the manager runs them over every group, G = 1 included:
+
+* One pool, one block size; a sequence has one table per group, all moved in lock step
+  (same committed tokens). Each group keeps its own computed count, draft slots and
+  pending copies (``metadata(group=g)`` declares the step for group g only).
+* The release rule (``_Kind.keep_from``, applied by ``_release_skipped``): the next step's
+  first query is ``q0 = min(computed, tokens - 1, query start)``. A sliding window W reads
+  ``[q0 - W + 1, q0]``, a chunk C reads ``[q0 - q0 % C, q0]``, full attention and a state
+  everything; whole blocks below that are released (entry -> null block 0, the reference
+  dropped; a cached block stays evictable) when the sequence moves on: an append (for the
+  longer sequence, only once the call is known to fit, in every group before any group
+  allocates) and a step (``schedule`` / ``metadata``, with its query start).
+* Blocks needed (``_Kind.need``): growth plus copy-on-write, every group. An append fits when
+  they are at most the free blocks plus the blocks its release returns (entries this sequence
+  alone holds); ``blocks_needed`` / ``can_append`` do not count that release (conservative).
+* The longest cache hit (``_Kind.hit_from``): the longest block-aligned prefix (at most
+  ``len - 1`` tokens) every group can serve. A full group needs all k blocks cached under its
+  own group key; a window or chunk group the blocks from what the query at ``k * block_size``
+  reads, and at least block k - 1; a state group no hit at all (no snapshots of the state).
+* State groups: a fixed number of blocks per sequence, never released, no hashing; fork
+  copies them at once (pairs in take_copies); truncate below the computed tokens and a step
+  that reads released positions are refused. Draft slots are validated as in every kind:
+  they must lie within the blocks a token group's table of the sequence holds (its tokens'
+  blocks, grown by reserve, cut by truncate; a fork's child starts from its tokens' blocks).
+* Order where ids depend on it: group after group, in the order given; within a group the
+  single-group order above.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -82,6 +114,7 @@ from ..errors import (
     UnknownSequenceError,
 )
 from ..groups import KVGroup
+from .readback import first_needed
 
 __all__ = [
     "ReferencePool",
@@ -161,9 +194,6 @@ def seq_ids_of(xs) -> List:
             InvalidTypeError, f"seq_ids must be an iterable of ids: {exc!r}", KVBlocksError
         ) from None
     return [seq_id_of(x) for x in items]
-
-
-INT64_MAX = (1 << 63) - 1
 
 
 def scalar_of(x, name: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
@@ -288,7 +318,7 @@ class ReferencePool:
         self.evictions = 0  # cache entries dropped because allocation reused the block
         #: False after an operation whose free-list order the documents leave open
         self.free_order_known = True
-        #: KV cache groups' eviction rule (set by GroupedReference): True when the cached block
+        #: KV cache groups' eviction rule (set by the manager): True when the cached block
         #: at the head of the free list gets a second chance (moves to the tail) instead of
         #: being evicted, once per stay in the free list (``_spent``)
         self.second_chance: Optional[Callable[[int], bool]] = None
@@ -542,16 +572,107 @@ class ReferencePool:
 
 
 # ---------------------------------------------------------------------------------------------
+# the per-kind rules, each stated once (docs/hybrid-models.md)
+# ---------------------------------------------------------------------------------------------
+class _Kind:
+    """The rules of a token group: full attention, sliding window, chunked local. They differ
+    only in the first position a step reads (``first_needed``: 0 for full attention), from
+    which the release rule and the longest cache hit follow."""
+
+    tokens = True  # per-token slots: the table grows with the tokens, is hashed and copied
+
+    def __init__(self, group: KVGroup, block_size: int) -> None:
+        self.group, self.bs = group, block_size
+
+    def table_blocks(self, n: int) -> int:
+        """The entries of a table of ``n`` tokens."""
+        return _ceil_div(n, self.bs)
+
+    def keep_from(self, computed: int, n: int, query_start: Optional[int] = None) -> int:
+        """The release rule (skipped blocks): the first entry the next step still reads
+        (``q0 = min(computed, n - 1, query start)``); the whole blocks below it go."""
+        return first_needed(self.group, computed, n, query_start=query_start) // self.bs
+
+    def hit_from(self, n: int, k: int) -> Optional[int]:
+        """The longest cache hit: the first of the ``k`` leading blocks of a prompt of ``n``
+        tokens that must be cached for a hit of ``k`` blocks (what the query at ``k *
+        block_size`` reads, and at least block ``k - 1``); None: no such hit."""
+        return min(self.keep_from(k * self.bs, n), k - 1) if k else 0
+
+    def need(self, appends: List[Tuple[int, _Tab, int]], users: Callable[[int], int]) -> int:
+        """Blocks needed: appending ``n`` tokens to each (tokens, table, n) in turn takes the
+        growth, plus a copy for each write into a block that other sequences (``users``)
+        still hold at that point."""
+        bs, need = self.bs, 0
+        holders: Dict[int, int] = {}
+        for ntok, t, n in appends:
+            if n <= 0:
+                continue
+            w = ntok // bs
+            if w < len(t.blocks):
+                b = t.blocks[w]
+                k = holders.get(b, users(b))
+                if k > 1:
+                    need += 1
+                    holders[b] = k - 1
+            need += max(0, _ceil_div(ntok + n, bs) - len(t.blocks))
+        return need
+
+    def child_need(self, ntok: int, n: int) -> int:
+        """Blocks a fork's child reserving ``n`` slots takes: it shares the committed blocks
+        only, so it copies a partly filled write block (or takes a new one) plus the growth."""
+        if n <= 0:
+            return 0
+        bs = self.bs
+        return _ceil_div(ntok + n, bs) - _ceil_div(ntok, bs) + (1 if ntok % bs else 0)
+
+
+class _StateKind(_Kind):
+    """A state group: a fixed number of blocks per sequence, never released, not hashed, no
+    prefix hits; a fork copies them at once."""
+
+    tokens = False
+
+    def table_blocks(self, n: int) -> int:
+        return self.group.span
+
+    def keep_from(self, computed: int, n: int, query_start: Optional[int] = None) -> int:
+        return 0
+
+    def hit_from(self, n: int, k: int) -> Optional[int]:
+        return None if k else 0
+
+    def need(self, appends, users) -> int:
+        return 0
+
+    def child_need(self, ntok: int, n: int) -> int:
+        return self.group.span  # the child's state is copied at fork, whatever n is
+
+
+def _kind_of(group: KVGroup, block_size: int) -> _Kind:
+    return (_StateKind if group.kind == "state" else _Kind)(group, block_size)
+
+
+# ---------------------------------------------------------------------------------------------
 # the manager
 # ---------------------------------------------------------------------------------------------
 @dataclass
+class _Tab:
+    """One group's table of one sequence."""
+
+    blocks: List[int]  # device block table, or the host table while swapped out
+    lo: int = 0  # released leading entries (the null block 0)
+    num_computed: int = 0  # tokens whose K/V this group holds (a prefix of the tokens)
+    num_offered: int = 0  # leading full blocks already offered to the prefix cache
+    drafts: int = 0  # draft slots the last step of this group scheduled since a commit
+    room: int = 0  # state: the blocks a token group's table would hold (drafts lie within)
+
+
+@dataclass
 class _Seq:
     tokens: List[int]  # committed tokens
-    blocks: List[int]  # device block table, or the host table while swapped out
     salt: Union[None, str, bytes]
-    num_computed: int = 0  # tokens whose K/V are written (a prefix of tokens)
-    num_offered: int = 0  # full blocks already offered to the prefix cache
-    drafts: int = 0  # draft slots scheduled since the last commit
+    tabs: List[_Tab] = field(default_factory=list)  # one per group
     swapped: bool = False
 
 
@@ -570,7 +691,8 @@ class ReferenceMetadata:
 
 
 class ReferenceManager:
-    """Block tables per sequence on a :class:`ReferencePool`: the spec of BlockManager.
+    """Block tables per sequence and group on a :class:`ReferencePool`: the spec of
+    BlockManager. One full-attention group (the default) is G = 1 of the same rules.
 
     >>> m = ReferenceManager(num_blocks=16, block_size=4)
     >>> m.add("a", [1, 2, 3, 4, 5, 6])            # committed, not computed yet
@@ -583,15 +705,6 @@ class ReferenceManager:
     >>> m.add("c", [1, 2, 3, 4, 9])               # block 1 was cached by the schedule
     4
     """
-
-    def __new__(cls, *args, groups=None, **kw):
-        """With ``groups`` other than one full-attention group: a
-        :class:`~kvblocks.testing.reference_groups.GroupedReference` (KV cache groups)."""
-        if cls is ReferenceManager and _group_tuple(groups) != (KVGroup("full"),):
-            from .reference_groups import GroupedReference
-
-            return super().__new__(GroupedReference)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -622,8 +735,13 @@ class ReferenceManager:
         # the documented rule: admission keeps ceil(watermark * usable blocks) free
         self._watermark_blocks = math.ceil(watermark * (self.pool.num_blocks - 1))
         self.hash_key = _core.default_hash_key() if hash_key is None else hash_key
+        self._kinds = [_kind_of(g, block_size) for g in self.groups]
         self._seqs: Dict[object, _Seq] = {}
-        self._copies: List[Tuple[int, int]] = []  # pending copy-on-write (src, dst)
+        self._copies: List[List[Tuple[int, int]]] = [[] for _ in self.groups]  # (src, dst)
+        full = [j for j, g in enumerate(self.groups) if g.kind == "full"]
+        if full and any(self._windowed(j) for j in range(len(self.groups))):
+            self._anchor = full[0]
+            self.pool.second_chance = self._twin_cached
 
     # -- queries ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -645,28 +763,28 @@ class ReferenceManager:
 
     @property
     def num_pending_copies(self) -> int:
-        return len(self._copies)
+        return sum(len(c) for c in self._copies)
 
     def pending_copies(self) -> List[Tuple[int, int]]:
-        """The pending (src, dst) pairs, without draining them."""
-        return list(self._copies)
+        """The pending (src, dst) pairs, group after group, without draining them."""
+        return [p for c in self._copies for p in c]
 
     def seq_ids(self) -> list:
         return list(self._seqs)
 
     def block_table(self, seq_id, group=0) -> np.ndarray:
-        scalar_of(group, "group", 0, 0)
-        return np.array(self._seq(seq_id_of(seq_id)).blocks, dtype=np.int32)
+        j = self._group(group)
+        return np.array(self._seq(seq_id_of(seq_id)).tabs[j].blocks, dtype=np.int32)
 
     def blocks_in_use(self, seq_id) -> int:
         """Blocks the sequence holds (all groups together)."""
-        return len(self._seq(seq_id_of(seq_id)).blocks)
+        return sum(len(t.blocks) - t.lo for t in self._seq(seq_id_of(seq_id)).tabs)
 
     def num_tokens(self, seq_id) -> int:
         return len(self._seq(seq_id_of(seq_id)).tokens)
 
     def num_computed(self, seq_id) -> int:
-        return self._seq(seq_id_of(seq_id)).num_computed
+        return min(t.num_computed for t in self._seq(seq_id_of(seq_id)).tabs)
 
     def token_ids(self, seq_id) -> np.ndarray:
         return np.array(self._seq(seq_id_of(seq_id)).tokens, dtype=np.int32)
@@ -686,13 +804,13 @@ class ReferenceManager:
         n = scalar_of(num_tokens, "num_tokens", 0, INT64_MAX)
         if n < 0:
             raise _err(InvalidArgumentError, f"num_tokens must be >= 0, got {n}")
-        if n > INT64_MAX:
-            raise _err(InvalidArgumentError, f"num_tokens {n} beyond int64", OutOfBlocksError)
-        return self.pool.num_free - _ceil_div(n, self.block_size) >= self._watermark_blocks
+        need = sum(k.table_blocks(n) for k in self._kinds)
+        return self.pool.num_free - need >= self._watermark_blocks
 
     def blocks_needed(self, seq_id, n=1) -> int:
-        """Blocks appending ``n`` tokens takes now (growth plus copy-on-write); for a
-        swapped-out sequence, what swap_in takes plus the growth."""
+        """Blocks appending ``n`` tokens takes now (growth plus copy-on-write, every group;
+        the blocks a window's release would return are not counted); for a swapped-out
+        sequence, what swap_in takes plus the growth."""
         sid = seq_id_of(seq_id)
         n = scalar_of(n, "n", 0, INT64_MAX)
         s = self._seq(sid)
@@ -700,11 +818,12 @@ class ReferenceManager:
             raise _err(InvalidArgumentError, f"n must be >= 0, got {n}")
         # a count that never fits saturates at 2**63 - 1, as the core's int64 answer does
         if s.swapped:  # choice 7: what swap_in takes, plus the growth
-            return min(
-                INT64_MAX,
-                self._swap_in_plan(s)[1]
-                + max(0, _ceil_div(len(s.tokens) + n, self.block_size) - len(s.blocks)),
+            grow = sum(
+                max(0, _ceil_div(len(s.tokens) + n, self.block_size) - len(t.blocks))
+                for k, t in zip(self._kinds, s.tabs)
+                if k.tokens
             )
+            return min(INT64_MAX, self._swap_in_plan(s)[1] + grow)
         return min(INT64_MAX, self._need([(s, n)]))
 
     def can_append(self, seq_ids, n=1) -> bool:
@@ -751,56 +870,68 @@ class ReferenceManager:
                 raise _err(InvalidStateError, f"blocks_needed_batch: {sid!r} is swapped out")
         seqs = [self._seq(sid) for sid in sids]
         ns = [a + b for a, b in zip(n, d)]
-        need = min(INT64_MAX, self._step_need(seqs, ns, n, f))
+        need = self._need(list(zip(seqs, ns))) + sum(
+            k * kind.child_need(len(s.tokens), c)
+            for kind in self._kinds
+            for s, c, k in zip(seqs, n, f)
+        )
+        need = min(INT64_MAX, need)
         if watermark and need < INT64_MAX:
             need += self._watermark_blocks
         return need
 
-    def _child_need(self, s, n: int) -> int:
-        """A token table's blocks for a child of s reserving n slots."""
-        if n <= 0:
-            return 0
-        bs, t = self.block_size, len(s.tokens)
-        return _ceil_div(t + n, bs) - _ceil_div(t, bs) + (1 if t % bs else 0)
-
-    def _step_need(self, seqs, ns, cn, forks) -> int:
-        return self._need(list(zip(seqs, ns))) + sum(
-            k * self._child_need(s, n) for s, n, k in zip(seqs, cn, forks)
-        )
-
     # -- lifecycle ----------------------------------------------------------------------------
     def add(self, seq_id, token_ids, *, salt=None) -> int:
-        """Allocate a table for a prompt, reusing cached full blocks (pinned before anything
-        is allocated). Returns the cached tokens: whole blocks, at most ``len - 1``. Those are
-        computed; the rest is committed and waits for a schedule."""
+        """Allocate the tables of a prompt, reusing the longest cached prefix every group can
+        serve (whole blocks, at most ``len - 1`` tokens; every group pins its hits before any
+        group allocates). Returns the cached tokens: those are computed; the rest is
+        committed and waits for a schedule."""
         sid = seq_id_of(seq_id)
         toks = tokens_of(token_ids).tolist()
         salt_b = salt_of(salt)
         if sid in self._seqs:
             raise _err(DuplicateSequenceError, f"sequence {sid!r} already exists")
         n, bs = len(toks), self.block_size
-        self._check_fits(None, n)
-        hashes = self._hashes(toks, salt_b)
-        hashes = hashes[: (n - 1) // bs if n else 0]  # keep one token to compute
-        hits = self.pool._lookup(hashes)
-        need = _ceil_div(n, bs) - len(hits)
-        pinned_from_free = sum(1 for b in hits if self.pool._ref[b] == 0)
-        if need > self.pool.num_free - pinned_from_free:
-            raise _err(
-                OutOfBlocksError,
-                f"add({sid!r}): need {need} blocks, {self.pool.num_free - pinned_from_free} free",
-            )
-        for b in hits:  # lookup_and_pin, then allocate
-            self.pool._pin(b)
-        blocks = hits + self.pool._allocate(need)
-        cached = len(hits) * bs
-        self._seqs[sid] = _Seq(toks, blocks, salt_b, num_computed=cached, num_offered=len(hits))
-        return cached
+        if any(k.table_blocks(n) >= self.pool.num_blocks for k in self._kinds):  # choice 8
+            raise _err(OutOfBlocksError, f"add: {n} tokens can never fit", InvalidArgumentError)
+        K = (n - 1) // bs if n else 0  # keep one token to compute
+        hashes = [self._hashes(toks, salt_b, j)[:K] for j in range(len(self.groups))]
+        k = self._longest_hit(n, K, hashes)
+        lo = [kind.hit_from(n, k) or 0 for kind in self._kinds]
+        cached = self.pool._block_of
+        hits = [[cached[h] for h in hs[lo_j:k]] for hs, lo_j in zip(hashes, lo)]
+        need = sum(kind.table_blocks(n) - (k if kind.tokens else 0) for kind in self._kinds)
+        need += sum(1 for hj in hits for b in hj if self.pool._ref[b] == 0)
+        if need > self.pool.num_free:
+            raise _err(OutOfBlocksError, f"add({sid!r}): need {need}, {self.pool.num_free} free")
+        s = _Seq(toks, salt_b)
+        for hj, lo_j in zip(hits, lo):  # lookup_and_pin in every group, then allocate
+            for b in hj:
+                self.pool._pin(b)
+            s.tabs.append(_Tab([0] * lo_j + hj, lo_j, k * bs, k, room=_ceil_div(n, bs)))
+        for kind, t in zip(self._kinds, s.tabs):
+            t.blocks += self.pool._allocate(kind.table_blocks(n) - len(t.blocks))
+        self._seqs[sid] = s
+        return k * bs
+
+    def _longest_hit(self, n: int, K: int, hashes: List[List[int]]) -> int:
+        """The longest prefix hit of k <= K blocks that every group can serve."""
+        cached = self.pool._block_of
+        if not self.pool.enable_prefix_caching:
+            return 0
+        for k in range(K, 0, -1):
+            los = [kind.hit_from(n, k) for kind in self._kinds]
+            if all(
+                lo is not None and all(h in cached for h in hs[lo:k]) for hs, lo in zip(hashes, los)
+            ):
+                return k
+        return 0
 
     def append(self, seq_id, token_ids, *, computed=False) -> None:
-        """Commit tokens: copy-on-write of a shared block, drop the entry of a private cached
-        block about to change, grow. ``computed=True`` commits accepted drafts whose K/V the
-        last scheduled step wrote (only within that step's draft slots)."""
+        """Commit tokens: release what every group no longer reads (only once the call is
+        known to fit: its release counts), copy-on-write of a shared block, drop the entry of
+        a private cached block about to change, grow. ``computed=True`` commits accepted
+        drafts whose K/V the last scheduled step of every group wrote (within its slots)."""
         sid = seq_id_of(seq_id)
         toks = tokens_of(token_ids).tolist()
         if not isinstance(computed, (bool, np.bool_)):
@@ -809,30 +940,39 @@ class ReferenceManager:
         rules = _Rules()
         if s.swapped:
             rules.add(InvalidStateError, f"append: sequence {sid!r} is swapped out")
-        if computed and len(toks) > s.drafts:
+        if (
+            computed
+            and toks
+            and any(t.num_computed != len(s.tokens) or len(toks) > t.drafts for t in s.tabs)
+        ):
             rules.add(
                 InvalidStateError,
-                f"append(computed=True): {len(toks)} tokens, "
-                f"{s.drafts} draft slots scheduled since the last commit",
+                f"append(computed=True): {len(toks)} tokens, not within the draft slots "
+                "every group scheduled since the last commit",
             )
         rules.check()
         if not toks:
             return
         self._check_fits(s, len(toks))
-        need = self._need([(s, len(toks))])
-        if need > self.pool.num_free:
-            raise _err(OutOfBlocksError, f"append: need {need}, {self.pool.num_free} free")
-        drafts_left = s.drafts - len(toks)
-        freed = self._commit(s, toks)
-        if computed:  # accepted drafts: computed, cached at once, the rest of the window stays
-            s.num_computed = len(s.tokens)
-            s.drafts = drafts_left
-            self._offer(s)
-        self._settle(freed)
+        need, gain = self._need([(s, len(toks))]), self._gain(s, len(toks))
+        if need > self.pool.num_free + gain:
+            raise _err(OutOfBlocksError, f"append: need {need}, {self.pool.num_free + gain} free")
+        self._move(s, len(toks))
+        for j in range(len(self.groups)):
+            self._make_writable(j, s)
+            self._grow(j, s, len(s.tokens) + len(toks))
+        s.tokens += toks
+        for j, t in enumerate(s.tabs):
+            if computed:  # accepted drafts: computed, cached at once, the rest stays
+                t.num_computed, t.drafts = len(s.tokens), t.drafts - len(toks)
+                self._offer(j, s)
+            else:
+                t.drafts = 0  # a commit ends the draft window
+        self._settle()
 
-    def _batch_args(self, seq_ids, token_ids) -> Tuple[List[Any], List[int]]:
-        """append_batch's validation (also GroupedReference's): the sequences and tokens, or
-        the error. Unknown ids first, then the rest element by element."""
+    def _batch_args(self, seq_ids, token_ids) -> Tuple[List[_Seq], List[int]]:
+        """append_batch's validation: the sequences and tokens, or the error. Unknown ids
+        first, then the rest element by element."""
         sids = seq_ids_of(seq_ids)
         toks = tokens_of(token_ids).tolist()
         for sid in sids:
@@ -856,18 +996,29 @@ class ReferenceManager:
 
     def append_batch(self, seq_ids, token_ids) -> None:
         """One token for each sequence, all or nothing; the same as appending one by one in
-        the order given (so k sharers of a partial block make k-1 copies)."""
+        the order given (so k sharers of a partial block make k-1 copies). Every group
+        releases before any group allocates."""
         seqs, toks = self._batch_args(seq_ids, token_ids)
         need = self._need([(s, 1) for s in seqs])
         if need > self.pool.num_free:
-            raise _err(OutOfBlocksError, f"append_batch: need {need}, {self.pool.num_free} free")
-        freed: List[int] = []
-        for s, t in zip(seqs, toks):
-            freed += self._commit(s, [t])
-        self._settle(freed)
+            have = self.pool.num_free + sum(self._gain(s, 1) for s in seqs)
+            if need > have:
+                raise _err(OutOfBlocksError, f"append_batch: need {need}, {have} free")
+        for j in range(len(self.groups)):
+            for s in seqs:
+                self._release_skipped(j, s, 1)
+        for j in range(len(self.groups)):
+            for s in seqs:
+                self._make_writable(j, s)
+                self._grow(j, s, len(s.tokens) + 1)
+        for s, tok in zip(seqs, toks):
+            s.tokens.append(tok)
+            for t in s.tabs:
+                t.drafts = 0
+        self._settle()
 
-    def _reserve_args(self, seq_id, n) -> Tuple[Any, int]:
-        """reserve's validation (also GroupedReference's): the sequence and n, or the error."""
+    def reserve(self, seq_id, n) -> None:
+        """Ensure ``n`` writable slots after the committed tokens (lookahead, drafts)."""
         sid = seq_id_of(seq_id)
         n = scalar_of(n, "n", 0, INT64_MAX)
         s = self._seq(sid)
@@ -877,25 +1028,21 @@ class ReferenceManager:
         if n < 0:
             rules.add(InvalidArgumentError, f"reserve: n must be >= 0, got {n}")
         rules.check()
-        if n:
-            self._check_fits(s, n)
-        return s, n
-
-    def reserve(self, seq_id, n) -> None:
-        """Ensure ``n`` writable slots after the committed tokens (lookahead, drafts)."""
-        s, n = self._reserve_args(seq_id, n)
         if n == 0:
             return
+        self._check_fits(s, n)
         need = self._need([(s, n)])
         if need > self.pool.num_free:
             raise _err(OutOfBlocksError, f"reserve: need {need}, {self.pool.num_free} free")
-        freed = self._make_writable(s)
-        self._grow(s, len(s.tokens) + n)
-        self._settle(freed)
+        for j in range(len(self.groups)):
+            self._make_writable(j, s)
+            self._grow(j, s, len(s.tokens) + n)
+        self._settle()
 
     def truncate(self, seq_id, num_tokens) -> None:
         """Roll back to ``num_tokens`` committed tokens; blocks past them (reserved ones too)
-        are released tail first. Computed tokens past the cut are forgotten."""
+        are released tail first. Computed tokens past the cut are forgotten. Refused where a
+        group would then read released positions, or a state drop computed tokens."""
         sid = seq_id_of(seq_id)
         n = scalar_of(num_tokens, "num_tokens", 0, INT64_MAX)
         s = self._seq(sid)
@@ -904,19 +1051,32 @@ class ReferenceManager:
             rules.add(InvalidStateError, f"truncate: {sid!r} is swapped out")
         if not 0 <= n <= len(s.tokens):
             rules.add(InvalidArgumentError, f"truncate: {n} not in [0, {len(s.tokens)}]")
+        elif not s.swapped:
+            for kind, t in zip(self._kinds, s.tabs):
+                if not kind.tokens and n < t.num_computed:
+                    rules.add(InvalidStateError, "truncate: a state cannot drop computed tokens")
+                elif t.lo and (n == 0 or kind.keep_from(min(t.num_computed, n), n) < t.lo):
+                    rules.add(InvalidStateError, "truncate: would read released positions")
         rules.check()
         keep = _ceil_div(n, self.block_size)
-        freed = [b for b in reversed(s.blocks[keep:]) if self.pool._release(b)]
-        del s.blocks[keep:]
+        for kind, t in zip(self._kinds, s.tabs):
+            freed = 0
+            if kind.tokens:
+                for i in range(len(t.blocks) - 1, max(keep, t.lo) - 1, -1):
+                    freed += self.pool._release(t.blocks[i])
+                del t.blocks[keep:]
+                t.lo = min(t.lo, keep)
+            t.room = min(t.room, keep)
+            t.num_computed = min(t.num_computed, n)
+            t.num_offered = min(t.num_offered, n // self.block_size)
+            t.drafts = 0
+            self._settle(freed)
         del s.tokens[n:]
-        s.num_computed = min(s.num_computed, n)
-        s.num_offered = min(s.num_offered, n // self.block_size)
-        s.drafts = 0
-        self._settle(freed)
 
     def fork(self, parent_id, child_id) -> None:
         """The child shares every block holding the parent's committed tokens and inherits
-        its computed count (not its draft slots or reserved blocks)."""
+        its computed counts (not its draft slots or reserved blocks); a state group's blocks
+        are copied at once (pairs in take_copies)."""
         pid, cid = seq_id_of(parent_id), seq_id_of(child_id)
         p = self._seq(pid)
         rules = _Rules()
@@ -925,130 +1085,165 @@ class ReferenceManager:
         if p.swapped:
             rules.add(InvalidStateError, f"fork: {pid!r} is swapped out")
         rules.check()
-        shared = p.blocks[: _ceil_div(len(p.tokens), self.block_size)]
-        for b in shared:
-            self.pool._pin(b)
-        self._seqs[cid] = _Seq(
-            list(p.tokens),
-            list(shared),
-            p.salt,
-            num_computed=p.num_computed,
-            num_offered=min(p.num_offered, len(shared)),
-        )
+        need = sum(k.child_need(len(p.tokens), 0) for k in self._kinds)
+        if need > self.pool.num_free:
+            raise _err(OutOfBlocksError, f"fork: the state takes {need}, {self.pool.num_free} free")
+        c = _Seq(list(p.tokens), p.salt)
+        nb = _ceil_div(len(p.tokens), self.block_size)
+        for j, (kind, t) in enumerate(zip(self._kinds, p.tabs)):
+            if not kind.tokens:  # the child's state is copied now
+                fresh = self.pool._allocate(len(t.blocks))
+                for b, d in zip(t.blocks, fresh):
+                    src = self._copy_source(j, b)
+                    self._copies[j].append((src, d))
+                    self.pool._pin(src)
+                c.tabs.append(_Tab(fresh, 0, t.num_computed, 0, room=nb))
+                continue
+            shared = t.blocks[:nb]
+            for b in shared[t.lo :]:
+                self.pool._pin(b)
+            c.tabs.append(_Tab(list(shared), t.lo, t.num_computed, min(t.num_offered, nb)))
+        self._seqs[cid] = c
 
     def free(self, seq_id) -> None:
-        """Release the sequence's blocks tail first (cached ones stay evictable)."""
+        """Release the sequence's tables tail first, group after group (cached blocks stay
+        evictable)."""
         sid = seq_id_of(seq_id)
         s = self._seq(sid)
         del self._seqs[sid]
         pool = self.host_pool if s.swapped else self.pool
         assert pool is not None  # a swapped-out sequence implies a host pool
-        freed = [b for b in reversed(s.blocks) if pool._release(b)]
-        self._settle(freed if not s.swapped else [])
+        for t in s.tabs:
+            freed = sum(pool._release(t.blocks[i]) for i in range(len(t.blocks) - 1, t.lo - 1, -1))
+            if not s.swapped:
+                self._settle(freed)
 
     def take_copies(self) -> np.ndarray:
         """Drain the pending (src, dst) copies; each releases the reference it held on its
         src. Safe for one ``ops.copy_blocks`` call: no block is both a src and a dst."""
-        pairs, self._copies = self._copies, []
-        freed = [src for src, _ in pairs if self.pool._release(src)]
-        if len(freed) > 1:
+        pairs = [p for c in self._copies for p in c]
+        self._copies = [[] for _ in self.groups]
+        freed = sum(self.pool._release(src) for src, _ in pairs)
+        if freed > 1:
             self.pool.free_order_known = False  # the release order of sources is open
         return np.array(pairs, dtype=np.int64).reshape(-1, 2)
 
     # -- swap ---------------------------------------------------------------------------------
     def swap_out(self, seq_id) -> np.ndarray:
-        """Move the table to fresh host blocks: (device block, host block) pairs in table
-        order. A block still waiting for its copy-on-write copy reads the copy's source."""
+        """Move the tables to fresh host blocks: (device block, host block) pairs in table
+        order, group after group. A block still waiting for its copy-on-write copy reads the
+        copy's source."""
         sid = seq_id_of(seq_id)
         if self.host_pool is None:
             raise _err(InvalidStateError, "swap_out: no host pool (num_host_blocks=0)")
         s = self._seq(sid)
         if s.swapped:
             raise _err(InvalidStateError, f"swap_out: {sid!r} is already swapped out")
-        if len(s.blocks) > self.host_pool.num_free:
-            raise _err(
-                OutOfBlocksError,
-                f"swap_out: need {len(s.blocks)} host blocks, {self.host_pool.num_free} free",
+        need = sum(len(t.blocks) - t.lo for t in s.tabs)
+        if need > self.host_pool.num_free:
+            raise _err(OutOfBlocksError, f"swap_out: need {need}, {self.host_pool.num_free} free")
+        pairs = []
+        for j, t in enumerate(s.tabs):
+            host = self.host_pool._allocate(len(t.blocks) - t.lo)
+            pairs += [(self._copy_source(j, b), h) for b, h in zip(t.blocks[t.lo :], host)]
+            freed = sum(
+                self.pool._release(t.blocks[i]) for i in range(len(t.blocks) - 1, t.lo - 1, -1)
             )
-        host = self.host_pool._allocate(len(s.blocks))
-        pairs = [(self._copy_source(b), h) for b, h in zip(s.blocks, host)]  # choice 6
-        freed = [b for b in reversed(s.blocks) if self.pool._release(b)]
-        s.blocks, s.swapped = host, True
-        s.num_offered = 0  # host blocks are not cached; offered again after swap_in
-        s.drafts = 0
-        self._settle(freed)
+            t.blocks[t.lo :] = host
+            t.num_offered = 0  # host blocks are not cached; offered again after swap_in
+            t.drafts = 0
+            self._settle(freed)
+        s.swapped = True
         return np.array(pairs, dtype=np.int64).reshape(-1, 2)
 
     def swap_in(self, seq_id) -> np.ndarray:
         """Bring a swapped-out sequence back: its computed full blocks whose content is still
         cached on the device are shared again (pinned, no pair); the others get fresh device
-        blocks and (host, device) pairs, in table order. Its computed full blocks serve
-        prefix hits again at once (their content arrives with the pairs)."""
+        blocks and (host, device) pairs, in table order, group after group. Its computed full
+        blocks serve prefix hits again at once (their content arrives with the pairs)."""
         sid = seq_id_of(seq_id)
         if self.host_pool is None:
             raise _err(InvalidStateError, "swap_in: no host pool (num_host_blocks=0)")
         s = self._seq(sid)
         if not s.swapped:
             raise _err(InvalidStateError, f"swap_in: {sid!r} is not swapped out")
-        hits, need = self._swap_in_plan(s)
+        plans, need = self._swap_in_plan(s)
         if need > self.pool.num_free:
             raise _err(OutOfBlocksError, f"swap_in: need {need}, {self.pool.num_free} free")
-        for i in sorted(hits):  # pin every hit before allocating the rest
-            self.pool._pin(hits[i])
-        dev, pairs = [], []
-        for i, h in enumerate(s.blocks):
-            if i in hits:
-                dev.append(hits[i])
-            else:
-                dev.append(self.pool._allocate(1)[0])
-                pairs.append((h, dev[-1]))
-        for h in reversed(s.blocks):
-            self.host_pool._release(h)
-        s.blocks, s.swapped = dev, False
-        self._offer(s)
+        pairs = []
+        for j, (t, hits) in enumerate(zip(s.tabs, plans)):
+            for i in sorted(hits):  # pin every hit before allocating the rest
+                self.pool._pin(hits[i])
+            dev = [0] * t.lo
+            for i in range(t.lo, len(t.blocks)):
+                if i in hits:
+                    dev.append(hits[i])
+                else:
+                    dev.append(self.pool._allocate(1)[0])
+                    pairs.append((t.blocks[i], dev[-1]))
+            for i in range(len(t.blocks) - 1, t.lo - 1, -1):
+                self.host_pool._release(t.blocks[i])
+            t.blocks = dev
+            self._offer(j, s)
+        s.swapped = False
         return np.array(pairs, dtype=np.int64).reshape(-1, 2)
 
-    def _swap_in_plan(self, s: _Seq) -> Tuple[Dict[int, int], int]:
-        """Blocks swap_in shares again ({table index: device block}) and the device blocks it
-        takes from the free pool (fresh ones, plus evictable hits it pins)."""
-        full = s.num_computed // self.block_size
-        hashes = self._hashes(s.tokens[: full * self.block_size], s.salt)
-        hits = {i: self.pool._block_of[h] for i, h in enumerate(hashes) if h in self.pool._block_of}
-        need = len(s.blocks) - len(hits) + sum(1 for b in hits.values() if self.pool._ref[b] == 0)
-        return hits, need
+    def _swap_in_plan(self, s: _Seq) -> Tuple[List[Dict[int, int]], int]:
+        """Per group the blocks swap_in shares again ({table index: device block}), and the
+        device blocks it takes from the free pool (fresh ones, plus evictable hits it pins)."""
+        plans, need, bo = [], 0, self.pool._block_of
+        for j, t in enumerate(s.tabs):
+            full = t.num_computed // self.block_size
+            hashes = self._hashes(s.tokens[: full * self.block_size], s.salt, j)
+            hits = {i: bo[hashes[i]] for i in range(t.lo, len(hashes)) if hashes[i] in bo}
+            need += len(t.blocks) - t.lo - len(hits)
+            need += sum(1 for b in hits.values() if self.pool._ref[b] == 0)
+            plans.append(hits)
+        return plans, need
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self, seq_ids, query_lens, draft_lens=None) -> None:
         """The engine's promise that the next forward writes the K/V of the last
-        ``query_lens[i]`` committed tokens (and of ``draft_lens[i]`` draft slots after them).
-        Every row becomes fully computed; its full blocks enter the prefix cache."""
-        self._step(self._validate_step(seq_ids, query_lens, draft_lens))
+        ``query_lens[i]`` committed tokens (and of ``draft_lens[i]`` draft slots after them)
+        in every group. Every row becomes fully computed; its full blocks enter the prefix
+        cache; each group releases what the step cannot read."""
+        rows = self._validate_step(seq_ids, query_lens, draft_lens, range(len(self.groups)))
+        for j in range(len(self.groups)):
+            self._step(rows, j)
 
     def metadata(
         self, seq_ids, query_lens, *, draft_lens=None, out=None, group=0
     ) -> ReferenceMetadata:
-        """``schedule`` plus the arrays of the step (no fixed buffers: ``out`` is ignored).
+        """``schedule`` for group ``group`` only, plus the arrays of the step (no fixed
+        buffers: ``out`` is ignored).
 
         Row i's queries are positions ``[num_tokens - q, num_tokens + d)``; its sequence
-        length is ``num_tokens + d``; slot = block * block_size + offset.
+        length is ``num_tokens + d``; slot = block * block_size + offset (-1 in a state
+        group, whose table is its blocks).
         """
-        scalar_of(group, "group", 0, 0)
-        rows = self._validate_step(seq_ids, query_lens, draft_lens)
-        bs = self.block_size
+        g = self._group(group)
+        rows = self._validate_step(seq_ids, query_lens, draft_lens, [g])
+        bs, tokens = self.block_size, self._kinds[g].tokens
+        for s, q, _d in rows:  # a window group releases what this step cannot read
+            self._release_skipped(g, s, 0, len(s.tokens) - q)
         slots, tables, lens, indptr, indices, last = [], [], [], [0], [], []
         for s, q, d in rows:
-            n = len(s.tokens)
-            slots += [s.blocks[p // bs] * bs + p % bs for p in range(n - q, n + d)]
-            used = s.blocks[: _ceil_div(n + d, bs)]
+            n, t = len(s.tokens), s.tabs[g]
+            if tokens:
+                slots += [t.blocks[p // bs] * bs + p % bs for p in range(n - q, n + d)]
+                used = t.blocks[: _ceil_div(n + d, bs)]
+            else:
+                slots += [-1] * (q + d)
+                used = list(t.blocks)
             tables.append(used)
             lens.append(n + d)
             indices += used
             indptr.append(len(indices))
-            last.append(n + d - (len(used) - 1) * bs if n + d else 0)
+            last.append(bs if not tokens else (n + d - (len(used) - 1) * bs if n + d else 0))
         bt = np.zeros((len(rows), max([len(t) for t in tables] + [1])), dtype=np.int32)
         for i, t in enumerate(tables):
             bt[i, : len(t)] = t
-        self._step(rows)
+        self._step(rows, g)
         return ReferenceMetadata(
             np.array(slots, dtype=np.int64),
             bt,
@@ -1061,24 +1256,30 @@ class ReferenceManager:
         )
 
     def check(self) -> None:
-        """The manager's invariants: every reference is held by a table or a pending copy."""
+        """The manager's invariants: every reference is held by a table entry at or above lo
+        or by a pending copy; released entries are the null block; no group released what
+        its next query reads; no block is both a copy's src and a copy's dst."""
         self.pool.check()
         refs = [0] * self.pool.num_blocks
         host_refs = [0] * (self.host_pool.num_blocks if self.host_pool else 0)
         for s in self._seqs.values():
-            for b in s.blocks:
-                (host_refs if s.swapped else refs)[b] += 1
-            if not (
-                0 <= s.num_computed <= len(s.tokens)
-                and len(s.blocks) >= _ceil_div(len(s.tokens), self.block_size)
-            ):
-                raise CorruptionError("reference sequence invariant violated")
-        for src, _dst in self._copies:
+            for kind, t in zip(self._kinds, s.tabs):
+                n = len(s.tokens)
+                if not 0 <= t.num_computed <= n or (
+                    kind.tokens and len(t.blocks) < _ceil_div(n, self.block_size)
+                ):
+                    raise CorruptionError("reference sequence invariant violated")
+                if any(t.blocks[: t.lo]) or (t.lo and kind.keep_from(t.num_computed, n) < t.lo):
+                    raise CorruptionError("reference: a released entry is wrong")
+                for b in t.blocks[t.lo :]:
+                    (host_refs if s.swapped else refs)[b] += 1
+        copies = self.pending_copies()
+        for src, _dst in copies:
             refs[src] += 1
-        srcs = {src for src, _ in self._copies}
+        srcs = {src for src, _ in copies}
         if (
             refs != self.pool._ref
-            or any(dst in srcs for _, dst in self._copies)
+            or any(dst in srcs for _, dst in copies)
             or (self.host_pool and host_refs != self.host_pool._ref)
         ):
             raise CorruptionError("reference counts differ from the references held")
@@ -1090,114 +1291,166 @@ class ReferenceManager:
             raise _err(UnknownSequenceError, f"unknown sequence {sid!r}")
         return s
 
-    def _hashes(self, tokens: Sequence[int], salt: Union[None, str, bytes]) -> List[int]:
-        """Chained hashes of the full blocks of ``tokens`` (empty without caching)."""
+    def _group(self, group) -> int:
+        return scalar_of(group, "group", 0, len(self.groups) - 1)
+
+    def _windowed(self, j: int) -> bool:
+        return self.groups[j].kind in ("sliding_window", "chunked_local")
+
+    @staticmethod
+    def _tag(key: bytes, j: int) -> int:
+        """Group j's hash tag (docs/hybrid-models.md): SipHash-128(key, "kvblocks:group:" j)."""
+        if not j:
+            return 0
+        raw = _core.siphash128(key, b"kvblocks:group:" + bytes([j]))
+        return int.from_bytes(raw[:8], "little") | int.from_bytes(raw[8:], "little") << 64
+
+    def _twin_cached(self, b: int) -> bool:
+        """The eviction rule (docs/hybrid-models.md): a window or chunk group's cached block
+        whose full-attention twin (same tokens and position) is cached gets a second chance."""
+        h = self.pool._hash_of[b]
+        j = self.pool._group_of[h]
+        if j >= len(self.groups) or not self._windowed(j):  # (pool.cache(group=) may say any)
+            return False
+        twin = h ^ self._tag(self.hash_key, j) ^ self._tag(self.hash_key, self._anchor)
+        return twin in self.pool._block_of
+
+    def _hashes(self, tokens: Sequence[int], salt: Union[None, str, bytes], j: int) -> List[int]:
+        """Group j's chained hashes of the full blocks of ``tokens`` (none without caching,
+        none for a state group)."""
         full = len(tokens) // self.block_size
-        if not self.pool.enable_prefix_caching or not full:
+        if not self.pool.enable_prefix_caching or not full or not self._kinds[j].tokens:
             return []
         h = _core.hash_blocks(
             np.array(tokens[: full * self.block_size], dtype=np.int32),
             self.block_size,
             salt=salt,
             key=self.hash_key,
+            group=j,
         )
         return [int(lo) | (int(hi) << 64) for lo, hi in h.tolist()]
 
-    def _check_fits(self, s: Optional[_Seq], n: int) -> None:
-        """Sizes beyond what can ever fit (choice 8)."""
-        total = (len(s.tokens) if s is not None else 0) + n
-        if total > (self.pool.num_blocks - 1) * self.block_size or total > INT64_MAX:
+    def _check_fits(self, s: _Seq, n: int) -> None:
+        """Sizes beyond what can ever fit (choice 8): a table that is never released (full
+        attention) past every usable block, or one call's tokens past every block of the
+        pool (a window's table may outgrow the pool: its released entries)."""
+        total = len(s.tokens) + n
+        if (
+            total > INT64_MAX
+            or n > self.pool.num_blocks * self.block_size
+            or any(
+                g.kind == "full" and k.table_blocks(total) >= self.pool.num_blocks
+                for g, k in zip(self.groups, self._kinds)
+            )
+        ):
             raise _err(OutOfBlocksError, f"{total} tokens can never fit", InvalidArgumentError)
 
-    def _seq_refs(self, b: int) -> int:
-        """References on ``b`` held by sequences (a pending copy's hold on its src excluded)."""
-        return self.pool._ref[b] - sum(1 for src, _ in self._copies if src == b)
+    def _users(self, j: int, b: int) -> int:
+        """References on ``b`` held by sequences (a pending copy's hold on its src excluded:
+        choice 4)."""
+        return self.pool._ref[b] - sum(1 for src, _ in self._copies[j] if src == b)
 
-    def _copy_source(self, b: int) -> int:
+    def _copy_source(self, j: int, b: int) -> int:
         """What to read for block ``b``: the source of the pending copy into it, if any."""
-        for src, dst in self._copies:
+        for src, dst in self._copies[j]:
             if dst == b:
                 return src
         return b
 
     def _need(self, appends: List[Tuple[_Seq, int]]) -> int:
-        """Blocks that appending ``n`` tokens to each sequence in turn takes: growth, plus a
-        copy for each write into a block that other sequences still hold at that point."""
-        bs, need = self.block_size, 0
-        holders: Dict[int, int] = {}
-        for s, n in appends:
-            if n <= 0:
-                continue
-            w = len(s.tokens) // bs
-            if w < len(s.blocks):
-                b = s.blocks[w]
-                k = holders.get(b, self._seq_refs(b))
-                if k > 1:
-                    need += 1
-                    holders[b] = k - 1
-            need += max(0, _ceil_div(len(s.tokens) + n, bs) - len(s.blocks))
-        return need
+        """Blocks that appending ``n`` tokens to each sequence in turn takes, every group."""
+        return sum(
+            kind.need([(len(s.tokens), s.tabs[j], n) for s, n in appends], partial(self._users, j))
+            for j, kind in enumerate(self._kinds)
+        )
 
-    def _make_writable(self, s: _Seq) -> List[int]:
-        """Before a write at offset ``len(tokens)``: copy-on-write a block other sequences
-        hold, or drop the cache entry of a private block. Returns blocks that became free."""
-        bs = self.block_size
+    def _gain(self, s: _Seq, n: int) -> int:
+        """Blocks the release for ``n`` more tokens returns (entries this sequence alone
+        holds)."""
+        gain = 0
+        for kind, t in zip(self._kinds, s.tabs):
+            upto = kind.keep_from(t.num_computed, len(s.tokens) + n)
+            gain += sum(1 for b in t.blocks[t.lo : upto] if self.pool._ref[b] == 1)
+        return gain
+
+    def _release_skipped(self, j: int, s: _Seq, n: int, query_start: Optional[int] = None):
+        """The release rule, in its one form: once the sequence holds ``n`` more tokens (and
+        the next step starts at ``query_start``), group j's entries below what that step reads
+        become the null block and drop their reference (a cached block stays evictable)."""
+        t = s.tabs[j]
+        upto = self._kinds[j].keep_from(t.num_computed, len(s.tokens) + n, query_start)
+        if upto <= t.lo:
+            return
+        freed = 0
+        for i in range(t.lo, upto):
+            b, t.blocks[i] = t.blocks[i], 0
+            freed += self.pool._release(b)
+        t.lo = upto
+        self._settle(freed)
+
+    def _move(self, s: _Seq, n: int) -> None:
+        """Release what every group no longer needs once the sequence holds n more tokens."""
+        for j in range(len(self.groups)):
+            self._release_skipped(j, s, n)
+
+    def _make_writable(self, j: int, s: _Seq) -> None:
+        """Before a write at offset ``len(tokens)`` in group j: copy-on-write a block other
+        sequences hold (chain collapse: the copy reads the original source, which it holds),
+        or drop the cache entry of a private block."""
+        bs, t = self.block_size, s.tabs[j]
         w = len(s.tokens) // bs
-        if w >= len(s.blocks):
-            return []
-        b = s.blocks[w]
-        if self._seq_refs(b) <= 1:
+        if not self._kinds[j].tokens or w >= len(t.blocks):
+            return
+        b = t.blocks[w]
+        if self._users(j, b) <= 1:
             self.pool._uncache(b)  # private: its content is about to change
-            return []
+            return
         (new,) = self.pool._allocate(1)
-        s.blocks[w] = new
-        if len(s.tokens) % bs == 0:  # no committed token in it: nothing to copy
-            return [b] if self.pool._release(b) else []
-        src = self._copy_source(b)  # chain collapse: read the original source
-        self._copies.append((src, new))
-        if src != b:
-            self.pool._pin(src)  # the copy holds its source ...
-            self.pool._release(b)  # ... and our reference on b goes (b stays held)
-        # else: our reference on b is now the copy's
-        return []
+        t.blocks[w] = new
+        if len(s.tokens) % bs:  # committed tokens in it: copy them
+            src = self._copy_source(j, b)
+            self._copies[j].append((src, new))
+            self.pool._pin(src)
+        self.pool._release(b)  # others still hold b: it stays referenced
 
-    def _grow(self, s: _Seq, total_tokens: int) -> None:
-        more = _ceil_div(total_tokens, self.block_size) - len(s.blocks)
+    def _grow(self, j: int, s: _Seq, total: int) -> None:
+        t = s.tabs[j]
+        if not self._kinds[j].tokens:
+            t.room = max(t.room, _ceil_div(total, self.block_size))
+            return
+        more = _ceil_div(total, self.block_size) - len(t.blocks)
         if more > 0:
-            s.blocks += self.pool._allocate(more)
+            t.blocks += self.pool._allocate(more)
 
-    def _commit(self, s: _Seq, toks: List[int]) -> List[int]:
-        freed = self._make_writable(s)
-        self._grow(s, len(s.tokens) + len(toks))
-        s.tokens += toks
-        s.drafts = 0  # a commit ends the draft window
-        return freed
-
-    def _settle(self, freed: List[int]) -> None:
-        """Drop copies whose destination was released (choice 5); each releases its src."""
-        kept, freed_src = [], []
-        for src, dst in self._copies:
-            if self.pool._ref[dst] > 0:
-                kept.append((src, dst))
-            elif self.pool._release(src):
-                freed_src.append(src)
-        self._copies = kept
-        if freed_src and len(freed) + len(freed_src) > 1:
+    def _settle(self, freed: int = 0) -> None:
+        """Drop copies whose destination was released (choice 5); each releases its src. A
+        dropped copy's destination never got its content: its cache entry goes."""
+        freed_src = 0
+        for j, pairs in enumerate(self._copies):
+            kept = []
+            for src, dst in pairs:
+                if self.pool._ref[dst] > 0:
+                    kept.append((src, dst))
+                    continue
+                if dst in self.pool._hash_of:
+                    self.pool._uncache(dst)
+                    self.pool.free_order_known = False  # where an uncached free block goes
+                freed_src += self.pool._release(src)
+            self._copies[j] = kept
+        if freed_src and freed + freed_src > 1:
             self.pool.free_order_known = False  # sources vs. table: order not documented
 
-    def _step_args(self, seq_ids, query_lens, draft_lens):
-        """A step's rows (also GroupedReference's): ids, sequences, query and draft lengths."""
+    def _validate_step(self, seq_ids, query_lens, draft_lens, groups):
+        """A step's rows (sequence, query length, draft length) for ``groups``, or the
+        error."""
         sids = seq_ids_of(seq_ids)
         q = tokens_of(query_lens, "query_lens").tolist()
         d = None if draft_lens is None else tokens_of(draft_lens, "draft_lens").tolist()
         seqs = [self._seq(sid) for sid in sids]
         if len(q) != len(sids) or (d is not None and len(d) != len(sids)):
             raise _err(InvalidArgumentError, "metadata: one query_len (and draft_len) per row")
-        return sids, seqs, q, d if d is not None else [0] * len(sids)
-
-    def _validate_step(self, seq_ids, query_lens, draft_lens):
-        sids, seqs, q, d = self._step_args(seq_ids, query_lens, draft_lens)
-        rules, seen, bs = _Rules(), set(), self.block_size
+        d = d if d is not None else [0] * len(sids)
+        rules, seen = _Rules(), set()
         for sid, s, qi, di in zip(sids, seqs, q, d):
             n = len(s.tokens)
             if sid in seen:
@@ -1208,49 +1461,61 @@ class ReferenceManager:
                 continue
             if not 0 <= qi <= n:
                 rules.add(InvalidArgumentError, f"metadata: query_len {qi} not in [0, {n}]")
-            elif n - qi > s.num_computed:
-                rules.add(
-                    InvalidStateError,
-                    f"metadata: {sid!r} has {s.num_computed} computed "
-                    f"of {n} tokens; a query of {qi} leaves a gap",
-                )
+            else:
+                for j in groups:
+                    t = s.tabs[j]
+                    if n - qi > t.num_computed:
+                        rules.add(
+                            InvalidStateError,
+                            f"metadata: {sid!r} has {t.num_computed} computed "
+                            f"of {n} tokens; a query of {qi} leaves a gap",
+                        )
+                    elif t.lo and self._kinds[j].keep_from(t.num_computed, n, n - qi) < t.lo:
+                        rules.add(InvalidStateError, f"metadata: {sid!r} reads released positions")
             if di < 0:
                 rules.add(InvalidArgumentError, f"metadata: draft_len {di} < 0")
-            elif (
-                di
-                and (
-                    n + di > len(s.blocks) * bs
-                    or any(  # choice 3
-                        self.pool._ref[b] != 1 or b in self.pool._hash_of
-                        for b in s.blocks[n // bs : _ceil_div(n + di, bs)]
-                    )
-                )
-            ):
+            elif di and not all(self._draftable(j, s, di) for j in groups):  # choice 3
                 rules.add(
                     InvalidStateError,
                     f"metadata: {di} draft slots of {sid!r} are not "
                     "reserved and writable (call reserve)",
                 )
-        if self._copies:  # choice 1
+        if self.num_pending_copies:  # choice 1
             rules.add(
                 InvalidStateError,
-                f"metadata: {len(self._copies)} copy-on-write "
+                f"metadata: {self.num_pending_copies} copy-on-write "
                 "copies are pending: drain them with take_copies() first",
             )
         rules.check()
         return list(zip(seqs, q, d))
 
-    def _step(self, rows) -> None:
-        for s, _q, d in rows:
-            s.num_computed = len(s.tokens)
-            s.drafts = d
-            self._offer(s)
+    def _draftable(self, j: int, s: _Seq, d: int) -> bool:
+        """Choice 3: ``d`` draft slots after the tokens lie in blocks group j's table holds
+        (a state group: the blocks a token table would hold) and may write in place."""
+        bs, n, t = self.block_size, len(s.tokens), s.tabs[j]
+        if not self._kinds[j].tokens:
+            return _ceil_div(n + d, bs) <= t.room
+        return n + d <= len(t.blocks) * bs and not any(
+            self._users(j, b) != 1 or b in self.pool._hash_of
+            for b in t.blocks[n // bs : _ceil_div(n + d, bs)]
+        )
 
-    def _offer(self, s: _Seq) -> None:
-        """Offer the full, computed blocks not offered yet to the prefix cache."""
-        full = s.num_computed // self.block_size
-        if full > s.num_offered:
-            hashes = self._hashes(s.tokens[: full * self.block_size], s.salt)
-            for i in range(s.num_offered, min(full, len(hashes))):
-                self.pool._register(s.blocks[i], hashes[i])
-        s.num_offered = max(s.num_offered, full)
+    def _step(self, rows, j: int) -> None:
+        """Group j's step: release what it cannot read, then every row is computed and its
+        full blocks are offered to the prefix cache."""
+        for s, q, _d in rows:
+            self._release_skipped(j, s, 0, len(s.tokens) - q)
+        for s, _q, d in rows:
+            t = s.tabs[j]
+            t.num_computed, t.drafts = len(s.tokens), d
+            self._offer(j, s)
+
+    def _offer(self, j: int, s: _Seq) -> None:
+        """Offer group j's full, computed blocks not offered yet to the prefix cache."""
+        t = s.tabs[j]
+        full = t.num_computed // self.block_size
+        if self._kinds[j].tokens and full > t.num_offered:
+            hashes = self._hashes(s.tokens[: full * self.block_size], s.salt, j)
+            for i in range(max(t.num_offered, t.lo), min(full, len(hashes))):
+                self.pool._register(t.blocks[i], hashes[i], j)
+        t.num_offered = max(t.num_offered, full)
