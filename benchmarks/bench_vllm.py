@@ -77,13 +77,14 @@ def make_config(num_blocks: int, case: str = "full") -> KVCacheConfig:
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def make_requests(n: int, seed: int = 0) -> list[Request]:
+def make_requests(n: int, seed: int = 0, **sampling: Any) -> list[Request]:
+    """The workload's requests; ``sampling``: SamplingParams fields (default max_tokens=64)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 30000) for _ in range(512)] for _ in range(4)]
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
     out = []
     for i in range(n):
-        sp = SamplingParams(max_tokens=64)
+        sp = SamplingParams(**{"max_tokens": 64, **sampling})
         sp.update_from_generation_config({}, eos_token_id=0)
         toks = prompts[i % 4] + [rng.randrange(1, 30000) for _ in range(512)]
         out.append(

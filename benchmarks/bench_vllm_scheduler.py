@@ -30,45 +30,29 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import bench_vllm  # this directory: the workload's requests
 import vllm_cpu  # .ci/vllm_cpu.py: vLLM's CPU platform check, as in .ci/vllm
-from tests.v1.core.utils import EOS_TOKEN_ID, create_scheduler
-from vllm.sampling_params import SamplingParams
+from tests.v1.core.utils import create_scheduler
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 import kvblocks.integrations.vllm as kvb_vllm
 
-BLOCK_SIZE, NUM_BLOCKS, NREQ, DECODE_STEPS = 16, 40_000, 256, 32
+BLOCK_SIZE, NUM_BLOCKS = bench_vllm.BLOCK_SIZE, bench_vllm.NUM_BLOCKS
+NREQ, DECODE_STEPS = 256, 32
 
 
-def make_requests(seed: int = 0) -> list[Request]:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(1, 30000) for _ in range(512)] for _ in range(4)]
-    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
-    out = []
-    for i in range(NREQ):
-        sp = SamplingParams(max_tokens=DECODE_STEPS + 8, ignore_eos=True)
-        sp.update_from_generation_config({}, EOS_TOKEN_ID)
-        toks = prompts[i % 4] + [rng.randrange(1, 30000) for _ in range(512)]
-        out.append(
-            Request(
-                request_id=f"r{i}",
-                prompt_token_ids=toks,
-                sampling_params=sp,
-                pooling_params=None,
-                block_hasher=hasher,
-            )
-        )
-    return out
+def make_requests() -> list[Request]:
+    """bench_vllm.py's requests, long enough for every decode step and never stopped."""
+    return bench_vllm.make_requests(NREQ, max_tokens=DECODE_STEPS + 8, ignore_eos=True)
 
 
 def fake_output(sched: Any, so: Any) -> ModelRunnerOutput:

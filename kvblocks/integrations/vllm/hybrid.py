@@ -198,12 +198,10 @@ class _HybridState(_NativeState):
                 if len(hit):
                     parts.append(hit)
                     pos += len(hit)
-                if pos == e or not self.dups:
+                d = self._dup_at(hashes, pos, e, g)
+                if d is None:
                     break
-                d = self.dups.get(self.dup_key(hashes[pos], g))
-                if not d:
-                    break
-                parts.append(np.array(d[:1], dtype=np.int32))
+                parts.append(d)
                 pos += 1
             if not parts:
                 return _EMPTY_I32
@@ -224,16 +222,22 @@ class _HybridState(_NativeState):
                             break
                 parts.append(hit[:k])
                 pos += k
-            if pos == e or not self.dups:
+            d = self._dup_at(hashes, pos, e, g)
+            if d is None:
                 break
-            d = self.dups.get(self.dup_key(hashes[pos], g))
-            if not d:
-                break
-            parts.append(np.array(d[:1], dtype=np.int32))
+            parts.append(d)
             pos += 1
         if not parts:
             return _EMPTY_I32
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _dup_at(self, hashes: Sequence[bytes], pos: int, e: int, g: int) -> Optional[np.ndarray]:
+        """A run stopped at pos: group g's earliest duplicate entry under hashes[pos] (one
+        block id), or None where the run ends (at e, or no duplicate)."""
+        if pos == e or not self.dups:
+            return None
+        d = self.dups.get(self.dup_key(hashes[pos], g))
+        return np.array(d[:1], dtype=np.int32) if d else None
 
     def lookup_one(self, h: bytes, g: int) -> Optional[int]:
         if not 0 <= g < self.num_groups or not self.enable_caching:

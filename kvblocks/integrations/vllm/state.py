@@ -344,13 +344,7 @@ class _NativeState:
             was = self.hashed[ids]
             if was.any():
                 for b in ids[was].tolist():  # (the mirror reads hashed: clear it after)
-                    h = self.hash_of.pop(b, None)
-                    if h is None:
-                        continue
-                    g = int(self.gid[b])
-                    self._drop_dup(h, b, g)
-                    if self.enable_events:
-                        self.events.append(self._removed(h, g))
+                    self._forget(b)
                 self.hashed[ids] = False
         return ids
 
@@ -358,6 +352,16 @@ class _NativeState:
     def dup_key(h: bytes, g: int) -> Any:
         """The ``dups`` key of a hash in KV cache group g (the bare hash for group 0)."""
         return h if g == 0 else (h, g)
+
+    def _forget(self, b: int) -> None:
+        """Drop block b's entry on this side (its duplicate key, a BlockRemoved event)."""
+        h = self.hash_of.pop(b, None)
+        if h is None:
+            return
+        g = int(self.gid[b])
+        self._drop_dup(h, b, g)
+        if self.enable_events:
+            self.events.append(self._removed(h, g))
 
     def _drop_dup(self, h: bytes, b: int, g: int = 0) -> None:
         k = self.dup_key(h, g)
@@ -500,14 +504,8 @@ class _NativeState:
         for b in block_ids:
             if not 0 <= b < self.num_blocks:
                 raise AssertionError(f"Invalid block_id {b} >= {self.num_blocks}.")
-            h = self.hash_of.pop(b, None)
-            if h is None:
-                continue
-            g = int(self.gid[b])
-            self._drop_dup(h, b, g)
-            if self.enable_events:
-                self.events.append(self._removed(h, g))
-            # the native entry stays until the block is reused; lookups check hash_of first
+            self._forget(b)  # the native entry stays until the block is reused; lookups
+            # check hash_of first
 
     def reset(self) -> bool:
         if self.pool.num_free != self.num_blocks - 1:
