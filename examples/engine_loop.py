@@ -42,6 +42,17 @@ the model's K/V of the drafts), and so must the attention output. Sampling uses 
 per sequence, so the generated text does not depend on batching, memory pressure, preemption
 or speculation: a run with a tiny cache produces the same tokens as a roomy one, and a run
 with ``--spec`` the same as one without (tests/test_engine_loop.py checks both).
+
+Hybrid models and the host tier: ``--groups full,window:8`` (or ``full,chunk:8``, or any list
+of ``full``, ``window:W``, ``chunk:C``) gives layer l the attention of group l % G, with one
+block table per group (docs/hybrid-models.md) in one shared ``KVCache``; the step is planned
+once (``plan_step``) and each layer reads and writes through its group's metadata, checked over
+exactly the positions its attention sees. ``--host-prefix`` turns the host blocks into the
+host tier of the prefix cache too (docs/host-tier.md): evicted blocks are demoted, host hits
+onloaded, both drained at the head of the step. The outputs under a tight cache are still
+those of a roomy one without the tier.
+
+    python examples/engine_loop.py --groups full,window:8 --num-blocks 40 --host-prefix
 """
 
 from __future__ import annotations
@@ -61,7 +72,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvblocks import AttentionMetadata, BlockManager, KVCache, KVLayout, ops
+from kvblocks import AttentionMetadata, BlockManager, KVCache, KVGroup, KVLayout, ops
 
 CTX_BUCKETS = 4096  # rolling prefix hash range
 
@@ -110,17 +121,19 @@ class ToyModel:
             _, out[0, layer], out[1, layer] = self.qkv(layer, tokens, positions, ctx)
         return out
 
-    def attention(self, q, k, v, q_pos):
-        """Causal softmax attention: query i at position q_pos[i] over k, v [:q_pos[i] + 1].
-        Row by row over exactly the visible keys, so a row's result does not depend on the
-        rows or keys after it: a token decoded alone and the same token verified after a
-        draft give bitwise the same output."""
+    def attention(self, q, k, v, q_pos, first=lambda p: 0):
+        """Causal softmax attention: query i at position p = q_pos[i] over k, v
+        [first(p) : p + 1] (``first``: the layer's first visible position, 0 for full
+        attention, see ``Engine.first_visible``). Row by row over exactly the visible keys,
+        so a row's result does not depend on the rows or keys after it: a token decoded
+        alone and the same token verified after a draft give bitwise the same output."""
         out = np.empty(q.shape, np.float32)
         for i, p in enumerate(q_pos):
-            s = np.einsum("hd,khd->hk", q[i], k[: p + 1]) * self.scale
+            lo = first(p)
+            s = np.einsum("hd,khd->hk", q[i], k[lo : p + 1]) * self.scale
             s = np.exp(s - s.max(axis=-1, keepdims=True))
             s /= s.sum(axis=-1, keepdims=True)
-            out[i] = np.einsum("hk,khd->hd", s, v[: p + 1])
+            out[i] = np.einsum("hk,khd->hd", s, v[lo : p + 1])
         return out
 
     def logits(self, out_row, last_token: int):
@@ -168,6 +181,24 @@ class Entry:
     drafts: List[int]
 
 
+def parse_groups(spec: str) -> List[KVGroup]:
+    """``--groups full,window:8`` -> the KV cache groups; model layer l attends as group
+    l % G (so full, window, full, window, ...). Kinds: ``full``, ``window:W`` (sliding window
+    of W tokens), ``chunk:C`` (chunked local attention, chunks of C tokens)."""
+    groups = []
+    for part in spec.split(","):
+        kind, _, size = part.partition(":")
+        if kind == "full" and not size:
+            groups.append(KVGroup("full"))
+        elif kind == "window" and size.isdigit() and int(size) > 0:
+            groups.append(KVGroup("sliding_window", window=int(size)))
+        elif kind == "chunk" and size.isdigit() and int(size) > 0:
+            groups.append(KVGroup("chunked_local", chunk=int(size)))
+        else:
+            raise ValueError(f"--groups: {part!r} is not full, window:W or chunk:C")
+    return groups
+
+
 def make_requests(
     num: int, seed: int, vocab: int, block_size: int, max_prompt: int, max_new: int, turns: float
 ) -> List[Request]:
@@ -209,24 +240,42 @@ class Engine:
         bs = args.block_size
         self.layout = KVLayout(args.layers, args.kv_heads, args.head_dim, bs, "fp32")
         self.max_len = args.max_prompt + args.max_new + 1
-        self.mgr = BlockManager(
-            args.num_blocks, bs, watermark=args.watermark, num_host_blocks=args.host_blocks
+        # KV cache groups (docs/hybrid-models.md): model layer l attends as group l % G and
+        # lives in cache layer "its index among its group's layers" of one shared KVCache
+        self.groups = parse_groups(args.groups)
+        G = len(self.groups)
+        self.group_of = [layer % G for layer in range(args.layers)]
+        self.cache_layer = [self.group_of[:i].count(g) for i, g in enumerate(self.group_of)]
+        cache_layout = KVLayout(
+            max(map(self.group_of.count, range(G))), args.kv_heads, args.head_dim, bs, "fp32"
         )
-        self.cache = KVCache(self.layout, args.num_blocks, "cpu", pin_memory=False)
+        self.mgr = BlockManager(
+            args.num_blocks,
+            bs,
+            watermark=args.watermark,
+            num_host_blocks=args.host_blocks,
+            groups=self.groups if G > 1 or args.groups != "full" else None,
+            host_prefix_cache=args.host_prefix,
+        )
+        self.cache = KVCache(cache_layout, args.num_blocks, "cpu", pin_memory=False)
         self.host = (
-            KVCache(self.layout, args.host_blocks, "cpu", pin_memory=False)
+            KVCache(cache_layout, args.host_blocks, "cpu", pin_memory=False)
             if args.host_blocks
             else None
         )
         self.model = ToyModel(self.layout, args.vocab, self.max_len, args.seed, args.bigram)
-        # fixed metadata buffers, allocated once and reused by every step (CUDA-graph style)
+        # fixed metadata buffers, one per group, allocated once and reused by every step
+        # (CUDA-graph style)
         self.max_blocks = -(-self.max_len // bs)
-        self.buf = AttentionMetadata.allocate(
-            max_batch=args.max_seqs,
-            max_tokens=args.max_tokens,
-            max_indices=args.max_seqs * self.max_blocks,
-            max_blocks_per_seq=self.max_blocks,
-        )
+        self.bufs = [
+            AttentionMetadata.allocate(
+                max_batch=args.max_seqs,
+                max_tokens=args.max_tokens,
+                max_indices=args.max_seqs * self.max_blocks,
+                max_blocks_per_seq=self.max_blocks,
+            )
+            for _ in range(G)
+        ]
         self.requests = make_requests(
             args.requests, args.seed, args.vocab, bs, args.max_prompt, args.max_new, args.turns
         )
@@ -267,9 +316,20 @@ class Engine:
             drafts_accepted=0,
             peak_usage=0.0,
             checks=0,
+            offloads=0,
+            onloads=0,
         )
 
     # -- helpers --------------------------------------------------------------------------
+    def first_visible(self, group: int, p: int) -> int:
+        """The first position the query at p reads in a layer of this group."""
+        g = self.groups[group]
+        if g.kind == "sliding_window":
+            return max(0, p - g.window + 1)
+        if g.kind == "chunked_local":
+            return p - p % g.chunk
+        return 0
+
     @staticmethod
     def _insert(queue: List[Seq], s: Seq) -> None:
         bisect.insort(queue, s, key=lambda x: x.order)
@@ -381,7 +441,7 @@ class Engine:
             take = chunk + len(drafts)
             if not commits:
                 return mgr.blocks_needed(s.sid, take)
-            return mgr.blocks_needed(s.sid, take + 1) + s.pending_forks
+            return mgr.blocks_needed(s.sid, take + 1) + s.pending_forks * len(self.groups)
 
         while need() > self._room():
             victim = self.running[-1]
@@ -405,14 +465,18 @@ class Engine:
         cached, _ = mgr.probe(s.tokens)
         chunk = min(len(s.tokens), cached + self.budget)
         toks = s.tokens[:chunk]
+        # the chunk's own probe: with the host prefix cache a host hit counts only when its
+        # onloads fit in the free blocks, so a chunk may hit more than the whole prompt did
+        cached, need = mgr.probe(toks)
         extra = 0
         if chunk == len(s.tokens) and s.generated + 1 < s.req.max_new:
             # its commit: a new block for its token if the prompt fills its last block, one
-            # block per child (a copy of the shared partial block, or a new block)
-            extra = (chunk % mgr.block_size == 0) + s.pending_forks
+            # block per child (a copy of the shared partial block, or a new block); in each
+            # KV cache group
+            extra = ((chunk % mgr.block_size == 0) + s.pending_forks) * len(self.groups)
         # the library's admission rule (hits counted, watermark kept), and room for this
         # step's commit, which may dip into the watermark like any running sequence
-        if not mgr.can_add_prompt(toks) or mgr.probe(toks)[1] + extra > self._room():
+        if not mgr.can_add_prompt(toks) or need + extra > self._room():
             return False
         # a re-admission after a recompute preemption: its hits are counted as recompute
         n_cached = mgr.add(s.sid, toks, recompute=s.admitted)
@@ -469,7 +533,17 @@ class Engine:
 
     # -- 2. drain -------------------------------------------------------------------------
     def drain(self) -> None:
-        """Swap pairs in the order the calls returned them, then the copy-on-write copies."""
+        """With the host prefix cache, its offloads (evicted blocks demoted to the host) and
+        onloads (host hits copied back) first; then the swap pairs in the order the calls
+        returned them, then the copy-on-write copies (docs/host-tier.md, "The step, in
+        order")."""
+        if self.args.host_prefix:
+            offloads = self.mgr.take_offloads()
+            ops.swap_blocks(self.cache, self.host, offloads)
+            onloads = self.mgr.take_onloads()
+            ops.swap_blocks(self.host, self.cache, onloads)
+            self.stats["offloads"] += len(offloads)
+            self.stats["onloads"] += len(onloads)
         for src, dst, pairs in self.to_drain:
             ops.swap_blocks(src, dst, pairs)
         self.to_drain.clear()
@@ -483,14 +557,20 @@ class Engine:
         """Declare the step (metadata), compute its tokens and drafts through the paged
         cache, check every read against the contiguous copies; return, per sequence, the
         last layer's attention rows of its last committed token and its drafts (the rows
-        that sample)."""
+        that sample). With KV cache groups, each layer reads and writes through its group's
+        metadata, and only the positions its attention sees (the window, the chunk) are
+        checked: the blocks below them are released (null) in that group."""
         mgr, model, lay = self.mgr, self.model, self.layout
         bs = lay.block_size
         ids = [e.seq.sid for e in batch]
         qlens = [e.q for e in batch]
         dlens = [len(e.drafts) for e in batch]
-        meta = mgr.metadata(ids, qlens, draft_lens=dlens, out=self.buf)
-        assert meta.num_tokens == sum(qlens) + sum(dlens)
+        if len(self.groups) == 1:
+            metas = [mgr.metadata(ids, qlens, draft_lens=dlens, out=self.bufs[0])]
+        else:  # the step planned once for every group, then each group's metadata written
+            step = mgr.plan_step(ids, qlens, draft_lens=dlens)
+            metas = [step.metadata(g, out=buf) for g, buf in enumerate(self.bufs)]
+        assert all(m.num_tokens == sum(qlens) + sum(dlens) for m in metas)
         # token ids, positions and prefix hashes of the queries (committed, then drafts)
         toks, pos, ctx, lens, refs = [], [], [], [], []
         for e in batch:
@@ -513,36 +593,44 @@ class Engine:
             pos.extend(range(L - e.q, L + d))
             ctx.extend(dctx[L - e.q : L + d])
         toks, pos, ctx = np.array(toks), np.array(pos), np.array(ctx)
-        assert np.array_equal(meta.seq_lens, lens)
+        assert all(np.array_equal(m.seq_lens, lens) for m in metas)
         rows = {}
         for layer in range(lay.num_layers):
+            g, cl = self.group_of[layer], self.cache_layer[layer]
+            meta = metas[g]
+
+            def first(p: int, g: int = g) -> int:
+                return self.first_visible(g, p)
+
             q_all, k_new, v_new = model.qkv(layer, toks, pos, ctx)
-            ops.write_slots(self.cache, layer, k_new, v_new, meta.slot_mapping)
-            k_cache, v_cache = self.cache.kv(layer)  # [num_blocks, block_size, H, D] views
+            ops.write_slots(self.cache, cl, k_new, v_new, meta.slot_mapping)
+            k_cache, v_cache = self.cache.kv(cl)  # [num_blocks, block_size, H, D] views
             for i, e in enumerate(batch):
                 s, L = e.seq, lens[i]
                 a, b = meta.qo_indptr[i], meta.qo_indptr[i + 1]
+                lo = first(int(pos[a]))  # what the step's first query reads, and after it
                 pages = meta.kv_indices[meta.kv_indptr[i] : meta.kv_indptr[i + 1]]
                 assert len(pages) == -(-L // bs)
                 assert meta.kv_last_page_len[i] == L - (len(pages) - 1) * bs
+                assert (pages[lo // bs :] != 0).all()  # nothing the step reads is released
                 # paged read, FlashInfer-style: pages from kv_indices, the last one partial
                 kp = k_cache[pages].reshape(-1, *lay.token_shape)[:L]
                 vp = v_cache[pages].reshape(-1, *lay.token_shape)[:L]
                 # and FlashAttention-style: the padded block_tables row, through ops.gather
-                kg, vg = ops.gather(self.cache, layer, meta.block_tables[i], L)
+                kg, vg = ops.gather(self.cache, cl, meta.block_tables[i], L)
                 kr, vr = refs[i][0, layer], refs[i][1, layer]
                 if not (
-                    np.array_equal(kp, kr)
-                    and np.array_equal(vp, vr)
-                    and np.array_equal(kg, kr)
-                    and np.array_equal(vg, vr)
+                    np.array_equal(kp[lo:], kr[lo:])
+                    and np.array_equal(vp[lo:], vr[lo:])
+                    and np.array_equal(kg[lo:], kr[lo:])
+                    and np.array_equal(vg[lo:], vr[lo:])
                 ):
                     raise AssertionError(
                         f"step {self.step_no}: paged K/V of {s.sid} layer "
                         f"{layer} differ from its contiguous copy"
                     )
-                out_paged = model.attention(q_all[a:b], kp, vp, pos[a:b])
-                out_ref = model.attention(q_all[a:b], kr, vr, pos[a:b])
+                out_paged = model.attention(q_all[a:b], kp, vp, pos[a:b], first)
+                out_ref = model.attention(q_all[a:b], kr, vr, pos[a:b], first)
                 if not np.array_equal(out_paged, out_ref):
                     raise AssertionError(f"step {self.step_no}: attention of {s.sid} differs")
                 self.stats["checks"] += 1
@@ -681,6 +769,8 @@ class Engine:
             st["drafts_accepted"] / st["drafts_proposed"] if st["drafts_proposed"] else 0.0
         )
         st["evictions"] = mgr.pool.stats.evictions
+        hs = mgr.host_stats if self.args.host_prefix else None
+        st["host_hit_tokens"] = hs.hit_tokens + hs.recompute_hit_tokens if hs else 0
         st["elapsed_s"] = elapsed
         st["outputs"] = self.outputs
         return st
@@ -713,6 +803,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="K",
         help="speculative decoding: up to K prompt-lookup drafts per sequence",
     )
+    ap.add_argument(
+        "--groups",
+        default="full",
+        help="KV cache groups, layer l in group l %% G: e.g. full,window:8 or full,chunk:8",
+    )
+    ap.add_argument(
+        "--host-prefix",
+        action="store_true",
+        help="the host tier of the prefix cache in the --host-blocks (demotion, onloads)",
+    )
     ap.add_argument("--watermark", type=float, default=0.04)
     ap.add_argument("--preempt", choices=["auto", "swap", "recompute"], default="auto")
     ap.add_argument("--layers", type=int, default=2)
@@ -734,11 +834,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    try:
+        groups = parse_groups(args.groups)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.layers < len(groups):
+        ap.error("--layers must be at least the number of --groups")
+    if args.host_prefix and not args.host_blocks:
+        ap.error("--host-prefix needs --host-blocks")
     need = -(-(args.max_prompt + args.max_new + 1) // args.block_size)
     watermark = BlockManager(args.num_blocks, 1, watermark=args.watermark).watermark_blocks
     # the fork of n = 3 samples commits three tokens after a prompt at once
     family = args.max_prompt // args.block_size + 3
-    need = max(need + 1, family)
+    need = max(need + 1, family) * len(groups)  # every group may hold a whole sequence
     if args.num_blocks - 1 - watermark < need:
         ap.error(f"--num-blocks too small: one sequence may need {need} blocks")
     if args.max_tokens < args.max_seqs:
@@ -779,6 +887,11 @@ def main(argv=None) -> dict:
             f"{s['blocks_swapped_in']} in), {s['recompute_preemptions']} recompute; "
             f"copy-on-write copies {s['cow_copies']}"
         )
+        if args.host_prefix:
+            print(
+                f"host prefix cache: {s['host_hit_tokens']} prompt tokens hit on the host, "
+                f"{s['offloads']} blocks demoted, {s['onloads']} onloaded"
+            )
         print(
             f"peak usage {100 * s['peak_usage']:.1f}% of {args.num_blocks - 1} blocks; "
             f"{s['checks']} paged-vs-contiguous attention checks passed"

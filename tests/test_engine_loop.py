@@ -136,3 +136,85 @@ def test_the_oracle_catches_a_skipped_drain(engine_loop, monkeypatch, skip):
 def test_rejects_a_cache_too_small(engine_loop):
     with pytest.raises(SystemExit):
         engine_loop.main(["--quiet", "--num-blocks", "8"])
+
+
+# KV cache groups with the host tier of the prefix cache (docs/hybrid-models.md,
+# docs/host-tier.md): layers alternate their groups' attention, every read is checked over
+# what the layer's attention sees, and a tight cache demotes, onloads, swaps and recomputes
+GROUPED = [
+    ["--groups", "full,window:8"],
+    ["--groups", "full,chunk:8"],
+    ["--groups", "window:6,full,chunk:4", "--layers", "3", "--block-size", "2"],
+]
+GROUPED_BLOCKS = ["40", "40", "100"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("case", range(len(GROUPED)))
+def test_groups_with_the_host_prefix_cache(engine_loop, case, seed):
+    """A hybrid engine with the host tier: the outputs under demotion, onloads, swaps and
+    recomputes are those of a roomy cache without the tier, drafts or not."""
+    base = ["--seed", seed, "--requests", 30] + GROUPED[case]
+    roomy = run(engine_loop, *base, "--num-blocks", 600)
+    tight_argv = base + ["--num-blocks", GROUPED_BLOCKS[case], "--host-blocks", 24]
+    for k in (0, 2):
+        tight = run(engine_loop, *tight_argv, "--host-prefix", "--spec", k)
+        assert tight["outputs"] == roomy["outputs"], f"--spec {k}"
+        assert tight["offloads"] > 0 and tight["onloads"] > 0 and tight["host_hit_tokens"] > 0
+        assert tight["swap_preemptions"] + tight["recompute_preemptions"] > 0
+        assert tight["evictions"] > 0 and tight["forks"] > 0 and tight["checks"] > 0
+
+
+def test_groups_change_what_the_model_computes(engine_loop):
+    """The windows are real: the same workload with full attention generates other tokens
+    (so the test above compares outputs that depend on each group's attention)."""
+    argv = ["--requests", 20, "--num-blocks", 600]
+    full = run(engine_loop, *argv)
+    window = run(engine_loop, *argv, "--groups", "full,window:4")
+    assert full["outputs"].keys() == window["outputs"].keys()
+    assert full["outputs"] != window["outputs"]
+
+
+def test_the_oracle_catches_a_skipped_onload(engine_loop, monkeypatch):
+    """An engine that takes the onloads but does not copy them reads host hits that are not
+    there: the run fails."""
+
+    def drain_without_onloads(self):
+        offloads = self.mgr.take_offloads()
+        engine_loop.ops.swap_blocks(self.cache, self.host, offloads)
+        self.mgr.take_onloads()  # dropped
+        for src, dst, pairs in self.to_drain:
+            engine_loop.ops.swap_blocks(src, dst, pairs)
+        self.to_drain.clear()
+        copies = self.mgr.take_copies()
+        if len(copies):
+            engine_loop.ops.copy_blocks(self.cache, copies)
+
+    monkeypatch.setattr(engine_loop.Engine, "drain", drain_without_onloads)
+    with pytest.raises(AssertionError, match="differ"):
+        run(
+            engine_loop,
+            "--groups",
+            "full,window:8",
+            "--num-blocks",
+            40,
+            "--host-blocks",
+            24,
+            "--host-prefix",
+            "--requests",
+            30,
+        )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--groups", "full,ring:4"],
+        ["--groups", "window:0"],
+        ["--groups", "full,window:8", "--layers", "1"],
+        ["--host-prefix", "--host-blocks", "0"],
+    ],
+)
+def test_rejects_bad_groups(engine_loop, argv):
+    with pytest.raises(SystemExit):
+        engine_loop.main(["--quiet", *argv])
