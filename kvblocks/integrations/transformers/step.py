@@ -211,11 +211,17 @@ class StepProtocol(PagedRows):
                 # (an upper bound): a failed append could not be rolled back past a release
                 self._commit([(s, toks) for s in self._rows], need if self._windowed else 0)
         end = start + q
+        # the step planned once for every group (checked, sized, releases applied); its write
+        # slots come from the plan, and it is declared computed only after the last layer
+        seqs = list(dict.fromkeys(self._rows))
+        plan = mgr.plan_step(seqs, np.full(len(seqs), q, dtype=np.int64), commit=False)
+        index = {seq: i for i, seq in enumerate(seqs)}
+        rows = [index[seq] for seq in self._rows]
         tables = []
         slots = []
         src = []
         for g in range(max(len(self._plan.groups), 1)):
-            t, sl, sr = self._step_tables(g, start, end)
+            t, sl, sr = self._step_tables(plan, rows, g, start, end)
             tables.append(t)
             slots.append(sl)
             src.append(sr)
@@ -227,30 +233,32 @@ class StepProtocol(PagedRows):
             "slots": slots,
             "tables": tables,
             "src": src,
+            "plan": plan,
         }
 
     def _step_tables(
-        self, group: int, start: int, end: int
+        self, plan: Any, rows: List[int], group: int, start: int, end: int
     ) -> Tuple[List[np.ndarray], np.ndarray, List[int]]:
-        """One group's block tables, write slots and gather sources for a pass over positions
-        ``[start, end)``. A sliding-window group's layers read from the window of the first
-        query on (``[start - W + 1, end)``): the blocks below are never read, released or not."""
+        """One group's block tables, write slots (the plan's slot mapping; ``rows[r]``: row
+        r's sequence in the plan) and gather sources for a pass over positions ``[start,
+        end)``. A sliding-window group's layers read from the window of the first query on
+        (``[start - W + 1, end)``): the blocks below are never read, released or not."""
         mgr = self.manager
         bs = self.block_size
         groups = self._plan.groups
         window = groups[group].window if groups else None
         first = 0 if window is None else max(start - window + 1, 0)
         tables = [mgr.block_table(seq, group=group) for seq in self._rows]
+        q = end - start
+        planned = plan.metadata(group).slot_mapping[: len(plan) * q].reshape(len(plan), q)
         pos = np.arange(start, end, dtype=np.int64)
-        slots = np.empty((len(tables), end - start), dtype=np.int64)
+        slots = planned[rows].astype(np.int64)
         for r, table in enumerate(tables):
             if not (table[first // bs : -(-end // bs)] > 0).all():
                 raise InvalidStateError(  # the manager released what the window still reads
                     f"PagedKVCache: group {group} released positions in [{first}, {end})"
                 )
-            s = table[pos // bs].astype(np.int64) * bs + pos % bs
-            s[pos < self._write_from[r]] = -1  # shared: written by its owner
-            slots[r] = s
+            slots[r][pos < self._write_from[r]] = -1  # shared: written by its owner
         # rows with the same table read the same K/V: gather them once
         seen: Dict[bytes, int] = {}
         src = []
@@ -317,9 +325,7 @@ class StepProtocol(PagedRows):
         if layer_idx == self.num_layers - 1:
             # every layer wrote this step's K/V: only now do full blocks enter the prefix
             # cache (a forward that fails half-way leaves nothing cached that was not written)
-            mgr = self.manager
-            seqs = list(dict.fromkeys(self._rows))
-            mgr.schedule(seqs, [int(mgr.num_tokens(s)) - int(mgr.num_computed(s)) for s in seqs])
+            step["plan"].commit()
             self._step = None
             if self._candidates:
                 self._dedupe()
