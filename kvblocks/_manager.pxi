@@ -938,7 +938,7 @@ cdef class BlockManager:
                 out = np.empty((t.noff, 2), dtype=np.int64)
                 # np.empty may run Python (a GC callback): another thread's pool call may
                 # have evicted meanwhile; take only into a list of the exact size
-                if t.ndem == 0 and cnp.PyArray_DIM(<cnp.ndarray>out, 0) == t.noff:
+                if kvb_tier_unflushed(t) == 0 and cnp.PyArray_DIM(<cnp.ndarray>out, 0) == t.noff:
                     break
             kvb_tier_take_offloads(t, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out))
             return out
@@ -960,7 +960,7 @@ cdef class BlockManager:
                 if kvb_tier_take_onloads(t, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out),
                                          &n):
                     raise InvalidStateError(
-                        f"take_onloads: {t.noff + t.ndem} offloads are pending; run "
+                        f"take_onloads: {self.host_pool.p.err_a} offloads are pending; run "
                         f"take_offloads() first (an onload may read a host block an offload "
                         f"writes)")
             return out
