@@ -949,9 +949,9 @@ cdef bytes _encode_log(const kvb_events_t *ev, const kvb_wire_opts_t *w):
     if rc:
         kvb_buf_free(&buf)
         if rc == KVB_EINVAL:
-            raise InvalidArgumentError(
+            raise_code(rc, "take_events_wire", 0, 0, NULL, None, (
                 f"take_events_wire: logged event {bad} is a BlockStored without its "
-                f"token_ids (give token_ids to pool.cache()); nothing was drained")
+                f"token_ids (give token_ids to pool.cache()); nothing was drained"))
         raise_code(rc, "take_events_wire", 0, 0)
     try:
         return PyBytes_FromStringAndSize(<char *>buf.data, <Py_ssize_t>buf.len)
