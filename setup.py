@@ -33,6 +33,7 @@ C_SOURCES = [
     "csrc/wire.c",
     "csrc/pool.c",
     "csrc/cache.c",
+    "csrc/policy.c",
     "csrc/debug.c",
     "csrc/table.c",
     "csrc/tier.c",

@@ -7,7 +7,9 @@
  *
  * Ownership: this file owns the table, the CACHED bit and num_cached. It never touches the free
  * list or its counters (num_free, num_evictable: pool.c), so pool.c calls in here and never
- * the other way round.
+ * the other way round. With the pool's log kept (p->log, internal.h) it also owns the log's
+ * lineage (each entry's parent and tokens) and its insertion records, which the log's reader
+ * (the host tier) drains after the call that cached returned: nothing here names the reader.
  *
  * Policy: a hash maps to at most one block. Registering a hash that is already present keeps
  * the first block (the newcomer stays an ordinary uncached block and is reused first once
@@ -60,6 +62,27 @@ void kvb_cache_forget(kvb_pool_t *p, int32_t b) {
     if (p->record_events) kvb_pool_record(p, KVB_EV_REMOVED, b, &p->hash[b], NULL, NULL, 0);
 }
 
+/* b just entered the cache: its lineage (parent, tokens) is kept for the log's evictions, and
+ * an insertion record (with its BlockStored's stamp) when the reader wants them. */
+KVB_NOINLINE static void log_insertion(kvb_pool_t *p, int32_t b, const kvb_hash_t *parent,
+                                       const int32_t *tokens, uint64_t stamp) {
+    kvb_plog_t *lg = p->log;
+    if (parent) lg->parent[b] = *parent;
+    else lg->parent[b].lo = lg->parent[b].hi = 0;
+    lg->has_tokens[b] = tokens != NULL;
+    if (tokens)
+        memcpy(lg->tokens + (size_t)b * (size_t)lg->block_size, tokens,
+               (size_t)lg->block_size * sizeof *tokens);
+    if (!lg->inserts) return;
+    int64_t cap = lg->inscap;
+    if (kvb_grow((void **)&lg->ins, &cap, lg->nins + 1, sizeof *lg->ins) ||
+        kvb_grow((void **)&lg->ins_stamp, &lg->inscap, lg->nins + 1, sizeof *lg->ins_stamp)) {
+        return; /* no memory (inscap stays what both hold): not written through, as a full host */
+    }
+    lg->ins[lg->nins] = b;
+    lg->ins_stamp[lg->nins++] = stamp;
+}
+
 int kvb_cache_put(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const kvb_hash_t *parent,
                   const int32_t *tokens, int32_t block_size) {
     uint64_t mask = p->table_mask, i = h->lo & mask;
@@ -74,9 +97,11 @@ int kvb_cache_put(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const kvb_hash_
     p->flags[b] |= KVB_F_CACHED;
     p->num_cached++;
     p->stats.stored++;
+    int64_t nev = p->events.n;
     if (p->record_events)
         kvb_pool_record(p, KVB_EV_STORED, b, h, parent, tokens, tokens ? block_size : 0);
-    if (KVB_UNLIKELY(p->tier != NULL)) kvb_tier_stored(p, b, parent, tokens); /* tier.c */
+    if (KVB_UNLIKELY(p->log != NULL))
+        log_insertion(p, b, parent, tokens, p->events.n > nev ? p->events.stamp[nev] : 0);
     return 1;
 }
 

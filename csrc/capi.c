@@ -125,7 +125,9 @@ int kvb_pool_cache(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes, 
     KVB_CLEAR_ERR(p);
     if (n < 0 || (n && (!ids || !hashes))) return pool_fail(p, KVB_EINVAL, 0, n, "n, ids, hashes");
     if (tokens && block_size < 1) return pool_fail(p, KVB_EINVAL, 0, block_size, "block_size");
-    return kvb_cache_insert(p, ids, hashes, n, parent, tokens, tokens ? block_size : 0, stored);
+    int rc = kvb_cache_insert(p, ids, hashes, n, parent, tokens, tokens ? block_size : 0, stored);
+    if (p->tier) kvb_tier_absorb(p->tier); /* the insertions' records, at the tier's layer */
+    return rc;
 }
 
 int kvb_pool_counts(const kvb_pool_t *p, kvb_pool_counts_t *out) {
@@ -850,8 +852,9 @@ int kvb_manager_take_onloads(kvb_manager_t *m, int64_t *out, int64_t cap, int64_
     if (rc) return rc;
     kvb_tier_t *t = m->pool.tier;
     if (!t) return KVB_OK;
-    if (t->noff || t->ndem)
-        return fail(m, KVB_EPENDING, t->noff + t->ndem, 0, "offloads pending: take them first");
+    if (t->noff || m->pool.log->nev)
+        return fail(m, KVB_EPENDING, t->noff + m->pool.log->nev, 0,
+                    "offloads pending: take them first");
     if (cap < t->non) return fail(m, KVB_ERANGE, t->non, cap, "pair buffer too small");
     int64_t one[2], k = 0;
     rc = kvb_tier_take_onloads(t, t->non ? out : one, &k);

@@ -224,10 +224,20 @@ typedef struct kvb_pool {
     kvb_events_t events;       /* pending events (drained by the caller) */
     int64_t err_a, err_b;      /* detail of the last error: need/have, or index/value */
     const char *err_what;      /* name of the failed invariant (check) or NULL */
-    struct kvb_tier *tier;     /* host tier that evicted entries demote to, or NULL (owned by
-                                * the manager that attached it) */
-    struct kvb_twins *twins;   /* KV cache groups' eviction rule (groups.c, kvb_grp_link), or
-                                * NULL: plain LRU (owned) */
+    struct kvb_tier *tier;     /* host tier fed by this pool's log, or NULL (owned by the
+                                * manager that attached it; read by tier.c and the layers
+                                * above only: pool.c and cache.c never name it) */
+    struct kvb_plog *log;      /* the record of entries leaving and entering the cache, drained
+                                * by its reader (the host tier), or NULL: none kept (owned) */
+    int32_t (*victim)(struct kvb_pool *p); /* eviction policy: the block allocation takes when
+                                * the free list's head is cached (policy.c), or NULL: the head,
+                                * LRU by release */
+    void *policy;              /* the policy's state, or NULL (owned: freed with the pool) */
+    uint8_t *chance;           /* [num_blocks] the policy's per-stay bit, or NULL: cleared by
+                                * the pool whenever a block leaves the free list (owned) */
+    uint64_t stamp_hold;       /* nonzero: the stamp this tiered pool's next records take (the
+                                * reader of another pool's log records its follow-up events
+                                * right after the record that caused them), else a fresh one */
     int tiered;                /* 1: one of a host tier's two pools (set by kvb_mgr_host_tier):
                                 * a reset records a BlockRemoved per entry (the events carry
                                 * the pool's medium), never the medium-less AllBlocksCleared */
@@ -688,11 +698,12 @@ typedef struct {
                                 * flight, or no memory for the queue */
 } kvb_tier_stats_t;
 
-typedef struct {               /* an evicted device entry on its way to the host (tier.c) */
+typedef struct {               /* an evicted entry in the pool's log (kvb_plog_t), on its way
+                                * to the host (tier.c) */
     kvb_hash_t hash;           /* its hash (the device block is reused at once) */
     kvb_hash_t parent;         /* its parent hash, for the host's events (0: none) */
     int32_t block;             /* the device block, the offload's source */
-    int32_t has_tokens;        /* its tokens were kept (demtok), for the host's events */
+    int32_t has_tokens;        /* its tokens were kept (the log's evtok), for the host's events */
     uint8_t gid;               /* its KV cache group (the host entry's, for events) */
 } kvb_demotion_t;
 
@@ -727,17 +738,8 @@ typedef struct kvb_tier {
                                 * offload of this drain writes a block a swap pair reads */
     int64_t ndeferred;         /* entries used */
     int32_t block_size;        /* tokens per block */
-    kvb_hash_t *parent;        /* [pool->num_blocks] parent hash of each cached device block
-                                * (0: a chain's first), for the host's BlockStored events */
-    int32_t *tokens;           /* [pool->num_blocks * block_size] its token ids, valid where
-                                * has_tokens (the host's events carry them) */
-    uint8_t *has_tokens;       /* [pool->num_blocks] 1 when tokens were given at caching */
     int32_t *scratch;          /* [scap] host hits of one add */
     int64_t scap;              /* capacity */
-    kvb_demotion_t *dem;       /* [demcap] evictions not yet given a host block (flushed by
-                                * the drain, or before a host lookup) */
-    int64_t ndem, demcap;      /* entries used, capacity */
-    int32_t *demtok;           /* [demcap * block_size] their tokens (host events only) */
     int64_t *ord;              /* [ordcap] flush scratch: the demotions' parent-first order,
                                 * each one's host block, the walk's stack and a hash index */
     int64_t ordcap;            /* capacity (int64s) */
@@ -746,9 +748,18 @@ typedef struct kvb_tier {
 
 /* Attach a host tier to m (its host pool must cache); freed by kvb_mgr_destroy. */
 int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through);
-/* Give the evictions since the last flush their host blocks (offloads queued): take_offloads,
- * host lookups and the host counters call it first. */
+/* Drain the pool's log: the evictions since the last flush get their host blocks (offloads
+ * queued) after the insertions are written through: take_offloads, host lookups and the host
+ * counters call it first. */
 void kvb_tier_flush(kvb_tier_t *t);
+/* Drain the pool's insertion records (write-through): the layer that cached blocks in a
+ * tiered pool calls it once that call returned, before anything else touches the host. */
+void kvb_tier_absorb(kvb_tier_t *t);
+/* Pairs and evictions that hold a step back (schedule): pending offloads other than this
+ * step's write-through copies, onloads, and evictions not yet flushed. */
+int64_t kvb_tier_busy(const kvb_tier_t *t);
+/* Records of the pool's log not drained yet (evictions and insertions): 0 right after a flush. */
+int64_t kvb_tier_unflushed(const kvb_tier_t *t);
 /* Drain the pending offloads (2 * n int64 into out; flush first, n = noff); releases their
  * host holds and starts the drain (in-flight flags and deferred host blocks are settled).
  * Returns n. */

@@ -7,6 +7,9 @@
  * process-wide clock, so kvb_events_merge can give both logs as one stream in the order the
  * records were made (a host BlockStored may name a parent the device pool stored, and that the
  * device evicts a moment later: only that order keeps every parent known when it is named).
+ * A record made in answer to another pool's record (the host tier writing a device insertion
+ * through, after the call that cached returned) takes that record's stamp (p->stamp_hold):
+ * the merge puts it right after its cause, as if it had been made at once.
  *
  * Recording is best-effort: a full log (max_pending undrained events) or a failed allocation
  * drops the event and counts it in `dropped`; it never makes an allocator call fail after that
@@ -91,7 +94,7 @@ void kvb_pool_record(kvb_pool_t *p, int kind, int32_t b, const kvb_hash_t *h,
     ev->block[i] = b;
     ev->group[i] = b > 0 && b < p->num_blocks ? p->gid[b] : 0;
     ev->tag[i] = kind == KVB_EV_STORED ? ev->cur_tag : 0;
-    ev->stamp[i] = p->tiered ? next_stamp() : 0;
+    ev->stamp[i] = p->tiered ? (p->stamp_hold ? p->stamp_hold : next_stamp()) : 0;
     if (h) ev->hash[i] = *h; else ev->hash[i].lo = ev->hash[i].hi = 0;
     if (parent) ev->parent[i] = *parent; else ev->parent[i].lo = ev->parent[i].hi = 0;
     if (KVB_UNLIKELY(p->gtag != NULL)) { /* the engine's own hash and the group (pool.c) */

@@ -80,9 +80,7 @@ int kvb_grp_link(kvb_mgr_t *const *g, int32_t G) {
         tw->tag[g[j]->gidx] = g[j]->tag;
         tw->keep[g[j]->gidx] = g[j]->kind == KVB_G_WINDOW || g[j]->kind == KVB_G_CHUNK;
     }
-    if (p->twins) free(p->twins->spent);
-    free(p->twins);
-    p->twins = tw;
+    kvb_policy_twins(p, tw); /* the pool's eviction order from now on (policy.c) */
     return KVB_OK;
 }
 
@@ -391,8 +389,8 @@ int kvb_grp_take_copies(kvb_mgr_t *const *g, int32_t G, int64_t *out, int64_t ca
     kvb_mgr_t *m = g[0];
     KVB_CLEAR_ERR(m);
     kvb_tier_t *t = m->pool->tier;
-    if (t && (t->noff || t->non || t->ndem)) {
-        m->err_a = t->noff + t->ndem;
+    if (t && (t->noff || t->non || kvb_tier_unflushed(t))) {
+        m->err_a = t->noff + t->pool->log->nev;
         m->err_b = t->non;
         m->err_what = "host-tier offloads or onloads are pending (take_offloads, take_onloads)";
         return KVB_EPENDING;

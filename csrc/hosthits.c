@@ -79,7 +79,7 @@ static int plan(kvb_mgr_t *const *g, int32_t G, int64_t n, int64_t kdev, plan_t 
     if (!t || K <= kdev) return KVB_OK;
     for (int32_t j = 0; j < G; j++)
         if (!g[j]->caching) return KVB_OK; /* a state group: no hit at all */
-    if (t->ndem) kvb_tier_flush(t); /* a prefix evicted a moment ago is on the host now */
+    kvb_tier_flush(t); /* a prefix evicted a moment ago is on the host now */
     size_t cells = (size_t)G * (size_t)K;
     uint8_t *ok = malloc((size_t)K + 1);
     pl->dev = malloc(cells * sizeof *pl->dev);

@@ -50,8 +50,33 @@ static inline int kvb_grow(void **ptr, int64_t *cap, int64_t need, size_t elem) 
     return KVB_OK;
 }
 
+/* The pool's log (pool.c writes evictions, cache.c insertions and lineage; the reader, the
+ * host tier, drains both at its own layer: nothing below it names it). Kept only once a reader
+ * asked for it (kvb_pool_log_on). Evictions are recorded oldest first with what the reader
+ * needs after the block is reused (hash, group, parent, tokens); insertions as block ids with
+ * the stamp of their BlockStored, only when the reader wants them (write-through). */
+typedef struct kvb_plog {
+    int32_t block_size;        /* tokens per block (rows of tokens and evtok) */
+    int inserts;               /* 1: record insertions too */
+    kvb_hash_t *parent;        /* [num_blocks] lineage: each cached entry's parent hash (0: a
+                                * chain's first), for the reader's BlockStored events */
+    int32_t *tokens;           /* [num_blocks * block_size] its token ids, valid where has_tokens */
+    uint8_t *has_tokens;       /* [num_blocks] 1 when tokens were given at caching */
+    kvb_demotion_t *ev;        /* [evcap] evictions since the reader drained, oldest first */
+    int64_t nev, evcap;        /* entries used, capacity */
+    int32_t *evtok;            /* [num_blocks * block_size] tokens of evictions [0, num_blocks) */
+    int64_t lost;              /* evictions not recorded: content in flight (KVB_F_INFLIGHT, so
+                                * nothing to copy) or no memory; the reader counts them */
+    int32_t *ins;              /* [inscap] insertions since the reader drained: block ids */
+    uint64_t *ins_stamp;       /* [inscap] their BlockStored's stamp, 0: none recorded */
+    int64_t nins, inscap;      /* entries used, capacity */
+} kvb_plog_t;
+int kvb_pool_log_on(kvb_pool_t *p, int32_t block_size, int inserts); /* 0 or KVB_ENOMEM */
+void kvb_pool_log_off(kvb_pool_t *p);             /* free p->log, keep no record */
+
 /* pool.c */
 void kvb_pool_release(kvb_pool_t *p, int32_t b);  /* drop one (validated) reference */
+void kvb_pool_requeue(kvb_pool_t *p, int32_t b);  /* a free block moves to the list's tail */
 void kvb_pool_pin(kvb_pool_t *p, const int32_t *ids, int64_t n); /* +1 ref, unlinks evictable */
 void kvb_pool_uncache(kvb_pool_t *p, int32_t b);  /* drop b's entry; an evictable b moves to
                                                    * the head as never-cached */
@@ -77,7 +102,7 @@ void kvb_chain_block(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t j, kvb_hash
 int kvb_chain_fork(const kvb_mgr_t *m, kvb_seq_t *child, const kvb_seq_t *parent);
 void kvb_chain_destroy(kvb_seq_t *s);
 int kvb_chain_probe(const kvb_mgr_t *m, const uint8_t *ctx, size_t ctx_len, kvb_hasher_t *hs);
-/* KV cache groups' eviction rule (groups.c builds it in kvb_grp_link, pool.c applies it). A
+/* KV cache groups' eviction rule (groups.c builds it in kvb_grp_link, policy.c applies it). A
  * cached block of a sliding-window or chunked-local group serves prefix hits only together
  * with the same block of the full-attention groups: its twin, whose hash is the block's XOR
  * tag[its group] XOR tag[anchor]. While that twin is cached (held or evictable), the block
@@ -89,14 +114,13 @@ typedef struct kvb_twins {
     uint8_t keep[256];         /* 1: a window or chunk group, whose blocks get second chances */
     kvb_hash_t tag[256];       /* each group's hash tag (kvb_group_tag) */
     uint8_t *spent;            /* [pool->num_blocks] 1: the block had its second chance since
-                                * it joined the free list */
+                                * it joined the free list (the pool's `chance`, cleared by it) */
 } kvb_twins_t;
+/* policy.c: eviction orders the pool is given (LRU by release needs none). Installs the groups'
+ * second chance on p (owning tw and tw->spent; an earlier policy is freed). */
+void kvb_policy_twins(kvb_pool_t *p, kvb_twins_t *tw);
 
-/* tier.c: hooks of the host tier, each called only where pool->tier is set */
-void kvb_tier_demote(kvb_pool_t *p, int32_t b);  /* b's cached entry is being evicted */
-/* b just entered the cache: its parent and tokens are kept for the host's events, and with
- * write-through it is copied to the host at once */
-void kvb_tier_stored(kvb_pool_t *p, int32_t b, const kvb_hash_t *parent, const int32_t *tokens);
+/* tier.c: the host tier's helpers for the layers above it (table.c, groups.c, hosthits.c) */
 /* Host hits continuing a device prefix: hashes[0..n) matched on the host, ids into
  * t->scratch; returns the count, or KVB_ENOMEM. Capacity for as many onloads is reserved. */
 int64_t kvb_tier_match(kvb_tier_t *t, const kvb_hash_t *hashes, int64_t n);

@@ -11,6 +11,11 @@
  * eviction in least-recently-released order). Popping a cached block evicts its entry. A
  * cache hit on an evictable block unlinks it from the middle: every list operation is O(1).
  *
+ * The pool is a plain data structure: it names no policy and no reader above it. Eviction
+ * order is LRU by release unless a policy is given (p->victim, policy.c: the groups' second
+ * chance); what leaves the cache is recorded in the pool's log (p->log, kept once a reader
+ * asked for it), which the host tier drains at its own layer (tier.c).
+ *
  * Invariants (kvb_pool_check verifies all of them):
  *   num_free == length of the list == #{b != 0 : ref_count[b] == 0}
  *   num_cached == #{b : flags[b] & CACHED} == entries in the hash table
@@ -55,6 +60,7 @@ static void unlink_free(kvb_pool_t *p, int32_t b) {
     p->prev[b] = p->next[b] = KVB_NONE;
     p->flags[b] &= (uint8_t)~KVB_F_FREE;
     p->num_free--;
+    if (p->chance) p->chance[b] = 0; /* a new stay in the list, a new chance */
 }
 
 static void move_to_head(kvb_pool_t *p, int32_t b) {
@@ -105,8 +111,8 @@ void kvb_pool_destroy(kvb_pool_t *p) {
     p->gtag = NULL;
     free(p->ref_count); free(p->prev); free(p->next); free(p->hash); free(p->flags);
     free(p->gid); free(p->table);
-    if (p->twins) free(p->twins->spent);
-    free(p->twins);
+    free(p->chance); free(p->policy);
+    kvb_pool_log_off(p);
     kvb_events_destroy(&p->events);
     memset(p, 0, sizeof *p);
 }
@@ -118,41 +124,83 @@ size_t kvb_pool_bytes(const kvb_pool_t *p) {
            (size_t)(p->table_mask + 1) * sizeof *p->table + sizeof *p;
 }
 
-/* ---- KV cache groups: second chances (internal.h, kvb_twins_t) --------------------------- */
-KVB_NOINLINE static int32_t twins_victim(kvb_pool_t *p) {
-    kvb_twins_t *tw = p->twins;
-    const kvb_hash_t *anchor = &tw->tag[tw->anchor];
-    for (;;) {
-        int32_t b = p->free_head;
-        uint8_t g = p->gid[b];
-        if (!(p->flags[b] & KVB_F_CACHED) || !tw->keep[g] || tw->spent[b] ||
-            p->next[b] == KVB_NONE)
-            break;
-        kvb_hash_t twin = p->hash[b];
-        twin.lo ^= tw->tag[g].lo ^ anchor->lo;
-        twin.hi ^= tw->tag[g].hi ^ anchor->hi;
-        if (kvb_cache_find(p, &twin) == KVB_NONE) break; /* useless now: evict */
-        unlink_free(p, b);
-        list_push_tail(p, b);
-        tw->spent[b] = 1;
+/* ---- the log: what leaves and enters the cache, for a reader above (internal.h) ------- */
+int kvb_pool_log_on(kvb_pool_t *p, int32_t block_size, int inserts) {
+    if (p->log) return KVB_OK;
+    kvb_plog_t *lg = calloc(1, sizeof *lg);
+    if (!lg) return KVB_ENOMEM;
+    size_t n = (size_t)p->num_blocks, bs = (size_t)block_size;
+    lg->block_size = block_size;
+    lg->inserts = inserts != 0;
+    lg->parent = calloc(n, sizeof *lg->parent);
+    lg->has_tokens = calloc(n, sizeof *lg->has_tokens);
+    lg->tokens = n <= SIZE_MAX / sizeof *lg->tokens / bs ? malloc(n * bs * sizeof *lg->tokens) : NULL;
+    /* one eviction per block between drains on the manager's path fits without growing */
+    lg->ev = malloc(n * sizeof *lg->ev);
+    lg->evtok = lg->tokens ? malloc(n * bs * sizeof *lg->evtok) : NULL;
+    lg->evcap = (int64_t)n;
+    p->log = lg;
+    if (!lg->parent || !lg->has_tokens || !lg->tokens || !lg->ev || !lg->evtok) {
+        kvb_pool_log_off(p);
+        return KVB_ENOMEM;
     }
-    return p->free_head;
+    return KVB_OK;
+}
+
+void kvb_pool_log_off(kvb_pool_t *p) {
+    kvb_plog_t *lg = p->log;
+    if (!lg) return;
+    free(lg->parent); free(lg->has_tokens); free(lg->tokens); free(lg->ev); free(lg->evtok);
+    free(lg->ins); free(lg->ins_stamp);
+    free(lg);
+    p->log = NULL;
+}
+
+/* Record the eviction of b's entry (before it is forgotten): what a reader needs once b is
+ * reused. Content in flight has nothing to copy: counted, not recorded (as a full log). */
+KVB_NOINLINE static void log_eviction(kvb_pool_t *p, int32_t b) {
+    kvb_plog_t *lg = p->log;
+    if ((p->flags[b] & KVB_F_INFLIGHT) ||
+        (KVB_UNLIKELY(lg->nev == lg->evcap) &&
+         kvb_grow((void **)&lg->ev, &lg->evcap, lg->nev + 1, sizeof *lg->ev))) {
+        lg->lost++;
+        return;
+    }
+    kvb_demotion_t *d = &lg->ev[lg->nev];
+    d->hash = p->hash[b];
+    d->block = b;
+    d->gid = p->gid[b];
+    d->has_tokens = 0;
+    d->parent = lg->parent[b];
+    if (lg->has_tokens[b] && lg->nev < (int64_t)p->num_blocks) { /* evtok's rows */
+        memcpy(lg->evtok + lg->nev * lg->block_size, lg->tokens + (size_t)b * lg->block_size,
+               (size_t)lg->block_size * sizeof *lg->evtok);
+        d->has_tokens = 1;
+    }
+    lg->nev++;
+}
+
+/* A free block goes to the tail of the free list (an eviction policy's second chance). */
+void kvb_pool_requeue(kvb_pool_t *p, int32_t b) {
+    KVB_ASSERT(p->flags[b] & KVB_F_FREE);
+    unlink_free(p, b);
+    list_push_tail(p, b);
 }
 
 /* ---- allocate / free / incref ----------------------------------------------------------- */
-/* A popped block's cached entry goes now (lazy eviction), down to the host tier if any. */
+/* A popped block's cached entry goes now (lazy eviction), recorded in the log if one is kept. */
 KVB_NOINLINE static void evict_popped(kvb_pool_t *p, int32_t b) {
-    if (p->tier) kvb_tier_demote(p, b); /* ...down to the host tier (tier.c) */
+    if (p->log) log_eviction(p, b); /* a reader above drains it (the host tier) */
     kvb_cache_forget(p, b);
     p->num_evictable--;
     p->stats.evictions++;
 }
 
-/* Allocation with the groups' second chances (twins_victim may reorder the list's head). */
-KVB_NOINLINE static void allocate_twins(kvb_pool_t *p, int32_t n, int32_t *out) {
+/* Allocation under an eviction policy (p->victim may reorder the list's head). */
+KVB_NOINLINE static void allocate_policy(kvb_pool_t *p, int32_t n, int32_t *out) {
     for (int32_t i = 0; i < n; i++) {
         int32_t b = p->free_head;
-        if (p->flags[b] & KVB_F_CACHED) b = twins_victim(p);
+        if (p->flags[b] & KVB_F_CACHED) b = p->victim(p);
         int32_t nx = p->next[b];
         p->free_head = nx;
         if (nx != KVB_NONE) p->prev[nx] = KVB_NONE;
@@ -160,7 +208,7 @@ KVB_NOINLINE static void allocate_twins(kvb_pool_t *p, int32_t n, int32_t *out) 
         p->flags[b] = f & (uint8_t)~(KVB_F_FREE | KVB_F_WRITTEN);
         if (f & KVB_F_CACHED) evict_popped(p, b);
         p->ref_count[b] = 1;
-        p->twins->spent[b] = 0;
+        if (p->chance) p->chance[b] = 0;
         out[i] = b;
     }
 }
@@ -172,8 +220,8 @@ int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out) {
         p->err_b = p->num_free;
         return KVB_EOUTOFBLOCKS;
     }
-    if (KVB_UNLIKELY(p->twins != NULL)) {
-        allocate_twins(p, n, out);
+    if (KVB_UNLIKELY(p->victim != NULL)) {
+        allocate_policy(p, n, out);
     } else {
         /* the hot loop: pop n from the head, kept in a register. Only the output is restrict
          * (it could otherwise alias the links and counts); the arrays are not, since the
@@ -318,7 +366,6 @@ int kvb_pool_touch(kvb_pool_t *p, const int32_t *ids, int64_t n) {
         int32_t b = ids[i];
         if (p->ref_count[b]++ == 0) { /* free: leaves the list, at any place in it */
             unlink_free(p, b);
-            if (p->twins) p->twins->spent[b] = 0;
             if (p->flags[b] & KVB_F_CACHED) p->num_evictable--;
         }
     }
@@ -332,7 +379,6 @@ void kvb_pool_pin(kvb_pool_t *p, const int32_t *ids, int64_t n) {
         if (p->ref_count[b]++ == 0) { /* evictable: leaves the free list */
             KVB_ASSERT(p->flags[b] & KVB_F_CACHED);
             unlink_free(p, b);
-            if (p->twins) p->twins->spent[b] = 0;
             p->num_evictable--;
         }
     }

@@ -222,6 +222,7 @@ static void cache_blocks(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t to) {
         }
     }
     p->events.cur_tag = 0;
+    if (p->tier) kvb_tier_absorb(p->tier); /* the cache's insertion records (write-through) */
 }
 
 /* Tokens [old, ncomputed) became computed: cache the blocks that are now fully computed. */
@@ -926,8 +927,8 @@ int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
     KVB_CLEAR_ERR(m);
     if (m->ncopies) { m->err_a = m->ncopies; return KVB_EPENDING; }
     kvb_tier_t *t = m->pool->tier; /* the step's own write-through copies do not count */
-    if (KVB_UNLIKELY(t && (t->noff - t->nwt || t->non || t->ndem))) {
-        m->err_a = t->noff - t->nwt + t->non + t->ndem;
+    if (KVB_UNLIKELY(t && kvb_tier_busy(t))) {
+        m->err_a = kvb_tier_busy(t);
         m->err_what = "host-tier offloads or onloads are pending (take_offloads, take_onloads)";
         return KVB_EPENDING;
     }
@@ -1315,7 +1316,7 @@ int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t 
     if (m->kind != KVB_G_FULL) return kvb_grp_probe(&m, 1, tokens, n, salt, salt_len,
                                                     cached_out, need_out);
     int64_t total = blocks_for(m, n), hits = 0, pinned_from_free = 0;
-    if (p->tier && p->tier->ndem) kvb_tier_flush(p->tier); /* recent evictions: on the host */
+    if (p->tier) kvb_tier_flush(p->tier); /* recent evictions: on the host */
     if (m->caching && n > 1) {
         int64_t max_hits = blk_of(m, n - 1);
         kvb_hasher_t hs;

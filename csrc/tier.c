@@ -1,8 +1,13 @@
 /* tier.c -- the host pool as a second prefix-cache tier below the device pool.
  *
+ * Layering. The device pool and its cache are plain data structures below this file: they
+ * never call up into it. They keep a log (kvb_plog_t, internal.h) that this file asked for
+ * (kvb_pool_log_on) and drains at its own layer: the evictions (lazily, kvb_tier_flush) and
+ * the insertions (kvb_tier_absorb, which the layer that cached calls once that call returned).
+ *
  * Demotion. When allocation pops a cached device block (lazy eviction, pool.c), the entry is
- * not simply dropped: kvb_tier_demote records its hash (and, for the host's events, its parent
- * and tokens) in `dem`, a few stores on the allocation path. kvb_tier_flush later gives each
+ * not simply dropped: the pool's log records its hash (and, for the host's events, its parent
+ * and tokens), a few stores on the allocation path. kvb_tier_flush later gives each
  * recorded entry a host block (allocating from the host free list evicts the least recently
  * released host entry, LRU) and queues a (device, host) offload; the drain (take_offloads)
  * flushes first, and so does every host lookup (add, probe) and the host counters, so nothing
@@ -19,7 +24,9 @@
  * drain that fills them.
  *
  * Write-through (optional). Each device block entering the device cache is copied to the host
- * at once (an offload queued), so that its eviction later costs no copy.
+ * at once (an offload queued, when the caching call returned: kvb_tier_absorb), so that its
+ * eviction later costs no copy. The host's events of that copy take the stamp of the device's
+ * BlockStored (events.c), so the merged log reads as if they had been recorded inside it.
  *
  * Holds. A pending offload holds one reference on its host block; a pending onload one on its
  * host block and one on its device block. Held blocks are never in a free list, so never
@@ -81,20 +88,12 @@ int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through) {
     t->swapdst.ids = malloc(n * sizeof *t->swapdst.ids);
     t->srcafter = malloc(n * sizeof *t->srcafter);
     t->deferred = malloc((size_t)h->num_blocks * sizeof *t->deferred);
-    t->parent = malloc(n * sizeof *t->parent);
-    t->has_tokens = calloc(n, sizeof *t->has_tokens);
-    t->tokens = n <= SIZE_MAX / sizeof *t->tokens / (size_t)m->block_size
-                    ? malloc(n * (size_t)m->block_size * sizeof *t->tokens) : NULL;
-    /* a drain's evictions (one per device block between drains on the manager's path) and its
-     * offloads (each holds a host block) fit without growing */
-    t->dem = malloc(n * sizeof *t->dem);
-    t->demtok = t->tokens ? malloc(n * (size_t)m->block_size * sizeof *t->demtok) : NULL;
-    t->demcap = (int64_t)n;
+    /* a drain's offloads (each holds a host block) fit without growing */
     t->off = malloc(2 * (size_t)h->num_blocks * sizeof *t->off);
     t->offcap = 2 * (int64_t)h->num_blocks;
     p->tier = t; /* kvb_tier_destroy frees whatever was allocated */
     if (!t->inflight.ids || !t->swapsrc.ids || !t->swapdst.ids || !t->srcafter || !t->deferred ||
-        !t->parent || !t->has_tokens || !t->tokens || !t->dem || !t->demtok || !t->off) {
+        !t->off || kvb_pool_log_on(p, m->block_size, write_through)) {
         kvb_tier_destroy(p);
         return KVB_ENOMEM;
     }
@@ -114,14 +113,10 @@ void kvb_tier_destroy(kvb_pool_t *p) {
     free(t->swapdst.ids);
     free(t->srcafter);
     free(t->deferred);
-    free(t->parent);
-    free(t->tokens);
-    free(t->has_tokens);
     free(t->scratch);
-    free(t->dem);
-    free(t->demtok);
     free(t->ord);
     free(t);
+    kvb_pool_log_off(p); /* the log had one reader */
     p->tier = NULL;
     p->tiered = 0; /* (the host pool may be gone already: its flag is left alone) */
 }
@@ -161,37 +156,14 @@ static int queue_offload(kvb_tier_t *t, int32_t b, const kvb_hash_t *hash,
     return 1;
 }
 
-KVB_NOINLINE void kvb_tier_demote(kvb_pool_t *p, int32_t b) {
-    kvb_tier_t *t = p->tier;
-    if ((p->flags[b] & KVB_F_INFLIGHT) || /* its bytes are not there yet: nothing to copy */
-        (KVB_UNLIKELY(t->ndem == t->demcap) &&
-         kvb_grow((void **)&t->dem, &t->demcap, t->ndem + 1, sizeof *t->dem))) {
-        t->stats.dropped++;
-        return;
-    }
-    kvb_demotion_t *d = &t->dem[t->ndem];
-    d->hash = p->hash[b];
-    d->block = b;
-    d->gid = p->gid[b];
-    d->has_tokens = 0;
-    d->parent = t->parent[b]; /* the flush's order and the host's events */
-    if (t->host->record_events && t->has_tokens[b] &&
-        t->ndem < (int64_t)p->num_blocks) { /* demtok's rows; only the host's events read them */
-        memcpy(t->demtok + t->ndem * t->block_size, t->tokens + (size_t)b * t->block_size,
-               (size_t)t->block_size * sizeof *t->demtok);
-        d->has_tokens = 1;
-    }
-    t->ndem++;
-}
-
-/* The first demotion of [0, n) under hash h (index: t->dem's hashes, open addressing), or -1
+/* The first demotion of [0, n) under hash h (index: the log's eviction hashes, open addressing), or -1
  * (also for the zero hash: no parent). */
-static int64_t dem_find(const kvb_tier_t *t, const int64_t *index, uint64_t mask,
+static int64_t dem_find(const kvb_demotion_t *dem, const int64_t *index, uint64_t mask,
                         const kvb_hash_t *h) {
     if (!(h->lo | h->hi)) return -1;
     for (uint64_t s = h->lo & mask;; s = (s + 1) & mask) {
         int64_t i = index[s];
-        if (i < 0 || (t->dem[i].hash.lo == h->lo && t->dem[i].hash.hi == h->hi)) return i;
+        if (i < 0 || (dem[i].hash.lo == h->lo && dem[i].hash.hi == h->hi)) return i;
     }
 }
 
@@ -200,7 +172,7 @@ static int64_t dem_find(const kvb_tier_t *t, const int64_t *index, uint64_t mask
  * up each entry's ancestors in the batch; a cycle, possible only through pool.cache's caller
  * given parents, is cut where it closes). Returns ord (t->ord[0, n)), with room for each
  * entry's host block at ord + n; NULL when the scratch cannot grow. O(n). */
-static int64_t *parents_first(kvb_tier_t *t, int64_t n) {
+static int64_t *parents_first(kvb_tier_t *t, const kvb_demotion_t *dem, int64_t n) {
     uint64_t tsize = 8;
     while (tsize < 2 * (uint64_t)n) tsize <<= 1;
     if (n > (INT64_MAX - (int64_t)tsize) / 3 ||
@@ -210,9 +182,9 @@ static int64_t *parents_first(kvb_tier_t *t, int64_t n) {
     uint64_t mask = tsize - 1;
     memset(index, 0xff, (size_t)tsize * sizeof *index); /* all -1 */
     for (int64_t i = 0; i < n; i++) {
-        uint64_t s = t->dem[i].hash.lo & mask;
-        while (index[s] >= 0 && (t->dem[index[s]].hash.lo != t->dem[i].hash.lo ||
-                                 t->dem[index[s]].hash.hi != t->dem[i].hash.hi))
+        uint64_t s = dem[i].hash.lo & mask;
+        while (index[s] >= 0 && (dem[index[s]].hash.lo != dem[i].hash.lo ||
+                                 dem[index[s]].hash.hi != dem[i].hash.hi))
             s = (s + 1) & mask;
         if (index[s] < 0) index[s] = i;
         state[i] = 0; /* 0: not seen, 1: on the walk, 2: placed */
@@ -223,7 +195,7 @@ static int64_t *parents_first(kvb_tier_t *t, int64_t n) {
         while (state[j] == 0) { /* climb to the first ancestor in the batch not placed yet */
             state[j] = 1;
             stack[top++] = j;
-            int64_t a = dem_find(t, index, mask, &t->dem[j].parent);
+            int64_t a = dem_find(dem, index, mask, &dem[j].parent);
             if (a < 0 || state[a]) break;
             j = a;
         }
@@ -238,60 +210,81 @@ static int64_t *parents_first(kvb_tier_t *t, int64_t n) {
 }
 
 void kvb_tier_flush(kvb_tier_t *t) {
-    int64_t n = t->ndem, *ord = NULL;
+    kvb_plog_t *lg = t->pool->log;
+    if (lg->nins) kvb_tier_absorb(t); /* (the caching layer absorbed already: a safety net) */
+    t->stats.dropped += (uint64_t)lg->lost; /* in flight at eviction, or no memory to record */
+    lg->lost = 0;
+    const kvb_demotion_t *dem = lg->ev;
+    const int32_t *demtok = lg->evtok;
+    int64_t n = lg->nev, *ord = NULL;
     if (!n) return;
     if (n > 1 && !kvb_grow((void **)&t->off, &t->offcap, 2 * (t->noff + n), sizeof *t->off))
-        ord = parents_first(t, n);
+        ord = parents_first(t, dem, n);
     if (!ord) { /* one entry, or no memory for the order: eviction order (events best-effort) */
         for (int64_t i = 0; i < n; i++) {
-            const kvb_demotion_t *d = &t->dem[i];
+            const kvb_demotion_t *d = &dem[i];
             if (kvb_cache_find(t->host, &d->hash) != KVB_NONE ||
                 queue_offload(t, d->block, &d->hash, &d->parent,
-                              d->has_tokens ? t->demtok + i * t->block_size : NULL, d->gid))
+                              d->has_tokens ? demtok + i * t->block_size : NULL, d->gid))
                 t->stats.demotions++;
             else
                 t->stats.dropped++;
         }
-        t->ndem = 0;
+        lg->nev = 0;
         return;
     }
     int64_t *hb = ord + n; /* each entry's host block, 0: none taken */
     for (int64_t k = 0; k < n; k++) { /* stored on the host (and its events) parent first */
         int64_t i = ord[k];
-        const kvb_demotion_t *d = &t->dem[i];
+        const kvb_demotion_t *d = &dem[i];
         hb[i] = 0;
         if (kvb_cache_find(t->host, &d->hash) != KVB_NONE ||
             (hb[i] = take_host_block(t, &d->hash, &d->parent,
-                                     d->has_tokens ? t->demtok + i * t->block_size : NULL,
+                                     d->has_tokens ? demtok + i * t->block_size : NULL,
                                      d->gid)))
             t->stats.demotions++;
         else
             t->stats.dropped++;
     }
     for (int64_t i = 0; i < n; i++) /* queued in eviction order: the host's LRU order */
-        if (hb[i]) push_offload(t, t->dem[i].block, (int32_t)hb[i]);
-    t->ndem = 0;
+        if (hb[i]) push_offload(t, dem[i].block, (int32_t)hb[i]);
+    lg->nev = 0;
 }
 
-KVB_NOINLINE void kvb_tier_stored(kvb_pool_t *p, int32_t b, const kvb_hash_t *parent,
-                                  const int32_t *tokens) {
-    kvb_tier_t *t = p->tier;
-    if (parent) t->parent[b] = *parent;
-    else t->parent[b].lo = t->parent[b].hi = 0;
-    t->has_tokens[b] = tokens != NULL;
-    if (tokens)
-        memcpy(t->tokens + (size_t)b * (size_t)t->block_size, tokens,
-               (size_t)t->block_size * sizeof *tokens);
-    /* content arriving with this drain (or a pending copy) is written through once evicted */
-    if (!t->write_through || (p->flags[b] & (KVB_F_INFLIGHT | KVB_F_COPY_DST))) return;
-    if (kvb_cache_find(t->host, &p->hash[b]) == KVB_NONE)
-        t->nwt += queue_offload(t, b, &p->hash[b], &t->parent[b], tokens, p->gid[b]);
+/* The insertions since the last drain, in order: with write-through each is copied to the
+ * host unless its content arrives with this drain (or a pending copy: written through once
+ * evicted) or the host holds its hash. The host's records take the stamp of the device's
+ * BlockStored, so the merged log reads as if written at once (events.c). */
+void kvb_tier_absorb(kvb_tier_t *t) {
+    kvb_pool_t *p = t->pool, *h = t->host;
+    kvb_plog_t *lg = p->log;
+    for (int64_t i = 0; i < lg->nins; i++) {
+        int32_t b = lg->ins[i];
+        if (!t->write_through || (p->flags[b] & (KVB_F_INFLIGHT | KVB_F_COPY_DST)) ||
+            !(p->flags[b] & KVB_F_CACHED))
+            continue;
+        if (kvb_cache_find(h, &p->hash[b]) != KVB_NONE) continue;
+        h->stamp_hold = lg->ins_stamp[i];
+        t->nwt += queue_offload(t, b, &p->hash[b], &lg->parent[b],
+                                lg->has_tokens[b] ? lg->tokens + (size_t)b * t->block_size : NULL,
+                                p->gid[b]);
+        h->stamp_hold = 0;
+    }
+    lg->nins = 0;
+}
+
+int64_t kvb_tier_unflushed(const kvb_tier_t *t) {
+    return t->pool->log->nev + t->pool->log->nins;
+}
+
+int64_t kvb_tier_busy(const kvb_tier_t *t) {
+    return t->noff - t->nwt + t->non + t->pool->log->nev;
 }
 
 /* ---- onloads ---------------------------------------------------------------------------- */
 int64_t kvb_tier_match(kvb_tier_t *t, const kvb_hash_t *hashes, int64_t n) {
     if (n <= 0) return 0;
-    if (t->ndem) kvb_tier_flush(t); /* a prefix evicted a moment ago is on the host now */
+    kvb_tier_flush(t); /* a prefix evicted a moment ago is on the host now */
     if (kvb_grow((void **)&t->scratch, &t->scap, n, sizeof *t->scratch)) return KVB_ENOMEM;
     int64_t k = kvb_cache_match(t->host, hashes, n, t->scratch);
     if (k && kvb_grow((void **)&t->on, &t->oncap, 2 * (t->non + k), sizeof *t->on))
@@ -335,6 +328,7 @@ void kvb_tier_onload_at(kvb_mgr_t *m, kvb_seq_t *s, int64_t i, int32_t hb) {
     p->gid[d] = m->gidx;
     kvb_cache_put(p, d, &s->hashes[i], i ? &s->hashes[i - 1] : NULL,
                   s->tokens + i * m->block_size, m->block_size);
+    kvb_tier_absorb(t); /* in flight: not written through, its record drained */
     t->on[2 * t->non] = hb;
     t->on[2 * t->non + 1] = d;
     t->non++;
@@ -422,8 +416,9 @@ int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out) {
 }
 
 int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n) {
-    if (t->noff || t->ndem) { /* an onload may read a host block a pending offload writes */
-        t->host->err_a = t->noff + t->ndem;
+    int64_t ndem = t->pool->log->nev;
+    if (t->noff || ndem) { /* an onload may read a host block a pending offload writes */
+        t->host->err_a = t->noff + ndem;
         return KVB_EPENDING;
     }
     *n = t->non;
@@ -480,6 +475,7 @@ int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
             if (p->flags[b] & (KVB_F_INFLIGHT | KVB_F_SWAP_SRC))
                 TFAIL("in-flight or swap-source flag without a host tier", b);
         if (p->tiered || (h && h->tiered)) TFAIL("pool flagged tiered without a host tier", 0);
+        if (p->log) TFAIL("pool keeps a log without a host tier to drain it", 0);
         return KVB_OK;
     }
     if (t->pool != p || t->host != h || !h->caching) TFAIL("host tier not wired to the pools", 0);
@@ -514,11 +510,15 @@ int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
             TFAIL("deferred host block out of range or cached", hb);
         hrefs[hb]++;
     }
-    if (t->ndem < 0 || t->ndem > t->demcap) TFAIL("pending demotions beyond capacity", t->ndem);
+    const kvb_plog_t *lg = p->log;
+    if (!lg) TFAIL("host tier without the device pool's log", 0);
+    if (lg->nev < 0 || lg->nev > lg->evcap) TFAIL("pending demotions beyond capacity", lg->nev);
+    if (lg->nins) TFAIL("insertion records not drained by the tier (absorb)", lg->ins[0]);
+    if (lg->inserts != t->write_through) TFAIL("log keeps insertions without write-through", 0);
     if (t->nwt < 0 || t->nwt > t->noff) TFAIL("write-through count beyond the offloads", t->nwt);
-    for (int64_t i = 0; i < t->ndem; i++)
-        if (t->dem[i].block <= 0 || t->dem[i].block >= p->num_blocks)
-            TFAIL("pending demotion of an out-of-range block", t->dem[i].block);
+    for (int64_t i = 0; i < lg->nev; i++)
+        if (lg->ev[i].block <= 0 || lg->ev[i].block >= p->num_blocks)
+            TFAIL("pending demotion of an out-of-range block", lg->ev[i].block);
     if (!marks_agree(p, &t->inflight, KVB_F_INFLIGHT)) TFAIL("in-flight flags != list", 0);
     if (!marks_agree(p, &t->swapsrc, KVB_F_SWAP_SRC)) TFAIL("swap-source flags != list", 0);
     for (int64_t i = 0; i < t->swapdst.n; i++) {

@@ -212,42 +212,70 @@ cdef inline object hash_int(kvb_hash_t h):
 # ---------------------------------------------------------------------------------------------
 # errors: the one mapping from C codes to kvblocks.errors
 # ---------------------------------------------------------------------------------------------
-cdef int raise_code(int rc, str what, int64_t a, int64_t b, const char *check=NULL,
-                    object seq=None) except -1:
-    """Raise the exception for C code ``rc``; a and b are the C error detail (see
-    kvblocks.h), ``check`` the name of a failed check, ``seq`` the sequence concerned."""
-    cdef str name = check.decode() if check is not NULL else ""
+#: Every C error code of include/kvblocks.h and the exception it raises (docs: kvblocks.errors;
+#: KVB_ENOMEM is Python's MemoryError). A code not listed raises KVBlocksError.
+ERROR_TYPES = {
+    KVB_ENOMEM: MemoryError,
+    KVB_EOUTOFBLOCKS: OutOfBlocksError,
+    KVB_EINVAL: InvalidArgumentError,
+    KVB_ERANGE: InvalidArgumentError,
+    KVB_ESTATE: InvalidStateError,
+    KVB_ECORRUPT: CorruptionError,
+    KVB_EUNKNOWN: UnknownSequenceError,
+    KVB_EDUP: InvalidArgumentError,
+    KVB_ESWAPPED: InvalidStateError,
+    KVB_EPENDING: InvalidStateError,
+    KVB_EGAP: InvalidStateError,
+}
+
+
+def error_for(int rc, str what, int64_t a=0, int64_t b=0, str check="", object seq=None,
+              str msg=None):
+    """The exception for C code ``rc`` (not raised): its type from ERROR_TYPES, its message
+    from the code and the C error detail (a and b, see kvblocks.h; ``check`` the name of a
+    failed check or buffer, ``seq`` the sequence concerned), or ``msg`` where a call words it
+    itself (the type still comes from the code)."""
+    cls = ERROR_TYPES.get(rc, KVBlocksError)
+    if msg is not None:
+        return cls(msg)
+    cdef str name = check
     cdef str who = f"sequence {seq!r}" if seq is not None else "a sequence"
     if rc == KVB_ENOMEM:
-        raise MemoryError(f"{what}: out of host memory")
+        return cls(f"{what}: out of host memory")
     if rc == KVB_EOUTOFBLOCKS:
-        raise OutOfBlocksError(f"{what}: need {a} blocks, {b} free")
+        return cls(f"{what}: need {a} blocks, {b} free")
     if rc == KVB_ERANGE:
         if name:
-            raise InvalidArgumentError(f"{what}: buffer {name} holds {b}, the step needs {a}")
-        raise InvalidArgumentError(f"{what}: value {b} at index {a} is out of range")
+            return cls(f"{what}: buffer {name} holds {b}, the step needs {a}")
+        return cls(f"{what}: value {b} at index {a} is out of range")
     if rc == KVB_EINVAL:
-        raise InvalidArgumentError(f"{what}: invalid value {b}" + (f" at index {a}" if a else ""))
+        return cls(f"{what}: invalid value {b}" + (f" at index {a}" if a else ""))
     if rc == KVB_ESWAPPED:
-        raise InvalidStateError(f"{what}: {who} is swapped out (swap_in first)")
+        return cls(f"{what}: {who} is swapped out (swap_in first)")
     if rc == KVB_EPENDING:
         if name:  # the host tier's pairs
-            raise InvalidStateError(f"{what}: {a} {name}; drain them first")
-        raise InvalidStateError(f"{what}: {a} copy-on-write copies are pending; drain them "
-                                f"with take_copies() and run ops.copy_blocks first")
+            return cls(f"{what}: {a} {name}; drain them first")
+        return cls(f"{what}: {a} copy-on-write copies are pending; drain them "
+                   f"with take_copies() and run ops.copy_blocks first")
     if rc == KVB_EGAP:
-        raise InvalidStateError(f"{what}: {who} has {b} committed tokens before the query "
-                                f"that were never computed; include them in query_lens")
+        return cls(f"{what}: {who} has {b} committed tokens before the query "
+                   f"that were never computed; include them in query_lens")
     if rc == KVB_ESTATE:
-        raise InvalidStateError(f"{what}: not allowed now" + (f": {name}" if name else
-                                                              f" (item {b} at index {a})"))
+        return cls(f"{what}: not allowed now" + (f": {name}" if name else
+                                                 f" (item {b} at index {a})"))
     if rc == KVB_EDUP:
         if seq is not None:
-            raise InvalidArgumentError(f"{what}: {who} appears twice")
-        raise InvalidArgumentError(f"{what}: duplicate or conflicting entry {b} at index {a}")
+            return cls(f"{what}: {who} appears twice")
+        return cls(f"{what}: duplicate or conflicting entry {b} at index {a}")
     if rc == KVB_ECORRUPT:
-        raise CorruptionError(f"{what}: invariant violated: {name or 'unnamed'} "
-                              f"(item {b}, slot or index {a})")
+        return cls(f"{what}: invariant violated: {name or 'unnamed'} "
+                   f"(item {b}, slot or index {a})")
     if rc == KVB_EUNKNOWN:
-        raise UnknownSequenceError(f"{what}: unknown {who}")
-    raise KVBlocksError(f"{what}: error {rc}")
+        return cls(f"{what}: unknown {who}")
+    return cls(f"{what}: error {rc}")
+
+
+cdef int raise_code(int rc, str what, int64_t a, int64_t b, const char *check=NULL,
+                    object seq=None, str msg=None) except -1:
+    """Raise error_for(...): the one place a C code becomes an exception."""
+    raise error_for(rc, what, a, b, check.decode() if check is not NULL else "", seq, msg)

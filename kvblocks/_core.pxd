@@ -97,7 +97,7 @@ cdef extern from "core.h" nogil:
 
     ctypedef struct kvb_tier_t:
         int write_through
-        int64_t noff, non, ndem
+        int64_t noff, non
         kvb_tier_stats_t stats
 
     ctypedef struct kvb_pool_t:
@@ -270,6 +270,8 @@ cdef extern from "core.h" nogil:
                           int64_t *need_out)
     int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through)
     void kvb_tier_flush(kvb_tier_t *t)
+    void kvb_tier_absorb(kvb_tier_t *t)
+    int64_t kvb_tier_unflushed(const kvb_tier_t *t)
     int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out)
     int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n)
     int kvb_mgr_reset_cache(kvb_mgr_t *m)

@@ -698,8 +698,8 @@ cdef class BlockManager:
         try:
             rc = kvb_grp_truncate(self.gp, self.ng, self._slot(seq_id), k)
             if rc == KVB_EINVAL:
-                raise InvalidArgumentError(
-                    f"truncate({seq_id!r}, {k}): must be in [0, {self.m.err_a}]")
+                raise_code(rc, "truncate", 0, 0,
+                           NULL, None, f"truncate({seq_id!r}, {k}): must be in [0, {self.m.err_a}]")
             if rc:
                 self._err(rc, f"truncate({seq_id!r}, {k})")
         finally:
@@ -753,6 +753,7 @@ cdef class BlockManager:
         """Blocks a sequence holds in all groups (released entries excluded)."""
         cdef int32_t j
         cdef int64_t n = 0
+        cdef int rc
         for j in range(self.ng):
             n += self.gp[j].seqs[slot].nblocks - self.gp[j].seqs[slot].lo
         return n
@@ -840,6 +841,7 @@ cdef class BlockManager:
     cdef int64_t _ncopies(self):
         cdef int32_t j
         cdef int64_t n = 0
+        cdef int rc
         for j in range(self.ng):
             n += self.gp[j].ncopies
         return n
@@ -861,10 +863,10 @@ cdef class BlockManager:
                                      <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out),
                                      cnp.PyArray_DIM(<cnp.ndarray>out, 0), &k)
             if rc == KVB_EPENDING:
-                raise InvalidStateError(
+                raise_code(rc, "take_copies", 0, 0, NULL, None, (
                     f"take_copies: {self.m.err_a} offloads and {self.m.err_b} onloads are "
                     f"pending; drain take_offloads() and take_onloads() first (a copy may "
-                    f"overwrite a block an offload reads, or read one an onload fills)")
+                    f"overwrite a block an offload reads, or read one an onload fills)"))
             if rc:
                 self._err(rc, "take_copies")
             return out
@@ -938,7 +940,7 @@ cdef class BlockManager:
                 out = np.empty((t.noff, 2), dtype=np.int64)
                 # np.empty may run Python (a GC callback): another thread's pool call may
                 # have evicted meanwhile; take only into a list of the exact size
-                if t.ndem == 0 and cnp.PyArray_DIM(<cnp.ndarray>out, 0) == t.noff:
+                if kvb_tier_unflushed(t) == 0 and cnp.PyArray_DIM(<cnp.ndarray>out, 0) == t.noff:
                     break
             kvb_tier_take_offloads(t, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out))
             return out
@@ -953,16 +955,18 @@ cdef class BlockManager:
         may read a host block one of them writes): drain take_offloads() first."""
         cdef kvb_tier_t *t = self.pool.p.tier
         cdef int64_t n = 0
+        cdef int rc
         self._enter()
         try:
             out = np.empty((t.non if t is not NULL else 0, 2), dtype=np.int64)
             if t is not NULL:
-                if kvb_tier_take_onloads(t, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out),
-                                         &n):
-                    raise InvalidStateError(
-                        f"take_onloads: {t.noff + t.ndem} offloads are pending; run "
+                rc = kvb_tier_take_onloads(t, <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out),
+                                           &n)
+                if rc:
+                    raise_code(rc, "take_onloads", 0, 0, NULL, None, (
+                        f"take_onloads: {self.host_pool.p.err_a} offloads are pending; run "
                         f"take_offloads() first (an onload may read a host block an offload "
-                        f"writes)")
+                        f"writes)"))
             return out
         finally:
             self._leave()
@@ -1049,15 +1053,15 @@ cdef class BlockManager:
         try:
             rc = kvb_mgr_reset_cache(&self.m)
             if rc == KVB_EPENDING:
-                raise InvalidStateError(
+                raise_code(rc, "reset_prefix_cache", 0, 0, NULL, None, (
                     f"reset_prefix_cache: {self.m.err_a} offloads and {self.m.err_b} onloads "
                     f"are pending; drain take_offloads() and take_onloads() first (they hold "
-                    f"cache entries)")
+                    f"cache entries)"))
             if rc:
                 what = (<bytes>self.m.err_what).decode() if self.m.err_what else "cached blocks"
-                raise InvalidStateError(
+                raise_code(rc, "reset_prefix_cache", 0, 0, NULL, None, (
                     f"reset_prefix_cache: {self.m.err_a} of {self.m.err_b} {what} (free the "
-                    f"sequences holding them, or drain the copies that hold them, first)")
+                    f"sequences holding them, or drain the copies that hold them, first)"))
         finally:
             self._leave()
 
@@ -1078,8 +1082,9 @@ cdef class BlockManager:
             rc = kvb_grp_swap_out(self.gp, self.ng, slot,
                                   <int64_t *>cnp.PyArray_DATA(<cnp.ndarray>out), &npairs)
             if rc == KVB_EOUTOFBLOCKS:
-                raise OutOfBlocksError(f"swap_out({seq_id!r}): need {self.m.err_a} host "
-                                       f"blocks, {self.m.err_b} free")
+                raise_code(rc, "swap_out", 0, 0, NULL, None,
+                           f"swap_out({seq_id!r}): need {self.m.err_a} host blocks, "
+                           f"{self.m.err_b} free")
             if rc:
                 self._err(rc, f"swap_out({seq_id!r})")
             return out[:npairs]
@@ -1287,9 +1292,9 @@ cdef class BlockManager:
         if rc and group > 0:  # the details are in that group's fields
             _copy_err(&self.m, self.gp[group], rc)
         if rc == KVB_EINVAL:
-            raise InvalidArgumentError(
+            raise_code(rc, what, 0, 0, NULL, None, (
                 f"{what}: query_lens[{self.m.err_a}] / draft_lens[{self.m.err_a}] = "
-                f"{self.m.err_b} is not in [0, num_tokens] / >= 0")
+                f"{self.m.err_b} is not in [0, num_tokens] / >= 0"))
         if rc == KVB_EGAP:
             seq = self._ids[(<int32_t *>cnp.PyArray_DATA(slots))[self.m.err_a]]
             raise_code(rc, what, self.m.err_a, self.m.err_b, NULL, seq)
@@ -1548,13 +1553,11 @@ cdef class BlockManager:
         if rc and g:
             _copy_err(&self.m, self.gp[g], rc)
         if rc == KVB_EINVAL and self.m.err_what is not NULL:
-            raise InvalidArgumentError(
+            raise_code(rc, "row_indices", 0, 0, NULL, None, (
                 f"row_indices: {self.m.err_what.decode()} (stride={st}, offset={off}, "
-                f"block_size={self.m.block_size})")
+                f"block_size={self.m.block_size})"))
         if rc == KVB_ERANGE:
-            raise InvalidArgumentError(
-                f"row_indices: buffer {self.m.err_what.decode()} holds {self.m.err_b}, "
-                f"the step needs {self.m.err_a}")
+            raise_code(rc, "row_indices", self.m.err_a, self.m.err_b, self.m.err_what)
         if rc:
             self._err(rc, "row_indices")
         if release:

@@ -113,8 +113,7 @@ cdef class BlockPool:
         """A host pool of a tier: give the device evictions recorded since the last flush
         their host blocks (kvb_tier_flush), so that what this pool reports is current."""
         if self._tier_pool is not None and self._tier_pool.p.tier is not NULL:
-            if self._tier_pool.p.tier.ndem:
-                kvb_tier_flush(self._tier_pool.p.tier)
+            kvb_tier_flush(self._tier_pool.p.tier)
 
     def __repr__(self):
         self._sync()
@@ -487,6 +486,8 @@ cdef class BlockPool:
                                        <kvb_hash_t *>&h[0, 0] if n else NULL, n, ppar, tp, bs,
                                        &stored)
         self.p.events.cur_tag = 0
+        if self.p.tier is not NULL:  # the insertions' records, drained at the tier's layer
+            kvb_tier_absorb(self.p.tier)
         if rc:
             raise_code(rc, "cache", self.p.err_a, self.p.err_b)
         return stored
@@ -633,6 +634,8 @@ cdef class BlockPool:
                 if 0 < b < self.p.num_blocks and not (self.p.flags[b] & KVB_F_CACHED):
                     self.p.gid[b] = g
             rc = kvb_cache_insert(&self.p, d, keys, n, NULL, NULL, 0, &stored)
+            if self.p.tier is not NULL:  # the insertions' records, at the tier's layer
+                kvb_tier_absorb(self.p.tier)
             if rc == 0:
                 for i in range(n):
                     b = d[i]
@@ -946,9 +949,9 @@ cdef bytes _encode_log(const kvb_events_t *ev, const kvb_wire_opts_t *w):
     if rc:
         kvb_buf_free(&buf)
         if rc == KVB_EINVAL:
-            raise InvalidArgumentError(
+            raise_code(rc, "take_events_wire", 0, 0, NULL, None, (
                 f"take_events_wire: logged event {bad} is a BlockStored without its "
-                f"token_ids (give token_ids to pool.cache()); nothing was drained")
+                f"token_ids (give token_ids to pool.cache()); nothing was drained"))
         raise_code(rc, "take_events_wire", 0, 0)
     try:
         return PyBytes_FromStringAndSize(<char *>buf.data, <Py_ssize_t>buf.len)
