@@ -31,6 +31,11 @@ TRT = "TensorRT-LLM release/0.5.0 docs/source/performance.md, H100 GPUs (FP8), s
 # 64 x 2,176 LLaMA-7B tokens of bf16 KV (512 KiB each, MHA) are 68 GiB, beyond 80 GiB less
 # the weights and a reserve. NIM's fp8 profile is taken with bf16 KV (the vLLM default).
 FP8_KV = ("--kv-dtype", "fp8")
+MILL = "Millstone AI inference benchmark, gpt-oss-120b MXFP4 (vLLM, Jan 2026): peak system throughput"
+# The summary table gives each GPU's peak system throughput and the concurrency range tested;
+# the series' reports state the peak at the top of that range and 1K context, 1,024 output
+# tokens per request, no prompt caching, full-precision KV. MXFP4 is about 4.25 bits per
+# expert weight: --weight-dtype fp4 (4 bits and one fp8 scale per 16) is the nearest.
 LLAMA2_7B = (
     "--layers",
     "32",
@@ -80,6 +85,12 @@ CASES: List[Dict[str, Any]] = [
     dict(name="LLaMA-70B fp8 TP4, batch 64, 2048/2048: output tok/s", src=TRT,
          model=("--model", "llama-3.1-70b", "--weight-dtype", "fp8") + FP8_KV, gpu=("--gpu", "h100-sxm", "--tp", "4"),
          lens=(2048, 2048), batch=64, figure="throughput_tok_s", published=1583),
+    dict(name="gpt-oss-120b MXFP4 TP1, H100 SXM, 4 concurrent, 1K/1K: output tok/s", src=MILL,
+         model=("--model", "gpt-oss-120b", "--weight-dtype", "fp4"), gpu=("--gpu", "h100-sxm"),
+         lens=(1024, 1024), batch=4, figure="throughput_tok_s", published=511),
+    dict(name="gpt-oss-120b MXFP4 TP1, H200, 10 concurrent, 1K/1K: output tok/s", src=MILL,
+         model=("--model", "gpt-oss-120b", "--weight-dtype", "fp4"), gpu=("--gpu", "h200"),
+         lens=(1024, 1024), batch=10, figure="throughput_tok_s", published=849),
 ]  # fmt: skip
 
 
