@@ -284,7 +284,8 @@ int kvb_pool_free(kvb_pool_t *p, const int32_t *ids, int64_t n) {
     /* one pass: drop each reference and link the block when it reaches 0; a bad id undoes
      * the drops before it (all-or-nothing). Never-cached blocks are pushed at the head inline,
      * with the head in a register: prev[] of a pushed block is written by the next push, so
-     * only the final head's is set (fix_head), also before any helper reads the list. */
+     * only the final head's is set (fix_head), also before any helper reads the list. The
+     * loop walks a pointer (no index beside it) to keep the four arrays in registers. */
     int32_t *ref = p->ref_count; /* (not restrict: list_push_tail writes them through p) */
     int32_t *next = p->next;
     int32_t *prev = p->prev;
@@ -294,10 +295,12 @@ int kvb_pool_free(kvb_pool_t *p, const int32_t *ids, int64_t n) {
 #define fix_head() do { p->free_head = head; if (head != KVB_NONE) prev[head] = KVB_NONE; \
                         p->num_free += pushed; p->stats.frees += (uint64_t)pushed; \
                         pushed = 0; } while (0)
-    for (int64_t i = 0; i < n; i++) {
-        int32_t b = ids[i];
+    const int32_t *end = ids + (n > 0 ? n : 0);
+    for (const int32_t *q = ids; q < end; q++) {
+        int32_t b = *q;
         int32_t r = KVB_LIKELY((uint32_t)b - 1u < last) ? ref[b] - 1 : -1;
         if (KVB_UNLIKELY(r < 0)) {
+            int64_t i = q - ids;
             fix_head();
             unfree(p, ids, i);
             p->err_a = i;
@@ -315,7 +318,7 @@ int kvb_pool_free(kvb_pool_t *p, const int32_t *ids, int64_t n) {
             p->stats.frees++;
         } else { /* the head, inline */
             next[b] = head;
-            if (head != KVB_NONE) prev[head] = b;
+            if (KVB_LIKELY(head != KVB_NONE)) prev[head] = b;
             else p->free_tail = b;
             head = b;
             flags[b] = f | KVB_F_FREE;
