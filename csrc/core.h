@@ -530,6 +530,12 @@ int64_t kvb_mgr_add_need(const kvb_mgr_t *m, int64_t n, int64_t k);
 void kvb_mgr_add_pin(kvb_mgr_t *m, const int32_t *tokens, int64_t n, int64_t k, int stats,
                      int recompute, int32_t *slot_out);
 void kvb_mgr_add_fill(kvb_mgr_t *m, int32_t slot);
+/* kvb_mgr_add / kvb_mgr_probe of one group (table.c); the public calls (groups.c) dispatch
+ * the kinds that take the grouped rule to it, so table.c never calls up into groups.c. */
+int kvb_mgr_add_one(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                    size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out);
+int kvb_mgr_probe_one(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                      size_t salt_len, int64_t *cached_out, int64_t *need_out);
 /* the pool's query counters for an add of n tokens with a k-block device hit (pin's stats) */
 void kvb_mgr_add_stats(kvb_mgr_t *m, int64_t n, int64_t k, int recompute);
 /* the first block a k-block hit of an n-token prompt needs (below: null entries) and the

@@ -145,6 +145,25 @@ int kvb_grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t
     return g[0]->pool->tier ? kvb_hh_probe(g, G, n, k, cached_out, need_out) : KVB_OK;
 }
 
+/* ---- one group's add and probe (the public calls; the work is table.c's) ----------------- */
+/* One group whose kind has window / chunk hits takes the grouped rule with the host tier
+ * (host hits by its rule, hosthits.c); everything else is table.c's single-group path. */
+int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out) {
+    if (m->pool->tier && m->kind != KVB_G_FULL)
+        return kvb_grp_add(&m, 1, tokens, n, salt, salt_len, recompute, slot_out, cached_out);
+    return kvb_mgr_add_one(m, tokens, n, salt, salt_len, recompute, slot_out, cached_out);
+}
+
+int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                  size_t salt_len, int64_t *cached_out, int64_t *need_out) {
+    if (m->kind == KVB_G_FULL)
+        return kvb_mgr_probe_one(m, tokens, n, salt, salt_len, cached_out, need_out);
+    KVB_CLEAR_ERR(m);
+    if (n < 0) { m->err_b = n; return KVB_EINVAL; }
+    return kvb_grp_probe(&m, 1, tokens, n, salt, salt_len, cached_out, need_out);
+}
+
 /* ---- growth ----------------------------------------------------------------------------- */
 /* Growth counts what window release frees (gain) but releases only once the call fits, and
  * then in every group before any group allocates: a group that allocates first must not

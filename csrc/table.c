@@ -551,10 +551,10 @@ void kvb_mgr_add_fill(kvb_mgr_t *m, int32_t slot) {
     if (m->kind == KVB_G_STATE) s->room = blocks_for(m, s->ntokens);
 }
 
-int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out) {
-    if (m->pool->tier && m->kind != KVB_G_FULL) /* host hits by the window / chunk rule */
-        return kvb_grp_add(&m, 1, tokens, n, salt, salt_len, recompute, slot_out, cached_out);
+/* kvb_mgr_add of one group without a host tier, or one full group with it (groups.c's
+ * kvb_mgr_add sends the other kinds with a tier to the host-hit rule, hosthits.c). */
+int kvb_mgr_add_one(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                    size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out) {
     uint8_t small[64];
     int64_t K = n > 0 ? blk_of(m, n - 1) : 0;
     uint8_t *ok = K < 64 ? small : malloc((size_t)K + 1);
@@ -1308,13 +1308,13 @@ int kvb_mgr_check(kvb_mgr_t *m) {
 }
 
 /* ---- admission probe -------------------------------------------------------------------- */
-int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                  size_t salt_len, int64_t *cached_out, int64_t *need_out) {
+/* kvb_mgr_probe of one full-attention group (groups.c's kvb_mgr_probe sends the other kinds
+ * to kvb_grp_probe). */
+int kvb_mgr_probe_one(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
+                      size_t salt_len, int64_t *cached_out, int64_t *need_out) {
     kvb_pool_t *p = m->pool;
     KVB_CLEAR_ERR(m);
     if (n < 0) { m->err_b = n; return KVB_EINVAL; }
-    if (m->kind != KVB_G_FULL) return kvb_grp_probe(&m, 1, tokens, n, salt, salt_len,
-                                                    cached_out, need_out);
     int64_t total = blocks_for(m, n), hits = 0, pinned_from_free = 0;
     if (p->tier) kvb_tier_flush(p->tier); /* recent evictions: on the host */
     if (m->caching && n > 1) {
