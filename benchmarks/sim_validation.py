@@ -31,7 +31,9 @@ TRT = "TensorRT-LLM release/0.5.0 docs/source/performance.md, H100 GPUs (FP8), s
 # 64 x 2,176 LLaMA-7B tokens of bf16 KV (512 KiB each, MHA) are 68 GiB, beyond 80 GiB less
 # the weights and a reserve. NIM's fp8 profile is taken with bf16 KV (the vLLM default).
 FP8_KV = ("--kv-dtype", "fp8")
-MILL = "Millstone AI inference benchmark, gpt-oss-120b MXFP4 (vLLM, Jan 2026): peak system throughput"
+MILL = (
+    "Millstone AI inference benchmark, gpt-oss-120b MXFP4 (vLLM, Jan 2026): peak system throughput"
+)
 # The summary table gives each GPU's peak system throughput and the concurrency range tested;
 # the series' reports state the peak at the top of that range and 1K context, 1,024 output
 # tokens per request, no prompt caching, full-precision KV. MXFP4 is about 4.25 bits per
