@@ -15,12 +15,19 @@ path; allocate_one + free_one where the build has them), decode (append_batch + 
 metadata), prefix (add of a cached 32K-token prompt: hash, lookup, pin; free), prefix_list
 (the same prompt given as a Python list).
 Results: benchmarks/results/callgrind_core.json.
+
+OpenBLAS's worker threads (numpy's) spin while idle, and callgrind counts their instructions
+too, in proportion to the run's length: the script sets ``OPENBLAS_NUM_THREADS=1`` before numpy
+is imported (without it, a 256-sequence decode step of two groups counted 106k instructions of
+``blas_thread_server`` beside the core's 64k).
 """
 
+import os
 import sys
 from pathlib import Path
 
-import numpy as np
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: no spinning workers
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvblocks import BlockManager, BlockPool  # noqa: E402
