@@ -18,7 +18,7 @@ evict_first=True)``, ``block_pool.touch`` or a ``ref_cnt`` write, and none reads
 ``cached_block_hash_to_block``.
 
 Profiles: the default is fast (60 examples of at most 50 steps per configuration);
-``KVB_HYPOTHESIS_PROFILE=deep`` runs 1,500 examples of at most 60 steps.
+``KVB_HYPOTHESIS_PROFILE=deep`` runs 10,000 examples of at most 100 steps.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ BS = 4
 MAX_LIVE = 5
 PROFILES = {
     "fast": dict(max_examples=60, stateful_step_count=50),
-    "deep": dict(max_examples=1500, stateful_step_count=60),
+    "deep": dict(max_examples=10_000, stateful_step_count=100),
 }
 PROFILE = settings(
     **PROFILES[os.environ.get("KVB_HYPOTHESIS_PROFILE", "fast")],
