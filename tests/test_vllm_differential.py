@@ -10,7 +10,7 @@ slots, ``full_sequence_must_fit``), admission of an earlier prompt again or cont
 small pool, so allocation fails sometimes. Every answer is compared as it comes (hits: the
 number of computed tokens and the hit's block ids, the shared-prefix boundary, the new
 blocks or None) and, after every rule, the block ids of every live request per group, free
-block counts, usage and the events (``take_events``).
+block counts, usage, the prefix-cache stats and the events (``take_events``).
 
 Differences docs/vllm.md names ("Tests that cannot pass natively") are kept out: no rule
 calls ``evict_blocks`` (the freed evicted block's free-list place), ``free_blocks(...,
@@ -122,6 +122,7 @@ class Differential(RuleBasedStateMachine):
             hash_block_size=BS,
             enable_caching=caching,
             enable_kv_cache_events=True,
+            log_stats=True,
         )
         specs = [f() for f in self.SPECS]
         self.ref = VLLMKVCacheManager(config(num_blocks, specs), **args)
@@ -145,6 +146,7 @@ class Differential(RuleBasedStateMachine):
         got = []
         for m, r in self._pairs(pair):
             blocks, hit, spb = m.get_computed_blocks(r)
+            m.record_prefix_cache_stats(r, hit)  # the scheduler's call after the lookup
             n = min(r.num_tokens - hit, chunk)
             new = m.allocate_slots(
                 r, n, hit, blocks, num_lookahead_tokens=la, full_sequence_must_fit=must_fit
@@ -230,6 +232,7 @@ class Differential(RuleBasedStateMachine):
             m.free(r)
             r.num_computed_tokens = 0
             r.status = RequestStatus.PREEMPTED
+            r.num_preemptions += 1  # as vLLM's scheduler (the preempted prefix-cache stats)
         self.waiting.append(pair)
 
     @precondition(lambda self: self.live)
@@ -252,6 +255,7 @@ class Differential(RuleBasedStateMachine):
         ref_pool, kvb_pool = self.ref.block_pool, self.kvb.block_pool
         assert ref_pool.get_num_free_blocks() == kvb_pool.get_num_free_blocks()
         assert self.ref.usage == self.kvb.usage
+        assert self.ref.make_prefix_cache_stats() == self.kvb.make_prefix_cache_stats()
         events = self.kvb.take_events()
         assert self.ref.take_events() == events
         if any(type(e).__name__ == "BlockRemoved" for e in events):
