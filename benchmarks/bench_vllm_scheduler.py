@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import bench_vllm  # this directory: the workload's requests
 import vllm_cpu  # .ci/vllm_cpu.py: vLLM's CPU platform check, as in .ci/vllm
 from tests.v1.core.utils import create_scheduler
 from vllm.utils.hashing import sha256
@@ -45,13 +44,14 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 import kvblocks.integrations.vllm as kvb_vllm
+from kvblocks.bench import vllm_manager as bench_vllm  # the workload's requests
 
 BLOCK_SIZE, NUM_BLOCKS = bench_vllm.BLOCK_SIZE, bench_vllm.NUM_BLOCKS
 NREQ, DECODE_STEPS = 256, 32
 
 
 def make_requests() -> list[Request]:
-    """bench_vllm.py's requests, long enough for every decode step and never stopped."""
+    """`kvblocks bench vllm`'s requests, long enough for every decode step and never stopped."""
     return bench_vllm.make_requests(NREQ, max_tokens=DECODE_STEPS + 8, ignore_eos=True)
 
 

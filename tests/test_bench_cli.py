@@ -487,6 +487,39 @@ def test_vllm_unusable_is_skipped(monkeypatch, tmp_path):
     assert make is None and why.startswith("vllm not installed")
 
 
+def test_vllm_suite_without_vllm_is_skipped_cleanly(capsys, monkeypatch):
+    """``kvblocks bench vllm`` without vLLM: one ``skipped: vllm not importable`` line on
+    stdout, status 0 (tests/test_vllm_integration.py runs it with vLLM)."""
+    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, m)
+    monkeypatch.delitem(sys.modules, "kvblocks.bench.vllm_manager", raising=False)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    assert main(["bench", "vllm", "--case", "hybrid"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("kvblocks bench vllm: skipped: vllm not importable (") and not err
+    assert len(out.strip().splitlines()) == 1
+
+
+def test_vllm_suite_without_vllm_in_a_fresh_process():
+    p = bench("vllm")
+    if "skipped" not in p.stdout:
+        pytest.skip("vllm is importable here")
+    assert p.returncode == 0 and "skipped: vllm not importable" in p.stdout, p.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (("bench", "vllm", "alloc"), ("the vllm suite runs alone",)),
+        (("bench", "vllm", "--samples", "3"), ("--samples does not apply to the vllm suite",)),
+        (("bench", "vllm", "--case", "mamba"), ("argument --case: invalid choice",)),
+        (("bench", "vllm", "--reps", "0"), ("argument --reps",)),
+    ],
+)
+def test_vllm_suite_usage_errors(capsys, no_work, argv, needles):
+    one_line_error(capsys, argv, *needles)
+
+
 # ---------------------------------------------------------------------------------------------
 # machine and build description
 # ---------------------------------------------------------------------------------------------

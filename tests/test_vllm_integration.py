@@ -302,3 +302,24 @@ def test_touch_of_a_free_uncached_block_as_in_vllm():
         m.block_pool.free_blocks([m.block_pool.blocks[b] for b in (7, 1, 2)])
     assert free_ids(ref) == free_ids(kvb)
     assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
+
+
+def test_kvblocks_bench_vllm_runs_with_tiny_sizes(capsys, tmp_path):
+    """``kvblocks bench vllm`` with vLLM importable: both cases' tables, the JSON written."""
+    import json
+
+    from kvblocks.__main__ import main
+
+    out = tmp_path / "vllm.json"
+    argv = ["bench", "vllm", "--reps", "1", "--requests", "4", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "skipped" not in text and f"wrote {out}" in text
+    for needle in ("full (full attention): 4 requests", "hybrid (full + sliding window 128)"):
+        assert needle in text
+    doc = json.loads(out.read_text())
+    assert doc["requests"] == 4 and doc["reps"] == 1
+    assert doc["command"] == "kvblocks bench vllm --case all --reps 1 --requests 4"
+    for case in ("full", "hybrid"):
+        assert set(doc[case]) == {"admission", "decode", "free"}
+        assert all(r["vllm_ms"] > 0 and r["kvblocks_ms"] > 0 for r in doc[case].values())

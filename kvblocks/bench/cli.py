@@ -16,7 +16,7 @@ from typing import List
 
 from .errors import BenchError
 
-__all__ = ["add_command", "run"]
+__all__ = ["add_command", "run", "run_vllm"]
 
 MAX_SAMPLES = 100_000
 
@@ -34,6 +34,11 @@ suites:
              context; 1K, 8K and 32K with windows 128 and 1,024), metadata of one group
              (docs/hybrid-models.md)
   all        the five above (the default)
+  vllm       vLLM's KV cache manager against kvblocks' (kvblocks.integrations.vllm) under
+             vLLM's scheduler API: admission, decode and free of 256 requests sharing 4 system
+             prompts, medians of --reps interleaved runs, --case full|hybrid|all; runs alone,
+             not part of all; without vllm it prints "skipped: vllm not importable" and exits
+             0 (docs/vllm.md)
 
 Every operation is also timed, in the same run and the same harness, against a baseline:
 alloc and prefix on the bundled pure-Python vLLM-style pool (and on vLLM's own BlockPool when
@@ -45,6 +50,7 @@ examples:
   kvblocks bench all --json before.json
   kvblocks bench all --compare before.json --plot latency.png
   kvblocks bench prefix --quick
+  kvblocks bench vllm --case hybrid --reps 5 --json vllm.json
 """
 
 
@@ -75,7 +81,7 @@ def add_command(sub: "argparse._SubParsersAction") -> None:
         "suites",
         nargs="*",
         metavar="SUITE",
-        help="alloc, prefix, metadata, groups, tier or all (default all)",
+        help="alloc, prefix, metadata, groups, tier or all (default all); or vllm alone",
     )
     p.add_argument("--quick", action="store_true", help="fewer samples: seconds per suite, noisier")
     p.add_argument(
@@ -95,6 +101,12 @@ def add_command(sub: "argparse._SubParsersAction") -> None:
     p.add_argument(
         "--no-vllm", action="store_true", help="do not time vLLM's BlockPool even if importable"
     )
+    v = p.add_argument_group("the vllm suite")
+    v.add_argument("--case", choices=("full", "hybrid", "all"), default="all", help="default all")
+    v.add_argument("--reps", type=_samples, default=7, metavar="N", help="runs (default 7)")
+    v.add_argument(
+        "--requests", type=_samples, default=256, metavar="N", help="requests (default 256)"
+    )
 
 
 def _command(args: argparse.Namespace, suites: List[str]) -> str:
@@ -112,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     from .runner import resolve_suites
     from .runner import run as run_bench
 
+    if "vllm" in args.suites:
+        return run_vllm(args)
     suites = resolve_suites(args.suites)
     old = load_baseline(args.compare, suites) if args.compare else None
     if args.plot:
@@ -154,4 +168,42 @@ def run(args: argparse.Namespace) -> int:
         wrote.append(args.plot)
     for path in wrote:
         print(f"wrote {path}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    """``kvblocks bench vllm``: vLLM's manager against kvblocks' (kvblocks.bench.vllm_manager);
+    status 0 with ``skipped: vllm not importable (...)`` when vLLM (or torch) cannot be imported."""
+    if args.suites != ["vllm"]:
+        raise BenchError("the vllm suite runs alone: kvblocks bench vllm [--case ...]")
+    for flag in ("compare", "plot", "samples"):
+        if getattr(args, flag):
+            raise BenchError(f"--{flag} does not apply to the vllm suite")
+    if args.json and args.json != "-":
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            raise BenchError(f"--json {args.json}: no such folder {folder}")
+    try:
+        from . import vllm_manager
+    except Exception as e:  # ImportError, or vllm's import failing without its platform
+        print(f"kvblocks bench vllm: skipped: vllm not importable ({type(e).__name__}: {e})")
+        return 0
+    import contextlib
+
+    quiet = args.json == "-"
+    with contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext():
+        doc = vllm_manager.run(args.case, args.reps, args.requests)
+    doc["command"] = f"kvblocks bench vllm --case {args.case} --reps {args.reps} " + (
+        f"--requests {args.requests}"
+    )
+    text = json.dumps(doc, indent=1)
+    if quiet:
+        print(text)
+    elif args.json:
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        except OSError as e:
+            raise BenchError(f"cannot write {args.json}: {e.strerror or e}") from None
+        print(f"wrote {args.json}")
     return 0

@@ -1,0 +1,293 @@
+"""A hypothesis state machine driving vLLM's own KVCacheManager and kvblocks' side by side
+(kvblocks.integrations.vllm); skipped unless vllm (0.34) is importable.
+
+Two configurations: one full-attention group (the one-group native path) and a full +
+sliding-window pair (the native hybrid path). Rules: admission of a new request (one of a few
+shared system prompts + its own tokens, an optional ``cache_salt``, a prefill chunk, lookahead
+slots, ``full_sequence_must_fit``), admission of an earlier prompt again or continued
+(full-prompt and long prefix hits), resume of a preempted one, one step of a running request
+(the next prefill chunk, or a decode token), preemption, finish, ``reset_prefix_cache``; a
+small pool, so allocation fails sometimes. Every answer is compared as it comes (hits: the
+number of computed tokens and the hit's block ids, the shared-prefix boundary, the new
+blocks or None) and, after every rule, the block ids of every live request per group, free
+block counts, usage, the prefix-cache stats and the events (``take_events``).
+
+Differences docs/vllm.md names ("Tests that cannot pass natively") are kept out: no rule
+calls ``evict_blocks`` (the freed evicted block's free-list place), ``free_blocks(...,
+evict_first=True)``, ``block_pool.touch`` or a ``ref_cnt`` write, and none reads
+``cached_block_hash_to_block``.
+
+Profiles: the default is fast (60 examples of at most 50 steps per configuration);
+``KVB_HYPOTHESIS_PROFILE=deep`` runs 10,000 examples of at most 100 steps.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.kv_cache_manager")
+torch = pytest.importorskip("torch")
+
+from hypothesis import HealthCheck, event, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import (  # noqa: E402
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from kvblocks.integrations.vllm.manager import KVCacheManager, VLLMKVCacheManager  # noqa: E402
+
+BS = 4
+MAX_LIVE = 5
+PROFILES = {
+    "fast": dict(max_examples=60, stateful_step_count=50),
+    "deep": dict(max_examples=10_000, stateful_step_count=100),
+}
+PROFILE = settings(
+    **PROFILES[os.environ.get("KVB_HYPOTHESIS_PROFILE", "fast")],
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+# three system prompts: a partial block, two full blocks, two full blocks and three tokens
+SYSTEM_PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8]]
+TOKEN = st.integers(1, 12)  # a small vocabulary: own tokens often repeat a cached block
+CHUNK = st.sampled_from([3, 4, 8, 64])
+LOOKAHEAD = st.sampled_from([0, 0, 1, 3])
+
+
+def full_spec():
+    return FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+
+
+def sw_spec(window: int):
+    return SlidingWindowSpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
+    )
+
+
+def config(num_blocks: int, specs) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)],
+    )
+
+
+def request(rid: str, tokens: list, salt) -> Request:
+    sp = SamplingParams(max_tokens=8)
+    sp.update_from_generation_config({}, eos_token_id=0)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling_params=sp,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BS, sha256),
+        cache_salt=salt,
+    )
+
+
+def _ids(blocks):
+    return None if blocks is None else blocks.get_block_ids()
+
+
+class Differential(RuleBasedStateMachine):
+    """vLLM's manager (``ref``) and kvblocks' (``kvb``) fed the same calls; ``live`` maps a
+    request id to its pair of Request objects (one per manager), ``waiting`` holds preempted
+    pairs in preemption order."""
+
+    SPECS: list = []
+
+    @initialize(num_blocks=st.sampled_from([10, 16, 24, 40]), caching=st.booleans())
+    def build(self, num_blocks, caching):
+        init_none_hash(sha256)
+        args = dict(
+            max_model_len=256,
+            scheduler_block_size=BS,
+            hash_block_size=BS,
+            enable_caching=caching,
+            enable_kv_cache_events=True,
+            log_stats=True,
+        )
+        specs = [f() for f in self.SPECS]
+        self.ref = VLLMKVCacheManager(config(num_blocks, specs), **args)
+        self.kvb = KVCacheManager(config(num_blocks, specs), **args)
+        assert self.kvb.native
+        self.live: dict[str, tuple] = {}
+        self.waiting: list[tuple] = []
+        self.prompts: list[tuple] = []  # (tokens, salt) of every admitted request
+        self.n = 0
+
+    def _pairs(self, pair):
+        return zip((self.ref, self.kvb), pair)
+
+    def _drop(self, pair):
+        for m, r in self._pairs(pair):
+            m.free(r)
+            r.num_computed_tokens = 0
+
+    def _admit(self, pair, chunk, la, must_fit):
+        assert self.ref.get_num_cached_tokens(pair[0]) == self.kvb.get_num_cached_tokens(pair[1])
+        got = []
+        for m, r in self._pairs(pair):
+            blocks, hit, spb = m.get_computed_blocks(r)
+            m.record_prefix_cache_stats(r, hit)  # the scheduler's call after the lookup
+            n = min(r.num_tokens - hit, chunk)
+            new = m.allocate_slots(
+                r, n, hit, blocks, num_lookahead_tokens=la, full_sequence_must_fit=must_fit
+            )
+            if new is not None:
+                r.num_computed_tokens = hit + n
+                r.status = RequestStatus.RUNNING
+            got.append((hit, spb, blocks.get_block_ids(), _ids(new)))
+        assert got[0] == got[1]
+        event("prefix hit" if got[0][0] else "miss")
+        if any(0 in g for g in got[0][2]):
+            event("window hit with null blocks")
+        if got[0][3] is None:  # no room: both refused; the request is dropped
+            event("admission refused")
+            self._drop(pair)
+        else:
+            self.live[pair[0].request_id] = pair
+
+    @precondition(lambda self: len(self.live) < MAX_LIVE)
+    @rule(
+        prompt=st.integers(0, len(SYSTEM_PROMPTS) - 1),
+        own=st.lists(TOKEN, min_size=1, max_size=12),
+        salt=st.sampled_from([None, None, "a", "b"]),
+        chunk=CHUNK,
+        la=LOOKAHEAD,
+        must_fit=st.booleans(),
+    )
+    def admit(self, prompt, own, salt, chunk, la, must_fit):
+        self._new(SYSTEM_PROMPTS[prompt] + own, salt, chunk, la, must_fit)
+
+    @precondition(lambda self: self.prompts and len(self.live) < MAX_LIVE)
+    @rule(
+        pick=st.integers(0, 63),
+        more=st.lists(TOKEN, max_size=10),
+        chunk=CHUNK,
+        la=LOOKAHEAD,
+        must_fit=st.booleans(),
+    )
+    def admit_again(self, pick, more, chunk, la, must_fit):
+        """An earlier prompt again (a full-prompt hit) or continued (a longer prefix hit:
+        with a window, the blocks before it come back null)."""
+        toks, salt = self.prompts[pick % len(self.prompts)]
+        self._new(toks + more, salt, chunk, la, must_fit)
+
+    def _new(self, toks, salt, chunk, la, must_fit):
+        self.prompts.append((toks, salt))
+        self.n += 1
+        rid = f"q{self.n}"
+        self._admit((request(rid, toks, salt), request(rid, toks, salt)), chunk, la, must_fit)
+
+    @precondition(lambda self: self.waiting and len(self.live) < MAX_LIVE)
+    @rule(chunk=CHUNK, la=LOOKAHEAD, must_fit=st.booleans())
+    def resume(self, chunk, la, must_fit):
+        self._admit(self.waiting.pop(0), chunk, la, must_fit)
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, MAX_LIVE - 1), tok=TOKEN, chunk=CHUNK, la=LOOKAHEAD)
+    def step(self, pick, tok, chunk, la):
+        """The next prefill chunk, or one decode token (appended before the call)."""
+        rid = sorted(self.live)[pick % len(self.live)]
+        pair = self.live[rid]
+        if pair[0].num_computed_tokens == pair[0].num_tokens:
+            for r in pair:
+                r.append_output_token_ids(tok)
+        out = []
+        for m, r in self._pairs(pair):
+            n = min(r.num_tokens - r.num_computed_tokens, chunk)
+            new = m.allocate_slots(r, n, num_lookahead_tokens=la)
+            if new is not None:
+                r.num_computed_tokens += n
+            out.append(_ids(new))
+        assert out[0] == out[1]
+        if out[0] is None:  # the scheduler would preempt; here it finishes
+            event("step refused")
+            for m, r in self._pairs(self.live.pop(rid)):
+                m.free(r)
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, MAX_LIVE - 1))
+    def preempt(self, pick):
+        pair = self.live.pop(sorted(self.live)[pick % len(self.live)])
+        for m, r in self._pairs(pair):
+            m.free(r)
+            r.num_computed_tokens = 0
+            r.status = RequestStatus.PREEMPTED
+            r.num_preemptions += 1  # as vLLM's scheduler (the preempted prefix-cache stats)
+        self.waiting.append(pair)
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, MAX_LIVE - 1))
+    def finish(self, pick):
+        for m, r in self._pairs(self.live.pop(sorted(self.live)[pick % len(self.live)])):
+            m.free(r)
+
+    @rule()
+    def reset_prefix_cache(self):
+        """With requests running vLLM refuses (False) and changes nothing; so must kvblocks."""
+        assert self.ref.reset_prefix_cache() == self.kvb.reset_prefix_cache()
+
+    @invariant()
+    def same_state(self):
+        if not hasattr(self, "ref"):
+            return
+        for rid in self.live:
+            assert self.ref.get_block_ids(rid) == self.kvb.get_block_ids(rid), rid
+        ref_pool, kvb_pool = self.ref.block_pool, self.kvb.block_pool
+        assert ref_pool.get_num_free_blocks() == kvb_pool.get_num_free_blocks()
+        assert self.ref.usage == self.kvb.usage
+        assert self.ref.make_prefix_cache_stats() == self.kvb.make_prefix_cache_stats()
+        events = self.kvb.take_events()
+        assert self.ref.take_events() == events
+        if any(type(e).__name__ == "BlockRemoved" for e in events):
+            event("cached block evicted")
+
+    def teardown(self):
+        if not hasattr(self, "ref"):
+            return
+        for pair in self.live.values():
+            for m, r in self._pairs(pair):
+                m.free(r)
+        assert self.ref.block_pool.get_num_free_blocks() == (
+            self.kvb.block_pool.get_num_free_blocks()
+        )
+        free = [
+            [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+            for m in (self.ref, self.kvb)
+        ]
+        assert free[0] == free[1]
+        assert self.ref.reset_prefix_cache() and self.kvb.reset_prefix_cache()
+        assert self.ref.take_events() == self.kvb.take_events()
+
+
+class FullOnly(Differential):
+    SPECS = [full_spec]
+
+
+class FullAndSlidingWindow(Differential):
+    SPECS = [full_spec, lambda: sw_spec(8)]
+
+
+TestFullOnly = FullOnly.TestCase
+TestFullOnly.settings = PROFILE
+TestFullAndSlidingWindow = FullAndSlidingWindow.TestCase
+TestFullAndSlidingWindow.settings = PROFILE
