@@ -34,45 +34,6 @@ KVB_INLINE kvb_seq_t *live_seq(const kvb_mgr_t *m, int32_t slot) { /* NULL if no
     return &m->seqs[slot];
 }
 
-/* Software prefetch for the batch loops over sequences (append_batch, metadata): a decode
- * step touches, per sequence, its record, its write position in tokens[] and blocks[], and the
- * pool entry of its write block, each a likely cache miss once an engine's forward and
- * scheduler ran between two steps. Each stage's address depends on the previous stage's
- * load, so the stages run at decreasing distances: the record PF_FAR sequences ahead, its
- * arrays PF_MID ahead, the pool entry PF_NEAR ahead. Only addresses inside live arrays are
- * formed (the slots are not validated yet). A hint: no effect on results. */
-#if defined(__GNUC__) || defined(__clang__)
-#define KVB_PREFETCH(p, rw) __builtin_prefetch((p), (rw), 3)
-#else
-#define KVB_PREFETCH(p, rw) ((void)(p))
-#endif
-enum { PF_FAR = 12, PF_MID = 6, PF_NEAR = 3 };
-
-KVB_INLINE const kvb_seq_t *pf_seq(const kvb_mgr_t *m, const int32_t *slots, int64_t i,
-                                   int64_t n) {
-    return i < n && (uint32_t)slots[i] < (uint32_t)m->scap ? &m->seqs[slots[i]] : NULL;
-}
-
-KVB_INLINE void kvb_prefetch_step(const kvb_mgr_t *m, const int32_t *slots, int64_t i,
-                                  int64_t n) {
-    const kvb_seq_t *f = pf_seq(m, slots, i + PF_FAR, n);
-    if (f) KVB_PREFETCH(f, 1);
-    f = pf_seq(m, slots, i + PF_MID, n);
-    if (f && f->blocks && f->tokens) {
-        int64_t w = blk_of(m, f->ntokens);
-        if (w < f->bcap) KVB_PREFETCH(f->blocks + w, 0);
-        if (f->ntokens < f->tcap) KVB_PREFETCH(f->tokens + f->ntokens, 1);
-    }
-    f = pf_seq(m, slots, i + PF_NEAR, n);
-    if (f && f->blocks) {
-        int64_t w = blk_of(m, f->ntokens);
-        if (w < f->nblocks && w >= 0) {
-            int32_t b = f->blocks[w];
-            if (b > 0 && b < m->pool->num_blocks) KVB_PREFETCH(&m->pool->ref_count[b], 1);
-        }
-    }
-}
-
 /* Grow *ptr to hold at least `need` elements of `elem` bytes (capacity doubles from 64); *cap is
  * updated. KVB_ENOMEM on overflow or allocation failure, leaving *ptr and *cap as they were. */
 static inline int kvb_grow(void **ptr, int64_t *cap, int64_t need, size_t elem) {

@@ -820,7 +820,6 @@ static int batch_prepare(kvb_mgr_t *m, const int32_t *slots, int64_t n, int vali
     uint32_t stamp = validate ? next_stamp(m) : 0;
     int64_t need = 0;
     for (int64_t i = 0; i < n; i++) {
-        kvb_prefetch_step(m, slots, i, n);
         kvb_seq_t *s = validate ? live_seq(m, slots[i]) : &m->seqs[slots[i]];
         if (validate) {
             m->err_a = i;
@@ -866,7 +865,6 @@ static int batch_commit(kvb_mgr_t *m, const int32_t *slots, const int32_t *token
             release_for(m, s, s->ntokens + 1, INT64_MAX);
         }
     for (int64_t i = 0; i < n; i++) {
-        kvb_prefetch_step(m, slots, i, n);
         kvb_seq_t *s = &m->seqs[slots[i]];
         int64_t t = s->ntokens, w = blk_of(m, t);
         if (w >= s->nblocks) {
