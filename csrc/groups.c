@@ -33,9 +33,10 @@ KVB_INLINE int64_t add_sat(int64_t a, int64_t b) { /* a, b >= 0 */
 
 /* Group g's block hash is the group-0 chain hash of the block XOR a secret 128-bit tag,
  * SipHash(key, "kvblocks:group:" g): identical tokens in two groups never share a cache
- * entry, and the SipHash of a block is computed once for all groups (chain.c). In the
+ * entry, and the hash of a block is computed once for all groups (chain.c). In the
  * 256-bit modes the key is the engine's hash XOR the tag too (vLLM keys a block by its hash
- * and group id); the pools' events untag it (kvb_pool_t.gtag). */
+ * and group id), one SHA-256 per block for all groups as well; the pools' events untag it
+ * (kvb_pool_t.gtag). */
 void kvb_group_tag(const uint8_t key[16], uint8_t gidx, kvb_hash_t *out) {
     if (!gidx) { out->lo = out->hi = 0; return; }
     uint8_t msg[16] = "kvblocks:group:";
@@ -49,7 +50,7 @@ int kvb_grp_link(kvb_mgr_t *const *g, int32_t G) {
     for (int32_t j = 0; j < G; j++) {
         kvb_mgr_t *m = g[j];
         kvb_group_tag(g[0]->key, m->gidx, &m->tag);
-        m->hsrc = m->caching && m->hash_algo == KVB_HASH_SIPHASH ? src : NULL;
+        m->hsrc = m->caching ? src : NULL; /* every mode: one chain, XOR each group's tag */
         if (m->hsrc) {
             m->hxor.lo = src->tag.lo ^ m->tag.lo;
             m->hxor.hi = src->tag.hi ^ m->tag.hi;
