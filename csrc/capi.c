@@ -360,9 +360,8 @@ int kvb_manager_new(const kvb_manager_config_t *given, kvb_manager_t **out) {
         int32_t kind = c->groups ? c->groups[j].kind : KVB_GROUP_FULL;
         int64_t span = c->groups ? c->groups[j].span : 0;
         if ((rc = kvb_mgr_set_kind(&m->g[j], kind, span, (uint8_t)j))) goto fail;
-        if ((rc = kvb_mgr_set_hash(&m->g[j], c->hash_mode, none_hash))) goto fail;
     }
-    if ((rc = kvb_grp_link(m->gp, m->ng))) goto fail;
+    if ((rc = kvb_grp_set_hash(m->gp, m->ng, c->hash_mode, none_hash))) goto fail;
     if (tier && (rc = kvb_mgr_host_tier(&m->g[0], c->host_write_through != 0))) goto fail;
     *out = m;
     return KVB_OK;
@@ -400,10 +399,8 @@ int kvb_manager_add(kvb_manager_t *m, const int32_t *tokens, int64_t n, const ui
     if (n < 0 || (n && !tokens) || !seq_out || (salt_len && !salt))
         return fail(m, KVB_EINVAL, 0, n, "n, tokens, seq_out, salt");
     int64_t cached = 0;
-    int rc = m->ng == 1 ? kvb_mgr_add(&m->g[0], tokens, n, salt, salt_len, recompute != 0,
-                                      seq_out, &cached)
-                        : kvb_grp_add(m->gp, m->ng, tokens, n, salt, salt_len, recompute != 0,
-                                      seq_out, &cached);
+    int rc = kvb_grp_add(m->gp, m->ng, tokens, n, salt, salt_len, recompute != 0, 0, seq_out,
+                         &cached);
     if (!rc && cached_out) *cached_out = cached;
     return fin(m, rc, 0);
 }
@@ -414,8 +411,7 @@ int kvb_manager_probe(kvb_manager_t *m, const int32_t *tokens, int64_t n, const 
     if (n < 0 || (n && !tokens) || (salt_len && !salt))
         return fail(m, KVB_EINVAL, 0, n, "n, tokens, salt");
     int64_t cached = 0, need = 0;
-    int rc = m->ng == 1 ? kvb_mgr_probe(&m->g[0], tokens, n, salt, salt_len, &cached, &need)
-                        : kvb_grp_probe(m->gp, m->ng, tokens, n, salt, salt_len, &cached, &need);
+    int rc = kvb_grp_probe(m->gp, m->ng, tokens, n, salt, salt_len, &cached, &need);
     if (!rc) {
         if (cached_out) *cached_out = cached;
         if (need_out) *need_out = need;
@@ -427,24 +423,19 @@ int kvb_manager_append(kvb_manager_t *m, int32_t seq, const int32_t *tokens, int
                        int computed) {
     MUTATE(m);
     if (n < 0 || (n && !tokens)) return fail(m, KVB_EINVAL, 0, n, "n, tokens");
-    int rc = m->ng == 1 ? kvb_mgr_append(&m->g[0], seq, tokens, n, computed != 0)
-                        : kvb_grp_append(m->gp, m->ng, seq, tokens, n, computed != 0);
-    return fin(m, rc, 0);
+    return fin(m, kvb_grp_append(m->gp, m->ng, seq, tokens, n, computed != 0), 0);
 }
 
 int kvb_manager_append_batch(kvb_manager_t *m, const int32_t *seqs, const int32_t *tokens,
                              int64_t n) {
     MUTATE(m);
     if (n < 0 || (n && (!seqs || !tokens))) return fail(m, KVB_EINVAL, 0, n, "n, seqs, tokens");
-    int rc = m->ng == 1 ? kvb_mgr_append_batch(&m->g[0], seqs, tokens, n)
-                        : kvb_grp_append_batch(m->gp, m->ng, seqs, tokens, n);
-    return fin(m, rc, 0);
+    return fin(m, kvb_grp_append_batch(m->gp, m->ng, seqs, tokens, n), 0);
 }
 
 int kvb_manager_reserve(kvb_manager_t *m, int32_t seq, int64_t n) {
     MUTATE(m);
-    int rc = m->ng == 1 ? kvb_mgr_reserve(&m->g[0], seq, n) : kvb_grp_reserve(m->gp, m->ng, seq, n);
-    return fin(m, rc, 0);
+    return fin(m, kvb_grp_reserve(m->gp, m->ng, seq, n), 0);
 }
 
 int kvb_manager_truncate(kvb_manager_t *m, int32_t seq, int64_t ntokens) {
@@ -527,8 +518,7 @@ int64_t kvb_manager_num_tokens(const kvb_manager_t *m, int32_t seq) {
 }
 
 int64_t kvb_manager_num_computed(const kvb_manager_t *m, int32_t seq) {
-    const kvb_seq_t *s = seq_of(m, 0, seq);
-    return s ? s->ncomputed : KVB_EUNKNOWN;
+    return seq_of(m, 0, seq) ? kvb_grp_num_computed(m->gp, m->ng, seq) : KVB_EUNKNOWN;
 }
 
 int kvb_manager_block_table(const kvb_manager_t *m, int32_t group, int32_t seq, int32_t *out,
@@ -542,11 +532,7 @@ int kvb_manager_block_table(const kvb_manager_t *m, int32_t group, int32_t seq, 
     return KVB_OK;
 }
 
-int64_t kvb_manager_pending_copies(kvb_manager_t *m) {
-    int64_t n = 0;
-    for (int32_t j = 0; j < m->ng; j++) n += m->g[j].ncopies;
-    return n;
-}
+int64_t kvb_manager_pending_copies(kvb_manager_t *m) { return kvb_grp_num_copies(m->gp, m->ng); }
 
 /* A step's one check (all groups: group < 0), the copies pending refusing it; with sizes
  * (one per group checked), the step is sized in the same pass (kvb_step_check). */

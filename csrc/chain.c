@@ -72,29 +72,51 @@ KVB_INLINE void xor_into(kvb_hash_t *h, const kvb_hash_t *t) {
     h->hi ^= t->hi;
 }
 
-/* SipHash: a group's hashes are the group-0 chain XOR its tag (groups.c, kvb_group_tag). With
- * `src`, another group's hashes of the same blocks, they are derived without hashing (one
- * SipHash per block for all groups); otherwise the group-0 chain is computed from the parent
- * (this group's previous hash without its tag) and tagged. */
-static void siphash_chain(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens,
-                          int64_t from, int64_t to, const kvb_hash_t *src) {
+/* Every mode: a group's hashes are the group-0 chain XOR its tag (groups.c, kvb_group_tag).
+ * With `src`, another group's record of the same sequence holding these blocks' hashes, they
+ * are derived without hashing: one SipHash or SHA-256 per block for all groups (in the 256-bit
+ * modes the digests' other halves, chain.ext, are the same in every group). */
+static void derive_chain(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens, int64_t from,
+                         int64_t to, const kvb_seq_t *src) {
     kvb_hash_t *out = s->hashes + from;
-    if (src) {
-        for (int64_t j = from; j < to; j++, out++) {
-            *out = src[j];
-            xor_into(out, &m->hxor);
-#ifdef KVB_DEBUG /* the source really held these tokens */
-            kvb_hash_t h;
+    for (int64_t j = from; j < to; j++, out++) {
+        *out = src->hashes[j];
+        xor_into(out, &m->hxor);
+    }
+    if (m->hash_algo != KVB_HASH_SIPHASH)
+        kvb_copy(s->chain.ext + from, src->chain.ext + from, (size_t)(to - from) * sizeof *out);
+#ifdef KVB_DEBUG /* the source really held these tokens: hash them again, block by block */
+    for (int64_t j = from; j < to; j++) {
+        kvb_hash_t h;
+        const int32_t *tj = tokens + (j - from) * m->block_size;
+        if (m->hash_algo == KVB_HASH_SIPHASH) {
             kvb_hash_t prev = j ? s->hashes[j - 1] : s->root;
             if (j) xor_into(&prev, &m->tag);
-            kvb_hash_chain(m->key, &prev, tokens + (j - from) * m->block_size, 1, m->block_size,
-                           &h);
-            xor_into(&h, &m->tag);
-            KVB_ASSERT(h.lo == out->lo && h.hi == out->hi);
-#endif
+            kvb_hash_chain(m->key, &prev, tj, 1, m->block_size, &h);
+        } else {
+            kvb_hasher_t hs;
+            kvb_digest_t parent;
+            seq_hasher(m, s, &hs);
+            if (j) {
+                parent.h = s->hashes[j - 1];
+                xor_into(&parent.h, &m->tag);
+                parent.x = s->chain.ext[j - 1];
+            }
+            kvb_hash_blocks(&hs, j ? &parent : NULL, j, tj, 1, m->block_size, &h, NULL);
         }
-        return;
+        xor_into(&h, &m->tag);
+        KVB_ASSERT(h.lo == s->hashes[j].lo && h.hi == s->hashes[j].hi);
     }
+#else
+    (void)tokens;
+#endif
+}
+
+/* SipHash: the group-0 chain computed from the parent (this group's previous hash without
+ * its tag), then tagged. */
+static void siphash_chain(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens,
+                          int64_t from, int64_t to) {
+    kvb_hash_t *out = s->hashes + from;
     kvb_hash_t parent = from ? s->hashes[from - 1] : s->root;
     if (from) xor_into(&parent, &m->tag);
     kvb_hash_chain(m->key, &parent, tokens, to - from, m->block_size, out);
@@ -103,10 +125,14 @@ static void siphash_chain(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *token
 }
 
 void kvb_chain_hash(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens, int64_t from,
-                    int64_t to, const kvb_hash_t *src) {
+                    int64_t to, const kvb_seq_t *src) {
     if (to <= from) return;
+    if (src) {
+        derive_chain(m, s, tokens, from, to, src);
+        return;
+    }
     if (m->hash_algo == KVB_HASH_SIPHASH) { /* the default path, as before the modes */
-        siphash_chain(m, s, tokens, from, to, src);
+        siphash_chain(m, s, tokens, from, to);
         return;
     }
     kvb_hasher_t hs;

@@ -560,9 +560,12 @@ int kvb_grp_link(kvb_mgr_t *const *g, int32_t G); /* KVB_ENOMEM */
 /* Several groups over one pool: g[0..G) share the pool, slots stay equal across groups.
  * Every call validates and counts blocks for all groups before any mutation; errors are
  * reported in g[0]'s err fields. */
+/* One function per manager call (G = 1: one group's path, the same as the kvb_mgr_* call).
+ * add: `tag` is the adapter tag the KV events of the sequence's stored blocks carry (0:
+ * none; kvb_pool_t events). */
 int kvb_grp_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
-                const uint8_t *salt, size_t salt_len, int recompute, int32_t *slot_out,
-                int64_t *cached_out);
+                const uint8_t *salt, size_t salt_len, int recompute, int32_t tag,
+                int32_t *slot_out, int64_t *cached_out);
 int kvb_grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
                   const uint8_t *salt, size_t salt_len, int64_t *cached_out, int64_t *need_out);
 int kvb_grp_append(kvb_mgr_t *const *g, int32_t G, int32_t slot, const int32_t *tokens,
@@ -583,6 +586,14 @@ int kvb_grp_swap_in(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pairs
 int kvb_grp_schedule(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                      const int32_t *qlens, const int32_t *drafts, int64_t B, int apply);
 int kvb_grp_check(kvb_mgr_t *const *g, int32_t G);
+/* Queries over all groups of a live slot (not checked): table entries of an n-token sequence,
+ * blocks held (released entries excluded), computed tokens (the fewest of any group); pending
+ * copy-on-write pairs; the hash mode of every group, then kvb_grp_link. */
+int64_t kvb_grp_table_blocks(kvb_mgr_t *const *g, int32_t G, int64_t n);
+int64_t kvb_grp_held(kvb_mgr_t *const *g, int32_t G, int32_t slot);
+int64_t kvb_grp_num_computed(kvb_mgr_t *const *g, int32_t G, int32_t slot);
+int64_t kvb_grp_num_copies(kvb_mgr_t *const *g, int32_t G);
+int kvb_grp_set_hash(kvb_mgr_t *const *g, int32_t G, int32_t algo, const uint8_t none_hash[32]);
 /* Blocks a scheduler's step takes (groups.c): ns[i] more slots for each sequence and forks[i]
  * children of it (forks may be NULL) taking cn[i] slots each, exactly; *need_out saturates
  * at INT64_MAX. */
@@ -761,6 +772,11 @@ void kvb_tier_flush(kvb_tier_t *t);
 /* Drain the pool's insertion records (write-through): the layer that cached blocks in a
  * tiered pool calls it once that call returned, before anything else touches the host. */
 void kvb_tier_absorb(kvb_tier_t *t);
+/* kvb_cache_insert for the layers above the tier (BlockPool.cache): the new blocks' group and
+ * the events' adapter tag, then kvb_tier_absorb. */
+int kvb_tier_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes,
+                          int64_t n, const kvb_hash_t *parent, const int32_t *tokens,
+                          int32_t block_size, uint8_t group, int32_t tag, int64_t *stored);
 /* Pairs and evictions that hold a step back (schedule): pending offloads other than this
  * step's write-through copies, onloads, and evictions not yet flushed. */
 int64_t kvb_tier_busy(const kvb_tier_t *t);

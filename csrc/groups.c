@@ -33,9 +33,10 @@ KVB_INLINE int64_t add_sat(int64_t a, int64_t b) { /* a, b >= 0 */
 
 /* Group g's block hash is the group-0 chain hash of the block XOR a secret 128-bit tag,
  * SipHash(key, "kvblocks:group:" g): identical tokens in two groups never share a cache
- * entry, and the SipHash of a block is computed once for all groups (chain.c). In the
+ * entry, and the hash of a block is computed once for all groups (chain.c). In the
  * 256-bit modes the key is the engine's hash XOR the tag too (vLLM keys a block by its hash
- * and group id); the pools' events untag it (kvb_pool_t.gtag). */
+ * and group id), one SHA-256 per block for all groups as well; the pools' events untag it
+ * (kvb_pool_t.gtag). */
 void kvb_group_tag(const uint8_t key[16], uint8_t gidx, kvb_hash_t *out) {
     if (!gidx) { out->lo = out->hi = 0; return; }
     uint8_t msg[16] = "kvblocks:group:";
@@ -49,7 +50,7 @@ int kvb_grp_link(kvb_mgr_t *const *g, int32_t G) {
     for (int32_t j = 0; j < G; j++) {
         kvb_mgr_t *m = g[j];
         kvb_group_tag(g[0]->key, m->gidx, &m->tag);
-        m->hsrc = m->caching && m->hash_algo == KVB_HASH_SIPHASH ? src : NULL;
+        m->hsrc = m->caching ? src : NULL; /* every mode: one chain, XOR each group's tag */
         if (m->hsrc) {
             m->hxor.lo = src->tag.lo ^ m->tag.lo;
             m->hxor.hi = src->tag.hi ^ m->tag.hi;
@@ -110,9 +111,9 @@ static int prepare_all(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, in
     return KVB_OK;
 }
 
-int kvb_grp_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
-                const uint8_t *salt, size_t salt_len, int recompute, int32_t *slot_out,
-                int64_t *cached_out) {
+static int grp_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
+                   const uint8_t *salt, size_t salt_len, int recompute, int32_t *slot_out,
+                   int64_t *cached_out) {
     int64_t k, need;
     int rc = prepare_all(g, G, tokens, n, salt, salt_len, &k, &need);
     if (rc) return rc;
@@ -135,8 +136,9 @@ int kvb_grp_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n
     return KVB_OK;
 }
 
-int kvb_grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
-                  const uint8_t *salt, size_t salt_len, int64_t *cached_out, int64_t *need_out) {
+static int grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
+                     const uint8_t *salt, size_t salt_len, int64_t *cached_out,
+                     int64_t *need_out) {
     int64_t k, need;
     int rc = prepare_all(g, G, tokens, n, salt, salt_len, &k, &need);
     if (rc) return rc;
@@ -151,7 +153,7 @@ int kvb_grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t
 int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
                 size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out) {
     if (m->pool->tier && m->kind != KVB_G_FULL)
-        return kvb_grp_add(&m, 1, tokens, n, salt, salt_len, recompute, slot_out, cached_out);
+        return grp_add(&m, 1, tokens, n, salt, salt_len, recompute, slot_out, cached_out);
     return kvb_mgr_add_one(m, tokens, n, salt, salt_len, recompute, slot_out, cached_out);
 }
 
@@ -161,15 +163,15 @@ int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t 
         return kvb_mgr_probe_one(m, tokens, n, salt, salt_len, cached_out, need_out);
     KVB_CLEAR_ERR(m);
     if (n < 0) { m->err_b = n; return KVB_EINVAL; }
-    return kvb_grp_probe(&m, 1, tokens, n, salt, salt_len, cached_out, need_out);
+    return grp_probe(&m, 1, tokens, n, salt, salt_len, cached_out, need_out);
 }
 
 /* ---- growth ----------------------------------------------------------------------------- */
 /* Growth counts what window release frees (gain) but releases only once the call fits, and
  * then in every group before any group allocates: a group that allocates first must not
  * depend on blocks a later group has not released yet. */
-int kvb_grp_append(kvb_mgr_t *const *g, int32_t G, int32_t slot, const int32_t *tokens,
-                   int64_t n, int computed) {
+static int grp_append(kvb_mgr_t *const *g, int32_t G, int32_t slot, const int32_t *tokens,
+                      int64_t n, int computed) {
     int64_t need = 0, gain = 0;
     for (int32_t j = 0; j < G; j++) {
         int rc = kvb_mgr_append_check(g[j], slot, n, computed);
@@ -215,8 +217,8 @@ static int need_all(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, int64_
     return KVB_OK;
 }
 
-int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
-                         const int32_t *tokens, int64_t n) {
+static int grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
+                            const int32_t *tokens, int64_t n) {
     kvb_pool_t *p = g[0]->pool;
     int64_t growing = 0;
     for (int32_t j = 0; j < G; j++) growing += g[j]->kind != KVB_G_STATE;
@@ -245,7 +247,7 @@ int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
     return rc ? fail_from(g, j - 1, rc) : KVB_OK; /* validation fails in the first group */
 }
 
-int kvb_grp_reserve(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t n) {
+static int grp_reserve(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t n) {
     int64_t need = 0;
     for (int32_t j = 0; j < G; j++) {
         int rc = kvb_mgr_append_check(g[j], slot, n, 0);
@@ -303,6 +305,82 @@ int kvb_grp_step_need(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, cons
     }
     *need_out = need;
     return KVB_OK;
+}
+
+/* ---- the entry points of a manager's calls: G = 1 is one group's path (table.c), G > 1
+ * the lock step above; so the Cython layer and capi.c call one function per method ------- */
+int kvb_grp_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
+                const uint8_t *salt, size_t salt_len, int recompute, int32_t tag,
+                int32_t *slot_out, int64_t *cached_out) {
+    kvb_pool_t *p = g[0]->pool;
+    p->events.cur_tag = tag; /* host-tier onloads cache blocks inside add */
+    int rc = G == 1 ? kvb_mgr_add(g[0], tokens, n, salt, salt_len, recompute, slot_out,
+                                  cached_out)
+                    : grp_add(g, G, tokens, n, salt, salt_len, recompute, slot_out, cached_out);
+    p->events.cur_tag = 0;
+    if (!rc)
+        for (int32_t j = 0; j < G; j++) g[j]->seqs[*slot_out].chain.tag = tag;
+    return rc;
+}
+
+int kvb_grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
+                  const uint8_t *salt, size_t salt_len, int64_t *cached_out, int64_t *need_out) {
+    return G == 1 ? kvb_mgr_probe(g[0], tokens, n, salt, salt_len, cached_out, need_out)
+                  : grp_probe(g, G, tokens, n, salt, salt_len, cached_out, need_out);
+}
+
+int kvb_grp_append(kvb_mgr_t *const *g, int32_t G, int32_t slot, const int32_t *tokens,
+                   int64_t n, int computed) {
+    return G == 1 ? kvb_mgr_append(g[0], slot, tokens, n, computed)
+                  : grp_append(g, G, slot, tokens, n, computed);
+}
+
+int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
+                         const int32_t *tokens, int64_t n) {
+    return G == 1 ? kvb_mgr_append_batch(g[0], slots, tokens, n)
+                  : grp_append_batch(g, G, slots, tokens, n);
+}
+
+int kvb_grp_reserve(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t n) {
+    return G == 1 ? kvb_mgr_reserve(g[0], slot, n) : grp_reserve(g, G, slot, n);
+}
+
+/* Table entries of an n-token sequence in all groups (a state group: its span). */
+int64_t kvb_grp_table_blocks(kvb_mgr_t *const *g, int32_t G, int64_t n) {
+    int64_t b = n > 0 ? blk_of(g[0], n - 1) + 1 : 0, total = 0; /* no overflow up to INT64_MAX */
+    for (int32_t j = 0; j < G; j++) total = add_sat(total, g[j]->kind == KVB_G_STATE ? g[j]->span : b);
+    return total;
+}
+
+/* Blocks a live sequence holds in all groups (released entries excluded). */
+int64_t kvb_grp_held(kvb_mgr_t *const *g, int32_t G, int32_t slot) {
+    int64_t n = 0;
+    for (int32_t j = 0; j < G; j++) n += g[j]->seqs[slot].nblocks - g[j]->seqs[slot].lo;
+    return n;
+}
+
+/* A live sequence's computed tokens: the fewest any group holds computed. */
+int64_t kvb_grp_num_computed(kvb_mgr_t *const *g, int32_t G, int32_t slot) {
+    int64_t nc = g[0]->seqs[slot].ncomputed;
+    for (int32_t j = 1; j < G; j++)
+        if (g[j]->seqs[slot].ncomputed < nc) nc = g[j]->seqs[slot].ncomputed;
+    return nc;
+}
+
+/* Copy-on-write pairs pending in all groups. */
+int64_t kvb_grp_num_copies(kvb_mgr_t *const *g, int32_t G) {
+    int64_t n = 0;
+    for (int32_t j = 0; j < G; j++) n += g[j]->ncopies;
+    return n;
+}
+
+/* Every group's hash mode (kvb_mgr_set_hash), then the links (kvb_grp_link). */
+int kvb_grp_set_hash(kvb_mgr_t *const *g, int32_t G, int32_t algo, const uint8_t none_hash[32]) {
+    for (int32_t j = 0; j < G; j++) {
+        int rc = kvb_mgr_set_hash(g[j], algo, none_hash);
+        if (rc) return fail_from(g, j, rc);
+    }
+    return kvb_grp_link(g, G);
 }
 
 /* ---- truncate, fork, free --------------------------------------------------------------- */

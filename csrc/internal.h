@@ -96,8 +96,8 @@ int kvb_cache_put(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const kvb_hash_
 int kvb_chain_begin(const kvb_mgr_t *m, kvb_seq_t *s, const uint8_t *ctx, size_t ctx_len);
 int kvb_chain_reserve(const kvb_mgr_t *m, kvb_seq_t *s, int64_t nblocks); /* ext capacity */
 void kvb_chain_hash(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens, int64_t from,
-                    int64_t to, const kvb_hash_t *src); /* hashes[from..to) from the tokens
-                    * of those blocks, or from m->hsrc's hashes src[from..to) of them */
+                    int64_t to, const kvb_seq_t *src); /* hashes[from..to) from the tokens of
+                    * those blocks, or from src, m->hsrc's record of the same sequence */
 void kvb_chain_block(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t j, kvb_hash_t *out);
 int kvb_chain_fork(const kvb_mgr_t *m, kvb_seq_t *child, const kvb_seq_t *parent);
 void kvb_chain_destroy(kvb_seq_t *s);

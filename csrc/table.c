@@ -237,10 +237,10 @@ static void computed_to(kvb_mgr_t *m, kvb_seq_t *s, int64_t ncomputed) {
 /* The hashes m derives its own from (kvb_grp_link): its source group's, when that group
  * holds the same sequence at least as far (groups.c runs the groups of a call in order, so
  * the source has taken the same step) and has hashed blocks [0, to); else NULL (hash). */
-KVB_INLINE const kvb_hash_t *src_hashes(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t to) {
+KVB_INLINE const kvb_seq_t *src_hashes(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t to) {
     if (!m->hsrc) return NULL;
     const kvb_seq_t *b = &m->hsrc->seqs[s - m->seqs];
-    return b->nhashed >= to && b->ntokens == s->ntokens ? b->hashes : NULL;
+    return b->nhashed >= to && b->ntokens == s->ntokens ? b : NULL;
 }
 
 /* Hash the blocks that became full (from block nhashed to ntokens / bs). They enter the
@@ -475,7 +475,7 @@ int kvb_mgr_add_prepare(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const ui
     if (rc) return rc;
     /* groups.c prepares the groups in order: the source group hashed this prompt into
      * the same slot just before */
-    kvb_chain_hash(m, s, tokens, 0, full, m->hsrc ? m->hsrc->seqs[slot].hashes : NULL);
+    kvb_chain_hash(m, s, tokens, 0, full, m->hsrc ? &m->hsrc->seqs[slot] : NULL);
     if (m->kind == KVB_G_FULL) {
         int64_t run = kvb_cache_match(p, s->hashes, K, s->blocks);
         for (int64_t k = run + 1; k <= kmax; k++) ok[k] = 0;

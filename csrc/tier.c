@@ -273,6 +273,23 @@ void kvb_tier_absorb(kvb_tier_t *t) {
     lg->nins = 0;
 }
 
+/* kvb_cache_insert from above the tier (BlockPool.cache): the blocks not cached yet take
+ * KV cache group `group` for their events, the events the adapter tag `tag` (0: none), then
+ * the tier (if any) absorbs the insertions. */
+int kvb_tier_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes,
+                          int64_t n, const kvb_hash_t *parent, const int32_t *tokens,
+                          int32_t block_size, uint8_t group, int32_t tag, int64_t *stored) {
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (b > 0 && b < p->num_blocks && !(p->flags[b] & KVB_F_CACHED)) p->gid[b] = group;
+    }
+    p->events.cur_tag = tag;
+    int rc = kvb_cache_insert(p, ids, hashes, n, parent, tokens, block_size, stored);
+    p->events.cur_tag = 0;
+    if (p->tier) kvb_tier_absorb(p->tier); /* the insertions' records, at the tier's layer */
+    return rc;
+}
+
 int64_t kvb_tier_unflushed(const kvb_tier_t *t) {
     return t->pool->log->nev + t->pool->log->nins;
 }

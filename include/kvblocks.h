@@ -246,7 +246,8 @@ KVB_API int kvb_manager_swap_in(kvb_manager_t *m, int32_t seq, int64_t *pairs, i
 /* Pairs a swap of seq writes at most (size the buffer with it). */
 KVB_API int64_t kvb_manager_swap_pairs_max(const kvb_manager_t *m, int32_t seq);
 KVB_API int kvb_manager_is_swapped(const kvb_manager_t *m, int32_t seq); /* 1, 0 or < 0 */
-/* Committed tokens, computed tokens, blocks held (group 0) of seq; < 0: error code. */
+/* Committed tokens, and computed tokens (the fewest any KV cache group holds computed, as
+ * BlockManager.num_computed), of seq; < 0: error code. */
 KVB_API int64_t kvb_manager_num_tokens(const kvb_manager_t *m, int32_t seq);
 KVB_API int64_t kvb_manager_num_computed(const kvb_manager_t *m, int32_t seq);
 /* seq's block table in group into out (cap entries); *n gets its length. Released entries

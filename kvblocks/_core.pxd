@@ -238,9 +238,14 @@ cdef extern from "core.h" nogil:
     int kvb_mgr_set_kind(kvb_mgr_t *m, int32_t kind, int64_t span, uint8_t gidx)
     void kvb_group_tag(const uint8_t *key, uint8_t gidx, kvb_hash_t *out)
     int kvb_grp_link(kvb_mgr_t **g, int32_t G)
+    int kvb_grp_set_hash(kvb_mgr_t **g, int32_t G, int32_t algo, const uint8_t *none_hash)
+    int64_t kvb_grp_table_blocks(kvb_mgr_t **g, int32_t G, int64_t n)
+    int64_t kvb_grp_held(kvb_mgr_t **g, int32_t G, int32_t slot)
+    int64_t kvb_grp_num_computed(kvb_mgr_t **g, int32_t G, int32_t slot)
+    int64_t kvb_grp_num_copies(kvb_mgr_t **g, int32_t G)
     int kvb_grp_add(kvb_mgr_t **g, int32_t G, const int32_t *tokens, int64_t n,
-                    const uint8_t *salt, size_t salt_len, int recompute, int32_t *slot_out,
-                    int64_t *cached_out)
+                    const uint8_t *salt, size_t salt_len, int recompute, int32_t tag,
+                    int32_t *slot_out, int64_t *cached_out)
     int kvb_grp_probe(kvb_mgr_t **g, int32_t G, const int32_t *tokens, int64_t n,
                       const uint8_t *salt, size_t salt_len, int64_t *cached_out,
                       int64_t *need_out)
@@ -271,6 +276,9 @@ cdef extern from "core.h" nogil:
     int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through)
     void kvb_tier_flush(kvb_tier_t *t)
     void kvb_tier_absorb(kvb_tier_t *t)
+    int kvb_tier_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes,
+                              int64_t n, const kvb_hash_t *parent, const int32_t *tokens,
+                              int32_t block_size, uint8_t group, int32_t tag, int64_t *stored)
     int64_t kvb_tier_unflushed(const kvb_tier_t *t)
     int64_t kvb_tier_take_offloads(kvb_tier_t *t, int64_t *out)
     int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n)

@@ -140,13 +140,10 @@ cdef class BlockManager:
             raise_code(rc, "BlockManager", 0, bs)
         self._initialized = True
         self._init_groups(gs, key)
-        for j in range(self.ng):
-            rc = kvb_mgr_set_hash(self.gp[j], self.pool._algo,
-                                  <const uint8_t *><const char *>self.pool._none_hash)
-            if rc:
-                raise_code(rc, "BlockManager", 0, self.pool._algo)
-        if kvb_grp_link(self.gp, self.ng):  # group g's hashes: group 0's XOR g's tag
-            raise MemoryError()
+        rc = kvb_grp_set_hash(self.gp, self.ng, self.pool._algo,  # and the groups' links
+                              <const uint8_t *><const char *>self.pool._none_hash)
+        if rc:
+            raise_code(rc, "BlockManager", 0, self.pool._algo)
         if tier:
             rc = kvb_mgr_host_tier(&self.m, host_write_through)
             if rc:
@@ -393,11 +390,7 @@ cdef class BlockManager:
 
     cdef int64_t _table_blocks(self, int64_t n):
         """Blocks a new table of n tokens takes in all groups together."""
-        cdef int32_t j
-        cdef int64_t total = 0, b = (n - 1) // self.m.block_size + 1 if n else 0
-        for j in range(self.ng):
-            total += self.gp[j].span if self.gp[j].kind == KVB_G_STATE else b
-        return total
+        return kvb_grp_table_blocks(self.gp, self.ng, n)
 
     def probe(self, token_ids, *, salt=None, lora_name=None):
         """What ``add(seq, token_ids, salt=salt, lora_name=lora_name)`` would find now,
@@ -409,10 +402,8 @@ cdef class BlockManager:
         cdef int64_t cached = 0, need = 0
         self._enter(False)
         try:
-            rc = (kvb_mgr_probe(&self.m, i32_data(toks), cnp.PyArray_DIM(toks, 0),
-                                <const uint8_t *>s, len(s), &cached, &need) if self.ng == 1 else
-                  kvb_grp_probe(self.gp, self.ng, i32_data(toks), cnp.PyArray_DIM(toks, 0),
-                                <const uint8_t *>s, len(s), &cached, &need))
+            rc = kvb_grp_probe(self.gp, self.ng, i32_data(toks), cnp.PyArray_DIM(toks, 0),
+                               <const uint8_t *>s, len(s), &cached, &need)
             if rc:
                 self._err(rc, "probe")
         finally:
@@ -581,23 +572,17 @@ cdef class BlockManager:
         cdef cnp.ndarray toks = as_int32(token_ids, "token_ids")
         cdef bytes s = chain_context(self.m.hash_algo, salt, lora_name)
         cdef int32_t tag = self.pool._event_tag(as_lora(lora_name), lora_id, salt)
-        cdef int32_t slot, j
+        cdef int32_t slot
         cdef int64_t cached
         cdef Py_ssize_t n = cnp.PyArray_DIM(toks, 0)
         self._enter()
         try:
             if seq_id in self._slots:
                 raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
-            self.pool.p.events.cur_tag = tag  # host-tier onloads cache blocks inside add
-            rc = (kvb_mgr_add(&self.m, i32_data(toks), n, <const uint8_t *>s, len(s),
-                              recompute, &slot, &cached) if self.ng == 1 else
-                  kvb_grp_add(self.gp, self.ng, i32_data(toks), n, <const uint8_t *>s, len(s),
-                              recompute, &slot, &cached))
-            self.pool.p.events.cur_tag = 0
+            rc = kvb_grp_add(self.gp, self.ng, i32_data(toks), n, <const uint8_t *>s, len(s),
+                             recompute, tag, &slot, &cached)
             if rc:
                 self._err(rc, f"add({seq_id!r}, {n} tokens)")
-            for j in range(self.ng):
-                self.gp[j].seqs[slot].chain.tag = tag
             self._register(seq_id, slot)
             return cached
         finally:
@@ -614,10 +599,8 @@ cdef class BlockManager:
         cdef Py_ssize_t n = cnp.PyArray_DIM(toks, 0)
         self._enter()
         try:
-            rc = (kvb_mgr_append(&self.m, self._slot(seq_id), i32_data(toks), n, computed)
-                  if self.ng == 1 else
-                  kvb_grp_append(self.gp, self.ng, self._slot(seq_id), i32_data(toks), n,
-                                 computed))
+            rc = kvb_grp_append(self.gp, self.ng, self._slot(seq_id), i32_data(toks), n,
+                                computed)
             if rc:
                 self._err(rc, f"append({seq_id!r}, {n} tokens)")
         finally:
@@ -640,9 +623,7 @@ cdef class BlockManager:
                     f"append_batch: {n} sequences but {cnp.PyArray_DIM(toks, 0)} tokens")
             if n == 0:
                 return
-            rc = (kvb_mgr_append_batch(&self.m, i32_data(slots), i32_data(toks), n)
-                  if self.ng == 1 else
-                  kvb_grp_append_batch(self.gp, self.ng, i32_data(slots), i32_data(toks), n))
+            rc = kvb_grp_append_batch(self.gp, self.ng, i32_data(slots), i32_data(toks), n)
             if rc:
                 self._err(rc, f"append_batch({n} sequences)")
         finally:
@@ -682,8 +663,7 @@ cdef class BlockManager:
         cdef int64_t k = as_int(n, "n", 0, INT64_MAX)
         self._enter()
         try:
-            rc = (kvb_mgr_reserve(&self.m, self._slot(seq_id), k) if self.ng == 1 else
-                  kvb_grp_reserve(self.gp, self.ng, self._slot(seq_id), k))
+            rc = kvb_grp_reserve(self.gp, self.ng, self._slot(seq_id), k)
             if rc:
                 self._err(rc, f"reserve({seq_id!r}, {k})")
         finally:
@@ -751,12 +731,7 @@ cdef class BlockManager:
 
     cdef int64_t _held(self, int32_t slot):
         """Blocks a sequence holds in all groups (released entries excluded)."""
-        cdef int32_t j
-        cdef int64_t n = 0
-        cdef int rc
-        for j in range(self.ng):
-            n += self.gp[j].seqs[slot].nblocks - self.gp[j].seqs[slot].lo
-        return n
+        return kvb_grp_held(self.gp, self.ng, slot)
 
     def blocks_in_use(self, seq_id):
         """Distinct blocks the sequence holds now, all groups together (released entries of
@@ -796,17 +771,13 @@ cdef class BlockManager:
     cdef int64_t _field(self, object seq_id, int which) except? -1:
         seq_id = norm_id(seq_id)
         cdef kvb_seq_t *s
-        cdef int32_t j, slot
-        cdef int64_t nc
+        cdef int32_t slot
         self._enter(False)
         try:
             slot = self._slot(seq_id)
             s = &self.m.seqs[slot]
             if which == 1:
-                nc = s.ncomputed
-                for j in range(1, self.ng):
-                    nc = min(nc, self.gp[j].seqs[slot].ncomputed)
-                return nc
+                return kvb_grp_num_computed(self.gp, self.ng, slot)
             return s.ntokens if which == 0 else s.swapped
         finally:
             self._leave()
@@ -839,12 +810,7 @@ cdef class BlockManager:
         return self._ncopies()
 
     cdef int64_t _ncopies(self):
-        cdef int32_t j
-        cdef int64_t n = 0
-        cdef int rc
-        for j in range(self.ng):
-            n += self.gp[j].ncopies
-        return n
+        return kvb_grp_num_copies(self.gp, self.ng)
 
     def take_copies(self):
         """Drain the pending (src, dst) block copies from copy-on-write: int64 [n, 2].

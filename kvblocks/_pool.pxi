@@ -475,19 +475,9 @@ cdef class BlockPool:
             bs = cnp.PyArray_DIM(toks, 0) // n
             tp = i32_data(toks)
         cdef int64_t stored = 0
-        cdef Py_ssize_t i
-        cdef int32_t b
-        for i in range(n):  # the group of the blocks about to be cached (events)
-            b = i32_data(v)[i]
-            if 0 < b < self.p.num_blocks and not (self.p.flags[b] & KVB_F_CACHED):
-                self.p.gid[b] = g
-        self.p.events.cur_tag = tag
-        cdef int rc = kvb_cache_insert(&self.p, i32_data(v),
-                                       <kvb_hash_t *>&h[0, 0] if n else NULL, n, ppar, tp, bs,
-                                       &stored)
-        self.p.events.cur_tag = 0
-        if self.p.tier is not NULL:  # the insertions' records, drained at the tier's layer
-            kvb_tier_absorb(self.p.tier)
+        cdef int rc = kvb_tier_cache_insert(&self.p, i32_data(v),
+                                            <kvb_hash_t *>&h[0, 0] if n else NULL, n, ppar, tp,
+                                            bs, g, tag, &stored)
         if rc:
             raise_code(rc, "cache", self.p.err_a, self.p.err_b)
         return stored

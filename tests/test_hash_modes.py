@@ -453,3 +453,45 @@ def test_lora_name_reaches_every_groups_events():
     assert {e.group_idx for e in stored} == {0, 1}
     assert {e.lora_name for e in stored} == {"adapter-x"}
     mgr.check()
+
+
+@pytest.mark.parametrize("algo", ["vllm_sha256_cbor", "vllm_sha256_cbor_v030", "sglang_sha256"])
+def test_groups_share_one_256_bit_chain_through_decode_truncate_and_fork(algo):
+    """A later group derives its 256-bit hashes from the first group's chain (one SHA-256 per
+    block for all groups). Whatever path grew a table (add, decode steps crossing blocks,
+    truncate and regrowth, fork), every group's hashes are the engine's own chain of the
+    sequence's tokens, and check() recomputes them from the tokens."""
+    groups = (
+        kvblocks.KVGroup("full"),
+        kvblocks.KVGroup("sliding_window", window=32),
+        kvblocks.KVGroup("chunked_local", chunk=8),
+    )
+    mgr = BlockManager(128, 4, groups=groups, hash_algo=algo)
+
+    def same(seq):
+        toks = mgr.token_ids(seq).tolist()
+        ref = hash_blocks(toks, 4, algo=algo).tolist()
+        for g in range(3):
+            assert mgr.block_hashes(seq, group=g).tolist() == ref, (seq, g)
+        mgr.check()
+
+    mgr.add("a", list(range(13)))
+    compute(mgr, "a")
+    same("a")
+    for t in range(100, 107):  # decode steps, two block crossings
+        mgr.append_batch(["a"], [t])
+        compute(mgr, "a")
+    same("a")
+    mgr.truncate("a", 17)  # into block 4 (the chunk at 16 keeps it): regrown from its parent
+    same("a")
+    mgr.append("a", [7, 8, 9, 10, 11, 12])
+    compute(mgr, "a")
+    same("a")
+    mgr.fork("a", "b")
+    mgr.append_batch(["a", "b"], [1, 2])  # both write into the shared block: copies
+    mgr.append_batch(["a", "b"], [3, 4])
+    mgr.take_copies()
+    compute(mgr, "a")
+    compute(mgr, "b")
+    same("a")
+    same("b")

@@ -1,0 +1,214 @@
+"""Mutation testing of the C core: plant one known bug at a time, rebuild, run the suite.
+
+Each mutant below is a one-line change a plausible slip would make (a copy-on-write copy
+skipped, a release one block short, a stale row reused, an eviction order inverted, a check
+dropped). A mutant the suite does not fail on ("survived") marks a class of bugs the tests
+cannot see: write the test that kills it, then ask which other bugs of that class it would
+miss. The list is checked by ``tests/test_mutation_list.py`` so that it cannot rot: every
+mutant's text must occur exactly once in its file.
+
+    python fuzz/mutation.py --list                 # the mutants
+    python fuzz/mutation.py [NAME ...]              # run them (all by default)
+        [--tests tests] [--timeout 900] [--json FILE]
+
+Each run copies the tracked tree into a temporary folder, applies one mutant, builds the
+extension in place (about a minute) and runs ``pytest -x`` there (stopping at the first
+failure: a killed mutant usually fails in seconds, a survivor runs the whole suite). A
+build that fails counts as killed (the compiler caught it). Results are printed as they come
+and, with ``--json``, saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List, NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Mutant(NamedTuple):
+    name: str
+    path: str  # relative to the repository root
+    old: str  # occurs exactly once in path
+    new: str
+    why: str  # the slip it stands for
+
+
+MUTANTS: List[Mutant] = [
+    Mutant("cow-no-copy", "csrc/table.c",
+           "if (off_in(m, s->ntokens)) queue_copy(m, b, nb);",
+           "if (0) queue_copy(m, b, nb);",
+           "copy-on-write of a shared partial block forgets to copy its content"),
+    Mutant("need-no-cow", "csrc/table.c",
+           "users(m, s->blocks[w]) > 1 ? add_sat(grow, 1) : grow;",
+           "grow;",
+           "the block count of an append misses the copy-on-write block"),
+    Mutant("release-short", "csrc/table.c",
+           "for (int32_t j = s->lo; j < upto; j++) {",
+           "for (int32_t j = s->lo; j < upto - 1; j++) {",
+           "a window group releases one block too few"),
+    Mutant("dead-copies-kept", "csrc/table.c",
+           "if (p->ref_count[dst] == 0) {",
+           "if (0) {",
+           "a pending copy into a released block survives (the drain hazard class)"),
+    Mutant("twins-inverted", "csrc/policy.c",
+           "if (kvb_cache_find(p, &twin) == KVB_NONE) break;",
+           "if (kvb_cache_find(p, &twin) != KVB_NONE) break;",
+           "the groups' second chance goes to the wrong blocks"),
+    Mutant("meta-stale-kv", "csrc/meta.c",
+           "same_kv = r[3] == k ? r[2] : 0;",
+           "same_kv = r[2];",
+           "a reused metadata buffer keeps a page-list row whose offset moved"),
+    Mutant("meta-no-pad", "csrc/meta.c",
+           "if (!same_bt) /* a row",
+           "if (0) /* a row",
+           "a block-table row written anew keeps the previous row's tail"),
+    Mutant("batch-never-tight", "csrc/groups.c",
+           "int tight = n > p->num_free / (growing ? growing : 1);",
+           "int tight = 0;",
+           "a grouped decode step never counts exactly when the pool is nearly full"),
+    Mutant("fork-no-ref", "csrc/table.c",
+           "for (int64_t i = s->lo; i < nb; i++) m->pool->ref_count[s->blocks[i]]++;",
+           "for (int64_t i = s->lo + 1; i < nb; i++) m->pool->ref_count[s->blocks[i]]++;",
+           "fork shares a block without a reference"),
+    Mutant("step-no-release", "csrc/step.c",
+           "    kvb_step_release(g, G, slots, qlens, B);\n    kvb_step_commit",
+           "    kvb_step_commit",
+           "a planned step does not release what its window queries cannot read"),
+    Mutant("egap-unchecked", "csrc/table.c",
+           "if (s->ntokens - q > s->ncomputed) {",
+           "if (0) {",
+           "a step with uncomputed tokens before its query is accepted"),
+    Mutant("lru-to-head", "csrc/pool.c",
+           "        list_push_tail(p, b);\n        p->num_evictable++;",
+           "        list_push_head(p, b);\n        p->num_evictable++;",
+           "a released cached block is evicted first instead of last"),
+    Mutant("drafted-kept", "csrc/table.c",
+           "        s->drafted = 0;\n        if (off_in(m, t + 1) == 0 && m->caching)",
+           "        if (off_in(m, t + 1) == 0 && m->caching)",
+           "a decode step keeps the draft window of the previous step"),
+    Mutant("hitlo-one-more", "csrc/table.c",
+           "return lo < k - 1 ? lo : k - 1;",
+           "return lo < k - 1 ? lo + (lo > 0) : k - 1;",
+           "a window hit holds one block fewer than its next query reads"),
+    Mutant("hh-trail-host-ignored", "csrc/hosthits.c",
+           "trail = dv[i] == KVB_NONE && hv[i] == KVB_NONE ? 0 : trail + 1;",
+           "trail = dv[i] == KVB_NONE ? 0 : trail + 1;",
+           "a grouped host hit ignores the blocks only the host holds"),
+    Mutant("onload-no-trade", "csrc/tier.c",
+           "        if (!(p->flags[s->blocks[i]] & KVB_F_NOT_ONLOAD)) continue;",
+           "        continue;",
+           "an onload lands in a block a swap pair of the same drain reads"),
+    Mutant("tier-match-no-flush", "csrc/tier.c",
+           "    kvb_tier_flush(t); /* a prefix evicted a moment ago is on the host now */",
+           "    (void)0;",
+           "a host lookup misses the blocks evicted since the last flush"),
+]  # fmt: skip
+
+
+def check(mutants: List[Mutant], root: Path = ROOT) -> List[str]:
+    """Problems with the list against the tree at root: each text must occur exactly once."""
+    bad = []
+    for m in mutants:
+        n = (root / m.path).read_text().count(m.old)
+        if n != 1:
+            bad.append(f"{m.name}: its text occurs {n} times in {m.path}")
+    names = [m.name for m in mutants]
+    bad += [f"{n}: named twice" for n in set(names) if names.count(n) > 1]
+    return bad
+
+
+def _tree(dest: Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    for f in files:
+        if f:
+            src = ROOT / f.decode()
+            (dest / f.decode()).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f.decode())
+
+
+def run_one(m: Mutant, tests: str, timeout: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as d:
+        tree = Path(d)
+        _tree(tree)
+        p = tree / m.path
+        p.write_text(p.read_text().replace(m.old, m.new))
+        t0 = time.time()
+        b = subprocess.run(
+            [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+        )
+        if b.returncode:
+            return {"name": m.name, "result": "killed", "by": "build", "seconds": 0}
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        try:
+            r = subprocess.run(
+                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", tests],
+                cwd=tree,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=env,
+            )
+            rc, out = r.returncode, r.stdout + r.stderr
+        except subprocess.TimeoutExpired:
+            rc, out = -1, "timeout"
+        secs = round(time.time() - t0)
+        if rc == 0:
+            return {"name": m.name, "result": "SURVIVED", "by": "", "seconds": secs}
+        first = re.search(r"^(FAILED|ERROR) (\S+)", out, re.M)
+        by = first.group(2) if first else ("timeout" if rc == -1 else f"exit {rc} (a crash)")
+        return {"name": m.name, "result": "killed", "by": by, "seconds": secs}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="mutation testing of the C core")
+    ap.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    ap.add_argument("--list", action="store_true", help="print the mutants and exit")
+    ap.add_argument("--tests", default="tests", help="pytest target (default: tests)")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per suite run")
+    ap.add_argument("--json", default=None, help="save the results here")
+    a = ap.parse_args(argv)
+    bad = check(MUTANTS)
+    if bad:
+        print("mutation list out of date:\n  " + "\n  ".join(bad), file=sys.stderr)
+        return 2
+    if a.list:
+        for m in MUTANTS:
+            print(f"{m.name:24s} {m.path:16s} {m.why}")
+        return 0
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in a.names if n not in known]
+    if unknown:
+        print(f"unknown mutants: {', '.join(unknown)} (see --list)", file=sys.stderr)
+        return 2
+    results = []
+    for m in [known[n] for n in a.names] or MUTANTS:
+        r = run_one(m, a.tests, a.timeout)
+        results.append(r)
+        print(f"{r['name']:24s} {r['result']:8s} {r['by']} ({r['seconds']} s)", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1) + "\n")
+    survived = [r["name"] for r in results if r["result"] == "SURVIVED"]
+    print(
+        f"{len(results) - len(survived)} of {len(results)} killed"
+        + (f"; survived: {', '.join(survived)}" if survived else "")
+    )
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
