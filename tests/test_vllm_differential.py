@@ -1,8 +1,8 @@
 """A hypothesis state machine driving vLLM's own KVCacheManager and kvblocks' side by side
 (kvblocks.integrations.vllm); skipped unless vllm (0.34) is importable.
 
-Two configurations: one full-attention group (the one-group native path) and a full +
-sliding-window pair (the native hybrid path). Rules: admission of a new request (one of a few
+Three configurations: one full-attention group (the one-group native path), a full +
+sliding-window pair and a full + chunked-local pair (the native hybrid path). Rules: admission of a new request (one of a few
 shared system prompts + its own tokens, an optional ``cache_salt``, a prefill chunk, lookahead
 slots, ``full_sequence_must_fit``), admission of an earlier prompt again or continued
 (full-prompt and long prefix hits), resume of a preempted one, one step of a running request
@@ -43,6 +43,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -78,6 +79,12 @@ def full_spec():
 def sw_spec(window: int):
     return SlidingWindowSpec(
         block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
+    )
+
+
+def chunk_spec(chunk: int):
+    return ChunkedLocalAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, attention_chunk_size=chunk
     )
 
 
@@ -287,7 +294,13 @@ class FullAndSlidingWindow(Differential):
     SPECS = [full_spec, lambda: sw_spec(8)]
 
 
+class FullAndChunkedLocal(Differential):
+    SPECS = [full_spec, lambda: chunk_spec(8)]
+
+
 TestFullOnly = FullOnly.TestCase
 TestFullOnly.settings = PROFILE
 TestFullAndSlidingWindow = FullAndSlidingWindow.TestCase
 TestFullAndSlidingWindow.settings = PROFILE
+TestFullAndChunkedLocal = FullAndChunkedLocal.TestCase
+TestFullAndChunkedLocal.settings = PROFILE

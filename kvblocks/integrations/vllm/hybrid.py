@@ -40,7 +40,11 @@ from vllm.v1.core.kv_cache_coordinator import (
     UnitaryKVCacheCoordinator,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
 
 import kvblocks
 
@@ -48,6 +52,9 @@ from .pool_view import NativeBlockPoolView
 from .state import _ADMITTING, _EMPTY_I32, NativeKVCacheBlocks, _ids_of, _NativeState
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
+# attention kinds served natively, as vLLM's coordinator splits groups (full attention first)
+_FULL, _WINDOW, _CHUNK = 0, 1, 2
+_KINDS = {FullAttentionSpec: _FULL, SlidingWindowSpec: _WINDOW, ChunkedLocalAttentionSpec: _CHUNK}
 _DUP_SALT = 0x9E3779B97F4A7C15  # as _NativeState._cache_dups
 
 
@@ -63,7 +70,7 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
     groups = mgr.kv_cache_config.kv_cache_groups
     for g in groups:
         spec = g.kv_cache_spec
-        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+        if type(spec) not in _KINDS:
             return f"attention kind {type(spec).__name__} in a hybrid model"
         if str(getattr(g, "role", "default")) != "default":
             return f"KV cache group role {g.role}"
@@ -71,6 +78,8 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
             return "a group outside prefix caching"
         if type(spec) is SlidingWindowSpec and spec.sliding_window <= 1:
             return "sliding window of one token"
+        if type(spec) is ChunkedLocalAttentionSpec and spec.attention_chunk_size <= 0:
+            return "attention chunk of no tokens"
     if not mgr.enable_caching:
         want: type = KVCacheCoordinatorNoPrefixCache
     elif len(groups) > 1:
@@ -124,14 +133,23 @@ class _HybridState(_NativeState):
         # per group: sliding window (0 for full attention), extra retained tokens, vLLM's
         # admission cap in blocks (None: no cap)
         self.window = [getattr(m.kv_cache_spec, "sliding_window", 0) or 0 for m in stms]
+        # per group: attention chunk (0 unless chunked local attention)
+        # (FullAttentionSpec has the field too, for its merged specs: not a chunk here)
+        self.chunk = [
+            m.kv_cache_spec.attention_chunk_size
+            if type(m.kv_cache_spec) is ChunkedLocalAttentionSpec
+            else 0
+            for m in stms
+        ]
         self.extra = [getattr(m.kv_cache_spec, "extra_retained_tokens", 0) or 0 for m in stms]
         self.cap = [getattr(m, "max_admission_blocks_per_request", None) for m in stms]
-        self.sw_groups = [g for g in range(self.num_groups) if self.window[g]]
+        # groups whose blocks leave the attention span (window or chunk): vLLM's
+        # remove_skipped_blocks frees them
+        self.sw_groups = [g for g in range(self.num_groups) if self.window[g] or self.chunk[g]]
         self.salt = [_group_salt(g) for g in range(self.num_groups)]
         self.salt_int = [int(x) for x in self.salt]
         # vLLM's attention groups (verify_and_split_kv_cache_groups: groups of one spec,
-        # looked up jointly), full attention first: (is_full, group ids, contiguous blocks a
-        # window hit needs); none without prefix caching
+        # looked up jointly), full attention first; none without prefix caching
         split: list[tuple[Any, list[int]]] = []
         for g, m in enumerate(stms if mgr.enable_caching else ()):
             for spec, gids in split:
@@ -141,15 +159,20 @@ class _HybridState(_NativeState):
             else:
                 split.append((m.kv_cache_spec, [g]))
         split.sort(key=lambda sg: not isinstance(sg[0], FullAttentionSpec))
-        self.attn: list[tuple[bool, list[int], int]] = []
+        # (kind, group ids, span): a window's span is the cached blocks a hit needs, a
+        # chunk's the chunk in tokens
+        self.attn: list[tuple[int, list[int], int]] = []
         for spec, gids in split:
-            is_full = isinstance(spec, FullAttentionSpec)
-            need = 0 if is_full else cdiv(spec.sliding_window - 1, self.block_size)
-            self.attn.append((is_full, gids, need))
-        self.simple = len(self.attn) == 2 and self.attn[0][0]
+            kind = _KINDS[type(spec)]
+            if kind == _WINDOW:
+                span = cdiv(spec.sliding_window - 1, self.block_size)
+            else:
+                span = spec.attention_chunk_size if kind == _CHUNK else 0
+            self.attn.append((kind, gids, span))
+        self.simple = len(self.attn) == 2 and self.attn[0][0] == _FULL
         # the common shape (gpt-oss, Gemma): one full-attention and one window group
         self.simple1 = self.simple and self.num_groups == 2 and len(self.attn[1][1]) == 1
-        self.simple1 = self.simple1 and len(self.attn[0][1]) == 1
+        self.simple1 = self.simple1 and len(self.attn[0][1]) == 1 and self.attn[1][0] == _WINDOW
         self.tables: dict[str, list[list[int]]] = {}  # request id -> table per group
         # request id -> per group, how many leading table entries are null (vLLM's tables
         # of a window: nulls, then blocks; nulls come from hits and remove_skipped only)
@@ -159,10 +182,12 @@ class _HybridState(_NativeState):
         self.ncached: dict[str, list[int]] = {}
 
     def skipped(self, g: int, num_computed_tokens: int) -> int:
-        """vLLM's get_num_skipped_tokens of group g."""
+        """vLLM's get_num_skipped_tokens of group g: tokens before the window, or before
+        the chunk holding the next token."""
         w = self.window[g]
         if not w:
-            return 0
+            c = self.chunk[g]
+            return num_computed_tokens // c * c if c else 0
         n = num_computed_tokens - w + 1 - self.extra[g]
         return n if n > 0 else 0
 
@@ -281,6 +306,21 @@ class _HybridState(_NativeState):
         k = min(len(r) for r in runs)
         return [r[:k].tolist() for r in runs], k
 
+    def _chunk_hit(self, gids: list[int], chunk: int, hk: tuple, curr: int) -> tuple[list, int]:
+        """vLLM's ChunkedLocalAttentionManager.find_longest_cache_hit for a hit of at most
+        curr tokens: the blocks before the chunk holding token curr are null (a hit without
+        any cached block when curr starts a chunk), then the run cached in every group of
+        gids from the chunk's first block."""
+        bs = self.block_size
+        lo = curr // chunk * chunk // bs if curr > 0 else 0
+        m = min(curr // bs, len(hk[0]))
+        k = 0
+        runs: list = [_EMPTY_I32] * len(gids)
+        if lo < m:
+            runs = [self.run(g, hk[0], hk[1], hk[2], lo, m) for g in gids]
+            k = min(len(r) for r in runs)
+        return [[0] * lo + r[:k].tolist() for r in runs], lo + k
+
     def find(self, hk: tuple, max_length: int) -> tuple:
         """vLLM's HybridKVCacheCoordinator.find_longest_cache_hit over hk (hash_keys):
         per-group ids (lists or int32 arrays, 0 = null), the hit length, the uncached common
@@ -333,16 +373,18 @@ class _HybridState(_NativeState):
         len_by = [0] * self.num_groups
         while True:
             curr = hit_length
-            for is_full, gids, need in self.attn:
+            for kind, gids, span in self.attn:
                 g0 = gids[0]
-                if is_full and by_group[g0] is not None:
+                if kind == _FULL and by_group[g0] is not None:
                     curr = min(curr, len_by[g0])
                     continue
                 m = min(curr // bs, len(hashes))
-                if is_full:
+                if kind == _FULL:
                     blocks, k = self._full_hit(gids, hk, m)
+                elif kind == _WINDOW:
+                    blocks, k = self._window_hit(gids, span, hk, m)
                 else:
-                    blocks, k = self._window_hit(gids, need, hk, m)
+                    blocks, k = self._chunk_hit(gids, span, hk, curr)
                 curr = k * bs
                 for g, b in zip(gids, blocks):
                     by_group[g] = b
@@ -354,8 +396,8 @@ class _HybridState(_NativeState):
             if self.simple:
                 break
         nb = cdiv(hit_length, bs)
-        for is_full, gids, _ in self.attn:
-            if is_full:
+        for kind, gids, _ in self.attn:
+            if kind == _FULL:
                 for g in gids:
                     b = by_group[g]
                     if b is not None:

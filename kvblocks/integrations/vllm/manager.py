@@ -36,7 +36,11 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VLLMKVCacheBlocks
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from .pool_view import NativeBlockPoolView
 from .state import (  # noqa: F401  (NativeKVCacheBlocks, _NativeState: names tests import)
@@ -53,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 # managers built in this process, by path: "full" (one full-attention group, native),
 # "hybrid" (full attention + sliding window groups, native), "fallback" (vLLM's managers)
+# one group of these kinds alone runs on the group adapter (hybrid.py) too
+_GROUP_KINDS = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
 NATIVE_BUILDS: Counter = Counter()
 FALLBACK_REASONS: Counter = Counter()  # why the "fallback" ones run on vLLM's managers
 
@@ -203,9 +209,7 @@ class KVCacheManager(VLLMKVCacheManager):
         opts.update(zip(names, args))
         why = native_unsupported(self, opts)
         groups = self.kv_cache_config.kv_cache_groups
-        if why is not None and (
-            len(groups) > 1 or type(groups[0].kv_cache_spec) is SlidingWindowSpec
-        ):
+        if why is not None and (len(groups) > 1 or type(groups[0].kv_cache_spec) in _GROUP_KINDS):
             from .hybrid import HybridKVCacheManager, hybrid_unsupported
 
             why = hybrid_unsupported(self, opts)
