@@ -17,8 +17,9 @@ batched native calls over a request's whole hash chain:
 Block tables are lists of int ids; ``KVCacheBlock``-shaped objects (``_BlockView``) are made
 only when something reads them (``KVCacheBlocks.blocks``, ``block_pool.blocks[i]``,
 ``req_to_blocks``), once per block id, and read their ref count and hash from the native
-pool. Models of full-attention and sliding-window groups (hybrid or a window alone) run on
-``hybrid.HybridKVCacheManager`` (this class turns an instance into it). Any other
+pool. Models of full-attention, sliding-window and chunked-local groups (hybrid, or a window
+or chunk group alone) run on ``hybrid.HybridKVCacheManager`` (this class turns an instance
+into it). Any other
 configuration (other attention kinds, partial-block hashes, EAGLE, context parallelism,
 lookahead hashes, a metrics collector, KV zeroing) runs vLLM's own coordinator and
 single-type managers unchanged, and says so in the log.
@@ -56,7 +57,8 @@ logger = logging.getLogger(__name__)
 # VLLMKVCacheManager: vLLM's own class (this module is imported before enable() patches)
 
 # managers built in this process, by path: "full" (one full-attention group, native),
-# "hybrid" (full attention + sliding window groups, native), "fallback" (vLLM's managers)
+# "hybrid" (full attention, sliding window and chunked local groups, native), "fallback"
+# (vLLM's managers)
 # one group of these kinds alone runs on the group adapter (hybrid.py) too
 _GROUP_KINDS = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
 NATIVE_BUILDS: Counter = Counter()
@@ -213,7 +215,7 @@ class KVCacheManager(VLLMKVCacheManager):
             from .hybrid import HybridKVCacheManager, hybrid_unsupported
 
             why = hybrid_unsupported(self, opts)
-            if why is None:  # full attention + sliding window groups: the group adapter
+            if why is None:  # full attention, window and chunk groups: the group adapter
                 self.native = True
                 self.__class__ = HybridKVCacheManager
                 self._init_hybrid()
