@@ -159,11 +159,14 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(shape, seed):
     prompt hits), chunked prefill, decode past the window (skipped blocks become null and
     are freed), lookahead slots, preemption and resume, free, reset, eviction pressure. At
     every step: the same hits, shared-prefix boundary, block ids per group (nulls included),
-    free counts, usage, events and cached-token probes."""
+    free counts, usage, events and cached-token probes. Now and then a KV connector's calls:
+    ``evict_blocks`` of a few blocks (free, held or without an entry), or a pin of a few
+    blocks and their release with ``evict_first``."""
     rng = random.Random(seed)
     caching = seed != 5  # one seed per shape without prefix caching
+    num_blocks = rng.choice(POOLS.get(shape, [24, 40, 64]))
     ref, kvb = managers(
-        rng.choice(POOLS.get(shape, [24, 40, 64])),
+        num_blocks,
         SPECS[shape](),
         enable_kv_cache_events=True,
         enable_caching=caching,
@@ -216,6 +219,16 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(shape, seed):
             if out[0] is None:
                 for m, r in zip((ref, kvb), live.pop(rid)):
                     m.free(r)
+        if rng.random() < 0.04:  # a KV connector's calls: evict_blocks, or pin + evict first
+            some = set(rng.sample(range(1, num_blocks), rng.randrange(1, 3)))
+            if rng.random() < 0.6:
+                for m in (ref, kvb):
+                    m.evict_blocks(some)
+            else:
+                for m in (ref, kvb):
+                    blocks = [m.block_pool.blocks[b] for b in sorted(some)]
+                    m.block_pool.touch(blocks)
+                    m.block_pool.free_blocks(blocks, evict_first=True)
         for rid in live:
             ids = kvb.get_block_ids(rid)
             assert ref.get_block_ids(rid) == ids, step

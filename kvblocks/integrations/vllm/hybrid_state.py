@@ -480,8 +480,11 @@ class _HybridState(_NativeState):
             # blocks nn..n-1 leave, last first: a table is [nulls | cached | uncached], so
             # vLLM's free_blocks puts t[c:n] (uncached) at the free list's head and
             # t[nn:c] (cached) at its tail, last first; one native free in that order
-            c = self._cached_end(rid, g)
-            self.pool.free(t[max(c, nn) : n] + t[nn : min(c, n)][::-1])
+            if self.uncached_held:  # a hole in the cached part (evict_blocks)
+                self.free_in_order(t[nn:n][::-1])
+            else:
+                c = self._cached_end(rid, g)
+                self.pool.free(t[max(c, nn) : n] + t[nn : min(c, n)][::-1])
             t[nn:n] = [0] * (n - nn)
             nulls[g] = n
 
@@ -499,6 +502,10 @@ class _HybridState(_NativeState):
         nc = self.ncached.pop(rid, None)
         self.keys.pop(rid, None)
         if not tables or nulls is None:
+            return
+        if self.uncached_held:  # a hole in a cached part (evict_blocks): group by group
+            for t, nn in zip(tables, nulls):
+                self.free_in_order(t[nn:][::-1])
             return
         if nc is None or not self.enable_caching:
             nc = nulls

@@ -436,6 +436,9 @@ class KVCacheManager(VLLMKVCacheManager):
         s.keys.pop(request_id, None)
         if not table:
             return
+        if s.uncached_held:  # evict_blocks left a hole in a cached part: the general order
+            s.free_in_order(table[::-1])
+            return
         # vLLM frees the table in reverse: blocks without an entry (the table's tail past
         # its c cached blocks) to the free list's head in that order, cached ones to the
         # tail. The native free puts each uncached block at the head, so they go in forward
