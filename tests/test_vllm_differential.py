@@ -12,9 +12,10 @@ number of computed tokens and the hit's block ids, the shared-prefix boundary, t
 blocks or None) and, after every rule, the block ids of every live request per group, free
 block counts, usage, the prefix-cache stats and the events (``take_events``).
 
-Differences docs/vllm.md names ("Tests that cannot pass natively") are kept out: no rule
-calls ``evict_blocks`` (the freed evicted block's free-list place), ``free_blocks(...,
-evict_first=True)``, ``block_pool.touch`` or a ``ref_cnt`` write, and none reads
+A KV connector's calls are a rule too: ``evict_blocks`` of a few blocks (free ones keep their
+free-list place, held ones join the head when freed), or ``block_pool.touch`` of a few blocks
+and their ``free_blocks(..., evict_first=True)``. Differences docs/vllm.md names ("Tests that
+cannot pass natively") are kept out: no ``ref_cnt`` write, and none reads
 ``cached_block_hash_to_block``.
 
 Profiles: the default is fast (60 examples of at most 50 steps per configuration);
@@ -247,6 +248,23 @@ class Differential(RuleBasedStateMachine):
     def finish(self, pick):
         for m, r in self._pairs(self.live.pop(sorted(self.live)[pick % len(self.live)])):
             m.free(r)
+
+    @rule(
+        ids=st.sets(st.integers(1, 39), min_size=1, max_size=3),
+        evict_first=st.booleans(),
+    )
+    def connector(self, ids, evict_first):
+        """A KV connector's calls: ``evict_blocks`` of a few blocks (free, held or without an
+        entry), or a pin of a few blocks and their release with ``evict_first``."""
+        ids = {b for b in ids if b < self.ref.block_pool.num_gpu_blocks}
+        for m in (self.ref, self.kvb):
+            if not evict_first:
+                m.evict_blocks(ids)
+                continue
+            blocks = [m.block_pool.blocks[b] for b in sorted(ids)]
+            m.block_pool.touch(blocks)
+            m.block_pool.free_blocks(blocks, evict_first=True)
+        event("evict_first release" if evict_first else "evict_blocks")
 
     @rule()
     def reset_prefix_cache(self):
