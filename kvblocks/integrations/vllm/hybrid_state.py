@@ -102,7 +102,7 @@ class _HybridState(_NativeState):
         self.simple = len(self.attn) == 2 and self.attn[0][0] == _FULL
         # the common shape (gpt-oss, Gemma): one full-attention and one window group
         self.simple1 = self.simple and self.num_groups == 2 and len(self.attn[1][1]) == 1
-        self.simple1 = self.simple1 and len(self.attn[0][1]) == 1 and self.attn[1][0] == _WINDOW
+        self.simple1 = self.simple1 and len(self.attn[0][1]) == 1
         self.tables: dict[str, list[list[int]]] = {}  # request id -> table per group
         # request id -> per group, how many leading table entries are null (vLLM's tables
         # of a window: nulls, then blocks; nulls come from hits and remove_skipped only)
@@ -266,17 +266,32 @@ class _HybridState(_NativeState):
         return (*self._find(hk, max_length), None)
 
     def _find_simple(self, hashes: list, max_length: int) -> tuple:
-        """``_find`` of one full-attention group and one sliding-window group, 32-byte
+        """``_find`` of one full-attention group and one window or chunk group, 32-byte
         hashes and no duplicates: native lookups only (vLLM's simple hybrid: one pass)."""
         bs = self.block_size
         _, (gf,), _ = self.attn[0]
-        _, (gw,), need = self.attn[1]
+        kind, (gw,), need = self.attn[1]
         lookup, full = self.pool.lookup_bytes, self.full
         m = min(max_length // bs, len(hashes))
         hf = lookup(hashes, m, full=full, group=gf, key_salt=self.salt_int[gf])
         e = kf = len(hf)
         sw_salt = self.salt_int[gw]
         nulls = [0, 0]
+        if kind == _CHUNK:  # need: the chunk; null up to the chunk holding token e * bs
+            lo = e * bs // need * need // bs
+            hw = (
+                lookup(hashes, e, start=lo, full=full, group=gw, key_salt=sw_salt)
+                if lo < e
+                else _EMPTY_I32
+            )
+            e = lo + len(hw)
+            if lo:
+                hw = np.concatenate((np.zeros(lo, dtype=np.int32), hw))
+                nulls[gw] = lo
+            out: list = [None, None]
+            out[gf] = hf[:e] if e < kf else hf
+            out[gw] = hw
+            return out, e * bs, (kf - e) * bs, nulls
         while e >= need:
             s0 = e - need
             r = lookup(hashes, e, start=s0, full=full, group=gw, key_salt=sw_salt)
@@ -289,7 +304,7 @@ class _HybridState(_NativeState):
         else:
             hw = lookup(hashes, e, full=full, group=gw, key_salt=sw_salt)
             e = len(hw)
-        out: list = [None, None]
+        out = [None, None]
         out[gf] = hf[:e] if e < kf else hf
         out[gw] = hw
         return out, e * bs, (kf - e) * bs, nulls
