@@ -95,6 +95,15 @@ def test_chunked_local_is_native(specs):
     assert NATIVE_BUILDS["hybrid"] == before + 1
 
 
+@pytest.mark.parametrize("specs", [[full_spec()], [full_spec(), sw_spec(8)]])
+def test_a_pool_of_the_null_block_alone_falls_back(specs):
+    ref, kvb = managers(1, specs)
+    assert not kvb.native and type(kvb) is KVCacheManager
+    for m in (ref, kvb):
+        r = request("a", [1, 2, 3, 4, 5])
+        assert m.get_computed_blocks(r)[1] == 0 and m.allocate_slots(r, 5) is None
+
+
 def test_mamba_still_falls_back(caplog):
     from vllm.v1.kv_cache_interface import MambaSpec
 
