@@ -268,6 +268,13 @@ int kvb_pool_check(kvb_pool_t *p);
 /* vLLM's touch: kvb_pool_incref that also takes free never-cached blocks off the free list
  * (validated first: range, not null, no overflow). */
 int kvb_pool_touch(kvb_pool_t *p, const int32_t *ids, int64_t n);
+/* kvb_pool_free placing every block that reaches 0 at the head (KVB_PLACE_HEAD, ids[0]
+ * first: vLLM's evict_first) or at the tail (KVB_PLACE_TAIL, in order), cached or not. */
+enum { KVB_PLACE_HEAD = 1, KVB_PLACE_TAIL = 2 };
+int kvb_pool_free_placed(kvb_pool_t *p, const int32_t *ids, int64_t n, int where);
+/* vLLM's evict_blocks: drop the listed blocks' cache entries; free ones keep their place in
+ * the free list. Returns the entries dropped or a negative code (range, null block). */
+int64_t kvb_pool_uncache_ids(kvb_pool_t *p, const int32_t *ids, int64_t n);
 /* kvb_pool_reset_cache without moving the dropped blocks to the head: the free list keeps
  * its order (vLLM's reset_prefix_cache). */
 int kvb_pool_reset_cache_keep_order(kvb_pool_t *p);

@@ -375,6 +375,73 @@ int kvb_pool_touch(kvb_pool_t *p, const int32_t *ids, int64_t n) {
     return KVB_OK;
 }
 
+/* kvb_pool_free with the placement chosen by the caller instead of by the cache entry
+ * (vLLM's free_blocks(evict_first=True), and release to the tail): every block reaching 0
+ * goes to the head (KVB_PLACE_HEAD: ids[0] ends first, as a batch put in front) or to the
+ * tail (KVB_PLACE_TAIL, in the order given); a cached one keeps its entry and is evictable.
+ * All-or-nothing: the drops are made first and undone on a bad id; a repeated id is linked
+ * once, where its last drop brings it to 0. */
+int kvb_pool_free_placed(kvb_pool_t *p, const int32_t *ids, int64_t n, int where) {
+    if (KVB_UNLIKELY(where != KVB_PLACE_HEAD && where != KVB_PLACE_TAIL)) {
+        p->err_a = 0; p->err_b = where;
+        return KVB_EINVAL;
+    }
+    const uint32_t last = (uint32_t)p->num_blocks - 1u;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (KVB_UNLIKELY((uint32_t)b - 1u >= last || p->ref_count[b] <= 0)) {
+            for (int64_t j = 0; j < i; j++) p->ref_count[ids[j]]++;
+            p->err_a = i; p->err_b = b;
+            return ((uint32_t)b - 1u >= last) ? KVB_ERANGE : KVB_ESTATE;
+        }
+        p->ref_count[b]--;
+    }
+    /* link each block that reached 0 once: walking from the end, its first sight is its
+     * last drop; the head takes them last first so that ids[0] ends in front */
+    if (where == KVB_PLACE_HEAD) {
+        for (int64_t i = n - 1; i >= 0; i--) {
+            int32_t b = ids[i];
+            if (p->ref_count[b] || (p->flags[b] & KVB_F_FREE)) continue;
+            list_push_head(p, b);
+            if (p->flags[b] & KVB_F_CACHED) p->num_evictable++;
+            p->stats.frees++;
+        }
+    } else { /* validated: drop again in order, each linked as its count reaches 0 */
+        for (int64_t i = 0; i < n; i++) p->ref_count[ids[i]]++;
+        for (int64_t i = 0; i < n; i++) {
+            int32_t b = ids[i];
+            if (--p->ref_count[b]) continue;
+            list_push_tail(p, b);
+            if (p->flags[b] & KVB_F_CACHED) p->num_evictable++;
+            p->stats.frees++;
+        }
+    }
+    return KVB_OK;
+}
+
+/* vLLM's evict_blocks: drop the cache entry of each listed block that has one (validated
+ * first: range, not null). A free block keeps its place in the free list (now never-cached:
+ * it is no longer counted evictable); a referenced one joins the head when freed, as any
+ * block without an entry. Returns the entries dropped, or a negative code. */
+int64_t kvb_pool_uncache_ids(kvb_pool_t *p, const int32_t *ids, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (KVB_UNLIKELY(b <= 0 || b >= p->num_blocks)) {
+            p->err_a = i; p->err_b = b;
+            return KVB_ERANGE;
+        }
+    }
+    int64_t dropped = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = ids[i];
+        if (!(p->flags[b] & KVB_F_CACHED)) continue;
+        kvb_cache_forget(p, b);
+        if (p->flags[b] & KVB_F_FREE) p->num_evictable--;
+        dropped++;
+    }
+    return dropped;
+}
+
 void kvb_pool_pin(kvb_pool_t *p, const int32_t *ids, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         int32_t b = ids[i];

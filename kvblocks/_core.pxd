@@ -126,6 +126,11 @@ cdef extern from "core.h" nogil:
     int kvb_pool_check(kvb_pool_t *p)
     int kvb_pool_touch(kvb_pool_t *p, const int32_t *ids, int64_t n)
     int kvb_pool_reset_cache_keep_order(kvb_pool_t *p)
+    int kvb_pool_free_placed(kvb_pool_t *p, const int32_t *ids, int64_t n, int where)
+    int64_t kvb_pool_uncache_ids(kvb_pool_t *p, const int32_t *ids, int64_t n)
+    enum:
+        KVB_PLACE_HEAD
+        KVB_PLACE_TAIL
     int32_t kvb_cache_find(const kvb_pool_t *p, const kvb_hash_t *h)
     int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes, int64_t n,
                          const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,

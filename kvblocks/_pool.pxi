@@ -339,6 +339,47 @@ cdef class BlockPool:
         if rc:
             raise_code(rc, "touch", self.p.err_a, self.p.err_b)
 
+    def free_to(self, ids, where):
+        """``free`` with the placement chosen here instead of by the cache entry: every
+        block reaching 0 references goes to the free list's ``"head"`` (reused first, the
+        batch in the order given: vLLM's ``free_blocks(..., evict_first=True)``) or to its
+        ``"tail"`` (reused last, in the order given); a cached block keeps its entry and is
+        evictable. Raises InvalidArgumentError for another ``where``, and free's errors
+        (nothing changed).
+
+        >>> pool = BlockPool(5)
+        >>> ids = pool.allocate(3); pool.free_to(ids, "tail"); pool.free_list().tolist()
+        [4, 1, 2, 3]
+        >>> ids = pool.allocate(4); pool.free_to(ids[:2], "head"); pool.free_list().tolist()
+        [4, 1]
+        """
+        self._sync()
+        cdef int w
+        if where == "head":
+            w = KVB_PLACE_HEAD
+        elif where == "tail":
+            w = KVB_PLACE_TAIL
+        else:
+            raise InvalidArgumentError(f"free_to: where must be 'head' or 'tail', not {where!r}")
+        cdef cnp.ndarray v = as_int32(ids, "ids")
+        cdef int rc = kvb_pool_free_placed(&self.p, i32_data(v), cnp.PyArray_DIM(v, 0), w)
+        if rc:
+            raise_code(rc, "free_to", self.p.err_a, self.p.err_b)
+
+    def uncache(self, ids):
+        """vLLM's ``evict_blocks``: drop the cache entry of each listed block that has one
+        (referenced or not) and return how many were dropped. A free block keeps its place
+        in the free list (no longer evictable); a referenced one, once freed, goes to the
+        head as a block without an entry. Raises InvalidArgumentError for an id out of range
+        or the null block (nothing changed).
+        """
+        self._sync()
+        cdef cnp.ndarray v = as_int32(ids, "ids")
+        cdef int64_t rc = kvb_pool_uncache_ids(&self.p, i32_data(v), cnp.PyArray_DIM(v, 0))
+        if rc < 0:
+            raise_code(<int>rc, "uncache", self.p.err_a, self.p.err_b)
+        return rc
+
     def ref_count(self, block_id):
         block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
         self._sync()

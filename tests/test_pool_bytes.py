@@ -1,5 +1,5 @@
 """BlockPool's calls over vLLM's bytes block hashes: lookup_bytes, cache_bytes,
-num_unreferenced (the vLLM adapter's native path)."""
+num_unreferenced, touch, free_to, uncache (the vLLM adapter's native path)."""
 
 import numpy as np
 import pytest
@@ -208,3 +208,55 @@ def test_key_salt_keys_one_hash_once_per_salt():
     salted = _keys(hs)
     salted[:, 1] ^= np.uint64(0x1234)
     assert pool.lookup(salted, group=1).tolist() == b.tolist()
+
+
+def test_free_to_places_every_block_at_the_head_or_the_tail():
+    pool = BlockPool(8)
+    ids = pool.allocate(4)  # 1, 2, 3, 4; free list 5, 6, 7
+    pool.cache(ids[:2], np.array([[1, 1], [2, 2]], dtype=np.uint64))
+    pool.incref([3])
+    # head: the blocks reaching 0 in front, in the given order (vLLM's evict_first), the
+    # cached one keeping its entry; 3 keeps a reference
+    pool.free_to([2, 3, 1], "head")
+    assert pool.free_list().tolist() == [2, 1, 5, 6, 7]
+    assert pool.is_cached(2) and pool.num_evictable == 2 and pool.ref_count(3) == 1
+    # tail: in order, uncached ones too; a repeated id is placed where it reaches 0
+    pool.incref([4])
+    pool.free_to([4, 3, 4], "tail")
+    assert pool.free_list().tolist() == [2, 1, 5, 6, 7, 3, 4]
+    pool.check()
+    assert pool.allocate(1).tolist() == [2] and not pool.is_cached(2)  # evicted when popped
+
+
+def test_free_to_failures_change_nothing():
+    pool = BlockPool(8)
+    ids = pool.allocate(2)
+    before = pool.free_list().tolist()
+    for bad in ([1, 0], [1, 9], [1, 1], [1, 3]):  # null, range, one reference short, free
+        with pytest.raises((InvalidArgumentError, InvalidStateError)):
+            pool.free_to(bad, "head")
+        assert pool.free_list().tolist() == before and pool.ref_count(1) == 1
+    with pytest.raises(InvalidArgumentError):
+        pool.free_to(ids, "front")
+    assert pool.ref_count(2) == 1
+    pool.check()
+
+
+def test_uncache_drops_entries_and_free_blocks_keep_their_place():
+    pool = BlockPool(8)
+    hs = [_h(i) for i in (1, 2, 3)]
+    full = np.zeros((8, 4), dtype=np.uint64)
+    ids = pool.allocate(3).tolist()  # 1, 2, 3
+    assert pool.cache_bytes(ids, hs, full=full) == 3
+    pool.free(ids[:2])  # 1, 2 cached: to the tail
+    assert pool.free_list().tolist() == [4, 5, 6, 7, 1, 2] and pool.num_evictable == 2
+    # 1 free (keeps its place, no longer evictable), 3 held, 5 without an entry: 2 dropped
+    assert pool.uncache([1, 3, 5]) == 2
+    assert pool.free_list().tolist() == [4, 5, 6, 7, 1, 2] and pool.num_evictable == 1
+    assert pool.lookup_bytes(hs, full=full).tolist() == []
+    pool.free([3])  # without an entry now: to the head
+    assert pool.free_list().tolist()[0] == 3
+    with pytest.raises(InvalidArgumentError):
+        pool.uncache([2, 0])  # the null block: nothing changed
+    assert pool.is_cached(2)
+    pool.check()

@@ -1,8 +1,8 @@
 """A hypothesis state machine driving vLLM's own KVCacheManager and kvblocks' side by side
 (kvblocks.integrations.vllm); skipped unless vllm (0.34) is importable.
 
-Two configurations: one full-attention group (the one-group native path) and a full +
-sliding-window pair (the native hybrid path). Rules: admission of a new request (one of a few
+Three configurations: one full-attention group (the one-group native path), a full +
+sliding-window pair and a full + chunked-local pair (the native hybrid path). Rules: admission of a new request (one of a few
 shared system prompts + its own tokens, an optional ``cache_salt``, a prefill chunk, lookahead
 slots, ``full_sequence_must_fit``), admission of an earlier prompt again or continued
 (full-prompt and long prefix hits), resume of a preempted one, one step of a running request
@@ -12,9 +12,10 @@ number of computed tokens and the hit's block ids, the shared-prefix boundary, t
 blocks or None) and, after every rule, the block ids of every live request per group, free
 block counts, usage, the prefix-cache stats and the events (``take_events``).
 
-Differences docs/vllm.md names ("Tests that cannot pass natively") are kept out: no rule
-calls ``evict_blocks`` (the freed evicted block's free-list place), ``free_blocks(...,
-evict_first=True)``, ``block_pool.touch`` or a ``ref_cnt`` write, and none reads
+A KV connector's calls are a rule too: ``evict_blocks`` of a few blocks (free ones keep their
+free-list place, held ones join the head when freed), or ``block_pool.touch`` of a few blocks
+and their ``free_blocks(..., evict_first=True)``. Differences docs/vllm.md names ("Tests that
+cannot pass natively") are kept out: no ``ref_cnt`` write, and none reads
 ``cached_block_hash_to_block``.
 
 Profiles: the default is fast (60 examples of at most 50 steps per configuration);
@@ -43,6 +44,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -78,6 +80,12 @@ def full_spec():
 def sw_spec(window: int):
     return SlidingWindowSpec(
         block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
+    )
+
+
+def chunk_spec(chunk: int):
+    return ChunkedLocalAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, attention_chunk_size=chunk
     )
 
 
@@ -241,6 +249,23 @@ class Differential(RuleBasedStateMachine):
         for m, r in self._pairs(self.live.pop(sorted(self.live)[pick % len(self.live)])):
             m.free(r)
 
+    @rule(
+        ids=st.sets(st.integers(1, 39), min_size=1, max_size=3),
+        evict_first=st.booleans(),
+    )
+    def connector(self, ids, evict_first):
+        """A KV connector's calls: ``evict_blocks`` of a few blocks (free, held or without an
+        entry), or a pin of a few blocks and their release with ``evict_first``."""
+        ids = {b for b in ids if b < self.ref.block_pool.num_gpu_blocks}
+        for m in (self.ref, self.kvb):
+            if not evict_first:
+                m.evict_blocks(ids)
+                continue
+            blocks = [m.block_pool.blocks[b] for b in sorted(ids)]
+            m.block_pool.touch(blocks)
+            m.block_pool.free_blocks(blocks, evict_first=True)
+        event("evict_first release" if evict_first else "evict_blocks")
+
     @rule()
     def reset_prefix_cache(self):
         """With requests running vLLM refuses (False) and changes nothing; so must kvblocks."""
@@ -287,7 +312,13 @@ class FullAndSlidingWindow(Differential):
     SPECS = [full_spec, lambda: sw_spec(8)]
 
 
+class FullAndChunkedLocal(Differential):
+    SPECS = [full_spec, lambda: chunk_spec(8)]
+
+
 TestFullOnly = FullOnly.TestCase
 TestFullOnly.settings = PROFILE
 TestFullAndSlidingWindow = FullAndSlidingWindow.TestCase
 TestFullAndSlidingWindow.settings = PROFILE
+TestFullAndChunkedLocal = FullAndChunkedLocal.TestCase
+TestFullAndChunkedLocal.settings = PROFILE

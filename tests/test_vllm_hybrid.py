@@ -1,5 +1,6 @@
-"""kvblocks' native hybrid KV cache manager (full attention + sliding window groups) beside
-vLLM's own HybridKVCacheCoordinator; skipped unless vllm (0.34) is importable."""
+"""kvblocks' native hybrid KV cache manager (full attention, sliding window and chunked local
+attention groups) beside vLLM's own HybridKVCacheCoordinator; skipped unless vllm (0.34) is
+importable."""
 
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ def sw_spec(window: int):
     )
 
 
+def chunk_spec(chunk: int):
+    return ChunkedLocalAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, attention_chunk_size=chunk
+    )
+
+
 def config(num_blocks: int, specs) -> KVCacheConfig:
     return KVCacheConfig(
         num_blocks=num_blocks,
@@ -80,14 +87,33 @@ def test_full_plus_sliding_window_is_native():
     assert NATIVE_BUILDS["hybrid"] == before + 1
 
 
-def test_chunked_local_still_falls_back(caplog):
-    spec = ChunkedLocalAttentionSpec(
-        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, attention_chunk_size=8
+@pytest.mark.parametrize("specs", [[full_spec(), chunk_spec(8)], [chunk_spec(8)]])
+def test_chunked_local_is_native(specs):
+    before = NATIVE_BUILDS["hybrid"]
+    _, kvb = managers(32, specs)
+    assert kvb.native and type(kvb) is HybridKVCacheManager
+    assert NATIVE_BUILDS["hybrid"] == before + 1
+
+
+@pytest.mark.parametrize("specs", [[full_spec()], [full_spec(), sw_spec(8)]])
+def test_a_pool_of_the_null_block_alone_falls_back(specs):
+    ref, kvb = managers(1, specs)
+    assert not kvb.native and type(kvb) is KVCacheManager
+    for m in (ref, kvb):
+        r = request("a", [1, 2, 3, 4, 5])
+        assert m.get_computed_blocks(r)[1] == 0 and m.allocate_slots(r, 5) is None
+
+
+def test_mamba_still_falls_back(caplog):
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    spec = MambaSpec(
+        block_size=BS, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align"
     )
     with caplog.at_level("INFO", logger="kvblocks.integrations.vllm.manager"):
         _, kvb = managers(32, [full_spec(), spec])
     assert not kvb.native and type(kvb) is KVCacheManager
-    assert "ChunkedLocalAttentionSpec" in caplog.text
+    assert "MambaSpec" in caplog.text
 
 
 def _ids(blocks):
@@ -118,7 +144,20 @@ SPECS = {
     "sw8+full+sw8": lambda: [sw_spec(8), full_spec(), sw_spec(8)],
     "full+sw6+sw12": lambda: [full_spec(), sw_spec(6), sw_spec(12)],
     "sw8": lambda: [sw_spec(8)],
+    # chunked local attention (Llama 4): chunks of 2 blocks, 4 blocks, 1.5 blocks (vLLM
+    # rounds the chunk start down to a block), two chunk groups looked up jointly, a chunk
+    # group beside a window group, a chunk group alone
+    "full+chunk8": lambda: [full_spec(), chunk_spec(8)],
+    "chunk16+full": lambda: [chunk_spec(16), full_spec()],
+    "full+chunk6": lambda: [full_spec(), chunk_spec(6)],
+    "chunk8+full+chunk8": lambda: [chunk_spec(8), full_spec(), chunk_spec(8)],
+    "full+sw8+chunk8": lambda: [full_spec(), sw_spec(8), chunk_spec(8)],
+    "chunk8": lambda: [chunk_spec(8)],
 }
+
+
+# a chunk group alone holds at most a chunk of blocks per request: smaller pools evict
+POOLS = {"chunk8": [10, 12, 16]}
 
 
 @pytest.mark.parametrize("shape", sorted(SPECS))
@@ -129,11 +168,14 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(shape, seed):
     prompt hits), chunked prefill, decode past the window (skipped blocks become null and
     are freed), lookahead slots, preemption and resume, free, reset, eviction pressure. At
     every step: the same hits, shared-prefix boundary, block ids per group (nulls included),
-    free counts, usage, events and cached-token probes."""
+    free counts, usage, events and cached-token probes. Now and then a KV connector's calls:
+    ``evict_blocks`` of a few blocks (free, held or without an entry), or a pin of a few
+    blocks and their release with ``evict_first``."""
     rng = random.Random(seed)
     caching = seed != 5  # one seed per shape without prefix caching
+    num_blocks = rng.choice(POOLS.get(shape, [24, 40, 64]))
     ref, kvb = managers(
-        rng.choice([24, 40, 64]),
+        num_blocks,
         SPECS[shape](),
         enable_kv_cache_events=True,
         enable_caching=caching,
@@ -186,6 +228,16 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(shape, seed):
             if out[0] is None:
                 for m, r in zip((ref, kvb), live.pop(rid)):
                     m.free(r)
+        if rng.random() < 0.04:  # a KV connector's calls: evict_blocks, or pin + evict first
+            some = set(rng.sample(range(1, num_blocks), rng.randrange(1, 3)))
+            if rng.random() < 0.6:
+                for m in (ref, kvb):
+                    m.evict_blocks(some)
+            else:
+                for m in (ref, kvb):
+                    blocks = [m.block_pool.blocks[b] for b in sorted(some)]
+                    m.block_pool.touch(blocks)
+                    m.block_pool.free_blocks(blocks, evict_first=True)
         for rid in live:
             ids = kvb.get_block_ids(rid)
             assert ref.get_block_ids(rid) == ids, step
@@ -246,3 +298,43 @@ def test_sliding_window_hit_has_null_blocks_and_decode_frees_them():
     assert ref.get_block_ids("c") == kvb.get_block_ids("c")
     assert kvb.get_block_ids("c")[1][:5] == [0] * 5
     assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
+
+
+def test_chunked_local_hits_are_null_before_the_chunk_and_decode_frees_them():
+    """vLLM's rules for a chunk of 8 tokens, blocks of 4: a hit of at most L tokens is null
+    up to the chunk holding token L, then the blocks cached from that chunk's start; at a
+    chunk boundary that is a hit without any cached block. Decode frees every block before
+    the chunk of the next token."""
+    toks = list(range(1, 26))  # 6 full blocks of 4 and one token
+    ref, kvb = managers(40, [full_spec(), chunk_spec(8)], enable_kv_cache_events=True)
+    got = []
+    for m in (ref, kvb):
+        r = request("a", toks)
+        m.allocate_slots(r, r.num_tokens)
+        m.free(r)
+        for rid, prompt in (("b", toks + [7, 7, 7]), ("c", toks[:21])):
+            blocks, hit, _ = m.get_computed_blocks(request(rid, prompt))
+            got.append((hit, blocks.get_block_ids()))
+    assert got[:2] == got[2:]
+    (hit_b, (full_b, chunk_b)), (hit_c, (full_c, chunk_c)) = got[:2]
+    # b: at most 27 tokens; full attention hits 24, a chunk boundary: 6 nulls, no lookup
+    assert hit_b == 24 and len(full_b) == 6 and chunk_b == [0] * 6
+    # c: at most 20 tokens; the chunk holding token 20 starts at 16: block 4 is looked up
+    assert hit_c == 20 and len(full_c) == 5 and chunk_c[:4] == [0] * 4 and chunk_c[4] != 0
+    ref1, kvb1 = managers(16, [chunk_spec(8)])
+    for m in (ref1, kvb1):  # a chunk group alone, nothing cached: a hit of nulls only
+        blocks, hit, _ = m.get_computed_blocks(request("d", list(range(1, 18))))
+        assert hit == 16 and blocks.get_block_ids() == ([0] * 4,)
+    for m in (ref, kvb):  # decode: the blocks before the next token's chunk become null
+        r = request("e", list(range(100, 117)))
+        m.allocate_slots(r, r.num_tokens)
+        r.num_computed_tokens = r.num_tokens
+        r.status = RequestStatus.RUNNING
+        for t in range(12):
+            r.append_output_token_ids(t + 1)
+            m.allocate_slots(r, 1)
+            r.num_computed_tokens += 1
+    assert ref.get_block_ids("e") == kvb.get_block_ids("e")
+    assert kvb.get_block_ids("e")[1][:6] == [0] * 6 and all(kvb.get_block_ids("e")[1][6:])
+    assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
+    assert ref.take_events() == kvb.take_events()

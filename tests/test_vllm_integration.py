@@ -135,10 +135,13 @@ def _step(m, r, chunk, la):
 def test_same_blocks_hits_free_counts_and_events_as_vllm(seed):
     """A random stream: admission with shared prefixes and salts-free full-prompt hits (which
     recompute a duplicate block), chunked prefill, decode, speculative lookahead slots,
-    preemption and resume, free, reset, eviction pressure. Both managers give the same block
-    ids, hits, free counts and events at every step."""
+    preemption and resume, free, reset, eviction pressure, and a KV connector's calls
+    (``evict_blocks`` of free, held or uncached blocks; a pin and a release with
+    ``evict_first``). Both managers give the same block ids, hits, free counts and events at
+    every step, and the same free list at the end."""
     rng = random.Random(seed)
-    ref, kvb = managers(rng.choice([12, 24, 40]), enable_kv_cache_events=True)
+    num_blocks = rng.choice([12, 24, 40])
+    ref, kvb = managers(num_blocks, enable_kv_cache_events=True)
     assert kvb.native
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.choice([4, 8, 11]))] for _ in range(3)]
     live: dict[str, tuple] = {}
@@ -183,6 +186,16 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(seed):
             if out[0] is None:
                 for m, r in zip((ref, kvb), live.pop(rid)):
                     m.free(r)
+        if rng.random() < 0.05:
+            some = set(rng.sample(range(1, num_blocks), rng.randrange(1, 3)))
+            evict = rng.random() < 0.6
+            for m in (ref, kvb):
+                if evict:
+                    m.evict_blocks(some)
+                else:
+                    blocks = [m.block_pool.blocks[b] for b in sorted(some)]
+                    m.block_pool.touch(blocks)
+                    m.block_pool.free_blocks(blocks, evict_first=True)
         for rid in live:
             assert ref.get_block_ids(rid) == kvb.get_block_ids(rid)
         assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
@@ -194,6 +207,11 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(seed):
         ref.free(pair[0])
         kvb.free(pair[1])
     assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
+    free = [
+        [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+        for m in (ref, kvb)
+    ]
+    assert free[0] == free[1]
     assert ref.reset_prefix_cache() and kvb.reset_prefix_cache()
     assert ref.take_events() == kvb.take_events()
 

@@ -36,9 +36,9 @@ suites:
   all        the five above (the default)
   vllm       vLLM's KV cache manager against kvblocks' (kvblocks.integrations.vllm) under
              vLLM's scheduler API: admission, decode and free of 256 requests sharing 4 system
-             prompts, medians of --reps interleaved runs, --case full|hybrid|all; runs alone,
-             not part of all; without vllm it prints "skipped: vllm not importable" and exits
-             0 (docs/vllm.md)
+             prompts, medians of --reps interleaved runs, --case full|hybrid|chunked|all;
+             runs alone, not part of all; without vllm it prints "skipped: vllm not
+             importable" and exits 0 (docs/vllm.md)
 
 Every operation is also timed, in the same run and the same harness, against a baseline:
 alloc and prefix on the bundled pure-Python vLLM-style pool (and on vLLM's own BlockPool when
@@ -102,7 +102,9 @@ def add_command(sub: "argparse._SubParsersAction") -> None:
         "--no-vllm", action="store_true", help="do not time vLLM's BlockPool even if importable"
     )
     v = p.add_argument_group("the vllm suite")
-    v.add_argument("--case", choices=("full", "hybrid", "all"), default="all", help="default all")
+    v.add_argument(
+        "--case", choices=("full", "hybrid", "chunked", "all"), default="all", help="default all"
+    )
     v.add_argument("--reps", type=_samples, default=7, metavar="N", help="runs (default 7)")
     v.add_argument(
         "--requests", type=_samples, default=256, metavar="N", help="requests (default 256)"

@@ -19,7 +19,11 @@ Cases: ``full`` (one full-attention group: vLLM's unitary coordinator) and ``hyb
 (gpt-oss's shape: one full-attention group + one sliding-window group of 128 tokens, vLLM's
 HybridKVCacheCoordinator; admission hits the window's last 8 blocks of the shared prompt with
 null blocks before them, and the decode step frees each request's blocks that left the
-window, 32 per request).
+window, 32 per request); ``chunked`` (Llama 4's shape: one full-attention group + one chunked
+local attention group, the chunk shortened from Llama 4's 8192 tokens to 256 so that this
+workload crosses chunks; admission's hit ends on a chunk boundary, so the chunk group's part
+is 32 null blocks without a lookup, and the decode step frees the 32 blocks per request
+before the new token's chunk).
 
 Reports per phase the median over repetitions of the phase's time (ms), the ratio vLLM /
 kvblocks of those medians, and the p50 / p99 of one call (one request's operation, pooled over
@@ -42,6 +46,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -52,13 +57,14 @@ from vllm.v1.request import Request
 from ..integrations.vllm.manager import KVCacheManager as KVBKVCacheManager
 from .errors import BenchError
 
-__all__ = ["BLOCK_SIZE", "CASES", "NUM_BLOCKS", "WINDOW", "run", "run_case"]
+__all__ = ["BLOCK_SIZE", "CASES", "CHUNK", "NUM_BLOCKS", "WINDOW", "run", "run_case"]
 
-CASES = ("full", "hybrid")
+CASES = ("full", "hybrid", "chunked")
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 40_000
 WINDOW = 128  # gpt-oss's sliding window
+CHUNK = 256  # the chunked case's attention chunk (Llama 4's: 8192)
 
 
 def make_config(num_blocks: int, case: str = "full") -> KVCacheConfig:
@@ -75,6 +81,15 @@ def make_config(num_blocks: int, case: str = "full") -> KVCacheConfig:
             sliding_window=WINDOW,
         )
         groups.append(KVCacheGroupSpec(["sw_layer"], sw))
+    elif case == "chunked":
+        cl = ChunkedLocalAttentionSpec(
+            block_size=BLOCK_SIZE,
+            num_kv_heads=1,
+            head_size=1,
+            dtype=torch.float32,
+            attention_chunk_size=CHUNK,
+        )
+        groups.append(KVCacheGroupSpec(["chunk_layer"], cl))
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
@@ -123,7 +138,7 @@ def run_once(cls: type, n: int, case: str) -> tuple[dict[str, list[int]], list]:
         hash_block_size=BLOCK_SIZE,
         enable_caching=True,
     )
-    if case == "hybrid":
+    if case != "full":
         assert cls is VLLMKVCacheManager or getattr(mgr, "native", False), "not native"
     reqs = make_requests(n)
 
@@ -156,7 +171,7 @@ def pct(xs: list[int], q: float) -> float:
 
 
 def run_case(case: str, reps: int, n: int) -> dict:
-    """Time one case (``full`` or ``hybrid``), print its table, return its rows."""
+    """Time one case (``full``, ``hybrid`` or ``chunked``), print its table, return its rows."""
     sides = {"vllm": VLLMKVCacheManager, "kvblocks": KVBKVCacheManager}
     phase_ms: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
     calls: dict[str, dict[str, list[int]]] = {s: {} for s in sides}
@@ -171,7 +186,11 @@ def run_case(case: str, reps: int, n: int) -> dict:
                     calls[side].setdefault(k, []).extend(ns)
         if ids["vllm"] != ids["kvblocks"]:
             raise BenchError(f"{case}: block ids differ between vLLM's manager and kvblocks'")
-    shape = "full attention" if case == "full" else f"full + sliding window {WINDOW}"
+    shape = {
+        "full": "full attention",
+        "hybrid": f"full + sliding window {WINDOW}",
+        "chunked": f"full + chunked local {CHUNK}",
+    }[case]
     print(
         f"{case} ({shape}): {n} requests, 4 shared 512-token prompts + 512 own, block size "
         f"{BLOCK_SIZE}, {NUM_BLOCKS} blocks; {reps} interleaved runs"
@@ -198,13 +217,14 @@ def run_case(case: str, reps: int, n: int) -> dict:
 
 
 def run(case: str = "all", reps: int = 7, requests: int = 256) -> dict:
-    """Time ``case`` (``full``, ``hybrid`` or ``all``), print the tables; the results doc."""
+    """Time ``case`` (``full``, ``hybrid``, ``chunked`` or ``all``), print the tables; the
+    results doc."""
     if reps < 1 or requests < 1:
         raise BenchError(f"--reps and --requests must be >= 1, not {reps} and {requests}")
     init_none_hash(sha256)
     cases = CASES if case == "all" else (case,)
     out: dict = {"requests": requests, "reps": reps, "block_size": BLOCK_SIZE}
-    out.update(num_blocks=NUM_BLOCKS, window=WINDOW)
+    out.update(num_blocks=NUM_BLOCKS, window=WINDOW, chunk=CHUNK)
     for c in cases:
         out[c] = run_case(c, reps, requests)
     if "full" in out:  # the names of the single-case file of before

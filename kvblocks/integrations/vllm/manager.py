@@ -17,8 +17,9 @@ batched native calls over a request's whole hash chain:
 Block tables are lists of int ids; ``KVCacheBlock``-shaped objects (``_BlockView``) are made
 only when something reads them (``KVCacheBlocks.blocks``, ``block_pool.blocks[i]``,
 ``req_to_blocks``), once per block id, and read their ref count and hash from the native
-pool. Models of full-attention and sliding-window groups (hybrid or a window alone) run on
-``hybrid.HybridKVCacheManager`` (this class turns an instance into it). Any other
+pool. Models of full-attention, sliding-window and chunked-local groups (hybrid, or a window
+or chunk group alone) run on ``hybrid.HybridKVCacheManager`` (this class turns an instance
+into it). Any other
 configuration (other attention kinds, partial-block hashes, EAGLE, context parallelism,
 lookahead hashes, a metrics collector, KV zeroing) runs vLLM's own coordinator and
 single-type managers unchanged, and says so in the log.
@@ -36,7 +37,11 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VLLMKVCacheBlocks
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from .pool_view import NativeBlockPoolView
 from .state import (  # noqa: F401  (NativeKVCacheBlocks, _NativeState: names tests import)
@@ -52,7 +57,10 @@ logger = logging.getLogger(__name__)
 # VLLMKVCacheManager: vLLM's own class (this module is imported before enable() patches)
 
 # managers built in this process, by path: "full" (one full-attention group, native),
-# "hybrid" (full attention + sliding window groups, native), "fallback" (vLLM's managers)
+# "hybrid" (full attention, sliding window and chunked local groups, native), "fallback"
+# (vLLM's managers)
+# one group of these kinds alone runs on the group adapter (hybrid.py) too
+_GROUP_KINDS = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
 NATIVE_BUILDS: Counter = Counter()
 FALLBACK_REASONS: Counter = Counter()  # why the "fallback" ones run on vLLM's managers
 
@@ -66,6 +74,8 @@ def native_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
     spec = groups[0].kv_cache_spec
     if type(spec) is not FullAttentionSpec:
         return f"attention kind {type(spec).__name__}"
+    if coord.block_pool.num_gpu_blocks < 2:  # the native pool needs one block besides null
+        return "a pool of the null block alone"
     if mgr.enable_caching and type(coord) is not UnitaryKVCacheCoordinator:
         return f"coordinator {type(coord).__name__}"
     if opts.get("dcp_world_size", 1) != 1 or opts.get("pcp_world_size", 1) != 1:
@@ -203,13 +213,11 @@ class KVCacheManager(VLLMKVCacheManager):
         opts.update(zip(names, args))
         why = native_unsupported(self, opts)
         groups = self.kv_cache_config.kv_cache_groups
-        if why is not None and (
-            len(groups) > 1 or type(groups[0].kv_cache_spec) is SlidingWindowSpec
-        ):
+        if why is not None and (len(groups) > 1 or type(groups[0].kv_cache_spec) in _GROUP_KINDS):
             from .hybrid import HybridKVCacheManager, hybrid_unsupported
 
             why = hybrid_unsupported(self, opts)
-            if why is None:  # full attention + sliding window groups: the group adapter
+            if why is None:  # full attention, window and chunk groups: the group adapter
                 self.native = True
                 self.__class__ = HybridKVCacheManager
                 self._init_hybrid()
@@ -429,6 +437,9 @@ class KVCacheManager(VLLMKVCacheManager):
         c = s.num_cached.pop(request_id, 0)
         s.keys.pop(request_id, None)
         if not table:
+            return
+        if s.uncached_held:  # evict_blocks left a hole in a cached part: the general order
+            s.free_in_order(table[::-1])
             return
         # vLLM frees the table in reverse: blocks without an entry (the table's tail past
         # its c cached blocks) to the free list's head in that order, cached ones to the

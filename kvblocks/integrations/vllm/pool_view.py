@@ -192,10 +192,11 @@ class NativeBlockPoolView:
             self._s.pool.touch(ids)  # vLLM's touch: free blocks too, cached or not
 
     def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
-        if evict_first:
-            raise NotImplementedError("kvblocks' vLLM pool: free_blocks(evict_first=True)")
         ids = np.array([b.block_id for b in ordered_blocks if not b.is_null], dtype=np.int32)
-        self._s.release(ids)
+        if evict_first:  # every block reaching 0 to the head, the batch in the given order
+            self._s.pool.free_to(ids, "head")
+        else:
+            self._s.release(ids)
 
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: list) -> Any:
         out = []

@@ -197,6 +197,9 @@ class _NativeState:
         # block -> the KV cache group its cache entry belongs to (vLLM's group id in the key)
         self.gid = np.zeros(num_blocks, dtype=np.uint8)
         self._salt = 0
+        # blocks evict() uncached while requests held them: while any is, frees take the
+        # general path (free_in_order), since a table's cached part may have a hole
+        self.uncached_held: set[int] = set()
         self.events: list[Any] = []
         self._views: dict[int, _BlockView] = {}
         self.free_queue: Any = None  # the _FreeQueueView, set by NativeBlockPoolView
@@ -500,12 +503,39 @@ class _NativeState:
         )
 
     def evict(self, block_ids: Iterable[int]) -> None:
-        """vLLM's ``evict_blocks``: drop the blocks' cache entries (in use or not)."""
-        for b in block_ids:
+        """vLLM's ``evict_blocks``: drop the blocks' cache entries (in use or not), with a
+        BlockRemoved each in the order given. A free block keeps its place in the free list;
+        a referenced one, once freed, goes to the head as a block without an entry
+        (``uncached_held`` lists them until then: the free paths take vLLM's general order
+        while it is not empty). Every id is checked first (nothing changes on a bad one)."""
+        ids = list(block_ids)
+        for b in ids:
             if not 0 <= b < self.num_blocks:
                 raise AssertionError(f"Invalid block_id {b} >= {self.num_blocks}.")
-            self._forget(b)  # the native entry stays until the block is reused; lookups
-            # check hash_of first
+        for b in ids:
+            self._forget(b)
+        ids = [b for b in ids if b > 0 and self.pool.is_cached(b)]
+        if not ids:
+            return
+        self.pool.uncache(ids)
+        self.hashed[ids] = False
+        self.uncached_held.update(b for b in ids if self.refs[b] > 0)
+
+    def free_in_order(self, ordered: Sequence[int]) -> None:
+        """vLLM's ``free_blocks(ordered)`` by the native cache entries: blocks reaching 0
+        without an entry go to the free list's head as a batch in the given order, cached
+        ones to its tail in that order (the native free pushes each uncached block at the
+        head: they go in reverse). Forgets the ``uncached_held`` blocks it frees."""
+        if not len(ordered):
+            return
+        ids = np.asarray(ordered, dtype=np.int32)
+        is_cached = self.pool.is_cached
+        m = np.fromiter((is_cached(b) for b in ids.tolist()), dtype=np.bool_, count=len(ids))
+        self.pool.free(ids[~m][::-1])
+        self.pool.free(ids[m])
+        if self.uncached_held:
+            refs = self.refs
+            self.uncached_held = {b for b in self.uncached_held if refs[b] > 0}
 
     def reset(self) -> bool:
         if self.pool.num_free != self.num_blocks - 1:
@@ -519,6 +549,7 @@ class _NativeState:
         self.hash_of.clear()
         self.hashed[:] = False
         self.dups.clear()
+        self.uncached_held.clear()
         logger.info("Successfully reset prefix cache")
         if self.enable_events:
             self.events.append(AllBlocksCleared())

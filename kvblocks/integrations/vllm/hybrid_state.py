@@ -1,0 +1,545 @@
+"""The native state of kvblocks' hybrid KV cache manager for vLLM (hybrid.py): one
+``kvblocks.BlockPool`` for every KV cache group, and per request one block table per group.
+
+vLLM's rules per group kind live here, as its single-type managers have them:
+
+- cache hits (``find``): vLLM's fixed point over the attention groups (groups of one spec
+  looked up jointly, full attention first). Full attention: the run cached from block 0.
+  A sliding window: the rightmost run of ``cdiv(window - 1, block_size)`` cached blocks, the
+  blocks before it null. Chunked local attention: the blocks before the chunk holding the
+  hit's end token are null (a hit of nulls only when that end starts a chunk), then the run
+  cached from the chunk's first block. Each run is one native lookup of the group's keys
+  (vLLM's hash + group id: the hash's first 128 bits, the group mixed into the second word,
+  the full 32 bytes checked against the array beside the pool);
+- skipped blocks (``remove_skipped``): a window group's blocks before the window, a chunk
+  group's before the chunk of the next token, are freed and become the null block 0;
+- caching (``cache_groups``) and free (``free_request``) group by group in vLLM's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
+
+import kvblocks
+
+from .state import _EMPTY_I32, _NativeState
+
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+# attention kinds served natively, as vLLM's coordinator splits groups (full attention first)
+_FULL, _WINDOW, _CHUNK = 0, 1, 2
+_KINDS = {FullAttentionSpec: _FULL, SlidingWindowSpec: _WINDOW, ChunkedLocalAttentionSpec: _CHUNK}
+_DUP_SALT = 0x9E3779B97F4A7C15  # as _NativeState._cache_dups
+
+
+def _group_salt(g: int) -> np.uint64:
+    """XORed into the second key word of group g's entries (0 for group 0)."""
+    return np.uint64((g * 0xD1B54A32D192ED03) & _MASK64)
+
+
+class _HybridState(_NativeState):
+    """The native pool, and per request one block table per KV cache group."""
+
+    def __init__(self, mgr: VLLMKVCacheManager, coord: Any) -> None:
+        vpool = coord.block_pool
+        stms = coord.single_type_managers
+        super().__init__(
+            vpool.num_gpu_blocks,
+            stms[0].block_size,
+            mgr.enable_caching,
+            mgr.enable_kv_cache_events,
+            vpool.medium,
+        )
+        self.num_groups = len(stms)
+        # per group: sliding window (0 for full attention), extra retained tokens, vLLM's
+        # admission cap in blocks (None: no cap)
+        self.window = [getattr(m.kv_cache_spec, "sliding_window", 0) or 0 for m in stms]
+        # per group: attention chunk (0 unless chunked local attention)
+        # (FullAttentionSpec has the field too, for its merged specs: not a chunk here)
+        self.chunk = [
+            m.kv_cache_spec.attention_chunk_size
+            if type(m.kv_cache_spec) is ChunkedLocalAttentionSpec
+            else 0
+            for m in stms
+        ]
+        self.extra = [getattr(m.kv_cache_spec, "extra_retained_tokens", 0) or 0 for m in stms]
+        self.cap = [getattr(m, "max_admission_blocks_per_request", None) for m in stms]
+        # groups whose blocks leave the attention span (window or chunk): vLLM's
+        # remove_skipped_blocks frees them
+        self.sw_groups = [g for g in range(self.num_groups) if self.window[g] or self.chunk[g]]
+        self.salt = [_group_salt(g) for g in range(self.num_groups)]
+        self.salt_int = [int(x) for x in self.salt]
+        # vLLM's attention groups (verify_and_split_kv_cache_groups: groups of one spec,
+        # looked up jointly), full attention first; none without prefix caching
+        split: list[tuple[Any, list[int]]] = []
+        for g, m in enumerate(stms if mgr.enable_caching else ()):
+            for spec, gids in split:
+                if spec == m.kv_cache_spec:
+                    gids.append(g)
+                    break
+            else:
+                split.append((m.kv_cache_spec, [g]))
+        split.sort(key=lambda sg: not isinstance(sg[0], FullAttentionSpec))
+        # (kind, group ids, span): a window's span is the cached blocks a hit needs, a
+        # chunk's the chunk in tokens
+        self.attn: list[tuple[int, list[int], int]] = []
+        for spec, gids in split:
+            kind = _KINDS[type(spec)]
+            if kind == _WINDOW:
+                span = cdiv(spec.sliding_window - 1, self.block_size)
+            else:
+                span = spec.attention_chunk_size if kind == _CHUNK else 0
+            self.attn.append((kind, gids, span))
+        self.simple = len(self.attn) == 2 and self.attn[0][0] == _FULL
+        # the common shape (gpt-oss, Gemma): one full-attention and one window group
+        self.simple1 = self.simple and self.num_groups == 2 and len(self.attn[1][1]) == 1
+        self.simple1 = self.simple1 and len(self.attn[0][1]) == 1
+        self.tables: dict[str, list[list[int]]] = {}  # request id -> table per group
+        # request id -> per group, how many leading table entries are null (vLLM's tables
+        # of a window: nulls, then blocks; nulls come from hits and remove_skipped only)
+        self.nulls: dict[str, list[int]] = {}
+        # request id -> cached blocks per group (vLLM's num_cached_block: present while the
+        # request has been cached or adopted hits)
+        self.ncached: dict[str, list[int]] = {}
+
+    def skipped(self, g: int, num_computed_tokens: int) -> int:
+        """vLLM's get_num_skipped_tokens of group g: tokens before the window, or before
+        the chunk holding the next token."""
+        w = self.window[g]
+        if not w:
+            c = self.chunk[g]
+            return num_computed_tokens // c * c if c else 0
+        n = num_computed_tokens - w + 1 - self.extra[g]
+        return n if n > 0 else 0
+
+    # -- lookups ------------------------------------------------------------------------------
+    def _gkeys(self, keys: np.ndarray, g: int, s: int, e: int) -> np.ndarray:
+        k = keys[s:e]
+        if g == 0:
+            return k
+        k = k.copy()
+        k[:, 1] ^= self.salt[g]
+        return k
+
+    def run(
+        self,
+        g: int,
+        hashes: Sequence[bytes],
+        keys: np.ndarray,
+        tails: Optional[np.ndarray],
+        s: int,
+        e: int,
+    ) -> np.ndarray:
+        """Ids of group g's longest run of cached blocks for hashes[s:e] (vLLM's
+        ``get_cached_block`` per block: the earliest block under each hash)."""
+        if s >= e:
+            return _EMPTY_I32
+        pool, full, hash_of = self.pool, self.full, self.hash_of
+        pos = s
+        parts = []
+        if keys is None:  # 32-byte hashes in a list: keys, salt and check natively
+            salt = self.salt_int[g]
+            while pos < e:
+                hit = pool.lookup_bytes(hashes, e, start=pos, full=full, group=g, key_salt=salt)
+                if len(hit):
+                    parts.append(hit)
+                    pos += len(hit)
+                d = self._dup_at(hashes, pos, e, g)
+                if d is None:
+                    break
+                parts.append(d)
+                pos += 1
+            if not parts:
+                return _EMPTY_I32
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        kg = self._gkeys(keys, g, s, e)
+        while pos < e:
+            hit = pool.lookup(kg[pos - s :], group=g)
+            k = len(hit)
+            if k:
+                if tails is not None:  # the other half of each hit's hash (0 once evicted)
+                    ok = (full[hit, 2:] == tails[pos : pos + k]).all(axis=1)
+                    if not ok.all():
+                        k = int(np.argmin(ok))
+                else:
+                    for i, b in enumerate(hit.tolist()):
+                        if hash_of.get(b) != hashes[pos + i]:
+                            k = i
+                            break
+                parts.append(hit[:k])
+                pos += k
+            d = self._dup_at(hashes, pos, e, g)
+            if d is None:
+                break
+            parts.append(d)
+            pos += 1
+        if not parts:
+            return _EMPTY_I32
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _dup_at(self, hashes: Sequence[bytes], pos: int, e: int, g: int) -> Optional[np.ndarray]:
+        """A run stopped at pos: group g's earliest duplicate entry under hashes[pos] (one
+        block id), or None where the run ends (at e, or no duplicate)."""
+        if pos == e or not self.dups:
+            return None
+        d = self.dups.get(self.dup_key(hashes[pos], g))
+        return np.array(d[:1], dtype=np.int32) if d else None
+
+    def lookup_one(self, h: bytes, g: int) -> Optional[int]:
+        if not 0 <= g < self.num_groups or not self.enable_caching:
+            return None
+        hk = self.hash_keys([h], 1)
+        hit = self.run(g, hk[0], hk[1], hk[2], 0, 1)
+        return int(hit[0]) if len(hit) else None
+
+    @staticmethod
+    def is32(hashes: Sequence[bytes], n: int) -> bool:
+        """Whether hashes[:n] can take the native bytes path (a list of 32-byte hashes;
+        mixed widths past the first raise InvalidArgumentError there)."""
+        return type(hashes) is list and n > 0 and len(hashes[0]) == 32
+
+    def hash_keys(self, hashes: Sequence[bytes], n: int, request: Any = None) -> tuple:
+        """(hashes, keys, tails) for ``run``: keys None for the native bytes path."""
+        if self.is32(hashes, n):
+            return hashes, None, None
+        if request is not None:
+            return (hashes, *self.request_keys(request, n))
+        return (hashes, *self.to_keys_tails(list(hashes[:n])))
+
+    def _full_hit(self, gids: list[int], hk: tuple, m: int) -> tuple[list, int]:
+        runs = [self.run(g, hk[0], hk[1], hk[2], 0, m) for g in gids]
+        k = min(len(r) for r in runs)
+        return [r[:k].tolist() for r in runs], k
+
+    def _window_hit(self, gids: list[int], need: int, hk: tuple, m: int) -> tuple[list, int]:
+        """vLLM's SlidingWindowManager.find_longest_cache_hit: the rightmost run of
+        ``need`` blocks cached in every group of gids ending at or before block m, the
+        blocks before it null; else the cached run from block 0 (shorter than need)."""
+        e = m
+        while e >= need:
+            s = e - need
+            runs = [self.run(g, hk[0], hk[1], hk[2], s, e) for g in gids]
+            k = min(len(r) for r in runs)
+            if k == need:
+                return [[0] * s + r.tolist() for r in runs], e
+            e = s + k  # block s + k misses: every window ending past it does too
+        runs = [self.run(g, hk[0], hk[1], hk[2], 0, e) for g in gids]
+        k = min(len(r) for r in runs)
+        return [r[:k].tolist() for r in runs], k
+
+    def _chunk_hit(self, gids: list[int], chunk: int, hk: tuple, curr: int) -> tuple[list, int]:
+        """vLLM's ChunkedLocalAttentionManager.find_longest_cache_hit for a hit of at most
+        curr tokens: the blocks before the chunk holding token curr are null (a hit without
+        any cached block when curr starts a chunk), then the run cached in every group of
+        gids from the chunk's first block."""
+        bs = self.block_size
+        lo = curr // chunk * chunk // bs if curr > 0 else 0
+        m = min(curr // bs, len(hk[0]))
+        k = 0
+        runs: list = [_EMPTY_I32] * len(gids)
+        if lo < m:
+            runs = [self.run(g, hk[0], hk[1], hk[2], lo, m) for g in gids]
+            k = min(len(r) for r in runs)
+        return [[0] * lo + r[:k].tolist() for r in runs], lo + k
+
+    def find(self, hk: tuple, max_length: int) -> tuple:
+        """vLLM's HybridKVCacheCoordinator.find_longest_cache_hit over hk (hash_keys):
+        per-group ids (lists or int32 arrays, 0 = null), the hit length, the uncached common
+        prefix tokens, and per group how many leading ids are null (None: not counted)."""
+        if hk[1] is None:
+            try:
+                if self.simple1 and not self.dups:
+                    return self._find_simple(hk[0], max_length)
+                return (*self._find(hk, max_length), None)
+            except kvblocks.InvalidArgumentError:  # mixed widths: the numpy path
+                hashes = hk[0]
+                hk = (hashes, *self.to_keys_tails(list(hashes)))
+        return (*self._find(hk, max_length), None)
+
+    def _find_simple(self, hashes: list, max_length: int) -> tuple:
+        """``_find`` of one full-attention group and one window or chunk group, 32-byte
+        hashes and no duplicates: native lookups only (vLLM's simple hybrid: one pass)."""
+        bs = self.block_size
+        _, (gf,), _ = self.attn[0]
+        kind, (gw,), need = self.attn[1]
+        lookup, full = self.pool.lookup_bytes, self.full
+        m = min(max_length // bs, len(hashes))
+        hf = lookup(hashes, m, full=full, group=gf, key_salt=self.salt_int[gf])
+        e = kf = len(hf)
+        sw_salt = self.salt_int[gw]
+        nulls = [0, 0]
+        if kind == _CHUNK:  # need: the chunk; null up to the chunk holding token e * bs
+            lo = e * bs // need * need // bs
+            hw = (
+                lookup(hashes, e, start=lo, full=full, group=gw, key_salt=sw_salt)
+                if lo < e
+                else _EMPTY_I32
+            )
+            e = lo + len(hw)
+            if lo:
+                hw = np.concatenate((np.zeros(lo, dtype=np.int32), hw))
+                nulls[gw] = lo
+            out: list = [None, None]
+            out[gf] = hf[:e] if e < kf else hf
+            out[gw] = hw
+            return out, e * bs, (kf - e) * bs, nulls
+        while e >= need:
+            s0 = e - need
+            r = lookup(hashes, e, start=s0, full=full, group=gw, key_salt=sw_salt)
+            k = len(r)
+            if k == need:
+                hw = np.concatenate((np.zeros(s0, dtype=np.int32), r)) if s0 else r
+                nulls[gw] = s0
+                break
+            e = s0 + k
+        else:
+            hw = lookup(hashes, e, full=full, group=gw, key_salt=sw_salt)
+            e = len(hw)
+        out = [None, None]
+        out[gf] = hf[:e] if e < kf else hf
+        out[gw] = hw
+        return out, e * bs, (kf - e) * bs, nulls
+
+    def _find(self, hk: tuple, max_length: int) -> tuple[list, int, int]:
+        bs = self.block_size
+        hashes = hk[0]
+        hit_length = max_length
+        longest = 0
+        by_group: list[Optional[list]] = [None] * self.num_groups
+        len_by = [0] * self.num_groups
+        while True:
+            curr = hit_length
+            for kind, gids, span in self.attn:
+                g0 = gids[0]
+                if kind == _FULL and by_group[g0] is not None:
+                    curr = min(curr, len_by[g0])
+                    continue
+                m = min(curr // bs, len(hashes))
+                if kind == _FULL:
+                    blocks, k = self._full_hit(gids, hk, m)
+                elif kind == _WINDOW:
+                    blocks, k = self._window_hit(gids, span, hk, m)
+                else:
+                    blocks, k = self._chunk_hit(gids, span, hk, curr)
+                curr = k * bs
+                for g, b in zip(gids, blocks):
+                    by_group[g] = b
+                    len_by[g] = curr
+                longest = max(longest, curr)
+            if curr >= hit_length:
+                break
+            hit_length = curr
+            if self.simple:
+                break
+        nb = cdiv(hit_length, bs)
+        for kind, gids, _ in self.attn:
+            if kind == _FULL:
+                for g in gids:
+                    b = by_group[g]
+                    if b is not None:
+                        del b[nb:]
+        return [b if b is not None else [] for b in by_group], hit_length, longest - hit_length
+
+    # -- caching ------------------------------------------------------------------------------
+    def cache_groups(self, request: Any, num_tokens: int) -> None:
+        """vLLM's coordinator cache_blocks: each group's newly full blocks (null blocks
+        skipped) under the request's hashes, one BlockStored per group that caches."""
+        rid = request.request_id
+        bs = self.block_size
+        hashes = request.block_hashes
+        num_full = min(num_tokens // bs * bs, len(hashes) * bs) // bs
+        nc = self.ncached.get(rid)
+        if nc is not None and min(nc) >= num_full:
+            return
+        if num_full <= 0:
+            return
+        tables = self.tables[rid]
+        if nc is None:
+            nc = self.ncached[rid] = [0] * self.num_groups
+        for g in range(self.num_groups):
+            c = nc[g]
+            if c < num_full:
+                self.cache_ids(request, g, tables[g][c:num_full], c, num_full)
+                nc[g] = num_full
+
+    def cache_ids(self, request: Any, g: int, ids_l: list, c: int, num_full: int) -> None:
+        """vLLM's BlockPool.cache_full_blocks: blocks ids_l (0: null, skipped) of group g
+        under the request's hashes [c, num_full), and its BlockStored."""
+        hashes = request.block_hashes
+        if not (self.is32(hashes, num_full) and self._cache32(g, ids_l, hashes, c)):
+            keys, tails = self.request_keys(request, num_full)
+            self._cache_run(g, ids_l, hashes, keys, tails, c)
+        if self.enable_events:
+            self.events.append(self._stored(request, c, num_full, g, ids_l))
+
+    def _cache32(self, g: int, ids_l: list, hashes: list, c: int) -> bool:
+        """``_cache_run`` in one native call (cache_bytes) when it can: 32-byte hashes,
+        the blocks after the leading nulls all real, no hash among the duplicates."""
+        j = 0
+        n = len(ids_l)
+        while j < n and ids_l[j] == 0:
+            j += 1
+        if j == n:
+            return True
+        ids = ids_l[j:] if j else ids_l
+        if 0 in ids:
+            return False
+        dups = self.dups
+        if dups:
+            dk = self.dup_key
+            if any(dk(hashes[i], g) in dups for i in range(c + j, c + n)):
+                return False
+        try:
+            stored = self.pool.cache_bytes(
+                ids,
+                hashes,
+                c + j,
+                full=self.full,
+                mark=self.hashed,
+                group=g,
+                key_salt=self.salt_int[g],
+            )
+        except kvblocks.InvalidArgumentError:  # mixed widths: the numpy path
+            return False
+        self.gid[ids] = g
+        if stored != len(ids):  # keys held by other blocks: duplicates under salted keys
+            is_cached = self.pool.is_cached
+            for i, b in enumerate(ids):
+                if not is_cached(b):
+                    h = hashes[c + j + i]
+                    k = self.to_keys([h])
+                    if g:
+                        k[:, 1] ^= self.salt[g]
+                    self._dup(b, h, g, k)
+        return True
+
+    def _dup(self, b: int, h: bytes, g: int, k: np.ndarray) -> None:
+        """Cache block b (key k of hash h in group g, held by another block) under a
+        salted key of its own, listed in ``dups``."""
+        self._salt += 1
+        k = k.copy()
+        k[0, 1] ^= np.uint64((self._salt * _DUP_SALT) & _MASK64)
+        self.pool.cache(np.array([b], dtype=np.int32), k, group=g)
+        self.dups.setdefault(self.dup_key(h, g), []).append(b)
+
+    def _cache_run(
+        self,
+        g: int,
+        ids_l: list,
+        hashes: Sequence[bytes],
+        keys: np.ndarray,
+        tails: Optional[np.ndarray],
+        c: int,
+    ) -> None:
+        ids = np.array(ids_l, dtype=np.int32)
+        pos = np.arange(c, c + len(ids))
+        live = ids != 0
+        if not live.all():
+            ids, pos = ids[live], pos[live]
+        if not len(ids):
+            return
+        raw = keys[pos]
+        if tails is not None:
+            self.full[ids, :2] = raw
+            self.full[ids, 2:] = tails[pos]
+        kg = raw
+        if g:
+            kg[:, 1] ^= self.salt[g]  # (raw is a copy: fancy indexing)
+        plist = pos.tolist()
+        hs = [hashes[i] for i in plist]
+        dups, dk = self.dups, self.dup_key
+        if dups and any(dk(h, g) in dups for h in hs):  # a hash with duplicates: append
+            first = np.array([dk(h, g) not in dups for h in hs], dtype=np.bool_)
+            self.pool.cache(ids[first], kg[first], group=g)
+            all_in = False
+        else:
+            first = None
+            all_in = self.pool.cache(ids, kg, group=g) == len(ids)
+        self.hashed[ids] = True
+        self.gid[ids] = g
+        if tails is None:
+            self.hash_of.update(zip(ids.tolist(), hs))
+        if not all_in:  # keys held by other blocks: duplicates under salted keys
+            is_cached = self.pool.is_cached
+            for j, b in enumerate(ids.tolist()):
+                if (first is None or first[j]) and is_cached(b):
+                    continue
+                self._dup(b, hs[j], g, kg[j : j + 1])
+
+    # -- freeing ------------------------------------------------------------------------------
+    def remove_skipped(self, rid: str, processed: int) -> None:
+        """vLLM's remove_skipped_blocks: each sliding-window group's blocks before the
+        window are freed (one free_blocks per group, last first) and become null."""
+        tables = self.tables.get(rid)
+        if tables is None:
+            return
+        bs = self.block_size
+        nulls = self.nulls[rid]
+        for g in self.sw_groups:
+            n = self.skipped(g, processed) // bs
+            t = tables[g]
+            if n > len(t):
+                n = len(t)
+            nn = nulls[g]
+            if n <= nn:
+                continue
+            # blocks nn..n-1 leave, last first: a table is [nulls | cached | uncached], so
+            # vLLM's free_blocks puts t[c:n] (uncached) at the free list's head and
+            # t[nn:c] (cached) at its tail, last first; one native free in that order
+            if self.uncached_held:  # a hole in the cached part (evict_blocks)
+                self.free_in_order(t[nn:n][::-1])
+            else:
+                c = self._cached_end(rid, g)
+                self.pool.free(t[max(c, nn) : n] + t[nn : min(c, n)][::-1])
+            t[nn:n] = [0] * (n - nn)
+            nulls[g] = n
+
+    def _cached_end(self, rid: str, g: int) -> int:
+        """The table position past the request's cached blocks in group g."""
+        nc = self.ncached.get(rid)
+        return nc[g] if nc is not None and self.enable_caching else 0
+
+    def free_request(self, rid: str) -> None:
+        """vLLM's coordinator free: group by group, each table without its null head
+        freed last block first (uncached blocks to the free list's head, cached ones to its
+        tail), in one native call."""
+        tables = self.tables.pop(rid, None)
+        nulls = self.nulls.pop(rid, None)
+        nc = self.ncached.pop(rid, None)
+        self.keys.pop(rid, None)
+        if not tables or nulls is None:
+            return
+        if self.uncached_held:  # a hole in a cached part (evict_blocks): group by group
+            for t, nn in zip(tables, nulls):
+                self.free_in_order(t[nn:][::-1])
+            return
+        if nc is None or not self.enable_caching:
+            nc = nulls
+        order: list[int] = []
+        for t, nn, c in zip(tables, nulls, nc):
+            if c > nn:  # t[c:] to the head (forward: each pushed there), t[c-1..nn] to the tail
+                order += t[c:] + t[c - 1 : nn - 1 : -1] if nn else t[c:] + t[c - 1 :: -1]
+            elif nn < len(t):
+                order += t[nn:]
+        if order:
+            self.pool.free(order)
+
+    def pop(self, rid: str) -> list[int]:
+        """Drop the request's tables; its blocks without the null heads, group by group."""
+        tables = self.tables.pop(rid, None) or []
+        nulls = self.nulls.pop(rid, None)
+        self.ncached.pop(rid, None)
+        self.keys.pop(rid, None)
+        out: list[int] = []
+        for g, t in enumerate(tables):
+            out.extend(t[nulls[g] :] if nulls else t)
+        return out
