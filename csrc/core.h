@@ -693,9 +693,6 @@ void kvb_step_release(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                       const int32_t *qlens, int64_t B);
 void kvb_step_commit(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                      const int32_t *qlens, const int32_t *drafts, int64_t B);
-/* check, release and commit in one call (kvblocks' plan_step) */
-int kvb_step_plan(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, const int32_t *qlens,
-                  const int32_t *drafts, int64_t B, kvb_step_size_t *sizes);
 /* KVB_ERANGE (err_a: needed, err_b: held, err_what: the buffer) when out cannot hold a step
  * of size z; KVB_OK otherwise. Nothing is written. */
 int kvb_meta_fits(kvb_mgr_t *m, const kvb_step_size_t *z, const kvb_meta_t *out);

@@ -10,9 +10,10 @@
  *   write    metadata and rows, per group, into buffers checked to fit (kvb_meta_fits,
  *            kvb_rows_fits): pure writers of the checked step;
  *   commit   every committed token counts as computed; full blocks enter the prefix cache.
- * kvblocks' plan_step runs check, release and commit in one call (kvb_step_plan) and writes
- * afterwards, as often as asked, until the manager next changes (the tables written are the
- * same before and after the commit: it caches blocks, it never moves them). The v1 calls
+ * kvblocks' plan_step (Cython, and kvb_manager_plan_step in capi.c) runs check and release
+ * (and commit, unless deferred to after the forward) and writes afterwards, as often as
+ * asked, until the manager next changes (the tables written are the same before and after
+ * the commit: it caches blocks, it never moves them). The v1 calls
  * (schedule, metadata, row_indices, in the Cython layer and in capi.c) are this sequence for
  * one group or all, checking the buffers before the release and writing between release and
  * commit, so that a buffer too small fails before anything changes.
@@ -50,13 +51,4 @@ void kvb_step_release(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
 void kvb_step_commit(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                      const int32_t *qlens, const int32_t *drafts, int64_t B) {
     KVB_MUST(kvb_grp_schedule(g, G, slots, qlens, drafts, B, 1)); /* applying cannot fail */
-}
-
-int kvb_step_plan(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, const int32_t *qlens,
-                  const int32_t *drafts, int64_t B, kvb_step_size_t *sizes) {
-    int rc = kvb_step_check(g, G, slots, qlens, drafts, B, sizes);
-    if (rc) return rc;
-    kvb_step_release(g, G, slots, qlens, B);
-    kvb_step_commit(g, G, slots, qlens, drafts, B);
-    return KVB_OK;
 }

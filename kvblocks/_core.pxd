@@ -323,8 +323,6 @@ cdef extern from "core.h" nogil:
                           const int32_t *qlens, int64_t B)
     void kvb_step_commit(kvb_mgr_t **g, int32_t G, const int32_t *slots,
                          const int32_t *qlens, const int32_t *drafts, int64_t B)
-    int kvb_step_plan(kvb_mgr_t **g, int32_t G, const int32_t *slots, const int32_t *qlens,
-                      const int32_t *drafts, int64_t B, kvb_step_size_t *sizes)
     int kvb_meta_fits(kvb_mgr_t *m, const kvb_step_size_t *z, const kvb_meta_t *out)
     void kvb_meta_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                         const int32_t *drafts, int64_t B, kvb_meta_t *out)

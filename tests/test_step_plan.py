@@ -226,6 +226,31 @@ def test_a_deferred_commit_declares_after_the_forward():
     a.check()
 
 
+def test_a_deferred_commit_releases_at_plan_time():
+    """The release is part of the plan, not of its commit: between plan_step(commit=False)
+    and commit(), a window or chunk group's blocks that no query reads any more are free and
+    read as the null block, in the tables and in the metadata the forward gets. The step
+    releases beyond what the appends did once its sequence's tokens are all computed (here a
+    step with no query: the next query is the newest token's recompute). A mutation-testing
+    survivor: a plan that left the release to its commit passed every test."""
+    for kind in ("window", "chunk"):
+        a, b = _pair(kind)
+        for m in (a, b):
+            m.add("x", list(range(13)))
+            m.plan_step(["x"], [13])  # all 13 computed; the prefill's query read from 0
+            assert 0 not in m.block_table("x", group=1).tolist(), kind
+        plan = a.plan_step(["x"], [0], commit=False)
+        want = _meta(b.metadata(["x"], [0], group=1))  # v1: check, release, write, commit
+        assert 0 in b.block_table("x", group=1).tolist(), kind  # the step released a block
+        assert a.block_table("x", group=1).tolist() == b.block_table("x", group=1).tolist()
+        assert a.pool.num_free == b.pool.num_free, kind
+        assert _meta(plan.metadata(1)) == want
+        plan.commit()
+        b.metadata(["x"], [0], group=0)
+        assert _state(a, ["x"]) == _state(b, ["x"])
+        a.check()
+
+
 def test_metadata_without_the_flashinfer_page_list():
     """AttentionMetadata.allocate(kv_indices=False): everything else equal, no page list."""
     a, b = _pair("window")
