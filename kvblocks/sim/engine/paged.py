@@ -65,7 +65,6 @@ from ... import BlockManager, OutOfBlocksError
 from ..errors import SimulationError
 from ..tier.drain import StepCopies
 from ..tier.host import host_manager_kwargs, host_stats_dict
-from ..workload.tokens import tokens_at
 from ..workload.traces import Request, Workload
 from .batching import SchedulerConfig, StepBudget
 from .metrics import SimResult
@@ -128,6 +127,7 @@ class PagedEngine(SequenceQueues):
         # a cluster router's pool.lookup calls on this engine (calls, blocks, hits): the pool
         # counts them with the engine's own, the report does not
         self.router_lookups = [0, 0, 0]
+        self._ones = np.ones(cfg.max_num_seqs, np.int32)  # a decode batch's query lengths
 
     # ----------------------------------------------------------------------------- driving
 
@@ -295,7 +295,7 @@ class PagedEngine(SequenceQueues):
         d = self.decoding
         if not d.seqs:
             return 0
-        toks = tokens_at(d.key, d.gen - 1)
+        toks = d.tokens()
         mgr = self.mgr
         while True:
             t0 = _perf()
@@ -392,9 +392,8 @@ class PagedEngine(SequenceQueues):
                 qlens.append(mgr.num_tokens(s.uid) - mgr.num_computed(s.uid))
             mgr.schedule(ids, np.array(qlens, np.int32))
         elif n_dec:
-            mgr.schedule(
-                d.batch if d.batch is not None else d.uid.tolist(), np.ones(n_dec, np.int32)
-            )
+            ones = self._ones if n_dec <= self._ones.shape[0] else np.ones(n_dec, np.int32)
+            mgr.schedule(d.batch if d.batch is not None else d.uid.tolist(), ones[:n_dec])
         if self.host_tier and self.cfg.host_write_through:
             self.copies.after_schedule(mgr)
         self.alloc_s += _perf() - t0
@@ -436,11 +435,13 @@ class PagedEngine(SequenceQueues):
         d = self.decoding
         if n_dec:
             d.gen += 1
-            fin = np.flatnonzero(d.gen >= d.out)
-            if fin.size:
-                any_done = True
-                for k in fin.tolist():
-                    self._free(d.seqs[k], now)
+            d.left -= 1
+            if d.left <= 0:  # a sequence may be done: look (else none is)
+                fin = np.flatnonzero(d.gen >= d.out)
+                if fin.size:
+                    any_done = True
+                    for k in fin.tolist():
+                        self._free(d.seqs[k], now)
                 d.keep(d.gen < d.out)
         if completed:
             self.prefilling = [s for s in self.prefilling if s.prefill_left > 0]
