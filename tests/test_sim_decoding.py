@@ -23,7 +23,7 @@ def test_decode_tokens_equal_tokens_at_through_joins_finishes_and_compaction():
     d = Decoding()
     uid = 0
     compactions = 0
-    for step in range(3000):
+    for _ in range(3000):
         size = d.tok.shape[0]
         if rng.random() < 0.3:
             new = [_seq(uid + k, rng) for k in range(int(rng.integers(1, 5)))]
