@@ -3,6 +3,7 @@ tokens it precomputes per sequence are the ones tokens_at gives step by step, th
 finishes, preemptions and buffer compactions."""
 
 import numpy as np
+import pytest
 
 from kvblocks.sim.engine.sequences import Decoding, Seq
 from kvblocks.sim.workload.tokens import seed_keys, tokens_at
@@ -46,3 +47,68 @@ def test_decode_tokens_equal_tokens_at_through_joins_finishes_and_compaction():
         compactions += d.tok.shape[0] != size
         d.ctx += 1
     assert uid > 1000 and compactions > 0
+
+
+def _one_step_a_call(monkeypatch):
+    from kvblocks.sim.engine.paged import PagedEngine
+
+    monkeypatch.setattr(PagedEngine, "_only_decoding", lambda self: False)
+
+
+def _same(a, b):
+    drop = ("wall_s", "allocator_s", "allocator_share", "check_s")
+    assert {k: v for k, v in a.items() if k not in drop} == {
+        k: v for k, v in b.items() if k not in drop
+    }
+
+
+@pytest.mark.parametrize("gpu_mem", [80.0, 22.0])  # 22 GiB: preemptions under pressure
+def test_decode_steps_in_a_row_equal_one_step_a_call(monkeypatch, gpu_mem):
+    """The decode-only run (PagedEngine._decode_only) gives exactly the figures and the
+    per-step samples of one step a call."""
+    from kvblocks.sim import SchedulerConfig, TimeModel, builtin_workload, get_model
+    from kvblocks.sim.engine.paged import PagedEngine
+    from kvblocks.sim.models.spec import memory_bill
+
+    model = get_model("llama-3.1-8b")
+    bill = memory_bill(model, gpu_mem, 16)
+    w = builtin_workload().head(300)
+    tm = TimeModel.for_model(model)
+    runs = []
+    inner = PagedEngine._decode_only
+
+    def counted(self):
+        k, dt = inner(self)
+        runs.append(k)
+        return k, dt
+
+    fast_engine = PagedEngine(w, SchedulerConfig(num_blocks=bill.num_blocks), tm)
+    monkeypatch.setattr(fast_engine, "_decode_only", lambda: counted(fast_engine))
+    fast = fast_engine.run()
+    assert sum(runs) > 100 and max(runs) > 10  # the decode-only path ran
+    with monkeypatch.context() as m:
+        _one_step_a_call(m)
+        slow = PagedEngine(w, SchedulerConfig(num_blocks=bill.num_blocks), tm).run()
+    _same(fast.summary, slow.summary)
+    for name in ("t", "used", "running", "waiting"):
+        assert getattr(fast.recorder, name) == getattr(slow.recorder, name)
+    if gpu_mem < 80:
+        assert fast.summary["preemptions"] > 0
+
+
+def test_cluster_decode_steps_in_a_row_equal_one_step_a_call(monkeypatch):
+    """In a cluster an engine runs its decode-only steps up to the next arrival: routing,
+    figures and every replica's summary are those of one step a call."""
+    from kvblocks.sim import SchedulerConfig, TimeModel, builtin_workload, get_model
+    from kvblocks.sim.cluster.cluster import Cluster
+
+    w = builtin_workload().head(300)
+    tm = TimeModel.for_model(get_model("llama-3.1-8b"))
+    for router in ("prefix_aware", "least_loaded"):
+        fast = Cluster(w, SchedulerConfig(num_blocks=6000), tm, 3, router).run()
+        with monkeypatch.context() as m:
+            _one_step_a_call(m)
+            slow = Cluster(w, SchedulerConfig(num_blocks=6000), tm, 3, router).run()
+        _same(fast.summary, slow.summary)
+        for a, b in zip(fast.replicas, slow.replicas):
+            _same(a, b)

@@ -123,7 +123,10 @@ class PagedEngine(SequenceQueues):
         # groups with a partly filled last block per sequence (all but state groups)
         self.tail_groups = sum(sh.copies for sh in self.shares if sh.group.kind != "state") or 1
         self.copies = StepCopies(cfg.block_bytes, tm.swap_bytes_per_s)  # the step's copy lists
-        self.horizon = math.inf  # the next arrival (replay); a paged step is always one step
+        # the next arrival, set by the driver before each step (replay, Cluster.run): steps that
+        # start before it may run in one call (_decode_only); -inf: one step a call
+        self.horizon = -math.inf
+        self.kv_events = enable_kv_events  # events are taken after every step: one step a call
         # a cluster router's pool.lookup calls on this engine (calls, blocks, hits): the pool
         # counts them with the engine's own, the report does not
         self.router_lookups = [0, 0, 0]
@@ -153,7 +156,12 @@ class PagedEngine(SequenceQueues):
         self.next_uid += 1
 
     def step(self) -> float:
-        """Run one engine step (it must not be idle); returns its duration in seconds."""
+        """Run one engine step (it must not be idle), or, while only decoding can happen, the
+        steps that start before ``horizon`` (:meth:`_decode_only`); returns the time taken."""
+        if self.now < self.horizon and self._only_decoding():
+            k, dt = self._decode_only()
+            if k:
+                return dt
         swapped_before = self.swapped_blocks
         n_dec = self._decode()
         budget = StepBudget(self.cfg.token_budget - n_dec)
@@ -285,6 +293,61 @@ class PagedEngine(SequenceQueues):
             "host_dropped": hs["dropped"],
             "host_stats": hs,
         }
+
+    # ----------------------------------------------------------- decode-only steps, in a row
+
+    def _only_decoding(self) -> bool:
+        """Whether the next step can only decode: nothing queued, swapped or prefilling, and
+        none of the per-step work :meth:`_decode_only` leaves out (host tier, copy-on-write
+        drains, hybrid groups and windowed reads, KV events)."""
+        return not (self.prefilling or self.waiting or self.swapped or self.host_tier
+                    or self.forked_live or self.shares or self.tm.read_kinds or self.kv_events
+                    or self.decoding.left <= 1 or len(self.decoding) > self._ones.shape[0])  # fmt: skip
+
+    def _decode_only(self) -> "tuple[int, float]":
+        """Steps in which every running sequence decodes and nothing else happens, while they
+        start before ``horizon`` (the next arrival) and no sequence can finish, each exactly as
+        :meth:`step` runs it (the same manager calls, time and sample; its phases 2, 3 and 6
+        have nothing to do) with less Python around it. Stops before a step whose
+        ``append_batch`` finds no block (``OutOfBlocksError`` changes nothing): :meth:`step`
+        preempts. Returns ``(steps, seconds)``."""
+        d, mgr, tm, rec = self.decoding, self.mgr, self.tm, self.rec
+        n = len(d.seqs)
+        bs, usable, pool, tail = self.cfg.block_size, self.usable, self.pool, self.tail_groups
+        running = len(self.running)
+        ones = self._ones[:n]
+        horizon = self.horizon
+        self._joined = []
+        kv = int(d.ctx.sum())
+        k, total = 0, 0.0
+        while d.left > 1 and self.now < horizon:
+            toks = d.tokens()
+            t0 = _perf()
+            try:
+                if d.batch is None:
+                    d.batch = mgr.batch(d.uid.tolist())
+                mgr.append_batch(d.batch, toks)
+            except OutOfBlocksError:
+                self.alloc_s += _perf() - t0
+                break
+            self.alloc_s += _perf() - t0
+            if d.fresh:
+                d.fresh.clear()
+            d.ctx += 1
+            kv += n
+            t0 = _perf()
+            mgr.schedule(d.batch, ones)
+            self.alloc_s += _perf() - t0
+            dt = tm.step(0, n, kv, 0, 0.0, 0.0)
+            waste = int(((-d.ctx) % bs).sum()) * tail
+            rec.step(self.now, dt, (usable - pool.num_free) * bs, waste, running, 0)
+            self.now += dt
+            self.steps += 1
+            d.gen += 1
+            d.left -= 1
+            k += 1
+            total += dt
+        return k, total
 
     # ----------------------------------------------------------------------------- the phases
 
