@@ -112,3 +112,25 @@ def test_cluster_decode_steps_in_a_row_equal_one_step_a_call(monkeypatch):
         _same(fast.summary, slow.summary)
         for a, b in zip(fast.replicas, slow.replicas):
             _same(a, b)
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "gpt-oss-20b", "deepseek-v2-lite"])
+def test_decode_step_is_step_bit_for_bit(name):
+    """TimeModel.decode_step(n)(kv) is step(0, n, kv, 0, 0.0, 0.0) exactly (the decode-only
+    run uses it), dense, MoE and MLA, with and without per-token costs and collectives."""
+    import dataclasses
+
+    from kvblocks.sim import TimeModel, get_model
+
+    base = TimeModel.for_model(get_model(name))
+    rng = np.random.default_rng(3)
+    variants = [
+        base,
+        dataclasses.replace(base, decode_s_per_token=3.1e-5, comm_s_per_token=1.7e-7),
+        dataclasses.replace(base, prefill_s_per_token=2.9e-5, comm_s_per_step=4.1e-5),
+    ]
+    for tm in variants:
+        for n in (1, 2, 7, 64, 255):
+            f = tm.decode_step(n)
+            for kv in rng.integers(n, 40_000_000, 50).tolist():
+                assert f(kv) == tm.step(0, n, kv, 0, 0.0, 0.0)

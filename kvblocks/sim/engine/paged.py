@@ -311,17 +311,24 @@ class PagedEngine(SequenceQueues):
         have nothing to do) with less Python around it. Stops before a step whose
         ``append_batch`` finds no block (``OutOfBlocksError`` changes nothing): :meth:`step`
         preempts. Returns ``(steps, seconds)``."""
-        d, mgr, tm, rec = self.decoding, self.mgr, self.tm, self.rec
+        d, mgr, rec = self.decoding, self.mgr, self.rec
         n = len(d.seqs)
         bs, usable, pool, tail = self.cfg.block_size, self.usable, self.pool, self.tail_groups
         running = len(self.running)
         ones = self._ones[:n]
         horizon = self.horizon
         self._joined = []
+        step_s = self.tm.decode_step(n)
         kv = int(d.ctx.sum())
+        # the step's waste sum((-ctx) % bs), kept from the contexts' residues: a step moves
+        # every context one on, and a context at a block edge (ctx % bs == 0) reopens a block
+        edge = np.bincount(d.ctx % bs, minlength=bs).tolist()
+        waste = int(((-d.ctx) % bs).sum())
+        at = d.base + d.gen  # tok index of each stream's next token; ctx, gen catch up at the end
+        left = d.left
         k, total = 0, 0.0
-        while d.left > 1 and self.now < horizon:
-            toks = d.tokens()
+        while left > 1 and self.now < horizon:
+            toks = d.tok[at]
             t0 = _perf()
             try:
                 if d.batch is None:
@@ -333,20 +340,23 @@ class PagedEngine(SequenceQueues):
             self.alloc_s += _perf() - t0
             if d.fresh:
                 d.fresh.clear()
-            d.ctx += 1
             kv += n
+            waste += bs * edge[-k % bs] - n
             t0 = _perf()
             mgr.schedule(d.batch, ones)
             self.alloc_s += _perf() - t0
-            dt = tm.step(0, n, kv, 0, 0.0, 0.0)
-            waste = int(((-d.ctx) % bs).sum()) * tail
-            rec.step(self.now, dt, (usable - pool.num_free) * bs, waste, running, 0)
+            dt = step_s(kv)
+            rec.step(self.now, dt, (usable - pool.num_free) * bs, waste * tail, running, 0)
             self.now += dt
             self.steps += 1
-            d.gen += 1
-            d.left -= 1
+            at += 1
+            left -= 1
             k += 1
             total += dt
+        if k:
+            d.ctx += k
+            d.gen += k
+            d.left = left
         return k, total
 
     # ----------------------------------------------------------------------------- the phases
