@@ -74,12 +74,14 @@ def test_decode_steps_in_a_row_equal_one_step_a_call(monkeypatch, gpu_mem):
     bill = memory_bill(model, gpu_mem, 16)
     w = builtin_workload().head(300)
     tm = TimeModel.for_model(model)
-    runs = []
+    runs, fed = [], []
     inner = PagedEngine._decode_only
 
     def counted(self):
+        queued = len(self.waiting)
         k, dt = inner(self)
         runs.append(k)
+        fed.append(queued and len(self.waiting) > queued)  # arrivals queued behind a blocked head
         return k, dt
 
     fast_engine = PagedEngine(w, SchedulerConfig(num_blocks=bill.num_blocks), tm)
@@ -93,7 +95,7 @@ def test_decode_steps_in_a_row_equal_one_step_a_call(monkeypatch, gpu_mem):
     for name in ("t", "used", "running", "waiting"):
         assert getattr(fast.recorder, name) == getattr(slow.recorder, name)
     if gpu_mem < 80:
-        assert fast.summary["preemptions"] > 0
+        assert fast.summary["preemptions"] > 0 and any(fed)
 
 
 def test_cluster_decode_steps_in_a_row_equal_one_step_a_call(monkeypatch):
@@ -134,3 +136,19 @@ def test_decode_step_is_step_bit_for_bit(name):
             f = tm.decode_step(n)
             for kv in rng.integers(n, 40_000_000, 50).tolist():
                 assert f(kv) == tm.step(0, n, kv, 0, 0.0, 0.0)
+
+
+def test_queue_head_too_long_for_an_empty_pool_is_rejected_not_decoded():
+    """Regression: with nothing running, a queued prompt longer than the whole pool is rejected
+    by the step; the decode-only run (no decoding sequence) must not take that step."""
+    from kvblocks.sim import SchedulerConfig, TimeModel, get_model
+    from kvblocks.sim.engine.paged import PagedEngine
+    from kvblocks.sim.workload.traces import Workload
+
+    reqs = [Request(0, 0.0, 5000, 4), Request(1, 0.0, 100, 30), Request(2, 1.0, 50, 8)]
+    w = Workload("tiny", reqs, "azure")
+    e = PagedEngine(
+        w, SchedulerConfig(num_blocks=64), TimeModel.for_model(get_model("llama-3.1-8b"))
+    )
+    res = e.run()
+    assert res.summary["rejected"] == 1 and res.summary["completed"] == 2

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -127,6 +127,9 @@ class PagedEngine(SequenceQueues):
         # start before it may run in one call (_decode_only); -inf: one step a call
         self.horizon = -math.inf
         self.kv_events = enable_kv_events  # events are taken after every step: one step a call
+        # set by replay(): feed(t) queues the arrivals up to t and returns the next one's time,
+        # so a decode-only run behind a blocked queue goes on past arrivals
+        self.feed: Optional[Callable[[float], float]] = None
         # a cluster router's pool.lookup calls on this engine (calls, blocks, hits): the pool
         # counts them with the engine's own, the report does not
         self.router_lookups = [0, 0, 0]
@@ -297,12 +300,28 @@ class PagedEngine(SequenceQueues):
     # ----------------------------------------------------------- decode-only steps, in a row
 
     def _only_decoding(self) -> bool:
-        """Whether the next step can only decode: nothing queued, swapped or prefilling, and
-        none of the per-step work :meth:`_decode_only` leaves out (host tier, copy-on-write
-        drains, hybrid groups and windowed reads, KV events)."""
-        return not (self.prefilling or self.waiting or self.swapped or self.host_tier
-                    or self.forked_live or self.shares or self.tm.read_kinds or self.kv_events
-                    or self.decoding.left <= 1 or len(self.decoding) > self._ones.shape[0])  # fmt: skip
+        """Whether the next step can only decode: nothing swapped or prefilling, the queue
+        empty or its head blocked (:meth:`_head_blocked`), and none of the per-step work
+        :meth:`_decode_only` leaves out (host tier, copy-on-write drains, hybrid groups and
+        windowed reads, KV events)."""
+        return not (self.prefilling or self.swapped or self.host_tier or self.forked_live
+                    or self.shares or self.tm.read_kinds or self.kv_events
+                    or not self.decoding.seqs or self.decoding.left <= 1
+                    or len(self.decoding) > self._ones.shape[0]
+                    or (self.waiting and not self._head_blocked()))  # fmt: skip
+
+    def _head_blocked(self) -> bool:
+        """Whether the head of the queue cannot be admitted now, nor in any decode-only step
+        after this one (:meth:`_admit`'s checks): the step's budget is spent on decodes, the
+        seats are taken (they free only when a sequence finishes), or ``can_add`` refuses it
+        (it counts free blocks only, and decode steps free none)."""
+        cfg, seats = self.cfg, len(self.running)
+        if cfg.token_budget <= len(self.decoding) or seats >= cfg.max_num_seqs:
+            return True
+        s = self.waiting[0]
+        if seats + 1 + s.forks > cfg.max_num_seqs:
+            return True
+        return not self._timed(self.mgr.can_add, s.prompt_len + s.gen)
 
     def _decode_only(self) -> "tuple[int, float]":
         """Steps in which every running sequence decodes and nothing else happens, while they
@@ -317,6 +336,8 @@ class PagedEngine(SequenceQueues):
         running = len(self.running)
         ones = self._ones[:n]
         horizon = self.horizon
+        queued = len(self.waiting)  # > 0: its head stays blocked, arrivals only join the tail
+        feed = self.feed if queued else None
         self._joined = []
         step_s = self.tm.decode_step(n)
         kv = int(d.ctx.sum())
@@ -327,7 +348,12 @@ class PagedEngine(SequenceQueues):
         at = d.base + d.gen  # tok index of each stream's next token; ctx, gen catch up at the end
         left = d.left
         k, total = 0, 0.0
-        while left > 1 and self.now < horizon:
+        while left > 1:
+            if self.now >= horizon:
+                if feed is None:
+                    break
+                horizon = feed(self.now)  # the arrivals up to now queue, as replay() does
+                queued = len(self.waiting)
             toks = d.tok[at]
             t0 = _perf()
             try:
@@ -346,7 +372,7 @@ class PagedEngine(SequenceQueues):
             mgr.schedule(d.batch, ones)
             self.alloc_s += _perf() - t0
             dt = step_s(kv)
-            rec.step(self.now, dt, (usable - pool.num_free) * bs, waste * tail, running, 0)
+            rec.step(self.now, dt, (usable - pool.num_free) * bs, waste * tail, running, queued)
             self.now += dt
             self.steps += 1
             at += 1
