@@ -75,9 +75,13 @@ def _replayer(w, stop, floors=None):
      (1.0, 0.08, True, False), (1e-3, None, False, False), (0.3, None, False, False),
      (2.0, None, False, True), (3.0, 0.05, True, True)],
 )  # fmt: skip
-def test_fast_search_equals_exhaustive(tmp_path, ttft, tpot, by_cost, disagg):
+def test_fast_search_equals_exhaustive(tmp_path, monkeypatch, ttft, tpot, by_cost, disagg):
     """Several SLOs, by GPUs and by cost, with and without disaggregation: the same answer
-    with the same figures, and every candidate cheaper than it replayed and missing."""
+    with the same figures, and every candidate cheaper than it replayed and missing. The
+    reference replays every candidate to its end one engine step a call (no decode-only runs,
+    no stop rule, no floor)."""
+    from kvblocks.sim.engine.paged import PagedEngine
+
     w = _trace(tmp_path)
     fams = _families()
     counts = [1, 2, 3, 4]
@@ -86,9 +90,12 @@ def test_fast_search_equals_exhaustive(tmp_path, ttft, tpot, by_cost, disagg):
     for stop, exhaustive in ((True, False), (False, True)):
         rp = _replayer(w, stop, floors if stop else None)
         rp.ttft, rp.tpot = ttft, tpot
-        plan = search(fams, counts, rp, ttft, tpot, by_cost, requests=len(w),
-                      with_disagg=disagg, exhaustive=exhaustive,
-                      floor=(lambda f: floors.reason(f.engine)) if stop else None)  # fmt: skip
+        with monkeypatch.context() as m:
+            if exhaustive:
+                m.setattr(PagedEngine, "_only_decoding", lambda self: False)
+            plan = search(fams, counts, rp, ttft, tpot, by_cost, requests=len(w),
+                          with_disagg=disagg, exhaustive=exhaustive,
+                          floor=(lambda f: floors.reason(f.engine)) if stop else None)  # fmt: skip
         answers.append(plan)
     fast, full = answers
     # the reference, computed apart: every candidate replayed to its end
