@@ -48,6 +48,12 @@ The sequences (:mod:`~kvblocks.sim.engine.sequences`) and the moves between the 
 manager call each (:class:`~kvblocks.sim.engine.queues.SequenceQueues`: admit, swap, preempt,
 fork, free, reject), live in their own modules; this one holds the step and the result.
 
+**Decode-only steps in a row** (:meth:`PagedEngine._decode_only`): while nothing prefills or is
+swapped out, the queue is empty or its head cannot be admitted, and no sequence can finish,
+``step`` runs the steps that start before ``horizon`` (the next arrival, set by the driver; with
+a blocked head, :func:`~kvblocks.sim.engine.replay.replay`'s ``feed`` queues arrivals and the run
+goes on) back to back, each with the same manager calls, time and sample as a full step.
+
 A request of prompt length P and output length O holds P + O - 1 tokens at its end (the last
 token is returned, never fed back). Time inside ``BlockManager`` calls is measured
 (``allocator_s``).
