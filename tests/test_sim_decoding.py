@@ -62,8 +62,10 @@ def _same(a, b):
     }
 
 
-@pytest.mark.parametrize("gpu_mem", [80.0, 22.0])  # 22 GiB: preemptions under pressure
-def test_decode_steps_in_a_row_equal_one_step_a_call(monkeypatch, gpu_mem):
+@pytest.mark.parametrize(
+    "gpu_mem, block_size", [(80.0, 16), (22.0, 16), (40.0, 7), (40.0, 1), (40.0, 256)]
+)  # 22 GiB: preemptions under pressure; block sizes: the waste kept from residues
+def test_decode_steps_in_a_row_equal_one_step_a_call(monkeypatch, gpu_mem, block_size):
     """The decode-only run (PagedEngine._decode_only) gives exactly the figures and the
     per-step samples of one step a call."""
     from kvblocks.sim import SchedulerConfig, TimeModel, builtin_workload, get_model
@@ -71,7 +73,7 @@ def test_decode_steps_in_a_row_equal_one_step_a_call(monkeypatch, gpu_mem):
     from kvblocks.sim.models.spec import memory_bill
 
     model = get_model("llama-3.1-8b")
-    bill = memory_bill(model, gpu_mem, 16)
+    bill = memory_bill(model, gpu_mem, block_size)
     w = builtin_workload().head(300)
     tm = TimeModel.for_model(model)
     runs, fed = [], []
@@ -84,17 +86,18 @@ def test_decode_steps_in_a_row_equal_one_step_a_call(monkeypatch, gpu_mem):
         fed.append(queued and len(self.waiting) > queued)  # arrivals queued behind a blocked head
         return k, dt
 
-    fast_engine = PagedEngine(w, SchedulerConfig(num_blocks=bill.num_blocks), tm)
+    cfg = dict(num_blocks=bill.num_blocks, block_size=block_size, block_bytes=bill.block_bytes)
+    fast_engine = PagedEngine(w, SchedulerConfig(**cfg), tm)
     monkeypatch.setattr(fast_engine, "_decode_only", lambda: counted(fast_engine))
     fast = fast_engine.run()
     assert sum(runs) > 100 and max(runs) > 10  # the decode-only path ran
     with monkeypatch.context() as m:
         _one_step_a_call(m)
-        slow = PagedEngine(w, SchedulerConfig(num_blocks=bill.num_blocks), tm).run()
+        slow = PagedEngine(w, SchedulerConfig(**cfg), tm).run()
     _same(fast.summary, slow.summary)
     for name in ("t", "used", "running", "waiting"):
         assert getattr(fast.recorder, name) == getattr(slow.recorder, name)
-    if gpu_mem < 80:
+    if gpu_mem < 40:
         assert fast.summary["preemptions"] > 0 and any(fed)
 
 

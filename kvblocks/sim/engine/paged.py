@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -349,7 +350,7 @@ class PagedEngine(SequenceQueues):
         kv = int(d.ctx.sum())
         # the step's waste sum((-ctx) % bs), kept from the contexts' residues: a step moves
         # every context one on, and a context at a block edge (ctx % bs == 0) reopens a block
-        edge = np.bincount(d.ctx % bs, minlength=bs).tolist()
+        edge = Counter((d.ctx % bs).tolist())  # residue -> contexts (0 for the others)
         waste = int(((-d.ctx) % bs).sum())
         at = d.base + d.gen  # tok index of each stream's next token; ctx, gen catch up at the end
         left = d.left
