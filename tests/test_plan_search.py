@@ -75,9 +75,13 @@ def _replayer(w, stop, floors=None):
      (1.0, 0.08, True, False), (1e-3, None, False, False), (0.3, None, False, False),
      (2.0, None, False, True), (3.0, 0.05, True, True)],
 )  # fmt: skip
-def test_fast_search_equals_exhaustive(tmp_path, ttft, tpot, by_cost, disagg):
+def test_fast_search_equals_exhaustive(tmp_path, monkeypatch, ttft, tpot, by_cost, disagg):
     """Several SLOs, by GPUs and by cost, with and without disaggregation: the same answer
-    with the same figures, and every candidate cheaper than it replayed and missing."""
+    with the same figures, and every candidate cheaper than it replayed and missing. The
+    reference replays every candidate to its end one engine step a call (no decode-only runs,
+    no stop rule, no floor)."""
+    from kvblocks.sim.engine.paged import PagedEngine
+
     w = _trace(tmp_path)
     fams = _families()
     counts = [1, 2, 3, 4]
@@ -86,9 +90,12 @@ def test_fast_search_equals_exhaustive(tmp_path, ttft, tpot, by_cost, disagg):
     for stop, exhaustive in ((True, False), (False, True)):
         rp = _replayer(w, stop, floors if stop else None)
         rp.ttft, rp.tpot = ttft, tpot
-        plan = search(fams, counts, rp, ttft, tpot, by_cost, requests=len(w),
-                      with_disagg=disagg, exhaustive=exhaustive,
-                      floor=(lambda f: floors.reason(f.engine)) if stop else None)  # fmt: skip
+        with monkeypatch.context() as m:
+            if exhaustive:
+                m.setattr(PagedEngine, "_only_decoding", lambda self: False)
+            plan = search(fams, counts, rp, ttft, tpot, by_cost, requests=len(w),
+                          with_disagg=disagg, exhaustive=exhaustive,
+                          floor=(lambda f: floors.reason(f.engine)) if stop else None)  # fmt: skip
         answers.append(plan)
     fast, full = answers
     # the reference, computed apart: every candidate replayed to its end
@@ -275,3 +282,31 @@ def test_no_floor_for_the_builtin_workload():
     from kvblocks.sim import builtin_workload
 
     assert max_prefix_hits(builtin_workload().head(20), 16) is None
+
+
+def test_gpu_plan_progress_bar_counts_candidates(tmp_path, capsys):
+    """``plan --gpu ... --progress``: one bar per replay, headed with its place in the
+    search ("plan 2/6: ...")."""
+    from kvblocks.__main__ import main
+
+    path = tmp_path / "t.jsonl"
+    rows = [json.dumps({"timestamp": i * 50, "input_length": 3000, "output_length": 400,
+                        "hash_ids": list(range(i * 10, i * 10 + 6))}) for i in range(40)]  # fmt: skip
+    path.write_text("\n".join(rows) + "\n")
+    rc = main(["plan", "--model", "llama-3.1-8b", "--gpu", "l40s", "--trace", str(path),
+               "--ttft-p99", "0.6", "--tp", "1,2", "--replicas", "1-3", "--progress"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "plan 1/6: 1 x l40s (1 x TP1, KV bf16) [" in err and "requests" in err
+
+
+def test_progress_throttle_sees_steps_taken_in_a_row():
+    """An engine may report several steps at once (decode-only steps in a row): the throttle
+    still looks at the clock each time the count passes a multiple of ``every``."""
+    from kvblocks.sim.engine.progress import ProgressThrottle
+
+    seen = []
+    tick = ProgressThrottle(lambda done, now: seen.append(done), every=10, interval_s=-1.0)
+    for steps in (3, 9, 14, 17, 35, 36, 40):
+        tick.step(steps, steps, 0.0)
+    assert seen == [14, 35, 40]

@@ -48,6 +48,12 @@ The sequences (:mod:`~kvblocks.sim.engine.sequences`) and the moves between the 
 manager call each (:class:`~kvblocks.sim.engine.queues.SequenceQueues`: admit, swap, preempt,
 fork, free, reject), live in their own modules; this one holds the step and the result.
 
+**Decode-only steps in a row** (:meth:`PagedEngine._decode_only`): while nothing prefills or is
+swapped out, the queue is empty or its head cannot be admitted, and no sequence can finish,
+``step`` runs the steps that start before ``horizon`` (the next arrival, set by the driver; with
+a blocked head, :func:`~kvblocks.sim.engine.replay.replay`'s ``feed`` queues arrivals and the run
+goes on) back to back, each with the same manager calls, time and sample as a full step.
+
 A request of prompt length P and output length O holds P + O - 1 tokens at its end (the last
 token is returned, never fed back). Time inside ``BlockManager`` calls is measured
 (``allocator_s``).
@@ -57,7 +63,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Dict, List, Optional
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -65,7 +72,6 @@ from ... import BlockManager, OutOfBlocksError
 from ..errors import SimulationError
 from ..tier.drain import StepCopies
 from ..tier.host import host_manager_kwargs, host_stats_dict
-from ..workload.tokens import tokens_at
 from ..workload.traces import Request, Workload
 from .batching import SchedulerConfig, StepBudget
 from .metrics import SimResult
@@ -124,10 +130,17 @@ class PagedEngine(SequenceQueues):
         # groups with a partly filled last block per sequence (all but state groups)
         self.tail_groups = sum(sh.copies for sh in self.shares if sh.group.kind != "state") or 1
         self.copies = StepCopies(cfg.block_bytes, tm.swap_bytes_per_s)  # the step's copy lists
-        self.horizon = math.inf  # the next arrival (replay); a paged step is always one step
+        # the next arrival, set by the driver before each step (replay, Cluster.run): steps that
+        # start before it may run in one call (_decode_only); -inf: one step a call
+        self.horizon = -math.inf
+        self.kv_events = enable_kv_events  # events are taken after every step: one step a call
+        # set by replay(): feed(t) queues the arrivals up to t and returns the next one's time,
+        # so a decode-only run behind a blocked queue goes on past arrivals
+        self.feed: Optional[Callable[[float], float]] = None
         # a cluster router's pool.lookup calls on this engine (calls, blocks, hits): the pool
         # counts them with the engine's own, the report does not
         self.router_lookups = [0, 0, 0]
+        self._ones = np.ones(cfg.max_num_seqs, np.int32)  # a decode batch's query lengths
 
     # ----------------------------------------------------------------------------- driving
 
@@ -153,7 +166,12 @@ class PagedEngine(SequenceQueues):
         self.next_uid += 1
 
     def step(self) -> float:
-        """Run one engine step (it must not be idle); returns its duration in seconds."""
+        """Run one engine step (it must not be idle), or, while only decoding can happen, the
+        steps that start before ``horizon`` (:meth:`_decode_only`); returns the time taken."""
+        if self.now < self.horizon and self._only_decoding():
+            k, dt = self._decode_only()
+            if k:
+                return dt
         swapped_before = self.swapped_blocks
         n_dec = self._decode()
         budget = StepBudget(self.cfg.token_budget - n_dec)
@@ -286,6 +304,94 @@ class PagedEngine(SequenceQueues):
             "host_stats": hs,
         }
 
+    # ----------------------------------------------------------- decode-only steps, in a row
+
+    def _only_decoding(self) -> bool:
+        """Whether the next step can only decode: nothing swapped or prefilling, the queue
+        empty or its head blocked (:meth:`_head_blocked`), and none of the per-step work
+        :meth:`_decode_only` leaves out (host tier, copy-on-write drains, hybrid groups and
+        windowed reads, KV events)."""
+        return not (self.prefilling or self.swapped or self.host_tier or self.forked_live
+                    or self.shares or self.tm.read_kinds or self.kv_events
+                    or not self.decoding.seqs or self.decoding.left <= 1
+                    or len(self.decoding) > self._ones.shape[0]
+                    or (self.waiting and not self._head_blocked()))  # fmt: skip
+
+    def _head_blocked(self) -> bool:
+        """Whether the head of the queue cannot be admitted now, nor in any decode-only step
+        after this one (:meth:`_admit`'s checks): the step's budget is spent on decodes, the
+        seats are taken (they free only when a sequence finishes), or ``can_add`` refuses it
+        (it counts free blocks only, and decode steps free none)."""
+        cfg, seats = self.cfg, len(self.running)
+        if cfg.token_budget <= len(self.decoding) or seats >= cfg.max_num_seqs:
+            return True
+        s = self.waiting[0]
+        if seats + 1 + s.forks > cfg.max_num_seqs:
+            return True
+        return not self._timed(self.mgr.can_add, s.prompt_len + s.gen)
+
+    def _decode_only(self) -> "tuple[int, float]":
+        """Steps in which every running sequence decodes and nothing else happens, while they
+        start before ``horizon`` (the next arrival) and no sequence can finish, each exactly as
+        :meth:`step` runs it (the same manager calls, time and sample; its phases 2, 3 and 6
+        have nothing to do) with less Python around it. Stops before a step whose
+        ``append_batch`` finds no block (``OutOfBlocksError`` changes nothing): :meth:`step`
+        preempts. Returns ``(steps, seconds)``."""
+        d, mgr, rec = self.decoding, self.mgr, self.rec
+        n = len(d.seqs)
+        bs, usable, pool, tail = self.cfg.block_size, self.usable, self.pool, self.tail_groups
+        running = len(self.running)
+        ones = self._ones[:n]
+        horizon = self.horizon
+        queued = len(self.waiting)  # > 0: its head stays blocked, arrivals only join the tail
+        feed = self.feed if queued else None
+        self._joined = []
+        step_s = self.tm.decode_step(n)
+        kv = int(d.ctx.sum())
+        # the step's waste sum((-ctx) % bs), kept from the contexts' residues: a step moves
+        # every context one on, and a context at a block edge (ctx % bs == 0) reopens a block
+        edge = Counter((d.ctx % bs).tolist())  # residue -> contexts (0 for the others)
+        waste = int(((-d.ctx) % bs).sum())
+        at = d.base + d.gen  # tok index of each stream's next token; ctx, gen catch up at the end
+        left = d.left
+        k, total = 0, 0.0
+        while left > 1:
+            if self.now >= horizon:
+                if feed is None:
+                    break
+                horizon = feed(self.now)  # the arrivals up to now queue, as replay() does
+                queued = len(self.waiting)
+            toks = d.tok[at]
+            t0 = _perf()
+            try:
+                if d.batch is None:
+                    d.batch = mgr.batch(d.uid.tolist())
+                mgr.append_batch(d.batch, toks)
+            except OutOfBlocksError:
+                self.alloc_s += _perf() - t0
+                break
+            self.alloc_s += _perf() - t0
+            if d.fresh:
+                d.fresh.clear()
+            kv += n
+            waste += bs * edge[-k % bs] - n
+            t0 = _perf()
+            mgr.schedule(d.batch, ones)
+            self.alloc_s += _perf() - t0
+            dt = step_s(kv)
+            rec.step(self.now, dt, (usable - pool.num_free) * bs, waste * tail, running, queued)
+            self.now += dt
+            self.steps += 1
+            at += 1
+            left -= 1
+            k += 1
+            total += dt
+        if k:
+            d.ctx += k
+            d.gen += k
+            d.left = left
+        return k, total
+
     # ----------------------------------------------------------------------------- the phases
 
     def _decode(self) -> int:
@@ -295,7 +401,7 @@ class PagedEngine(SequenceQueues):
         d = self.decoding
         if not d.seqs:
             return 0
-        toks = tokens_at(d.key, d.gen - 1)
+        toks = d.tokens()
         mgr = self.mgr
         while True:
             t0 = _perf()
@@ -392,9 +498,8 @@ class PagedEngine(SequenceQueues):
                 qlens.append(mgr.num_tokens(s.uid) - mgr.num_computed(s.uid))
             mgr.schedule(ids, np.array(qlens, np.int32))
         elif n_dec:
-            mgr.schedule(
-                d.batch if d.batch is not None else d.uid.tolist(), np.ones(n_dec, np.int32)
-            )
+            ones = self._ones if n_dec <= self._ones.shape[0] else np.ones(n_dec, np.int32)
+            mgr.schedule(d.batch if d.batch is not None else d.uid.tolist(), ones[:n_dec])
         if self.host_tier and self.cfg.host_write_through:
             self.copies.after_schedule(mgr)
         self.alloc_s += _perf() - t0
@@ -436,11 +541,13 @@ class PagedEngine(SequenceQueues):
         d = self.decoding
         if n_dec:
             d.gen += 1
-            fin = np.flatnonzero(d.gen >= d.out)
-            if fin.size:
-                any_done = True
-                for k in fin.tolist():
-                    self._free(d.seqs[k], now)
+            d.left -= 1
+            if d.left <= 0:  # a sequence may be done: look (else none is)
+                fin = np.flatnonzero(d.gen >= d.out)
+                if fin.size:
+                    any_done = True
+                    for k in fin.tolist():
+                        self._free(d.seqs[k], now)
                 d.keep(d.gen < d.out)
         if completed:
             self.prefilling = [s for s in self.prefilling if s.prefill_left > 0]

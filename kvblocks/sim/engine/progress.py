@@ -16,17 +16,20 @@ class ProgressThrottle:
     """Passes a replay's progress on every ``every`` steps, at most every ``interval_s`` of wall
     time, and once more at the end (:meth:`close`), so a fast replay is not slowed by drawing."""
 
-    __slots__ = ("progress", "every", "interval_s", "last")
+    __slots__ = ("progress", "every", "interval_s", "last", "next_at")
 
     def __init__(self, progress: Progress, every: int = 256, interval_s: float = 0.2) -> None:
         self.progress = progress
         self.every = every
         self.interval_s = interval_s
         self.last = time.perf_counter()
+        self.next_at = every  # the step count that looks at the clock next
 
     def step(self, steps: int, done: int, now: float) -> None:
-        """After a step: ``steps`` so far, ``done`` requests finished, simulated time ``now``."""
-        if steps % self.every == 0:
+        """After a step (or several in a row): ``steps`` so far, ``done`` requests finished,
+        simulated time ``now``."""
+        if steps >= self.next_at:
+            self.next_at = steps - steps % self.every + self.every
             w = time.perf_counter()
             if w - self.last > self.interval_s:
                 self.last = w

@@ -6,7 +6,9 @@ allocator) and :class:`~kvblocks.sim.engine.contiguous.ContiguousEngine` (max-le
 reservation). An :class:`Engine` has a clock ``now``, counts ``steps`` and finished requests,
 says when it is ``idle``, takes arrivals (``submit``) and runs one step at a time (``step``).
 Before each step the loop sets ``horizon``, the next arrival (infinity when none is left), so
-that an engine which fast-forwards over steps stops there. The
+that an engine which fast-forwards over steps stops there; a paged engine also gets ``feed``,
+which queues the arrivals up to a time, so that decode-only steps behind a queue whose head
+cannot be admitted go on past arrivals (they only join the tail). The
 cluster (:mod:`kvblocks.sim.cluster.cluster`) drives several paged engines through the same
 calls under one clock.
 """
@@ -44,6 +46,18 @@ def replay(engine: Engine, reqs: Sequence[Request], progress: Optional[Progress]
     n_req = len(reqs)
     nxt = 0
     tick = ProgressThrottle(progress) if progress is not None else None
+
+    def feed(t: float) -> float:
+        """Queue the arrivals up to ``t`` (as the loop below would before the next step);
+        returns the next arrival's time."""
+        nonlocal nxt
+        while nxt < n_req and reqs[nxt].arrival <= t:
+            engine.submit(reqs[nxt])
+            nxt += 1
+        return reqs[nxt].arrival if nxt < n_req else math.inf
+
+    if hasattr(engine, "feed"):
+        engine.feed = feed  # a paged engine: decode-only runs go on past arrivals
     while True:
         while nxt < n_req and reqs[nxt].arrival <= engine.now:
             engine.submit(reqs[nxt])

@@ -38,7 +38,7 @@ Every constant is overridable (``--compute-eff``, ``--bandwidth-eff``, ``--atten
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
@@ -208,6 +208,39 @@ class TimeModel:
             + t * self.comm_s_per_token
             + swap_bytes / self.swap_bytes_per_s
         )
+
+    def decode_step(self, n: int) -> Callable[[int], float]:
+        """``step(0, n, kv, 0, 0.0, 0.0)`` as a function of ``kv`` alone, bit for bit (the
+        same operations in the same order; what does not depend on ``kv`` is computed once):
+        the duration of a step in which ``n`` sequences decode and nothing else happens."""
+        if type(self).step is not TimeModel.step:  # a subclass prices steps its own way
+            return lambda kv: self.step(0, n, kv, 0, 0.0, 0.0)
+        t = 0 + n
+        wbytes = self.dense_bytes
+        if self.expert_bytes and t:
+            wbytes += self.expert_bytes * (1.0 - self.expert_skip**t)
+        if self.prefill_s_per_token or self.decode_s_per_token:
+            flop_s = 0 * (self.prefill_s_per_token or self.flops_per_token / self.gemm_flops_per_s)
+            flop_s += n * (self.decode_s_per_token or self.flops_per_token / self.gemm_flops_per_s)
+        else:
+            flop_s = t * self.flops_per_token / self.gemm_flops_per_s
+        read_s = wbytes / self.mem_bytes_per_s
+        head = self.host_s + (read_s if read_s > flop_s else flop_s)  # host + gemm
+        ks = self.kv_read_s_per_token
+        kb = (0.0 + t) * self.kv_bytes_per_token / self.mem_bytes_per_s
+        dpf, ppf0, afs = (
+            self.decode_pair_flops,
+            0.0 * self.prefill_pair_flops,
+            self.attn_flops_per_s,
+        )
+        comm, tc, sw = self.comm_s_per_step, t * self.comm_s_per_token, 0 / self.swap_bytes_per_s
+
+        def step(kv: int) -> float:
+            kv_s = kv * ks + kb
+            attn_f = (kv * dpf + ppf0) / afs
+            return head + (kv_s if kv_s > attn_f else attn_f) + comm + tc + sw
+
+        return step
 
     @classmethod
     def for_model(

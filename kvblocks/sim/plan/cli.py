@@ -243,7 +243,14 @@ def _plan_gpus(args: argparse.Namespace) -> int:
     from ..models.spec import KV_DTYPES, GiB
     from ..workload.traces import load_workload
     from .capacity import parse_counts, parse_sizes
-    from .gpuplan import Family, format_gpu_plan, gpu_plan_json, idle_prefill_s, search
+    from .gpuplan import (
+        Family,
+        candidates,
+        format_gpu_plan,
+        gpu_plan_json,
+        idle_prefill_s,
+        search,
+    )
     from .replays import Floors, replay_candidate
 
     if args.trace is None or args.ttft_p99 is None:
@@ -306,8 +313,15 @@ def _plan_gpus(args: argparse.Namespace) -> int:
 
     floors = Floors(workload, args.token_budget, args.ttft_p99)
 
+    fitting = [f for f in families if f.fits]
+    searched = [0, len(candidates(fitting, counts, splits, with_disagg))]  # done, in all
+
+    def done(c: Any) -> None:
+        searched[0] += 1
+
     def replay(f: Family, n: int, prefill: int = 0) -> Dict[str, Any]:
-        bar = ProgressBar(f"plan: {f.label(n, prefill)}", len(workload)) if show else None
+        head = f"plan {searched[0] + 1}/{searched[1]}: {f.label(n, prefill)}"
+        bar = ProgressBar(head, len(workload)) if show else None
         try:
             return replay_candidate(workload, f.engine, n, prefill, args.router, args.ttft_p99,
                                     args.tpot_p99, links[f.gpu], progress=bar,
@@ -317,7 +331,7 @@ def _plan_gpus(args: argparse.Namespace) -> int:
                 bar.close()
 
     plan = search(families, counts, replay, args.ttft_p99, args.tpot_p99, args.cost,
-                  requests=len(workload), disagg=splits, with_disagg=with_disagg,
+                  done=done, requests=len(workload), disagg=splits, with_disagg=with_disagg,
                   floor=lambda f: floors.reason(f.engine))  # fmt: skip
     if args.plot:
         from ..report.plot import plot_gpu_plan
