@@ -92,10 +92,6 @@ MUTANTS: List[Mutant] = [
            "        list_push_tail(p, b);\n        p->num_evictable++;",
            "        list_push_head(p, b);\n        p->num_evictable++;",
            "a released cached block is evicted first instead of last"),
-    Mutant("drafted-kept", "csrc/table.c",
-           "        s->drafted = 0;\n        if (off_in(m, t + 1) == 0 && m->caching)",
-           "        if (off_in(m, t + 1) == 0 && m->caching)",
-           "a decode step keeps the draft window of the previous step"),
     Mutant("hitlo-one-more", "csrc/table.c",
            "return lo < k - 1 ? lo : k - 1;",
            "return lo < k - 1 ? lo + (lo > 0) : k - 1;",
@@ -112,6 +108,10 @@ MUTANTS: List[Mutant] = [
            "    kvb_tier_flush(t); /* a prefix evicted a moment ago is on the host now */",
            "    (void)0;",
            "a host lookup misses the blocks evicted since the last flush"),
+    Mutant("hh-no-flush", "csrc/hosthits.c",
+           "    kvb_tier_flush(t); /* a prefix evicted a moment ago is on the host now */",
+           "    (void)0;",
+           "a grouped host lookup misses the blocks evicted since the last flush"),
 ]  # fmt: skip
 
 

@@ -635,3 +635,27 @@ def test_write_through_copies_of_the_step_do_not_block_its_next_metadata():
     mgr.take_onloads()
     mgr.metadata(["d"], [11])
     mgr.check()
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_host_hit_sees_the_evictions_of_the_calls_just_before(grouped):
+    """Evictions are records in the pool's log that the tier drains lazily: a prompt whose
+    blocks the previous call evicted is a host hit at once, with no drain, counter or event
+    read in between, for one group and with KV cache groups (a mutation-testing survivor: a
+    host lookup that did not flush first passed every test, since the engine loops drain
+    between steps)."""
+    if grouped:
+        groups = (kvblocks.KVGroup("full"), kvblocks.KVGroup("sliding_window", window=8))
+        mgr = BlockManager(9, 4, num_host_blocks=16, host_prefix_cache=True, groups=groups)
+    else:
+        mgr = BlockManager(5, 4, num_host_blocks=8, host_prefix_cache=True)
+    a = list(range(100, 108))
+    mgr.add("a", a)
+    mgr.plan_step(["a"], [8])
+    mgr.free("a")  # two cached blocks, evictable
+    mgr.add("b", list(range(16)))  # takes every block: a's are evicted (demotion records)
+    mgr.free("b")
+    assert mgr.add("c", a) == 4  # block 0 from the host: (8 - 1) // 4 blocks at most
+    assert len(mgr.take_offloads()) == (4 if grouped else 2)
+    assert len(mgr.take_onloads()) == (2 if grouped else 1)
+    mgr.check()
