@@ -13,13 +13,11 @@ cache (``--evict-mib``, default 64 MiB: this machine's L3 is 32 MiB) before each
 so every record, table and pool entry the step touches comes from memory. Run:
 
     python benchmarks/bench_decode_scaling.py [--steps N] [--sizes 256,1024,4096]
-        [--evict-mib 64] [--json benchmarks/results/decode_scaling_<commit>.json]
+        [--evict-mib 64] [--save]    # --save: benchmarks/results/decode_scaling_<commit>.json
 """
 
 import argparse
 import gc
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvblocks import AttentionMetadata, BlockManager  # noqa: E402
+from kvblocks.bench.machine import git_commit  # noqa: E402
+from kvblocks.bench.report import save  # noqa: E402
 
 BS, CTX, WARM = 16, 4096, 20
 
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--sizes", default="256,1024,4096")
     ap.add_argument("--evict-mib", type=int, default=64)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--save", action="store_true", help="write the JSON under results/")
     a = ap.parse_args(argv)
     if a.steps <= WARM or a.evict_mib < 1:
         ap.error(f"--steps must be > {WARM} and --evict-mib >= 1")
@@ -100,18 +100,10 @@ def main(argv=None) -> None:
                     f"({r['append_batch_ns_per_seq']:4.0f} ns/seq)  metadata "
                     f"{r['metadata_p50_us']:6.1f} us ({r['metadata_ns_per_seq']:4.0f} ns/seq)"
                 )
-    if a.json:
-        doc = {
-            "bench": "decode_scaling",
-            "context": CTX,
-            "block_size": BS,
-            "steps": a.steps,
-            "evict_mib": a.evict_mib,
-            "machine": platform.processor() or platform.machine(),
-            "rows": rows,
-        }
-        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"saved {a.json}")
+    if a.save:
+        commit = (git_commit() or "unknown").split("+", 1)[0][:7]
+        extra = {"context": CTX, "block_size": BS, "steps": a.steps, "evict_mib": a.evict_mib}
+        print(f"saved {save(f'decode_scaling_{commit}', rows, extra)}")
 
 
 if __name__ == "__main__":

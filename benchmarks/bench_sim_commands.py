@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -29,6 +28,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from kvblocks.bench.machine import git_commit  # noqa: E402
+from kvblocks.bench.report import save  # noqa: E402
+
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 PLAN70 = ["plan", "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--no-progress", "--json"]
@@ -63,15 +66,6 @@ COMMANDS: Dict[str, Tuple[List[str], int]] = {
         48,
     ),  # fmt: skip
 }
-
-
-def commit() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run_once(argv: List[str]) -> Dict[str, Any]:
@@ -138,22 +132,10 @@ def main() -> int:
         print(
             f"  {n:<24}{wall:>9.2f}{user:>9.2f}  {rng:>13}  {min(loads):>4.1f}-{max(loads):<4.1f}  {conf}"
         )
-    out = REPO / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"sim_commands_{commit()}.json"
-    doc = {
-        "bench": "bench_sim_commands",
-        "commit": commit(),
-        "machine": {
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-        },  # fmt: skip
-        "trace": Path(args.trace).name,
-        "reps": args.reps,
-        "commands": results,
-    }
-    path.write_text(json.dumps(doc, indent=2))
+    commit = (git_commit() or "unknown").split("+", 1)[0][:7]
+    rows = [{"command": n, **row} for n, row in results.items()]
+    extra = {"trace": Path(args.trace).name, "reps": args.reps}
+    path = save(f"sim_commands_{commit}", rows, extra, REPO / "benchmarks" / "results")
     print(f"  wrote {path.relative_to(REPO)}")
     return 0
 
