@@ -263,6 +263,18 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(shape, seed):
     assert all(seen.values()) or not caching, seen  # hits, window hits, null blocks, evictions
 
 
+def _decode(m, rid, prompt, steps):
+    """Admit prompt as request rid, compute it, then decode `steps` tokens one step each."""
+    r = request(rid, prompt)
+    m.allocate_slots(r, r.num_tokens)
+    r.num_computed_tokens = r.num_tokens
+    r.status = RequestStatus.RUNNING
+    for t in range(steps):
+        r.append_output_token_ids(t + 1)
+        m.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+
+
 def test_sliding_window_hit_has_null_blocks_and_decode_frees_them():
     ref, kvb = managers(40, [full_spec(), sw_spec(8)], enable_kv_cache_events=True)
     toks = list(range(1, 26))  # 6 full blocks of 4 and one token
@@ -287,14 +299,7 @@ def test_sliding_window_hit_has_null_blocks_and_decode_frees_them():
     assert [type(e) for e in ev] == [BlockStored, BlockStored, BlockStored, BlockStored]
     assert [e.group_idx for e in ev] == [0, 1, 0, 1]
     for m in (ref, kvb):  # decode past the window: the blocks before it are freed, null
-        r = request("c", list(range(100, 117)))
-        m.allocate_slots(r, r.num_tokens)
-        r.num_computed_tokens = r.num_tokens
-        r.status = RequestStatus.RUNNING
-        for t in range(12):
-            r.append_output_token_ids(t + 1)
-            m.allocate_slots(r, 1)
-            r.num_computed_tokens += 1
+        _decode(m, "c", list(range(100, 117)), 12)
     assert ref.get_block_ids("c") == kvb.get_block_ids("c")
     assert kvb.get_block_ids("c")[1][:5] == [0] * 5
     assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
@@ -326,14 +331,7 @@ def test_chunked_local_hits_are_null_before_the_chunk_and_decode_frees_them():
         blocks, hit, _ = m.get_computed_blocks(request("d", list(range(1, 18))))
         assert hit == 16 and blocks.get_block_ids() == ([0] * 4,)
     for m in (ref, kvb):  # decode: the blocks before the next token's chunk become null
-        r = request("e", list(range(100, 117)))
-        m.allocate_slots(r, r.num_tokens)
-        r.num_computed_tokens = r.num_tokens
-        r.status = RequestStatus.RUNNING
-        for t in range(12):
-            r.append_output_token_ids(t + 1)
-            m.allocate_slots(r, 1)
-            r.num_computed_tokens += 1
+        _decode(m, "e", list(range(100, 117)), 12)
     assert ref.get_block_ids("e") == kvb.get_block_ids("e")
     assert kvb.get_block_ids("e")[1][:6] == [0] * 6 and all(kvb.get_block_ids("e")[1][6:])
     assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()

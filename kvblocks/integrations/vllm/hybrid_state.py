@@ -19,7 +19,7 @@ vLLM's rules per group kind live here, as its single-type managers have them:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 from vllm.utils.math_utils import cdiv
@@ -143,40 +143,14 @@ class _HybridState(_NativeState):
         ``get_cached_block`` per block: the earliest block under each hash)."""
         if s >= e:
             return _EMPTY_I32
-        pool, full, hash_of = self.pool, self.full, self.hash_of
-        pos = s
         parts = []
-        if keys is None:  # 32-byte hashes in a list: keys, salt and check natively
-            salt = self.salt_int[g]
-            while pos < e:
-                hit = pool.lookup_bytes(hashes, e, start=pos, full=full, group=g, key_salt=salt)
-                if len(hit):
-                    parts.append(hit)
-                    pos += len(hit)
-                d = self._dup_at(hashes, pos, e, g)
-                if d is None:
-                    break
-                parts.append(d)
-                pos += 1
-            if not parts:
-                return _EMPTY_I32
-            return parts[0] if len(parts) == 1 else np.concatenate(parts)
-        kg = self._gkeys(keys, g, s, e)
+        pos = s
+        kg = None if keys is None else self._gkeys(keys, g, s, e)
         while pos < e:
-            hit = pool.lookup(kg[pos - s :], group=g)
-            k = len(hit)
-            if k:
-                if tails is not None:  # the other half of each hit's hash (0 once evicted)
-                    ok = (full[hit, 2:] == tails[pos : pos + k]).all(axis=1)
-                    if not ok.all():
-                        k = int(np.argmin(ok))
-                else:
-                    for i, b in enumerate(hit.tolist()):
-                        if hash_of.get(b) != hashes[pos + i]:
-                            k = i
-                            break
-                parts.append(hit[:k])
-                pos += k
+            hit = self._cached_from(g, hashes, kg, tails, s, e, pos)
+            if len(hit):
+                parts.append(hit)
+                pos += len(hit)
             d = self._dup_at(hashes, pos, e, g)
             if d is None:
                 break
@@ -185,6 +159,38 @@ class _HybridState(_NativeState):
         if not parts:
             return _EMPTY_I32
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _cached_from(
+        self,
+        g: int,
+        hashes: Sequence[bytes],
+        kg: Optional[np.ndarray],
+        tails: Optional[np.ndarray],
+        s: int,
+        e: int,
+        pos: int,
+    ) -> np.ndarray:
+        """Group g's run of cached blocks for hashes[pos:e] (the earliest block under each
+        hash); kg: the group's keys of hashes[s:e], or None for 32-byte hashes in a list,
+        whose keys, salt and check are made natively."""
+        if kg is None:
+            salt = self.salt_int[g]
+            return self.pool.lookup_bytes(
+                cast(list, hashes), e, start=pos, full=self.full, group=g, key_salt=salt
+            )
+        hit = self.pool.lookup(kg[pos - s :], group=g)
+        k = len(hit)
+        if k and tails is not None:  # the other half of each hit's hash (0 once evicted)
+            ok = (self.full[hit, 2:] == tails[pos : pos + k]).all(axis=1)
+            if not ok.all():
+                k = int(np.argmin(ok))
+        elif k:
+            hash_of = self.hash_of
+            for i, b in enumerate(hit.tolist()):
+                if hash_of.get(b) != hashes[pos + i]:
+                    k = i
+                    break
+        return hit[:k]
 
     def _dup_at(self, hashes: Sequence[bytes], pos: int, e: int, g: int) -> Optional[np.ndarray]:
         """A run stopped at pos: group g's earliest duplicate entry under hashes[pos] (one
