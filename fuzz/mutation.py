@@ -14,7 +14,8 @@ mutant's text must occur exactly once in its file.
 Each run copies the tracked tree into a temporary folder, applies one mutant, builds the
 extension in place (about a minute) and runs ``pytest -x`` there (stopping at the first
 failure: a killed mutant usually fails in seconds, a survivor runs the whole suite). A
-build that fails counts as killed (the compiler caught it). Results are printed as they come
+build that fails counts as killed (the compiler caught it); pytest's own failures (usage
+error, nothing collected, interrupted) count as an error, neither killed nor survived. Results are printed as they come
 and, with ``--json``, saved.
 """
 
@@ -192,6 +193,8 @@ def run_one(m: Mutant, tests: str, timeout: int) -> dict:
         secs = round(time.time() - t0)
         if rc == 0:
             return {"name": m.name, "result": "SURVIVED", "by": "", "seconds": secs}
+        if rc in (2, 3, 4, 5):  # pytest interrupted, internal or usage error, nothing collected
+            return {"name": m.name, "result": "error", "by": f"pytest exit {rc}", "seconds": secs}
         first = re.search(r"^(FAILED|ERROR) (\S+)", out, re.M)
         by = first.group(2) if first else ("timeout" if rc == -1 else f"exit {rc} (a crash)")
         return {"name": m.name, "result": "killed", "by": by, "seconds": secs}
@@ -214,6 +217,9 @@ def main(argv=None) -> int:
             print(f"{m.name:24s} {m.path:16s} {m.why}")
         return 0
     known = {m.name: m for m in MUTANTS}
+    if not (ROOT / a.tests.split("::", 1)[0]).exists():
+        print(f"--tests {a.tests}: no such file or folder in {ROOT}", file=sys.stderr)
+        return 2
     unknown = [n for n in a.names if n not in known]
     if unknown:
         print(f"unknown mutants: {', '.join(unknown)} (see --list)", file=sys.stderr)
@@ -226,11 +232,14 @@ def main(argv=None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1) + "\n")
     survived = [r["name"] for r in results if r["result"] == "SURVIVED"]
+    errors = [r["name"] for r in results if r["result"] == "error"]
+    killed = len(results) - len(survived) - len(errors)
     print(
-        f"{len(results) - len(survived)} of {len(results)} killed"
+        f"{killed} of {len(results)} killed"
         + (f"; survived: {', '.join(survived)}" if survived else "")
+        + (f"; the suite could not run on: {', '.join(errors)}" if errors else "")
     )
-    return 1 if survived else 0
+    return 1 if survived or errors else 0
 
 
 if __name__ == "__main__":

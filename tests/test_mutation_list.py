@@ -26,3 +26,9 @@ def test_cli_lists_and_refuses_unknown_names(capsys):
     assert "cow-no-copy" in capsys.readouterr().out
     assert mutation.main(["no-such-mutant"]) == 2
     assert "unknown mutants: no-such-mutant" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_tests_target_that_does_not_exist(capsys):
+    """A wrong --tests would make pytest fail on every mutant: refused before any build."""
+    assert mutation.main(["cow-no-copy", "--tests", "tests/no_such_file.py"]) == 2
+    assert "--tests tests/no_such_file.py: no such file" in capsys.readouterr().err
