@@ -36,6 +36,7 @@ C_SOURCES = [
     "csrc/policy.c",
     "csrc/debug.c",
     "csrc/table.c",
+    "csrc/manager.c",
     "csrc/tier.c",
     "csrc/meta.c",
     "csrc/groups.c",

@@ -264,9 +264,9 @@ static int fail(kvb_manager_t *m, int rc, int64_t a, int64_t b, const char *what
 /* a call that may change tables: every plan taken before it is stale */
 #define MUTATE(m) (ENTER(m), (m)->epoch++)
 
-/* the sequence record of a live slot in group g, or NULL */
-static const kvb_seq_t *seq_of(const kvb_manager_t *m, int32_t g, int32_t slot) {
-    return live_seq(&m->g[g], slot);
+/* the sequence record of a live slot, or NULL */
+static const kvb_seq_t *seq_of(const kvb_manager_t *m, int32_t slot) {
+    return live_seq(&m->g[0], slot);
 }
 
 void kvb_manager_config_init(kvb_manager_config_t *c) {
@@ -457,7 +457,7 @@ int kvb_manager_free(kvb_manager_t *m, int32_t seq) {
 int kvb_manager_blocks_needed(kvb_manager_t *m, int32_t seq, int64_t n, int64_t *need_out) {
     ENTER(m);
     if (!need_out || n < 0) return fail(m, KVB_EINVAL, 0, n, "n, need_out");
-    if (!seq_of(m, 0, seq)) return fail(m, KVB_EUNKNOWN, 0, seq, NULL);
+    if (!seq_of(m, seq)) return fail(m, KVB_EUNKNOWN, 0, seq, NULL);
     int64_t k = kvb_grp_blocks_needed(m->gp, m->ng, seq, n);
     if (k < 0) return fin(m, (int)k, 0);
     *need_out = k;
@@ -473,14 +473,12 @@ int kvb_manager_batch_need(kvb_manager_t *m, const int32_t *seqs, int64_t count,
 }
 
 int64_t kvb_manager_swap_pairs_max(const kvb_manager_t *m, int32_t seq) {
-    if (!seq_of(m, 0, seq)) return KVB_EUNKNOWN;
-    int64_t n = 0;
-    for (int32_t j = 0; j < m->ng; j++) n += m->g[j].seqs[seq].nblocks - m->g[j].seqs[seq].lo;
-    return n;
+    if (!seq_of(m, seq)) return KVB_EUNKNOWN;
+    return kvb_grp_held(m->gp, m->ng, seq);
 }
 
 int kvb_manager_is_swapped(const kvb_manager_t *m, int32_t seq) {
-    const kvb_seq_t *s = seq_of(m, 0, seq);
+    const kvb_seq_t *s = seq_of(m, seq);
     return s ? s->swapped != 0 : KVB_EUNKNOWN;
 }
 
@@ -489,7 +487,7 @@ static int swap(kvb_manager_t *m, int32_t seq, int64_t *pairs, int64_t cap, int6
     MUTATE(m);
     if (!npairs || cap < 0 || (cap && !pairs)) return fail(m, KVB_EINVAL, 0, cap, "cap, npairs");
     if (!m->has_host) return fail(m, KVB_ESTATE, 0, 0, "no host pool (num_host_blocks 0)");
-    const kvb_seq_t *s = seq_of(m, 0, seq);
+    const kvb_seq_t *s = seq_of(m, seq);
     if (!s) return fail(m, KVB_EUNKNOWN, 0, seq, NULL);
     if (in && !s->swapped) return fail(m, KVB_ESTATE, 0, seq, "not swapped out");
     int64_t need = kvb_manager_swap_pairs_max(m, seq);
@@ -513,22 +511,22 @@ int kvb_manager_swap_in(kvb_manager_t *m, int32_t seq, int64_t *pairs, int64_t c
 }
 
 int64_t kvb_manager_num_tokens(const kvb_manager_t *m, int32_t seq) {
-    const kvb_seq_t *s = seq_of(m, 0, seq);
+    const kvb_seq_t *s = seq_of(m, seq);
     return s ? s->ntokens : KVB_EUNKNOWN;
 }
 
 int64_t kvb_manager_num_computed(const kvb_manager_t *m, int32_t seq) {
-    return seq_of(m, 0, seq) ? kvb_grp_num_computed(m->gp, m->ng, seq) : KVB_EUNKNOWN;
+    return seq_of(m, seq) ? kvb_grp_num_computed(m->gp, m->ng, seq) : KVB_EUNKNOWN;
 }
 
 int kvb_manager_block_table(const kvb_manager_t *m, int32_t group, int32_t seq, int32_t *out,
                             int64_t cap, int64_t *n) {
     if (!n || cap < 0 || (cap && !out) || group < 0 || group >= m->ng) return KVB_EINVAL;
-    const kvb_seq_t *s = seq_of(m, group, seq);
-    if (!s) return KVB_EUNKNOWN;
-    if (cap < s->nblocks) return KVB_ERANGE;
-    for (int32_t i = 0; i < s->nblocks; i++) out[i] = i < s->lo ? KVB_NULL_BLOCK : s->blocks[i];
-    *n = s->nblocks;
+    if (!seq_of(m, seq)) return KVB_EUNKNOWN;
+    const kvb_row_t *r = kvb_grp_row(m->gp, group, seq);
+    if (cap < r->nblocks) return KVB_ERANGE;
+    for (int32_t i = 0; i < r->nblocks; i++) out[i] = i < r->lo ? KVB_NULL_BLOCK : r->blocks[i];
+    *n = r->nblocks;
     return KVB_OK;
 }
 

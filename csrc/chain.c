@@ -1,7 +1,8 @@
 /* chain.c -- a sequence's hash chain in the manager, in the manager's hash mode.
  *
- * table.c keeps, per sequence, the 128-bit hashes of its leading full blocks (hashes[], the
- * keys of the prefix cache) and calls here to extend them as blocks fill up. Everything else
+ * A sequence's record keeps the 128-bit hashes of its leading full blocks (hashes[]; a
+ * group's cache key is the hash XOR the group's tag) and manager.c calls here to extend them
+ * as blocks fill up, once for all groups. Everything else
  * the chain needs lives in the sequence's kvb_chain_t:
  *   start, has_start  block 0's parent (SipHash: the salted root, also kept in seq.root;
  *                     vLLM: NONE_HASH; SGLang: nothing, or a digest of the salt);
@@ -14,8 +15,8 @@
  *                     was grown. SipHash needs none (ext stays unallocated).
  * tag is the adapter tag the events of the sequence's stored blocks carry.
  *
- * Functions that can fail (begin, reserve, fork) touch only the sequence's own slot, so table.c
- * calls them in its validation phase, before the slot is live or anything shared changes.
+ * Functions that can fail (begin, reserve, fork) touch only the sequence's own slot, so the
+ * manager calls them in its validation phase, before the slot is live or anything shared changes.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -25,7 +26,7 @@
 int kvb_mgr_set_hash(kvb_mgr_t *m, int32_t algo, const uint8_t none_hash[32]) {
     KVB_CLEAR_ERR(m);
     if (algo < 0 || algo >= KVB_HASH_NMODES) { m->err_b = algo; return KVB_EINVAL; }
-    if (m->nseqs) { m->err_what = "hash mode changed with live sequences"; return KVB_ESTATE; }
+    if (m->lead->nseqs) { m->err_what = "hash mode changed with live sequences"; return KVB_ESTATE; }
     m->hash_algo = algo;
     if (none_hash) memcpy(m->none_hash, none_hash, 32);
     else memset(m->none_hash, 0, 32);
@@ -67,107 +68,41 @@ int kvb_chain_reserve(const kvb_mgr_t *m, kvb_seq_t *s, int64_t nblocks) {
     return kvb_grow((void **)&s->chain.ext, &s->chain.ecap, nblocks, sizeof *s->chain.ext);
 }
 
-KVB_INLINE void xor_into(kvb_hash_t *h, const kvb_hash_t *t) {
-    h->lo ^= t->lo;
-    h->hi ^= t->hi;
-}
-
-/* Every mode: a group's hashes are the group-0 chain XOR its tag (groups.c, kvb_group_tag).
- * With `src`, another group's record of the same sequence holding these blocks' hashes, they
- * are derived without hashing: one SipHash or SHA-256 per block for all groups (in the 256-bit
- * modes the digests' other halves, chain.ext, are the same in every group). */
-static void derive_chain(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens, int64_t from,
-                         int64_t to, const kvb_seq_t *src) {
-    kvb_hash_t *out = s->hashes + from;
-    for (int64_t j = from; j < to; j++, out++) {
-        *out = src->hashes[j];
-        xor_into(out, &m->hxor);
-    }
-    if (m->hash_algo != KVB_HASH_SIPHASH)
-        kvb_copy(s->chain.ext + from, src->chain.ext + from, (size_t)(to - from) * sizeof *out);
-#ifdef KVB_DEBUG /* the source really held these tokens: hash them again, block by block */
-    for (int64_t j = from; j < to; j++) {
-        kvb_hash_t h;
-        const int32_t *tj = tokens + (j - from) * m->block_size;
-        if (m->hash_algo == KVB_HASH_SIPHASH) {
-            kvb_hash_t prev = j ? s->hashes[j - 1] : s->root;
-            if (j) xor_into(&prev, &m->tag);
-            kvb_hash_chain(m->key, &prev, tj, 1, m->block_size, &h);
-        } else {
-            kvb_hasher_t hs;
-            kvb_digest_t parent;
-            seq_hasher(m, s, &hs);
-            if (j) {
-                parent.h = s->hashes[j - 1];
-                xor_into(&parent.h, &m->tag);
-                parent.x = s->chain.ext[j - 1];
-            }
-            kvb_hash_blocks(&hs, j ? &parent : NULL, j, tj, 1, m->block_size, &h, NULL);
-        }
-        xor_into(&h, &m->tag);
-        KVB_ASSERT(h.lo == s->hashes[j].lo && h.hi == s->hashes[j].hi);
-    }
-#else
-    (void)tokens;
-#endif
-}
-
-/* SipHash: the group-0 chain computed from the parent (this group's previous hash without
- * its tag), then tagged. */
-static void siphash_chain(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens,
-                          int64_t from, int64_t to) {
-    kvb_hash_t *out = s->hashes + from;
-    kvb_hash_t parent = from ? s->hashes[from - 1] : s->root;
-    if (from) xor_into(&parent, &m->tag);
-    kvb_hash_chain(m->key, &parent, tokens, to - from, m->block_size, out);
-    if (m->tag.lo | m->tag.hi)
-        for (int64_t j = from; j < to; j++) xor_into(&s->hashes[j], &m->tag);
-}
-
+/* The chain's hashes[from..to) from the tokens of those blocks: one SipHash or SHA-256 per
+ * block for all groups (a group's key is the chain hash XOR its tag, kvb_group_tag). */
 void kvb_chain_hash(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens, int64_t from,
-                    int64_t to, const kvb_seq_t *src) {
+                    int64_t to) {
     if (to <= from) return;
-    if (src) {
-        derive_chain(m, s, tokens, from, to, src);
-        return;
-    }
     if (m->hash_algo == KVB_HASH_SIPHASH) { /* the default path, as before the modes */
-        siphash_chain(m, s, tokens, from, to);
+        kvb_hash_chain(m->key, from ? &s->hashes[from - 1] : &s->root, tokens, to - from,
+                       m->block_size, s->hashes + from);
         return;
     }
     kvb_hasher_t hs;
     kvb_digest_t parent;
     seq_hasher(m, s, &hs);
-    if (from) { /* the digest without the group's tag (a key is the hash XOR the tag) */
+    if (from) {
         parent.h = s->hashes[from - 1];
-        xor_into(&parent.h, &m->tag);
         parent.x = s->chain.ext[from - 1];
     }
     kvb_hash_blocks(&hs, from ? &parent : NULL, from, tokens, to - from, m->block_size,
                     s->hashes + from, s->chain.ext + from);
-    if (m->tag.lo | m->tag.hi)
-        for (int64_t j = from; j < to; j++) xor_into(&s->hashes[j], &m->tag);
 }
 
 void kvb_chain_block(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t j, kvb_hash_t *out) {
     kvb_hasher_t hs;
     kvb_digest_t parent;
     const int32_t *tokens = s->tokens + j * (int64_t)m->block_size;
-    if (m->hash_algo == KVB_HASH_SIPHASH) { /* from the tokens: never derived (check) */
-        kvb_hash_t prev = j ? s->hashes[j - 1] : s->root;
-        if (j) xor_into(&prev, &m->tag);
-        kvb_hash_chain(m->key, &prev, tokens, 1, m->block_size, out);
-        xor_into(out, &m->tag);
+    if (m->hash_algo == KVB_HASH_SIPHASH) {
+        kvb_hash_chain(m->key, j ? &s->hashes[j - 1] : &s->root, tokens, 1, m->block_size, out);
         return;
     }
     seq_hasher(m, s, &hs);
     if (j) {
         parent.h = s->hashes[j - 1];
-        xor_into(&parent.h, &m->tag);
         parent.x = s->chain.ext[j - 1];
     }
     kvb_hash_blocks(&hs, j ? &parent : NULL, j, tokens, 1, m->block_size, out, NULL);
-    xor_into(out, &m->tag);
 }
 
 int kvb_chain_fork(const kvb_mgr_t *m, kvb_seq_t *child, const kvb_seq_t *parent) {

@@ -359,7 +359,7 @@ int kvb_events_encode(const kvb_events_t *ev, const kvb_wire_opts_t *w, kvb_buf_
                       int64_t *bad);
 void kvb_buf_free(kvb_buf_t *b);
 
-/* ---- manager (table.c) ------------------------------------------------------------------ */
+/* ---- manager (manager.c over table.c's group tables) ----------------------------------- */
 typedef struct {               /* per-sequence hash chain state beside hashes[] (chain.c) */
     kvb_digest_t start;        /* block 0's parent (start.h == root) */
     int32_t has_start;         /* 0: block 0 chains on nothing (SGLang without salt) */
@@ -370,35 +370,49 @@ typedef struct {               /* per-sequence hash chain state beside hashes[] 
     int64_t ctx_len, ctx_cap;  /* its bytes, capacity */
 } kvb_chain_t;
 
+/* One KV cache group's table of one sequence: the only per-group state a sequence has. */
 typedef struct {
-    /* the first 64 bytes are what a decode step (append_batch) reads and writes of a
-     * record: one cache line (before, its fields were spread over three) */
     int32_t *blocks;           /* [bcap] block table: physical ids in logical order */
-    int32_t *tokens;           /* [tcap] committed token ids */
-    kvb_hash_t *hashes;        /* [hcap] hashes of the leading full blocks */
-    int64_t ntokens, tcap;     /* committed tokens, capacity */
     int32_t nblocks, bcap;     /* blocks held (committed + reserved), capacity */
-    int32_t nhashed, hcap;     /* hashes known (<= ntokens / block_size), capacity */
-    uint32_t stamp;            /* last append_batch call that touched it (duplicate check) */
-    int32_t swapped;           /* blocks refer to the host pool (swap_out) */
-    /* the rest */
-    int64_t ncomputed;         /* leading tokens whose K/V are written (or promised by the
-                                * last schedule/metadata call); <= ntokens */
-    int64_t drafted;           /* positions < drafted were scheduled as draft slots since the
-                                * last commit: append(computed=1) may commit up to here */
-    uint32_t gen;              /* bumped when the slot is freed; odd = live */
-    uint32_t tver;             /* bumped when an existing table entry changes (not on growth) */
-    int32_t next_free;         /* free-slot stack link */
-    int32_t lo;                /* blocks[0..lo) were released (window / chunk groups): 0 */
+    int32_t lo;                /* blocks[0..lo) were released (window / chunk groups): null */
+    uint32_t tver;             /* bumped when an existing entry changes (not on growth) */
+    int64_t done;              /* leading tokens whose K/V this group holds computed (a step
+                                * declared for this group alone, metadata(group=), runs ahead
+                                * of the others); the record's ncomputed is the fewest */
+    int64_t drafted;           /* draft slots this group's last step declared (as the
+                                * record's, which is the fewest) */
     int64_t room;              /* STATE: the blocks a token group's table of this sequence
                                 * holds (its tokens' blocks, grown by reserve, cut by
                                 * truncate), which its draft slots must lie within as in
                                 * every kind; other kinds: unused (0) */
+} kvb_row_t;
+
+/* A sequence, once for all groups: its tokens, hash chain and counters, and group 0's row
+ * (groups 1.. keep theirs in kvb_mgr_t.rows, at the same slot). */
+typedef struct {
+    /* the first 64 bytes are what a decode step (append_batch) reads and writes of a record
+     * with one group: one cache line */
+    kvb_row_t row;             /* group 0's table */
+    int32_t *tokens;           /* [tcap] committed token ids */
+    kvb_hash_t *hashes;        /* [hcap] chain hashes of the leading full blocks (group j's
+                                * cache key of block i: hashes[i] XOR its tag) */
+    int64_t ntokens, tcap;     /* committed tokens, capacity */
+    /* the rest */
+    int32_t nhashed, hcap;     /* hashes known (<= ntokens / block_size), capacity */
+    uint32_t stamp;            /* last batch call that touched it (duplicate check) */
+    int32_t swapped;           /* every group's blocks refer to the host pool (swap_out) */
+    int64_t ncomputed;         /* leading tokens whose K/V are written in every group (or
+                                * promised by the last step); <= ntokens */
+    int64_t drafted;           /* positions < drafted were scheduled as draft slots (in every
+                                * group) since the last commit: append(computed=1) may commit
+                                * up to here */
+    uint32_t gen;              /* bumped when the slot is freed; odd = live */
+    int32_t next_free;         /* free-slot stack link */
     kvb_hash_t root;           /* chain seed (salt folded in) */
     kvb_chain_t chain;         /* the rest of the hash chain's state (chain.c) */
 } kvb_seq_t;
 
-/* KV cache group kinds: a manager is one group; groups.c runs several over one pool. */
+/* KV cache group kinds, each with its rules in table.c (hit span, blocks, release). */
 enum {
     KVB_G_FULL = 0,    /* every position attends to all earlier ones */
     KVB_G_WINDOW = 1,  /* position p attends to [p - span + 1, p] (sliding window) */
@@ -406,6 +420,8 @@ enum {
     KVB_G_STATE = 3,   /* span blocks per sequence whatever its length (recurrent state) */
 };
 
+/* A manager is G groups g[0..G) over one pool; g[0], the lead, holds the sequences (records,
+ * slots); every group holds its kind, its tag and its rows. Every call takes (g, G). */
 typedef struct kvb_mgr {
     kvb_pool_t *pool;          /* device pool (not owned) */
     kvb_pool_t *host;          /* host pool for swapping or NULL (not owned) */
@@ -414,25 +430,28 @@ typedef struct kvb_mgr {
     uint8_t key[16];           /* hash key */
     int32_t hash_algo;         /* KVB_HASH_* mode of the block hashes (kvb_mgr_set_hash) */
     uint8_t none_hash[32];     /* vLLM modes: NONE_HASH, block 0's parent */
-    kvb_seq_t *seqs;           /* [scap] sequence slots */
-    int32_t nseqs, scap;       /* live sequences, capacity */
-    int32_t free_slot;         /* head of the free-slot stack, KVB_NONE if empty */
-    uint32_t stamp;            /* append_batch call counter */
+    struct kvb_mgr *lead;      /* the group holding the sequences (itself for g[0]) */
+    kvb_seq_t *seqs;           /* lead: [scap] sequence records */
+    int32_t nseqs, scap;       /* lead: live sequences, capacity */
+    int32_t free_slot;         /* lead: head of the free-slot stack, KVB_NONE if empty */
+    uint32_t stamp;            /* lead: batch call counter */
+    int32_t hashing;           /* lead: some group caches, so records keep chain hashes */
+    struct kvb_mgr *const *grp; /* lead: every group, g[0..ngrp) (kvb_grp_link) */
+    int32_t ngrp;
+    kvb_row_t *rows;           /* groups 1..: [rcap] rows by slot (g[0]'s are in the records) */
+    int32_t rcap;
     int32_t kind;              /* KVB_G_* */
     int64_t span;              /* window (WINDOW), chunk (CHUNK) or blocks (STATE); 0 (FULL) */
     uint8_t gidx;              /* group index (events) */
-    kvb_hash_t tag;            /* XORed onto the group-0 chain hash (0 in group 0): the key of
-                                * the group's blocks (every hash mode) */
-    const struct kvb_mgr *hsrc; /* an earlier hashing group of the same sequences, whose
-                                * hashes XOR hxor are this group's (kvb_grp_link), or NULL */
-    kvb_hash_t hxor;           /* hsrc->tag ^ tag */
+    kvb_hash_t tag;            /* XORed onto the chain hash: the key of the group's blocks (0
+                                * in group 0; every hash mode) */
     int caching;               /* the pool caches and the kind can be cached (not STATE) */
     uint8_t *hit;              /* [hitcap] add's scratch: which leading blocks are cached */
     int64_t hitcap;
     int64_t *copies;           /* [2 * ccap] pending (src, dst) copy-on-write pairs; each
                                 * holds one reference on src until drained or dropped */
     int64_t ncopies, ccap;     /* pairs pending, capacity */
-    int64_t err_a, err_b;      /* detail of the last error */
+    int64_t err_a, err_b;      /* detail of the last error (g[0]'s for a call over groups) */
     const char *err_what;      /* name of the failed invariant (check) or NULL */
 } kvb_mgr_t;
 
@@ -440,136 +459,38 @@ int kvb_mgr_init(kvb_mgr_t *m, kvb_pool_t *pool, kvb_pool_t *host, int32_t block
                  const uint8_t key[16]);
 /* The hash mode (chain.c); only while no sequence is live. KVB_EINVAL: unknown mode. */
 int kvb_mgr_set_hash(kvb_mgr_t *m, int32_t algo, const uint8_t none_hash[32]);
+/* Make m a group of the given kind (after kvb_mgr_init, before any sequence): span is the
+ * window, chunk or state blocks (> 0; ignored for FULL). */
+int kvb_mgr_set_kind(kvb_mgr_t *m, int32_t kind, int64_t span, uint8_t gidx);
 void kvb_mgr_destroy(kvb_mgr_t *m);
 
-/* Add a prompt of n tokens in a new slot (*slot_out): its longest cached prefix (at most
- * (n - 1) / block_size blocks) is pinned, the rest allocated; *cached_out gets the cached tokens,
- * which count as computed. recompute != 0 marks the re-admission of a preempted sequence (its
- * hits are counted in the recompute_* stats, not as reuse). */
-int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out);
-/* computed != 0: the tokens fill draft slots that the last schedule call computed. */
-int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n, int computed);
-/* The decode step: one token for each of n distinct live, resident slots, all-or-nothing. */
-int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n);
-int kvb_mgr_reserve(kvb_mgr_t *m, int32_t slot, int64_t n);
-int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens);
-int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out);
-int kvb_mgr_free(kvb_mgr_t *m, int32_t slot);
-int kvb_mgr_check(kvb_mgr_t *m);
-/* Blocks appending n tokens to slot would take from the pool now (growth + copy-on-write);
- * for a swapped-out sequence, what swap_in takes plus that growth. Saturates, never wraps. */
-int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n);
-/* Blocks appending n tokens to each of count slots at once would take (copies counted as
- * sequential appends make them). Swapped-out or unknown slots: KVB_ESTATE / KVB_EUNKNOWN. */
-int kvb_mgr_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_t n,
-                       int64_t *need_out);
-/* The same counted exactly (shared write blocks: one copy per sharer but the last), for
- * slots kvb_mgr_batch_need accepted: groups.c sums groups against one free count. */
-int kvb_mgr_batch_need_exact(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_t n,
-                             int64_t *need_out);
-
-/* What add() would find now, without pinning or stats: cached tokens (*cached_out) and the
- * blocks it would take from the free pool (*need_out, evictable hits included). */
-int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                  size_t salt_len, int64_t *cached_out, int64_t *need_out);
-
-/* Drain the pending copy-on-write pairs into out (2 * ncopies int64) and release the
- * references they held on their sources. Returns the number of pairs. */
-int64_t kvb_mgr_take_copies(kvb_mgr_t *m, int64_t *out);
-/* Every group's pending copies into out ([2 * cap] int64 (src, dst) pairs; *n_out pairs), in
- * group order, after the drain-order check: KVB_EPENDING while host-tier offloads or onloads are
- * pending (g[0]'s err_a: offloads, err_b: onloads, err_what says so; a copy may overwrite a
- * block an offload reads, or read one an onload fills), KVB_ERANGE when cap is too small
- * (err_a: needed). Nothing is drained on an error. (groups.c) */
-int kvb_grp_take_copies(kvb_mgr_t *const *g, int32_t G, int64_t *out, int64_t cap,
-                        int64_t *n_out);
-
-/* A step computes, for each slots[i], its last qlens[i] committed tokens and drafts[i]
- * (drafts may be NULL) reserved draft slots after them. Validation only when apply == 0:
- * live, not swapped, no sequence twice, 0 <= qlens[i] <= ntokens, no uncomputed gap before
- * the query, draft slots reserved, no pending copies. apply != 0 (after a successful check)
- * marks every committed token computed and registers the blocks that became fully computed
- * in the prefix cache. */
-int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
-                     const int32_t *drafts, int64_t B, int apply);
-
-/* Swap a sequence's blocks to the host pool and back; the sequence keeps its tokens.
- * swap_out writes nblocks (device, host) pairs; a block that is the destination of a pending
- * copy is read from that copy's source. swap_in re-shares computed full blocks still cached
- * on the device and writes *npairs (host, device) pairs for the others. */
-int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs);
-int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs);
-
-/* ---- KV cache groups (table.c, groups.c) ------------------------------------------------ */
-/* Make m a group of the given kind (after kvb_mgr_init, before any sequence): span is the
- * window, chunk or state blocks (> 0; ignored for FULL); key is the group's hash key. */
-int kvb_mgr_set_kind(kvb_mgr_t *m, int32_t kind, int64_t span, uint8_t gidx);
-/* First position the next step's queries can read in a window / chunk group (0 otherwise):
- * the step's first query is q0 = min(ncomputed, ntokens - 1, qstart) (qstart: INT64_MAX when
- * unknown); a window reads [q0 - span + 1, ...], a chunk [q0 - q0 % span, ...]. */
-int64_t kvb_mgr_first_needed(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t qstart);
-/* Blocks appending n tokens to slot would return to the free pool through window release. */
-int64_t kvb_mgr_release_gain(const kvb_mgr_t *m, int32_t slot, int64_t n);
-/* Release what appending n tokens to slot releases (after the caller counted that the call
- * fits): groups.c runs it in every group before any group allocates. */
-void kvb_mgr_move_release(kvb_mgr_t *m, int32_t slot, int64_t n);
-/* append_batch's validation alone (unknown, twice, swapped out), error detail as it sets. */
-int kvb_mgr_batch_check(kvb_mgr_t *m, const int32_t *slots, int64_t n);
-/* append_batch in two phases, for groups.c once the step is known to fit: prepare validates (when
- * `validate`; the first group), makes room for one more token and, in a window / chunk group,
- * releases what the step leaves behind; commit appends. */
-int kvb_mgr_batch_prepare(kvb_mgr_t *m, const int32_t *slots, int64_t n, int validate);
-int kvb_mgr_batch_commit(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n);
-
-/* add, in phases, for groups.c (kvb_mgr_add runs them for one group):
- * prepare: hashes of the prompt in the next free slot (not yet live) and, in ok[0..kmax],
- * which hit lengths k (full blocks reused) this group can serve: entries it cannot serve are
- * cleared (the caller sets all to 1 first; kmax = (n - 1) / block_size, 0 for n == 0). */
-int kvb_mgr_add_prepare(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                        size_t salt_len, uint8_t *ok, int64_t kmax);
-/* A free slot ready for the next add (capacity only, nothing observable): groups.c takes one
- * in every group before preparing any, so that a refused add leaves all groups alike. */
-int kvb_mgr_new_slot(kvb_mgr_t *m);
-/* blocks a prepared add with k hits takes from the free pool */
-int64_t kvb_mgr_add_need(const kvb_mgr_t *m, int64_t n, int64_t k);
-/* pin: take the slot, pin the k hits; fill: allocate the rest (after every group pinned). */
-void kvb_mgr_add_pin(kvb_mgr_t *m, const int32_t *tokens, int64_t n, int64_t k, int stats,
-                     int recompute, int32_t *slot_out);
-void kvb_mgr_add_fill(kvb_mgr_t *m, int32_t slot);
-/* kvb_mgr_add / kvb_mgr_probe of one group (table.c); the public calls (groups.c) dispatch
- * the kinds that take the grouped rule to it, so table.c never calls up into groups.c. */
-int kvb_mgr_add_one(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                    size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out);
-int kvb_mgr_probe_one(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                      size_t salt_len, int64_t *cached_out, int64_t *need_out);
-/* the pool's query counters for an add of n tokens with a k-block device hit (pin's stats) */
-void kvb_mgr_add_stats(kvb_mgr_t *m, int64_t n, int64_t k, int recompute);
-/* the first block a k-block hit of an n-token prompt needs (below: null entries) and the
- * blocks a table of n tokens takes in this group */
-int64_t kvb_mgr_hit_lo(const kvb_mgr_t *m, int64_t n, int64_t k);
-int64_t kvb_mgr_table_blocks(const kvb_mgr_t *m, int64_t n);
-/* Append validation alone (unknown, swapped, n < 0, computed tokens without draft slots). */
-int kvb_mgr_append_check(kvb_mgr_t *m, int32_t slot, int64_t n, int computed);
-/* Truncate validation alone (KVB_EINVAL, KVB_ESTATE when it would need released blocks). */
-int kvb_mgr_truncate_check(kvb_mgr_t *m, int32_t slot, int64_t ntokens);
-/* Release what no query can read any more before a step (metadata / schedule). */
-void kvb_mgr_step_release(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens, int64_t B);
-
-/* The tag of group gidx under key: group gidx's block hash is the group-0 chain hash XOR
- * the tag (0 for group 0). */
+/* The tag of group gidx under key: group gidx's block hash is the chain hash XOR the tag (0
+ * for group 0). */
 void kvb_group_tag(const uint8_t key[16], uint8_t gidx, kvb_hash_t *out);
-/* Link the groups (after kvb_mgr_set_kind and kvb_mgr_set_hash): each group's tag, the earlier
- * hashing group it derives its hashes from, and the pool's eviction rule for the groups (a
- * window or chunk block whose full-attention twin is cached gets a second chance). */
+/* Link the groups (after kvb_mgr_set_kind and kvb_mgr_set_hash): the lead, each group's tag,
+ * and the pool's eviction rule for the groups (a window or chunk block whose full-attention
+ * twin is cached gets a second chance). */
 int kvb_grp_link(kvb_mgr_t *const *g, int32_t G); /* KVB_ENOMEM */
+/* Every group's hash mode (kvb_mgr_set_hash), then kvb_grp_link. */
+int kvb_grp_set_hash(kvb_mgr_t *const *g, int32_t G, int32_t algo, const uint8_t none_hash[32]);
 
-/* Several groups over one pool: g[0..G) share the pool, slots stay equal across groups.
- * Every call validates and counts blocks for all groups before any mutation; errors are
- * reported in g[0]'s err fields. */
-/* One function per manager call (G = 1: one group's path, the same as the kvb_mgr_* call).
- * add: `tag` is the adapter tag the KV events of the sequence's stored blocks carry (0:
- * none; kvb_pool_t events). */
+/* The calls of a manager of groups g[0..G) (manager.c). Every call validates and counts the
+ * blocks of all groups before anything changes, so a failed call changes nothing (window
+ * release aside: it drops only blocks no query can read); errors are reported in g[0]'s err
+ * fields.
+ * add: a prompt of n tokens in a new slot (*slot_out): its longest prefix every group can
+ * serve from the cache (at most (n - 1) / block_size blocks) is pinned, the rest allocated;
+ * *cached_out gets the cached tokens, which count as computed. recompute != 0 marks the
+ * re-admission of a preempted sequence (its hits count in the recompute_* stats). `tag` is
+ * the adapter tag the KV events of the sequence's stored blocks carry (0: none).
+ * probe: what add would find now, without pinning or stats: cached tokens and the blocks it
+ * would take from the free pool (evictable hits included).
+ * append: computed != 0: the tokens fill draft slots that the last step scheduled.
+ * append_batch: the decode step, one token for each of n distinct live, resident slots.
+ * blocks_needed: blocks appending n tokens to slot would take now (growth + copy-on-write;
+ * swapped out: what swap_in takes plus that growth); saturates, never wraps.
+ * batch_need: the same for n tokens to each of count slots at once (shared write blocks: one
+ * copy per sharer but the last). */
 int kvb_grp_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
                 const uint8_t *salt, size_t salt_len, int recompute, int32_t tag,
                 int32_t *slot_out, int64_t *cached_out);
@@ -586,34 +507,57 @@ int kvb_grp_free(kvb_mgr_t *const *g, int32_t G, int32_t slot);
 int64_t kvb_grp_blocks_needed(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t n);
 int kvb_grp_batch_need(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, int64_t count,
                        int64_t n, int64_t *need_out);
+/* Swap a sequence's blocks (every group's) to the host pool and back; it keeps its tokens.
+ * swap_out writes one (device, host) pair per held block, group after group (a pending
+ * copy's destination is read from its source); swap_in re-shares computed full blocks still
+ * cached on the device and writes (host, device) pairs for the others. */
 int kvb_grp_swap_out(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pairs_out,
                      int64_t *npairs);
 int kvb_grp_swap_in(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pairs_out,
                     int64_t *npairs);
+/* A step computes, for each slots[i], its last qlens[i] committed tokens and drafts[i]
+ * (drafts may be NULL) reserved draft slots after them. Validation only when apply == 0:
+ * live, not swapped, no sequence twice, 0 <= qlens[i] <= ntokens, no uncomputed gap before
+ * the query, draft slots reserved and private, no pending copies. apply != 0 (after a
+ * successful check) releases what the queries cannot read (window, chunk), marks every
+ * committed token computed and caches the blocks that became fully computed. */
 int kvb_grp_schedule(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                      const int32_t *qlens, const int32_t *drafts, int64_t B, int apply);
+/* The step applied in group g[j] alone (a v1 metadata / row_indices call of one group, after
+ * its check): that group's release and computed tokens; the record's computed count is the
+ * fewest of all groups. */
+void kvb_grp_schedule_one(kvb_mgr_t *const *g, int32_t j, const int32_t *slots,
+                          const int32_t *qlens, const int32_t *drafts, int64_t B);
 int kvb_grp_check(kvb_mgr_t *const *g, int32_t G);
 /* Queries over all groups of a live slot (not checked): table entries of an n-token sequence,
- * blocks held (released entries excluded), computed tokens (the fewest of any group); pending
- * copy-on-write pairs; the hash mode of every group, then kvb_grp_link. */
+ * blocks held (released entries excluded), computed tokens; pending copy-on-write pairs. */
 int64_t kvb_grp_table_blocks(kvb_mgr_t *const *g, int32_t G, int64_t n);
 int64_t kvb_grp_held(kvb_mgr_t *const *g, int32_t G, int32_t slot);
 int64_t kvb_grp_num_computed(kvb_mgr_t *const *g, int32_t G, int32_t slot);
 int64_t kvb_grp_num_copies(kvb_mgr_t *const *g, int32_t G);
-int kvb_grp_set_hash(kvb_mgr_t *const *g, int32_t G, int32_t algo, const uint8_t none_hash[32]);
-/* Blocks a scheduler's step takes (groups.c): ns[i] more slots for each sequence and forks[i]
- * children of it (forks may be NULL) taking cn[i] slots each, exactly; *need_out saturates
- * at INT64_MAX. */
+/* A live slot's record and group j's row (not checked). */
+const kvb_seq_t *kvb_grp_seq(kvb_mgr_t *const *g, int32_t slot);
+const kvb_row_t *kvb_grp_row(kvb_mgr_t *const *g, int32_t j, int32_t slot);
+/* Group j's cache keys of a live slot's hashed blocks into out[0..nhashed) (the record's
+ * chain XOR the group's tag); returns nhashed. */
+int64_t kvb_grp_hashes(kvb_mgr_t *const *g, int32_t j, int32_t slot, kvb_hash_t *out);
+/* Every group's pending copies into out ([2 * cap] int64 (src, dst) pairs; *n_out pairs), in
+ * group order, after the drain-order check: KVB_EPENDING while host-tier offloads or onloads are
+ * pending (g[0]'s err_a: offloads, err_b: onloads, err_what says so; a copy may overwrite a
+ * block an offload reads, or read one an onload fills), KVB_ERANGE when cap is too small
+ * (err_a: needed). Nothing is drained on an error. */
+int kvb_grp_take_copies(kvb_mgr_t *const *g, int32_t G, int64_t *out, int64_t cap,
+                        int64_t *n_out);
+/* Blocks a scheduler's step takes: ns[i] more slots for each sequence and forks[i] children
+ * of it (forks may be NULL) taking cn[i] slots each, exactly; *need_out saturates at
+ * INT64_MAX. */
 int kvb_grp_step_need(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, const int64_t *ns,
                       const int64_t *cn, const int64_t *forks, int64_t count,
                       int64_t *need_out);
-int kvb_mgr_step_need(kvb_mgr_t *m, const int32_t *slots, const int64_t *ns,
-                      const int64_t *cn, const int64_t *forks, int64_t count,
-                      int64_t *need_out);
-/* Testing only (debug.c): break one invariant of kind KVB_DBG_* in m (a group; slot: a live
+/* Testing only (debug.c): break one invariant of kind KVB_DBG_* in group g[j] (slot: a live
  * sequence for the per-sequence kinds) so that a test can see kvb_grp_check name it. Corrupts
- * only in KVB_DEBUG builds; release builds return KVB_ESTATE. KVB_ESTATE also when m holds
- * nothing of that kind to corrupt; KVB_EINVAL for an unknown kind. */
+ * only in KVB_DEBUG builds; release builds return KVB_ESTATE. KVB_ESTATE also when the group
+ * holds nothing of that kind to corrupt; KVB_EINVAL for an unknown kind. */
 enum {
     KVB_DBG_CACHE_SLOT = 1,   /* a cached block's table slot off its probe path */
     KVB_DBG_TABLE_ENTRY = 2,  /* a held uncached block in the hash table */
@@ -626,8 +570,6 @@ enum {
     KVB_DBG_STATE_ROOM = 9,   /* a state group's room below its tokens' blocks */
 };
 int kvb_debug_corrupt(kvb_mgr_t *m, int32_t what, int32_t slot);
-/* check of one group's tables adding its references into refs / hrefs (pool sized) */
-int kvb_mgr_check_tables(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs);
 
 /* Attention metadata (meta.c). For sequences slots[0..B), the last qlens[i] committed tokens
  * are computed this step. Output arrays are caller-provided with the capacities given. */
@@ -800,7 +742,7 @@ int kvb_tier_take_onloads(kvb_tier_t *t, int64_t *out, int64_t *n);
 int kvb_mgr_reset_cache(kvb_mgr_t *m);
 /* Verify m's tier (holds, flags, counts; none flagged without one); refs / hrefs (device, host)
  * get the references its pairs and deferred blocks hold. Detail in m->err_*. */
-int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs);
+int kvb_tier_check(kvb_mgr_t *const *g, int32_t G, int32_t *refs, int32_t *hrefs);
 
 #ifdef __cplusplus
 }

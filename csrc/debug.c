@@ -47,6 +47,7 @@ int kvb_debug_corrupt(kvb_mgr_t *m, int32_t what, int32_t slot) {
 #else
     kvb_pool_t *p = m->pool;
     kvb_seq_t *s = live_seq(m, slot);
+    kvb_row_t *r = s ? row_of(m, slot) : NULL;
     int32_t b;
     switch (what) {
     case KVB_DBG_CACHE_SLOT: /* "cached block not found under its hash" */
@@ -83,12 +84,12 @@ int kvb_debug_corrupt(kvb_mgr_t *m, int32_t what, int32_t slot) {
         s->ncomputed = s->ntokens + 1;
         return KVB_OK;
     case KVB_DBG_TABLE_BLOCK: /* "table holds an out-of-range block" */
-        if (!s || s->nblocks <= s->lo) return KVB_ESTATE;
-        s->blocks[s->nblocks - 1] = p->num_blocks;
+        if (!s || r->nblocks <= r->lo) return KVB_ESTATE;
+        r->blocks[r->nblocks - 1] = p->num_blocks;
         return KVB_OK;
     case KVB_DBG_STATE_ROOM: /* "a state group's room short of its tokens" */
         if (!s || m->kind != KVB_G_STATE || s->ntokens < 1) return KVB_ESTATE;
-        s->room = 0;
+        r->room = 0;
         return KVB_OK;
     default:
         return KVB_EINVAL;

@@ -30,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "table.h"
 
 typedef struct {
     int64_t k, kdev, K;        /* the joint hit, the device-only one, the positions scanned */
@@ -63,10 +63,6 @@ static int64_t free_not_onload(const kvb_tier_t *t) {
     return c;
 }
 
-KVB_INLINE int64_t add_sat(int64_t a, int64_t b) { /* a, b >= 0 */
-    return b > INT64_MAX - a ? INT64_MAX : a + b;
-}
-
 /* The joint hit with the host for a prepared add (every group's hashes in its free slot):
  * pl->k > kdev when a longer hit is taken, with everything add needs reserved; pl->k == kdev
  * otherwise. Only the tier's pending demotions are flushed (not observable). */
@@ -91,16 +87,17 @@ static int plan(kvb_mgr_t *const *g, int32_t G, int64_t n, int64_t kdev, plan_t 
     }
     pl->K = K;
     memset(ok, 1, (size_t)K + 1);
+    const kvb_seq_t *s = &g[0]->seqs[g[0]->free_slot]; /* the prepared record */
     for (int32_t j = 0; j < G; j++) {
         const kvb_mgr_t *m = g[j];
-        const kvb_seq_t *s = &m->seqs[m->free_slot];
         int32_t *dv = pl->dev + (size_t)j * (size_t)K, *hv = pl->hst + (size_t)j * (size_t)K;
         int64_t trail = 0; /* available blocks ending at block i */
         for (int64_t i = 0; i < K; i++) {
-            dv[i] = kvb_cache_find(p, &s->hashes[i]);
-            hv[i] = dv[i] == KVB_NONE ? kvb_cache_find(t->host, &s->hashes[i]) : KVB_NONE;
+            kvb_hash_t h = gkey(m, s, i);
+            dv[i] = kvb_cache_find(p, &h);
+            hv[i] = dv[i] == KVB_NONE ? kvb_cache_find(t->host, &h) : KVB_NONE;
             trail = dv[i] == KVB_NONE && hv[i] == KVB_NONE ? 0 : trail + 1;
-            if (trail < i + 1 - kvb_mgr_hit_lo(m, n, i + 1)) ok[i + 1] = 0;
+            if (trail < i + 1 - tbl_hit_lo(m, n, i + 1)) ok[i + 1] = 0;
         }
     }
     int64_t k = K;
@@ -111,11 +108,11 @@ static int plan(kvb_mgr_t *const *g, int32_t G, int64_t n, int64_t kdev, plan_t 
         const kvb_mgr_t *m = g[j];
         const int32_t *dv = pl->dev + (size_t)j * (size_t)K;
         int64_t h = 0, ev = 0;
-        for (int64_t i = kvb_mgr_hit_lo(m, n, k); i < k; i++) {
+        for (int64_t i = tbl_hit_lo(m, n, k); i < k; i++) {
             if (dv[i] != KVB_NONE) ev += p->ref_count[dv[i]] == 0;
             else h++;
         }
-        int64_t fj = kvb_mgr_table_blocks(m, n) - k + h;
+        int64_t fj = tbl_blocks(m, n) - k + h;
         fresh += fj;
         onl += h;
         need = add_sat(need, add_sat(fj, ev));
@@ -161,44 +158,41 @@ int kvb_hh_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
     kvb_pool_t *p = g[0]->pool;
     kvb_tier_t *t = p->tier;
     int64_t k = pl.k, K = pl.K;
-    int32_t slot = 0;
+    int32_t slot = g[0]->free_slot;
     for (int32_t j = 0; j < G; j++) { /* device hits in the table, 0 for the host's */
         kvb_mgr_t *m = g[j];
-        kvb_seq_t *s = &m->seqs[m->free_slot];
+        kvb_row_t *r = row_of(m, slot);
         const int32_t *dv = pl.dev + (size_t)j * (size_t)K;
-        for (int64_t i = kvb_mgr_hit_lo(m, n, k); i < k; i++)
-            s->blocks[i] = dv[i] != KVB_NONE ? dv[i] : 0;
+        for (int64_t i = tbl_hit_lo(m, n, k); i < k; i++)
+            r->blocks[i] = dv[i] != KVB_NONE ? dv[i] : 0;
     }
-    for (int32_t j = 0; j < G; j++) { /* every group pins its device hits before any allocates */
-        int32_t sj;
-        kvb_mgr_add_pin(g[j], tokens, n, k, 0, recompute, &sj);
-        KVB_ASSERT(j == 0 || sj == slot);
-        slot = sj;
-    }
-    kvb_mgr_add_stats(g[0], n, kdev, recompute);
+    mgr_add_pin(g, G, tokens, n, k, slot); /* every group pins its device hits */
+    mgr_add_stats(g[0], n, kdev, recompute);
+    const kvb_seq_t *s = &g[0]->seqs[slot];
     for (int32_t j = 0; j < G; j++) { /* and the host hits, before demotions need room */
         const int32_t *hv = pl.hst + (size_t)j * (size_t)K;
-        for (int64_t i = kvb_mgr_hit_lo(g[j], n, k); i < k; i++)
-            if (!g[j]->seqs[slot].blocks[i]) kvb_pool_pin(g[j]->host, &hv[i], 1);
+        const kvb_row_t *r = row_of(g[j], slot);
+        for (int64_t i = tbl_hit_lo(g[j], n, k); i < k; i++)
+            if (!r->blocks[i]) kvb_pool_pin(g[j]->host, &hv[i], 1);
     }
     int64_t a = 0, c = pl.onl; /* pos: onload entries [0, onl), computed ones after */
     for (int32_t j = 0; j < G; j++) {
         kvb_mgr_t *m = g[j];
-        kvb_seq_t *s = &m->seqs[slot];
-        int64_t lo = kvb_mgr_hit_lo(m, n, k), total = kvb_mgr_table_blocks(m, n), h = 0;
-        for (int64_t i = lo; i < k; i++) h += !s->blocks[i];
+        kvb_row_t *r = row_of(m, slot);
+        int64_t lo = tbl_hit_lo(m, n, k), total = tbl_blocks(m, n), h = 0;
+        for (int64_t i = lo; i < k; i++) h += !r->blocks[i];
         KVB_MUST(kvb_pool_allocate(p, (int32_t)(total - k + h), pl.buf));
         int64_t u = 0;
         for (int64_t i = lo; i < k; i++)
-            if (!s->blocks[i]) {
-                s->blocks[i] = pl.buf[u++];
-                pl.pos[a++] = &s->blocks[i];
+            if (!r->blocks[i]) {
+                r->blocks[i] = pl.buf[u++];
+                pl.pos[a++] = &r->blocks[i];
             }
         for (int64_t i = k; i < total; i++) {
-            s->blocks[i] = pl.buf[u++];
-            pl.pos[c++] = &s->blocks[i];
+            r->blocks[i] = pl.buf[u++];
+            pl.pos[c++] = &r->blocks[i];
         }
-        s->nblocks = (int32_t)total;
+        r->nblocks = (int32_t)total;
     }
     KVB_ASSERT(a == pl.onl && c == pl.fresh);
     for (int64_t i = 0, x = pl.onl; i < pl.onl; i++) { /* the trade (counted in plan) */
@@ -211,10 +205,10 @@ int kvb_hh_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
     }
     for (int32_t j = 0; j < G; j++) { /* the onloads, group after group, in table order */
         kvb_mgr_t *m = g[j];
-        kvb_seq_t *s = &m->seqs[slot];
+        kvb_row_t *r = row_of(m, slot);
         const int32_t *dv = pl.dev + (size_t)j * (size_t)K, *hv = pl.hst + (size_t)j * (size_t)K;
-        for (int64_t i = kvb_mgr_hit_lo(m, n, k); i < k; i++)
-            if (dv[i] == KVB_NONE) kvb_tier_onload_at(m, s, i, hv[i]);
+        for (int64_t i = tbl_hit_lo(m, n, k); i < k; i++)
+            if (dv[i] == KVB_NONE) kvb_tier_onload_at(m, s, r, i, hv[i]);
     }
     int64_t tokens_hit = (k - kdev) * g[0]->block_size;
     t->stats.hit_blocks += (uint64_t)(k - kdev);

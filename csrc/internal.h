@@ -24,14 +24,30 @@ KVB_INLINE int64_t off_in(const kvb_mgr_t *m, int64_t t) { /* token t's offset i
 KVB_INLINE int64_t blocks_for(const kvb_mgr_t *m, int64_t t) { /* blocks t tokens take */
     return blk_of(m, t + m->block_size - 1);
 }
-/* Blocks a step's context (committed tokens and draft slots) may span: the table, or for a
- * state group the blocks a token group's table would hold (kvb_seq_t.room). */
-KVB_INLINE int64_t table_room(const kvb_mgr_t *m, const kvb_seq_t *s) {
-    return m->kind == KVB_G_STATE ? s->room : s->nblocks;
+/* The record of a live slot (any group's view of it: the lead holds them), or NULL. */
+KVB_INLINE kvb_seq_t *live_seq(const kvb_mgr_t *m, int32_t slot) {
+    const kvb_mgr_t *l = m->lead;
+    if (KVB_UNLIKELY(slot < 0 || slot >= l->scap || !(l->seqs[slot].gen & 1u))) return NULL;
+    return &l->seqs[slot];
 }
-KVB_INLINE kvb_seq_t *live_seq(const kvb_mgr_t *m, int32_t slot) { /* NULL if not live */
-    if (KVB_UNLIKELY(slot < 0 || slot >= m->scap || !(m->seqs[slot].gen & 1u))) return NULL;
-    return &m->seqs[slot];
+/* Group m's row of a slot (group 0's lives in the record). */
+KVB_INLINE kvb_row_t *row_of(const kvb_mgr_t *m, int32_t slot) {
+    return m->lead == m ? &m->seqs[slot].row : &m->rows[slot];
+}
+/* Group m's cache key of block i of a record: the chain hash XOR the group's tag. */
+KVB_INLINE kvb_hash_t gkey(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t i) {
+    kvb_hash_t h = s->hashes[i];
+    h.lo ^= m->tag.lo;
+    h.hi ^= m->tag.hi;
+    return h;
+}
+/* Blocks a step's context (committed tokens and draft slots) may span: the table, or for a
+ * state group the blocks a token group's table would hold (kvb_row_t.room). */
+KVB_INLINE int64_t table_room(const kvb_mgr_t *m, const kvb_row_t *r) {
+    return m->kind == KVB_G_STATE ? r->room : r->nblocks;
+}
+KVB_INLINE int64_t add_sat(int64_t a, int64_t b) { /* a, b >= 0; never fits beyond */
+    return b > INT64_MAX - a ? INT64_MAX : a + b;
 }
 
 /* Grow *ptr to hold at least `need` elements of `elem` bytes (capacity doubles from 64); *cap is
@@ -92,12 +108,11 @@ void kvb_cache_clear(kvb_pool_t *p);              /* drop every entry (free list
 int kvb_cache_put(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const kvb_hash_t *parent,
                   const int32_t *tokens, int32_t block_size); /* 1 stored, 0 hash present */
 
-/* chain.c: a sequence's hash chain in the manager's mode (see there) */
+/* chain.c: a sequence's hash chain in the manager's mode (see there); m is the lead */
 int kvb_chain_begin(const kvb_mgr_t *m, kvb_seq_t *s, const uint8_t *ctx, size_t ctx_len);
 int kvb_chain_reserve(const kvb_mgr_t *m, kvb_seq_t *s, int64_t nblocks); /* ext capacity */
 void kvb_chain_hash(const kvb_mgr_t *m, kvb_seq_t *s, const int32_t *tokens, int64_t from,
-                    int64_t to, const kvb_seq_t *src); /* hashes[from..to) from the tokens of
-                    * those blocks, or from src, m->hsrc's record of the same sequence */
+                    int64_t to); /* hashes[from..to) from the tokens of those blocks */
 void kvb_chain_block(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t j, kvb_hash_t *out);
 int kvb_chain_fork(const kvb_mgr_t *m, kvb_seq_t *child, const kvb_seq_t *parent);
 void kvb_chain_destroy(kvb_seq_t *s);
@@ -125,7 +140,7 @@ void kvb_policy_twins(kvb_pool_t *p, kvb_twins_t *tw);
  * t->scratch; returns the count, or KVB_ENOMEM. Capacity for as many onloads is reserved. */
 int64_t kvb_tier_match(kvb_tier_t *t, const kvb_hash_t *hashes, int64_t n);
 /* Queue onloads for blocks [from, from + n) of s (host ids in t->scratch, pinned already). */
-void kvb_tier_onload(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t n);
+void kvb_tier_onload(kvb_mgr_t *m, const kvb_seq_t *s, kvb_row_t *r, int64_t from, int64_t n);
 void kvb_tier_settle(kvb_tier_t *t);             /* a drain started: clear in-flight flags,
                                                   * release deferred host blocks */
 void kvb_tier_release_host(kvb_mgr_t *m, const int32_t *ids, int64_t n); /* a swapped
@@ -133,12 +148,20 @@ void kvb_tier_release_host(kvb_mgr_t *m, const int32_t *ids, int64_t n); /* a sw
 void kvb_tier_inflight(kvb_tier_t *t, int32_t b); /* b's content arrives with the drain */
 void kvb_tier_swap_dst(kvb_tier_t *t, int32_t b); /* a swap-in pair of the drain writes b */
 void kvb_tier_swap_src(kvb_tier_t *t, int32_t b); /* a swap-out pair of the drain reads b */
-int64_t kvb_tier_onload_targets(const kvb_pool_t *p, kvb_seq_t *s, int64_t from, int64_t n);
-/* Queue the onload of host block hb into block i of s (fresh, pinned host block). */
-void kvb_tier_onload_at(kvb_mgr_t *m, kvb_seq_t *s, int64_t i, int32_t hb);
+int64_t kvb_tier_onload_targets(const kvb_pool_t *p, kvb_row_t *r, int64_t from, int64_t n);
+/* Queue the onload of host block hb into block i of group m's row r of s (fresh, pinned). */
+void kvb_tier_onload_at(kvb_mgr_t *m, const kvb_seq_t *s, kvb_row_t *r, int64_t i, int32_t hb);
 /* Blocks a swap pair of the coming drain reads (swap-out source) or writes (released swap-in
  * destination, in flight): never an onload destination (tier.c). */
 #define KVB_F_NOT_ONLOAD (KVB_F_SWAP_SRC | KVB_F_INFLIGHT)
+
+/* manager.c, for hosthits.c and step.c: an add's pin phase (take the prepared slot, pin
+ * every group's k-block hit, fill the record), its query counters, and a step's release. */
+void mgr_add_pin(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n, int64_t k,
+                 int32_t slot);
+void mgr_add_stats(kvb_mgr_t *L, int64_t n, int64_t k, int recompute);
+void mgr_step_release(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
+                      const int32_t *qlens, int64_t B);
 
 /* hosthits.c: host-tier hits for KV cache groups (groups.c's add and probe, after prepare).
  * kdev: the device-only joint hit. add: 1 when it took a longer hit with the host (slot and

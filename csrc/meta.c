@@ -9,7 +9,7 @@
  * capacity (CUDA graphs replay them): unused slot_mapping entries are set to -1.
  *
  * Reused buffers are updated incrementally when a row cache is given: a row that holds the
- * same sequence as in the last call, whose table entries did not change since (the sequence's
+ * same sequence as in the last call, whose table entries did not change since (its row's
  * tver), only gets its new blocks written, in block_tables always and in kv_indices when its
  * CSR offset did not move. In a decode step most tables only grow, so most of the
  * O(total blocks) copying is skipped.
@@ -45,23 +45,25 @@ void kvb_meta_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qle
                     const int32_t *drafts, int64_t B, kvb_meta_t *out) {
     int32_t bs = m->block_size;
     int state = m->kind == KVB_G_STATE;
+    const kvb_seq_t *seqs = m->lead->seqs;
     int64_t t = 0, k = 0;
     int64_t *rc = out->row_cache;
     int64_t valid = rc ? out->valid_rows : 0;
     out->qo_indptr[0] = 0;
     out->kv_indptr[0] = 0;
     for (int64_t i = 0; i < B; i++) {
-        const kvb_seq_t *s = &m->seqs[slots[i]];
+        const kvb_seq_t *s = &seqs[slots[i]];
+        const kvb_row_t *rw = row_of(m, slots[i]);
         int64_t L = s->ntokens + (drafts ? drafts[i] : 0);
-        int64_t nb = state ? s->nblocks : blocks_for(m, L);
+        int64_t nb = state ? rw->nblocks : blocks_for(m, L);
         int64_t start = s->ntokens - qlens[i];
-        const int32_t *blocks = s->blocks;
+        const int32_t *blocks = rw->blocks;
         /* entries [0, same_bt) of the block-table row and [0, same_kv) of the kv_indices
          * segment are still in the buffers from the last call */
         int64_t same_bt = 0, same_kv = 0;
         if (i < valid) {
             int64_t *r = rc + 4 * i;
-            int64_t version = ((int64_t)s->gen << 32) | s->tver;
+            int64_t version = ((int64_t)s->gen << 32) | rw->tver;
             if (r[0] == slots[i] && r[1] == version && r[2] <= nb) {
                 same_bt = r[2];
                 same_kv = r[3] == k ? r[2] : 0;
@@ -93,7 +95,7 @@ void kvb_meta_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qle
         if (rc && i < out->cap_rows) {
             int64_t *r = rc + 4 * i;
             r[0] = slots[i];
-            r[1] = ((int64_t)s->gen << 32) | s->tver;
+            r[1] = ((int64_t)s->gen << 32) | rw->tver;
             r[2] = nb;
             r[3] = k;
         }

@@ -81,12 +81,13 @@ void kvb_rows_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qle
     out->read_offsets[0] = 0;
     out->write_offsets[0] = 0;
     for (int64_t i = 0; i < B; i++) {
-        const kvb_seq_t *s = &m->seqs[slots[i]];
+        const kvb_seq_t *s = &m->lead->seqs[slots[i]];
+        const int32_t *blocks = row_of(m, slots[i])->blocks;
         int64_t L = s->ntokens + (drafts ? drafts[i] : 0);
         int64_t start = L - qlens[i] - (drafts ? drafts[i] : 0);
-        if (out->read_index) put_rows(m, s->blocks, 0, L, stride, offset, out->read_index + r);
+        if (out->read_index) put_rows(m, blocks, 0, L, stride, offset, out->read_index + r);
         if (out->write_index)
-            put_rows(m, s->blocks, start, L, stride, offset, out->write_index + w);
+            put_rows(m, blocks, start, L, stride, offset, out->write_index + w);
         r += L;
         w += L - start;
         out->read_offsets[i + 1] = (int32_t)r;
@@ -94,7 +95,7 @@ void kvb_rows_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qle
         if (out->block_tables) {
             int32_t *row = out->block_tables + i * (int64_t)out->max_blocks;
             int64_t nb = blocks_for(m, L), pages = stride / bs, first = offset / bs;
-            for (int64_t b = 0; b < nb; b++) row[b] = (int32_t)(s->blocks[b] * pages + first);
+            for (int64_t b = 0; b < nb; b++) row[b] = (int32_t)(blocks[b] * pages + first);
             for (int64_t b = nb; b < out->max_blocks; b++) row[b] = (int32_t)first;
         }
     }

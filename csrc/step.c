@@ -2,7 +2,7 @@
  * and declared, with metadata (meta.c) and row indices (rows.c) written from the plan.
  *
  * One step, in order:
- *   check    every group validates the batch (kvb_mgr_schedule's checks: live, unique, not
+ *   check    every group validates the batch (kvb_grp_schedule's checks: live, unique, not
  *            swapped, no gap before the query, drafts reserved and private, nothing pending)
  *            and the sizes of each group's buffers are counted: nothing changes;
  *   release  window and chunk groups free what the step's queries cannot read (their table
@@ -25,9 +25,9 @@ static void step_size(const kvb_mgr_t *m, const int32_t *slots, const int32_t *q
     int state = m->kind == KVB_G_STATE;
     memset(z, 0, sizeof *z);
     for (int64_t i = 0; i < B; i++) {
-        const kvb_seq_t *s = &m->seqs[slots[i]];
+        const kvb_seq_t *s = &m->lead->seqs[slots[i]];
         int64_t d = drafts ? drafts[i] : 0, L = s->ntokens + d;
-        int64_t nb = state ? s->nblocks : blocks_for(m, L);
+        int64_t nb = state ? row_of(m, slots[i])->nblocks : blocks_for(m, L);
         z->tokens += qlens[i] + d;
         z->blocks += nb;
         if (nb > z->max_blocks) z->max_blocks = nb;
@@ -45,7 +45,7 @@ int kvb_step_check(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, const i
 
 void kvb_step_release(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                       const int32_t *qlens, int64_t B) {
-    for (int32_t j = 0; j < G; j++) kvb_mgr_step_release(g[j], slots, qlens, B);
+    mgr_step_release(g, G, slots, qlens, B);
 }
 
 void kvb_step_commit(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,

@@ -335,16 +335,17 @@ static int marks_agree(const kvb_pool_t *p, const kvb_marks_t *ms, uint8_t flag)
 
 void kvb_tier_inflight(kvb_tier_t *t, int32_t b) { mark(t->pool, &t->inflight, KVB_F_INFLIGHT, b); }
 
-void kvb_tier_onload_at(kvb_mgr_t *m, kvb_seq_t *s, int64_t i, int32_t hb) {
+void kvb_tier_onload_at(kvb_mgr_t *m, const kvb_seq_t *s, kvb_row_t *r, int64_t i, int32_t hb) {
     kvb_pool_t *p = m->pool;
     kvb_tier_t *t = p->tier;
-    int32_t d = s->blocks[i];
+    int32_t d = r->blocks[i];
+    kvb_hash_t h = gkey(m, s, i), parent;
+    if (i) parent = gkey(m, s, i - 1);
     p->ref_count[d]++;              /* the onload's hold (fresh: not in the free list) */
     p->flags[d] |= KVB_F_WRITTEN;   /* filled by the onload, before any reader runs */
     kvb_tier_inflight(t, d);
     p->gid[d] = m->gidx;
-    kvb_cache_put(p, d, &s->hashes[i], i ? &s->hashes[i - 1] : NULL,
-                  s->tokens + i * m->block_size, m->block_size);
+    kvb_cache_put(p, d, &h, i ? &parent : NULL, s->tokens + i * m->block_size, m->block_size);
     kvb_tier_absorb(t); /* in flight: not written through, its record drained */
     t->on[2 * t->non] = hb;
     t->on[2 * t->non + 1] = d;
@@ -352,9 +353,9 @@ void kvb_tier_onload_at(kvb_mgr_t *m, kvb_seq_t *s, int64_t i, int32_t hb) {
     t->stats.onloads++;
 }
 
-void kvb_tier_onload(kvb_mgr_t *m, kvb_seq_t *s, int64_t from, int64_t n) {
+void kvb_tier_onload(kvb_mgr_t *m, const kvb_seq_t *s, kvb_row_t *r, int64_t from, int64_t n) {
     kvb_tier_t *t = m->pool->tier;
-    for (int64_t i = from; i < from + n; i++) kvb_tier_onload_at(m, s, i, t->scratch[i - from]);
+    for (int64_t i = from; i < from + n; i++) kvb_tier_onload_at(m, s, r, i, t->scratch[i - from]);
     t->stats.hit_blocks += (uint64_t)n;
 }
 
@@ -387,15 +388,15 @@ void kvb_tier_swap_dst(kvb_tier_t *t, int32_t b) {
  * of the coming drain reads or writes (KVB_F_NOT_ONLOAD). Such a block trades places with
  * another one of a position the forward computes (the forward runs after every swap pair);
  * returns how many leading host hits got a destination. */
-int64_t kvb_tier_onload_targets(const kvb_pool_t *p, kvb_seq_t *s, int64_t from, int64_t n) {
+int64_t kvb_tier_onload_targets(const kvb_pool_t *p, kvb_row_t *r, int64_t from, int64_t n) {
     int64_t j = from + n; /* the next computed position to trade with */
     for (int64_t i = from; i < from + n; i++) {
-        if (!(p->flags[s->blocks[i]] & KVB_F_NOT_ONLOAD)) continue;
-        while (j < s->nblocks && (p->flags[s->blocks[j]] & KVB_F_NOT_ONLOAD)) j++;
-        if (j == s->nblocks) return i - from;
-        int32_t b = s->blocks[i];
-        s->blocks[i] = s->blocks[j];
-        s->blocks[j++] = b;
+        if (!(p->flags[r->blocks[i]] & KVB_F_NOT_ONLOAD)) continue;
+        while (j < r->nblocks && (p->flags[r->blocks[j]] & KVB_F_NOT_ONLOAD)) j++;
+        if (j == r->nblocks) return i - from;
+        int32_t b = r->blocks[i];
+        r->blocks[i] = r->blocks[j];
+        r->blocks[j++] = b;
     }
     return n;
 }
@@ -484,7 +485,8 @@ int kvb_mgr_reset_cache(kvb_mgr_t *m) {
 #define TFAIL(what, item) do { m->err_what = (what); m->err_b = (item); \
                                return KVB_ECORRUPT; } while (0)
 
-int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
+int kvb_tier_check(kvb_mgr_t *const *g, int32_t G, int32_t *refs, int32_t *hrefs) {
+    kvb_mgr_t *m = g[0];
     kvb_tier_t *t = m->pool->tier;
     kvb_pool_t *p = m->pool, *h = m->host;
     if (!t) {
@@ -550,9 +552,12 @@ int kvb_tier_check(kvb_mgr_t *m, int32_t *refs, int32_t *hrefs) {
     for (int32_t i = 0; i < m->scap; i++) {
         const kvb_seq_t *s = &m->seqs[i];
         if (!(s->gen & 1u) || !s->swapped) continue;
-        for (int32_t j = 0; j < s->nblocks; j++)
-            if (h->flags[s->blocks[j]] & (KVB_F_CACHED | KVB_F_FREE))
-                TFAIL("swapped sequence's host block is cached or free", s->blocks[j]);
+        for (int32_t k = 0; k < G; k++) {
+            const kvb_row_t *r = row_of(g[k], i);
+            for (int32_t j = r->lo; j < r->nblocks; j++)
+                if (h->flags[r->blocks[j]] & (KVB_F_CACHED | KVB_F_FREE))
+                    TFAIL("swapped sequence's host block is cached or free", r->blocks[j]);
+        }
     }
     return KVB_OK;
 }

@@ -179,9 +179,11 @@ cdef extern from "core.h" nogil:
     ctypedef struct kvb_chain_t:
         int32_t tag
 
-    ctypedef struct kvb_seq_t:
+    ctypedef struct kvb_row_t:
         int32_t *blocks
-        int32_t nblocks, bcap
+        int32_t nblocks, bcap, lo
+
+    ctypedef struct kvb_seq_t:
         int32_t *tokens
         int64_t ntokens, tcap
         int64_t ncomputed, drafted
@@ -190,7 +192,7 @@ cdef extern from "core.h" nogil:
         kvb_hash_t root
         kvb_chain_t chain
         uint32_t gen, stamp
-        int32_t next_free, swapped, lo
+        int32_t next_free, swapped
 
     enum:
         KVB_G_FULL
@@ -200,6 +202,7 @@ cdef extern from "core.h" nogil:
 
     ctypedef struct kvb_mgr_t:
         int32_t kind
+        int caching
         int64_t span
         kvb_pool_t *pool
         kvb_pool_t *host
@@ -219,26 +222,6 @@ cdef extern from "core.h" nogil:
                      const uint8_t *key)
     void kvb_mgr_destroy(kvb_mgr_t *m)
     int kvb_mgr_set_hash(kvb_mgr_t *m, int32_t algo, const uint8_t *none_hash)
-    int kvb_mgr_add(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                    size_t salt_len, int recompute, int32_t *slot_out, int64_t *cached_out)
-    int kvb_mgr_append(kvb_mgr_t *m, int32_t slot, const int32_t *tokens, int64_t n,
-                       int computed)
-    int kvb_mgr_append_batch(kvb_mgr_t *m, const int32_t *slots, const int32_t *tokens, int64_t n)
-    int kvb_mgr_reserve(kvb_mgr_t *m, int32_t slot, int64_t n)
-    int kvb_mgr_truncate(kvb_mgr_t *m, int32_t slot, int64_t ntokens)
-    int kvb_mgr_fork(kvb_mgr_t *m, int32_t parent, int32_t *child_out)
-    int kvb_mgr_free(kvb_mgr_t *m, int32_t slot)
-    int kvb_mgr_check(kvb_mgr_t *m)
-    int64_t kvb_mgr_blocks_needed(const kvb_mgr_t *m, int32_t slot, int64_t n)
-    int kvb_mgr_batch_need(kvb_mgr_t *m, const int32_t *slots, int64_t count, int64_t n,
-                           int64_t *need_out)
-    int64_t kvb_mgr_take_copies(kvb_mgr_t *m, int64_t *out)
-    int kvb_mgr_probe(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                      size_t salt_len, int64_t *cached_out, int64_t *need_out)
-    int kvb_mgr_schedule(kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
-                         const int32_t *drafts, int64_t B, int apply)
-    int kvb_mgr_swap_out(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs)
-    int kvb_mgr_swap_in(kvb_mgr_t *m, int32_t slot, int64_t *pairs_out, int64_t *npairs)
 
     int kvb_mgr_set_kind(kvb_mgr_t *m, int32_t kind, int64_t span, uint8_t gidx)
     void kvb_group_tag(const uint8_t *key, uint8_t gidx, kvb_hash_t *out)
@@ -248,6 +231,9 @@ cdef extern from "core.h" nogil:
     int64_t kvb_grp_held(kvb_mgr_t **g, int32_t G, int32_t slot)
     int64_t kvb_grp_num_computed(kvb_mgr_t **g, int32_t G, int32_t slot)
     int64_t kvb_grp_num_copies(kvb_mgr_t **g, int32_t G)
+    const kvb_seq_t *kvb_grp_seq(kvb_mgr_t **g, int32_t slot)
+    const kvb_row_t *kvb_grp_row(kvb_mgr_t **g, int32_t j, int32_t slot)
+    int64_t kvb_grp_hashes(kvb_mgr_t **g, int32_t j, int32_t slot, kvb_hash_t *out)
     int kvb_grp_add(kvb_mgr_t **g, int32_t G, const int32_t *tokens, int64_t n,
                     const uint8_t *salt, size_t salt_len, int recompute, int32_t tag,
                     int32_t *slot_out, int64_t *cached_out)
@@ -273,6 +259,8 @@ cdef extern from "core.h" nogil:
                             int64_t *n_out)
     int kvb_grp_schedule(kvb_mgr_t **g, int32_t G, const int32_t *slots,
                          const int32_t *qlens, const int32_t *drafts, int64_t B, int apply)
+    void kvb_grp_schedule_one(kvb_mgr_t **g, int32_t j, const int32_t *slots,
+                              const int32_t *qlens, const int32_t *drafts, int64_t B)
     int kvb_grp_check(kvb_mgr_t **g, int32_t G)
     int kvb_debug_corrupt(kvb_mgr_t *m, int32_t what, int32_t slot)
     int kvb_grp_step_need(kvb_mgr_t **g, int32_t G, const int32_t *slots, const int64_t *ns,

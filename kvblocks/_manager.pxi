@@ -783,23 +783,30 @@ cdef class BlockManager:
             self._leave()
 
     cdef object _copy_out(self, object seq_id, int which, int32_t group=0):
-        """A copy of a sequence's block table (0), tokens (1) or hashes (2)."""
+        """A copy of a sequence's block table (0), tokens (1) or hashes (2) in a group."""
         seq_id = norm_id(seq_id)
-        cdef kvb_seq_t *s
+        cdef const kvb_seq_t *s
+        cdef const kvb_row_t *r
+        cdef int32_t slot
         cdef Py_ssize_t n
         self._enter(False)
         try:
-            s = &self.gp[group].seqs[self._slot(seq_id)]
-            n = s.nblocks if which == 0 else (s.ntokens if which == 1 else s.nhashed)
+            slot = self._slot(seq_id)
+            s = kvb_grp_seq(self.gp, slot)
+            r = kvb_grp_row(self.gp, group, slot)
+            n = r.nblocks if which == 0 else (s.ntokens if which == 1 else
+                                              s.nhashed if self.gp[group].caching else 0)
             out = np.empty((n, 2), dtype=np.uint64) if which == 2 else new_i32(n)
-            s = &self.gp[group].seqs[self._slot(seq_id)]  # guarded: the same sequence
-            if n:
+            s = kvb_grp_seq(self.gp, slot)  # guarded: the same sequence
+            r = kvb_grp_row(self.gp, group, slot)
+            if n and which == 2 and self.m.hash_algo == KVB_HASH_SIPHASH:
+                kvb_grp_hashes(self.gp, group, slot,
+                               <kvb_hash_t *>cnp.PyArray_DATA(<cnp.ndarray>out))  # group keys
+            elif n:  # 256-bit modes: the engine's own hashes (key: hash, group)
                 memcpy(cnp.PyArray_DATA(<cnp.ndarray>out),
-                       s.blocks if which == 0 else (<void *>s.tokens if which == 1
+                       r.blocks if which == 0 else (<void *>s.tokens if which == 1
                                                     else <void *>s.hashes),
                        n * (sizeof(kvb_hash_t) if which == 2 else sizeof(int32_t)))
-            if which == 2 and n and self.m.hash_algo != KVB_HASH_SIPHASH:
-                _untag(out, self.gp[group].tag)  # the engine's own hashes (key: hash, group)
             return out
         finally:
             self._leave()
@@ -1308,7 +1315,7 @@ cdef class BlockManager:
                                                  max(self._zs[g].blocks, 1),
                                                  max(self._zs[g].max_blocks, 1))
             meta = self._fill_meta(out, sl, q, d, B, g, True)
-            kvb_mgr_schedule(self.gp[g], sl, q, d, B, 1)
+            kvb_grp_schedule_one(self.gp, g, sl, q, d, B)
             return meta
         finally:
             self._leave()
@@ -1479,7 +1486,7 @@ cdef class BlockManager:
             self._check_step(slots, q_arr, d_arr, B, "row_indices", g)  # sizes: self._zs[g]
             sl = i32_data(slots)
             res = self._fill_rows(out, sl, q, d, B, g, st, off, width, block_tables, True)
-            kvb_mgr_schedule(self.gp[g], sl, q, d, B, 1)
+            kvb_grp_schedule_one(self.gp, g, sl, q, d, B)
             return res
         finally:
             self._leave()
@@ -1594,11 +1601,3 @@ cdef void *_rows_buf(object arr, int typenum, int ndim, Py_ssize_t rows,
                                    f"rows, the batch needs {rows}")
     return cnp.PyArray_DATA(a)
 
-
-cdef void _untag(cnp.ndarray out, kvb_hash_t tag) noexcept:
-    """XOR a group's tag off (n, 2) uint64 hash rows, in place."""
-    cdef uint64_t *o = <uint64_t *>cnp.PyArray_DATA(out)
-    cdef Py_ssize_t i
-    for i in range(cnp.PyArray_DIM(out, 0)):
-        o[2 * i] ^= tag.lo
-        o[2 * i + 1] ^= tag.hi
