@@ -34,6 +34,18 @@ KVB_INLINE kvb_seq_t *live_seq(const kvb_mgr_t *m, int32_t slot) {
 KVB_INLINE kvb_row_t *row_of(const kvb_mgr_t *m, int32_t slot) {
     return m->lead == m ? &m->seqs[slot].row : &m->rows[slot];
 }
+/* Group m's rows as a strided array, for loops over a batch: row of slot i is
+ * rows_at(v, i) (group 0's rows are inside the records). */
+typedef struct { char *base; size_t stride; } kvb_rows_view_t;
+KVB_INLINE kvb_rows_view_t group_rows(const kvb_mgr_t *m) {
+    kvb_rows_view_t v;
+    if (m->lead == m) { v.base = (char *)&m->seqs[0].row; v.stride = sizeof(kvb_seq_t); }
+    else { v.base = (char *)m->rows; v.stride = sizeof(kvb_row_t); }
+    return v;
+}
+KVB_INLINE kvb_row_t *rows_at(kvb_rows_view_t v, int32_t slot) {
+    return (kvb_row_t *)(v.base + (size_t)slot * v.stride);
+}
 /* Group m's cache key of block i of a record: the chain hash XOR the group's tag. */
 KVB_INLINE kvb_hash_t gkey(const kvb_mgr_t *m, const kvb_seq_t *s, int64_t i) {
     kvb_hash_t h = s->hashes[i];

@@ -587,20 +587,18 @@ static int batch_check(kvb_mgr_t *L, const int32_t *slots, int64_t n) {
     return KVB_OK;
 }
 
-/* One token for each of n sequences. One pass validates, grows capacities and bounds the
- * blocks the step takes (one per sequence and growing group whose write block is missing or
- * shared); only when that bound does not fit is the step counted exactly, with what release
- * frees. Then every window and chunk group releases, and one pass appends: each group's
- * table, then the record. */
+/* One token for each of n sequences. The records are validated and their capacity grown; each
+ * group bounds the blocks the step takes (one per sequence whose write block is missing or
+ * shared) and grows its rows; only when that bound does not fit is the step counted exactly,
+ * with what release frees. Then every window and chunk group releases, each group's table
+ * takes the token's slot, and the records take the tokens. */
 int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                          const int32_t *tokens, int64_t n) {
     kvb_mgr_t *L = g[0];
     kvb_pool_t *p = L->pool;
     KVB_CLEAR_ERR(L);
     uint32_t stamp = next_stamp(L);
-    int64_t need = 0;
-    int windowed = 0;
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < n; i++) { /* the records: validation, capacity */
         kvb_seq_t *s = live_seq(L, slots[i]);
         L->err_a = i;
         L->err_b = slots[i];
@@ -612,20 +610,23 @@ int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
         if (KVB_UNLIKELY(s->ntokens + 1 > s->tcap || (L->hashing && w + 1 > s->hcap)) &&
             rec_reserve(L, s, s->ntokens + 1, w + 2))
             return KVB_ENOMEM;
-        for (int32_t j = 0; j < G; j++) {
-            kvb_mgr_t *m = g[j];
-            if (m->kind == KVB_G_STATE) continue;
-            kvb_row_t *r = row_of(m, slots[i]);
-            if (w >= r->nblocks || p->ref_count[r->blocks[w]] > 1) need++; /* bound */
+    }
+    L->err_a = L->err_b = 0;
+    int64_t need = 0;
+    int windowed = 0;
+    for (int32_t j = 0; j < G; j++) { /* each group: row capacity and the bound */
+        kvb_mgr_t *m = g[j];
+        if (m->kind == KVB_G_STATE) continue;
+        windowed |= m->kind == KVB_G_WINDOW || m->kind == KVB_G_CHUNK;
+        if (KVB_UNLIKELY(tbl_ensure_copies(m, n))) return KVB_ENOMEM;
+        kvb_rows_view_t v = group_rows(m);
+        for (int64_t i = 0; i < n; i++) {
+            kvb_row_t *r = rows_at(v, slots[i]);
+            int64_t w = blk_of(m, L->seqs[slots[i]].ntokens);
+            if (w >= r->nblocks || p->ref_count[r->blocks[w]] > 1) need++;
             if (KVB_UNLIKELY(r->nblocks + 1 > r->bcap) && tbl_ensure_blocks(r, r->nblocks + 1))
                 return KVB_ENOMEM;
         }
-    }
-    L->err_a = L->err_b = 0;
-    for (int32_t j = 0; j < G; j++) {
-        kvb_mgr_t *m = g[j];
-        windowed |= m->kind == KVB_G_WINDOW || m->kind == KVB_G_CHUNK;
-        if (m->kind != KVB_G_STATE && KVB_UNLIKELY(tbl_ensure_copies(m, n))) return KVB_ENOMEM;
     }
     if (KVB_UNLIKELY(need > p->num_free)) { /* count exactly, with what release frees */
         int64_t have = p->num_free;
@@ -635,28 +636,26 @@ int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
             int64_t nj;
             if (tbl_step_need(m, slots, NULL, 1, NULL, NULL, n, &nj)) return KVB_ENOMEM;
             need = add_sat(need, nj);
-            for (int64_t i = 0; m->kind != KVB_G_FULL && i < n; i++) {
-                const kvb_seq_t *s = &L->seqs[slots[i]];
-                have += tbl_gain(m, row_of(m, slots[i]), s->ntokens + 1);
-            }
+            for (int64_t i = 0; m->kind != KVB_G_FULL && i < n; i++)
+                have += tbl_gain(m, row_of(m, slots[i]), L->seqs[slots[i]].ntokens + 1);
         }
         if (need > have) return out_of_blocks(L, need, have);
     }
     for (int32_t j = 0; windowed && j < G; j++) /* every release before any allocation */
         if (g[j]->kind == KVB_G_WINDOW || g[j]->kind == KVB_G_CHUNK)
-            for (int64_t i = 0; i < n; i++) {
-                const kvb_seq_t *s = &L->seqs[slots[i]];
-                tbl_release_for(g[j], row_of(g[j], slots[i]), s->ntokens + 1, INT64_MAX);
-            }
-    for (int64_t i = 0; i < n; i++) {
-        kvb_seq_t *s = &L->seqs[slots[i]];
-        int64_t t = s->ntokens, w = blk_of(L, t);
-        for (int32_t j = 0; j < G; j++) {
-            kvb_mgr_t *m = g[j];
-            kvb_row_t *r = row_of(m, slots[i]);
+            for (int64_t i = 0; i < n; i++)
+                tbl_release_for(g[j], row_of(g[j], slots[i]), L->seqs[slots[i]].ntokens + 1,
+                                INT64_MAX);
+    for (int32_t j = 0; j < G; j++) { /* each group's table for one more token */
+        kvb_mgr_t *m = g[j];
+        kvb_rows_view_t v = group_rows(m);
+        for (int64_t i = 0; i < n; i++) {
+            kvb_row_t *r = rows_at(v, slots[i]);
+            const kvb_seq_t *s = &L->seqs[slots[i]];
+            int64_t w = blk_of(m, s->ntokens);
             r->drafted = 0;
             if (m->kind == KVB_G_STATE) { /* the state blocks do not grow */
-                if (blocks_for(m, t + 1) > r->room) r->room = blocks_for(m, t + 1);
+                if (blocks_for(m, s->ntokens + 1) > r->room) r->room = blocks_for(m, s->ntokens + 1);
             } else if (w >= r->nblocks) {
                 KVB_MUST(kvb_pool_allocate(p, 1, r->blocks + r->nblocks));
                 r->nblocks++;
@@ -666,6 +665,10 @@ int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                     tbl_make_writable(m, s, r);
             }
         }
+    }
+    for (int64_t i = 0; i < n; i++) { /* the records */
+        kvb_seq_t *s = &L->seqs[slots[i]];
+        int64_t t = s->ntokens;
         s->tokens[t] = tokens[i];
         s->ntokens = t + 1;
         s->drafted = 0;
@@ -737,17 +740,21 @@ int kvb_grp_schedule(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
     kvb_mgr_t *L = g[0]->lead;
     mgr_step_release(g, G, slots, qlens, B);
     if (L->pool->tier) kvb_tier_settle(L->pool->tier); /* the drain ran */
+    for (int32_t j = 0; j < G; j++) {
+        kvb_mgr_t *m = g[j];
+        kvb_rows_view_t v = group_rows(m);
+        for (int64_t i = 0; i < B; i++) {
+            const kvb_seq_t *s = &L->seqs[slots[i]];
+            kvb_row_t *r = rows_at(v, slots[i]);
+            tbl_computed(m, s, r, s->ntokens);
+            r->drafted = s->ntokens + (drafts ? drafts[i] : 0);
+        }
+    }
     for (int64_t i = 0; i < B; i++) {
         kvb_seq_t *s = &L->seqs[slots[i]];
-        int64_t dr = s->ntokens + (drafts ? drafts[i] : 0);
-        for (int32_t j = 0; j < G; j++) {
-            kvb_row_t *r = row_of(g[j], slots[i]);
-            tbl_computed(g[j], s, r, s->ntokens);
-            r->drafted = dr;
-        }
         if (G == L->ngrp) {
             s->ncomputed = s->ntokens;
-            s->drafted = dr;
+            s->drafted = s->ntokens + (drafts ? drafts[i] : 0);
         } else {
             sync_computed(L, s, slots[i]);
         }

@@ -46,6 +46,7 @@ void kvb_meta_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qle
     int32_t bs = m->block_size;
     int state = m->kind == KVB_G_STATE;
     const kvb_seq_t *seqs = m->lead->seqs;
+    kvb_rows_view_t v = group_rows(m);
     int64_t t = 0, k = 0;
     int64_t *rc = out->row_cache;
     int64_t valid = rc ? out->valid_rows : 0;
@@ -53,7 +54,7 @@ void kvb_meta_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qle
     out->kv_indptr[0] = 0;
     for (int64_t i = 0; i < B; i++) {
         const kvb_seq_t *s = &seqs[slots[i]];
-        const kvb_row_t *rw = row_of(m, slots[i]);
+        const kvb_row_t *rw = rows_at(v, slots[i]);
         int64_t L = s->ntokens + (drafts ? drafts[i] : 0);
         int64_t nb = state ? rw->nblocks : blocks_for(m, L);
         int64_t start = s->ntokens - qlens[i];

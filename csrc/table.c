@@ -122,38 +122,6 @@ void tbl_drop_dead_copies(kvb_mgr_t *m) {
     for (int64_t i = 0; i < k; i++) p->flags[m->copies[2 * i]] |= KVB_F_COPY_SRC;
 }
 
-/* ---- the kinds' rules ------------------------------------------------------------------- *
- * The next step's first query is q0 = min(ncomputed, ntokens - 1): the first uncomputed
- * token, or the newest one when all are computed (a step may recompute it). A step that
- * recomputes from qstart < q0 starts there. A window group's query at q0 reads [q0 - W + 1,
- * q0], a chunk group's [q0 - q0 % C, q0]; whole blocks below that are released: their table
- * entries become the null block 0 (lo counts them) and their references are dropped, so a
- * cached one stays evictable for prefix reuse. Release runs when a sequence moves on (append,
- * append_batch, a step), before that call allocates, so the blocks the previous step read are
- * reused only by calls after it. */
-int64_t tbl_needed_from(const kvb_mgr_t *m, int64_t ncomputed, int64_t ntokens, int64_t qstart) {
-    if (m->kind != KVB_G_WINDOW && m->kind != KVB_G_CHUNK) return 0;
-    int64_t q0 = ncomputed < ntokens - 1 ? ncomputed : ntokens - 1;
-    if (qstart < q0) q0 = qstart;
-    if (q0 <= 0) return 0;
-    if (m->kind == KVB_G_WINDOW) return q0 - m->span + 1 > 0 ? q0 - m->span + 1 : 0;
-    return q0 - q0 % m->span;
-}
-
-/* Blocks a table of n tokens takes in this group. */
-int64_t tbl_blocks(const kvb_mgr_t *m, int64_t n) {
-    return m->kind == KVB_G_STATE ? m->span : blocks_for(m, n);
-}
-
-/* First block a k-block hit needs (the entries below it stay null): what the query at k * bs
- * reads, and at least block k - 1, whose cached chained hash proves the prefix was computed
- * (a chunk boundary or a window of one reads none of the prefix). */
-int64_t tbl_hit_lo(const kvb_mgr_t *m, int64_t n, int64_t k) {
-    if (!k) return 0;
-    int64_t lo = blk_of(m, tbl_needed_from(m, k * m->block_size, n, INT64_MAX));
-    return lo < k - 1 ? lo : k - 1;
-}
-
 /* ---- the write rule --------------------------------------------------------------------- */
 /* Blocks beyond the first `base` that ntokens + n tokens cover, for any n in [0, INT64_MAX]:
  * exact, saturating at INT64_MAX (never fits) rather than overflowing. ntokens is below 2^62,
@@ -223,20 +191,16 @@ void tbl_cache(kvb_mgr_t *m, const kvb_seq_t *s, kvb_row_t *r, int64_t from, int
     if (p->tier) kvb_tier_absorb(p->tier); /* the cache's insertion records (write-through) */
 }
 
-/* Tokens [r->done, ncomputed) become computed in this group (the record is updated by the
- * caller): flag the blocks now fully computed written and cache them. */
-void tbl_computed(kvb_mgr_t *m, const kvb_seq_t *s, kvb_row_t *r, int64_t ncomputed) {
-    int64_t from = blk_of(m, r->done), to = blk_of(m, ncomputed);
-    r->done = ncomputed;
-    if (m->kind == KVB_G_STATE || to <= from) return;
+/* Full blocks [from, to) became computed in this group (tbl_computed): flag them written and
+ * cache them. */
+void tbl_computed_blocks(kvb_mgr_t *m, const kvb_seq_t *s, kvb_row_t *r, int64_t from, int64_t to) {
     for (int64_t i = from; i < to; i++) m->pool->flags[r->blocks[i]] |= KVB_F_WRITTEN;
     if (m->caching) tbl_cache(m, s, r, from, to);
 }
 
 /* ---- release (window, chunk) ------------------------------------------------------------ */
-/* Release blocks [lo, upto) of a resident sequence's row. */
-static void release_front(kvb_mgr_t *m, kvb_row_t *r, int64_t upto) {
-    if (upto <= r->lo) return;
+/* Release blocks [lo, upto) of a resident sequence's row (upto > lo: tbl_release_for). */
+void tbl_release_front(kvb_mgr_t *m, kvb_row_t *r, int64_t upto) {
     KVB_ASSERT(upto <= r->nblocks);
     for (int32_t j = r->lo; j < upto; j++) {
         int32_t b = r->blocks[j];
@@ -246,13 +210,6 @@ static void release_front(kvb_mgr_t *m, kvb_row_t *r, int64_t upto) {
     r->lo = (int32_t)upto;
     r->tver++;
     if (KVB_UNLIKELY(m->ncopies)) tbl_drop_dead_copies(m);
-}
-
-/* Release what a sequence about to hold ntokens committed tokens no longer needs. */
-void tbl_release_for(kvb_mgr_t *m, kvb_row_t *r, int64_t ntokens,
-                     int64_t qstart) {
-    if (m->kind == KVB_G_WINDOW || m->kind == KVB_G_CHUNK)
-        release_front(m, r, blk_of(m, tbl_needed_from(m, r->done, ntokens, qstart)));
 }
 
 /* Blocks that tbl_release_for(ntokens) would return to the free pool: those this sequence
@@ -365,14 +322,9 @@ int tbl_step_need(kvb_mgr_t *m, const int32_t *slots, const int64_t *ns, int64_t
 }
 
 /* ---- step validation of one group ------------------------------------------------------- */
-/* What a step's sequence i (query of q tokens, d draft slots) needs of this group's row: no
- * uncomputed gap before the query, the query's blocks not released, draft slots reserved
- * (every kind, state too) and private. */
-int tbl_step_check(kvb_mgr_t *m, const kvb_seq_t *s, const kvb_row_t *r, int64_t q, int64_t d) {
-    if (s->ntokens - q > r->done) {
-        m->err_b = s->ntokens - q - r->done;
-        return KVB_EGAP;
-    }
+/* tbl_step_check past its fast path (table.h). */
+int tbl_step_check_slow(kvb_mgr_t *m, const kvb_seq_t *s, const kvb_row_t *r, int64_t q,
+                        int64_t d) {
     if (r->lo && blk_of(m, tbl_needed_from(m, r->done, s->ntokens, s->ntokens - q)) < r->lo) {
         m->err_what = "the query reads positions whose blocks were released (window)";
         return KVB_ESTATE;
