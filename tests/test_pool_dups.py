@@ -79,7 +79,7 @@ def test_duplicates_moves_and_vllm_frees_match_the_reference(ops):
             b = o[1]
             if 0 < b < N and pool.ref_count(b) > 0:
                 continue
-            _same_failure(pool, ref, lambda p: p.free([b], order="vllm"))
+            _same_failure(pool, ref, lambda p, b=b: p.free([b], order="vllm"))
         elif name == "cache":  # held blocks without an entry, under key o[1]
             cand = [b for b in dict.fromkeys(held) if not pool.is_cached(b)][o[2] : o[2] + 1]
             if cand:
@@ -103,7 +103,7 @@ def test_duplicates_moves_and_vllm_frees_match_the_reference(ops):
                 pool.move_entry(s, d)
                 ref.move_entry(s, d)
             else:
-                _same_failure(pool, ref, lambda p: p.move_entry(s, d))
+                _same_failure(pool, ref, lambda p, s=s, d=d: p.move_entry(s, d))
         else:
             want = ref.try_reset_prefix_cache(keep_order=o[1])
             assert pool.try_reset_prefix_cache(keep_order=o[1]) == want
