@@ -251,7 +251,7 @@ class _HybridState(_NativeState):
 
     def _find_simple(self, hashes: list, max_length: int) -> tuple:
         """``_find`` of one full-attention group and one window or chunk group, 32-byte
-        hashes and no duplicates: native lookups only (vLLM's simple hybrid: one pass)."""
+        hashes (duplicates natively): native lookups only (vLLM's simple hybrid: one pass)."""
         bs = self.block_size
         _, (gf,), _ = self.attn[0]
         kind, (gw,), need = self.attn[1]

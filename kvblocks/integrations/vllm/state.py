@@ -1,6 +1,7 @@
 """The native state behind kvblocks' vLLM adapters (manager.py, hybrid.py): one
-``kvblocks.BlockPool``, the mirrors of vLLM's per-block hash and group, duplicate entries,
-vLLM-shaped events, and the ``KVCacheBlock`` / ``KVCacheBlocks`` views handed to vLLM."""
+``kvblocks.BlockPool`` (duplicate entries under one key native), the mirrors of vLLM's
+per-block hash and group, vLLM-shaped events, and the ``KVCacheBlock`` / ``KVCacheBlocks``
+views handed to vLLM."""
 
 from __future__ import annotations
 
