@@ -18,9 +18,10 @@
  * table holds the key's first block, and dnext[] chains the others in insertion order; a
  * removal unlinks the block from its chain (the table slot takes the next block when the first
  * goes), so the earliest remaining block always answers. dnext[] exists only once a duplicate
- * was asked for: a pool without duplicates pays one NULL test per removal. Eviction is lazy: a cached
- * block whose ref count reaches 0 stays in the table and in the free list (see pool.c) until
- * allocation pops it, which drops its entry (kvb_cache_forget).
+ * was asked for: a pool without duplicates pays one NULL test per removal.
+ *
+ * Eviction is lazy: a cached block whose ref count reaches 0 stays in the table and in the free
+ * list (see pool.c) until allocation pops it, which drops its entry (kvb_cache_forget).
  */
 #include <string.h>
 

@@ -307,7 +307,8 @@ int32_t kvb_cache_find(const kvb_pool_t *p, const kvb_hash_t *h);         /* id 
 /* Register referenced full blocks under their hashes. A hash already present keeps its first
  * block (the later block stays uncached, or with p->dup_insert joins the end of the key's
  * chain: a duplicate entry, KVB_ENOMEM if the chain links cannot be made); a block already
- * cached under another hash is an error. Returns 0 or error; *stored (may be NULL) gets how many entries were added. */
+ * cached under another hash is an error. Returns 0 or error; *stored (may be NULL) gets how
+ * many entries were added. */
 int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes, int64_t n,
                      const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,
                      int64_t *stored);

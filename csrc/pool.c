@@ -11,6 +11,9 @@
  * eviction in least-recently-released order). Popping a cached block evicts its entry. A
  * cache hit on an evictable block unlinks it from the middle: every list operation is O(1).
  *
+ * A pool of the null block alone (num_blocks == 1, kvb_pool_init_any) has an empty free list:
+ * nothing to allocate, free or cache.
+ *
  * The pool is a plain data structure: it names no policy and no reader above it. Eviction
  * order is LRU by release unless a policy is given (p->victim, policy.c: the groups' second
  * chance); what leaves the cache is recorded in the pool's log (p->log, kept once a reader
