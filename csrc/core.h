@@ -245,11 +245,21 @@ typedef struct kvb_pool {
                                 * (kvb_grp_link), or NULL: a cached block's key is the engine's
                                 * hash XOR its group's tag, and its events carry the engine's
                                 * hash and the group (vLLM keys a block by (hash, group id)) */
+    int32_t *dnext;            /* [num_blocks] duplicate entries (cache.c): the next block cached
+                                * under the same key, in insertion order, KVB_NONE at a chain's
+                                * end; the table holds each chain's first block. NULL until the
+                                * first insertion with dup_insert (owned) */
+    int dup_insert;            /* per call, set and cleared by the caller: 1 makes
+                                * kvb_cache_insert append a block whose key another block holds
+                                * to that key's chain (vLLM's duplicates), 0 leaves it uncached */
 } kvb_pool_t;
 /* The hash a cached block's events carry: its key, untagged in a 256-bit mode with groups. */
 void kvb_pool_event_hash(const kvb_pool_t *p, int32_t b, kvb_hash_t *out);
 
-int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching);
+int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching); /* num_blocks >= 2 */
+/* kvb_pool_init that also accepts a pool of the null block alone (num_blocks == 1: vLLM's
+ * num_gpu_blocks == 1): nothing to allocate, free or cache, every allocation of n > 0 fails. */
+int kvb_pool_init_any(kvb_pool_t *p, int32_t num_blocks, int caching);
 void kvb_pool_destroy(kvb_pool_t *p);
 size_t kvb_pool_bytes(const kvb_pool_t *p);  /* metadata bytes held */
 
@@ -270,7 +280,10 @@ int kvb_pool_check(kvb_pool_t *p);
 int kvb_pool_touch(kvb_pool_t *p, const int32_t *ids, int64_t n);
 /* kvb_pool_free placing every block that reaches 0 at the head (KVB_PLACE_HEAD, ids[0]
  * first: vLLM's evict_first) or at the tail (KVB_PLACE_TAIL, in order), cached or not. */
-enum { KVB_PLACE_HEAD = 1, KVB_PLACE_TAIL = 2 };
+/* KVB_PLACE_VLLM: vLLM's free_blocks(ordered), each block by its entry: those reaching 0
+ * without one go to the head as a batch (ids[0] ends first), cached ones to the tail in the
+ * order they reach 0. */
+enum { KVB_PLACE_HEAD = 1, KVB_PLACE_TAIL = 2, KVB_PLACE_VLLM = 3 };
 int kvb_pool_free_placed(kvb_pool_t *p, const int32_t *ids, int64_t n, int where);
 /* vLLM's evict_blocks: drop the listed blocks' cache entries; free ones keep their place in
  * the free list. Returns the entries dropped or a negative code (range, null block). */
@@ -278,15 +291,29 @@ int64_t kvb_pool_uncache_ids(kvb_pool_t *p, const int32_t *ids, int64_t n);
 /* kvb_pool_reset_cache without moving the dropped blocks to the head: the free list keeps
  * its order (vLLM's reset_prefix_cache). */
 int kvb_pool_reset_cache_keep_order(kvb_pool_t *p);
+/* vLLM's reset_prefix_cache() -> bool: 1 and every entry dropped (kvb_pool_reset_cache, or
+ * its keep_order variant) when no block but the null block is referenced; else 0, nothing
+ * changed (vLLM's rule: any block in use, cached or not, refuses). Never an error. */
+int kvb_pool_try_reset_cache(kvb_pool_t *p, int keep_order);
+/* vLLM's move_block_hashes: src's cache entry moves to dst under the same key and group
+ * (dst takes the key's last place among its duplicates; src keeps its place in the free list
+ * or table, without an entry), recording no event. Validated first: both in range and not
+ * null, src cached, dst referenced and uncached, src != dst (KVB_ERANGE / KVB_ESTATE /
+ * KVB_EINVAL, nothing changed). */
+int kvb_pool_move_entry(kvb_pool_t *p, int32_t src, int32_t dst);
 
 /* Prefix cache (cache.c). */
 int32_t kvb_cache_find(const kvb_pool_t *p, const kvb_hash_t *h);         /* id or KVB_NONE */
 /* Register referenced full blocks under their hashes. A hash already present keeps its first
- * block (the later block stays uncached); a block already cached under another hash is an
- * error. Returns 0 or error; *stored (may be NULL) gets how many entries were added. */
+ * block (the later block stays uncached, or with p->dup_insert joins the end of the key's
+ * chain: a duplicate entry, KVB_ENOMEM if the chain links cannot be made); a block already
+ * cached under another hash is an error. Returns 0 or error; *stored (may be NULL) gets how
+ * many entries were added. */
 int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes, int64_t n,
                      const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,
                      int64_t *stored);
+/* Whether b is among the blocks cached under its key (the key's chain, cache.c). */
+int kvb_cache_holds(const kvb_pool_t *p, int32_t b);
 /* Longest cached prefix of hashes: returns its length; ids written to out (may be NULL). */
 int64_t kvb_cache_lookup(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out);
 /* Same, and add one reference to each hit in the same step (pool.c). */

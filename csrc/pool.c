@@ -11,6 +11,9 @@
  * eviction in least-recently-released order). Popping a cached block evicts its entry. A
  * cache hit on an evictable block unlinks it from the middle: every list operation is O(1).
  *
+ * A pool of the null block alone (num_blocks == 1, kvb_pool_init_any) has an empty free list:
+ * nothing to allocate, free or cache.
+ *
  * The pool is a plain data structure: it names no policy and no reader above it. Eviction
  * order is LRU by release unless a policy is given (p->victim, policy.c: the groups' second
  * chance); what leaves the cache is recorded in the pool's log (p->log, kept once a reader
@@ -70,8 +73,16 @@ static void move_to_head(kvb_pool_t *p, int32_t b) {
 
 /* ---- lifecycle -------------------------------------------------------------------------- */
 int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching) {
+    if (num_blocks < 2) {
+        memset(p, 0, sizeof *p);
+        return KVB_EINVAL;
+    }
+    return kvb_pool_init_any(p, num_blocks, caching);
+}
+
+int kvb_pool_init_any(kvb_pool_t *p, int32_t num_blocks, int caching) {
     memset(p, 0, sizeof *p);
-    if (num_blocks < 2) return KVB_EINVAL;
+    if (num_blocks < 1) return KVB_EINVAL;
     uint64_t tsize = 8;
     while (tsize < 2 * (uint64_t)num_blocks) tsize <<= 1;
     size_t n = (size_t)num_blocks;
@@ -97,9 +108,13 @@ int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching) {
         p->next[b] = b + 1;
         p->flags[b] = KVB_F_FREE;
     }
+    p->prev[0] = p->next[0] = KVB_NONE;
+    if (num_blocks == 1) { /* the null block alone: an empty free list */
+        p->free_head = p->free_tail = KVB_NONE;
+        return KVB_OK;
+    }
     p->prev[1] = KVB_NONE;
     p->next[num_blocks - 1] = KVB_NONE;
-    p->prev[0] = p->next[0] = KVB_NONE;
     p->free_head = 1;
     p->free_tail = num_blocks - 1;
     p->num_free = num_blocks - 1;
@@ -110,7 +125,7 @@ void kvb_pool_destroy(kvb_pool_t *p) {
     free(p->gtag);
     p->gtag = NULL;
     free(p->ref_count); free(p->prev); free(p->next); free(p->hash); free(p->flags);
-    free(p->gid); free(p->table);
+    free(p->gid); free(p->table); free(p->dnext);
     free(p->chance); free(p->policy);
     kvb_pool_log_off(p);
     kvb_events_destroy(&p->events);
@@ -121,7 +136,8 @@ size_t kvb_pool_bytes(const kvb_pool_t *p) {
     size_t n = (size_t)p->num_blocks;
     return n * (sizeof *p->ref_count + sizeof *p->prev + sizeof *p->next + sizeof *p->hash +
                 sizeof *p->flags + sizeof *p->gid) +
-           (size_t)(p->table_mask + 1) * sizeof *p->table + sizeof *p;
+           (size_t)(p->table_mask + 1) * sizeof *p->table + sizeof *p +
+           (p->dnext ? n * sizeof *p->dnext : 0);
 }
 
 /* ---- the log: what leaves and enters the cache, for a reader above (internal.h) ------- */
@@ -382,7 +398,8 @@ int kvb_pool_touch(kvb_pool_t *p, const int32_t *ids, int64_t n) {
  * All-or-nothing: the drops are made first and undone on a bad id; a repeated id is linked
  * once, where its last drop brings it to 0. */
 int kvb_pool_free_placed(kvb_pool_t *p, const int32_t *ids, int64_t n, int where) {
-    if (KVB_UNLIKELY(where != KVB_PLACE_HEAD && where != KVB_PLACE_TAIL)) {
+    if (KVB_UNLIKELY(where != KVB_PLACE_HEAD && where != KVB_PLACE_TAIL &&
+                     where != KVB_PLACE_VLLM)) {
         p->err_a = 0; p->err_b = where;
         return KVB_EINVAL;
     }
@@ -398,7 +415,23 @@ int kvb_pool_free_placed(kvb_pool_t *p, const int32_t *ids, int64_t n, int where
     }
     /* link each block that reached 0 once: walking from the end, its first sight is its
      * last drop; the head takes them last first so that ids[0] ends in front */
-    if (where == KVB_PLACE_HEAD) {
+    if (where == KVB_PLACE_VLLM) { /* vLLM's order: uncached to the head, cached to the tail */
+        for (int64_t i = n - 1; i >= 0; i--) { /* the uncached, a batch in front */
+            int32_t b = ids[i];
+            if (p->ref_count[b] || (p->flags[b] & (KVB_F_FREE | KVB_F_CACHED))) continue;
+            list_push_head(p, b);
+            p->stats.frees++;
+        }
+        for (int64_t i = 0; i < n; i++) /* the cached: where each last reaches 0, in order */
+            if (p->flags[ids[i]] & KVB_F_CACHED) p->ref_count[ids[i]]++;
+        for (int64_t i = 0; i < n; i++) {
+            int32_t b = ids[i];
+            if (!(p->flags[b] & KVB_F_CACHED) || --p->ref_count[b]) continue;
+            list_push_tail(p, b);
+            p->num_evictable++;
+            p->stats.frees++;
+        }
+    } else if (where == KVB_PLACE_HEAD) {
         for (int64_t i = n - 1; i >= 0; i--) {
             int32_t b = ids[i];
             if (p->ref_count[b] || (p->flags[b] & KVB_F_FREE)) continue;
@@ -497,6 +530,36 @@ int kvb_pool_reset_cache_keep_order(kvb_pool_t *p) {
     return KVB_OK;
 }
 
+int kvb_pool_try_reset_cache(kvb_pool_t *p, int keep_order) {
+    KVB_CLEAR_ERR(p);
+    if (p->num_free != p->num_blocks - 1) return 0; /* a block is in use: vLLM's False */
+    int rc = keep_order ? kvb_pool_reset_cache_keep_order(p) : kvb_pool_reset_cache(p);
+    KVB_ASSERT(rc == KVB_OK); /* every cached block is free */
+    (void)rc;
+    return 1;
+}
+
+int kvb_pool_move_entry(kvb_pool_t *p, int32_t src, int32_t dst) {
+    KVB_CLEAR_ERR(p);
+    const uint32_t last = (uint32_t)p->num_blocks - 1u;
+    if (KVB_UNLIKELY((uint32_t)src - 1u >= last || (uint32_t)dst - 1u >= last)) {
+        p->err_a = src; p->err_b = dst;
+        return KVB_ERANGE;
+    }
+    if (KVB_UNLIKELY(src == dst)) {
+        p->err_a = src; p->err_b = dst;
+        return KVB_EINVAL;
+    }
+    if (KVB_UNLIKELY(!(p->flags[src] & KVB_F_CACHED) || (p->flags[dst] & KVB_F_CACHED) ||
+                     p->ref_count[dst] <= 0)) {
+        p->err_a = src; p->err_b = dst;
+        return KVB_ESTATE;
+    }
+    if (p->flags[src] & KVB_F_FREE) p->num_evictable--; /* src stays listed, never-cached */
+    kvb_cache_move(p, src, dst);
+    return KVB_OK;
+}
+
 /* ---- invariant check -------------------------------------------------------------------- */
 #define FAIL(what, item) do { p->err_what = (what); p->err_a = 0; p->err_b = (item); \
                              return KVB_ECORRUPT; } while (0)
@@ -528,7 +591,7 @@ int kvb_pool_check(kvb_pool_t *p) {
             cached++;
             if (!(p->flags[b] & KVB_F_WRITTEN)) FAIL("cached block whose K/V were never written", b);
             if (!p->caching) FAIL("block cached while caching is off", b);
-            if (kvb_cache_find(p, &p->hash[b]) != b) FAIL("cached block not found under its hash", b);
+            if (!kvb_cache_holds(p, b)) FAIL("cached block not found under its hash", b);
         }
     }
     if (free_blocks != p->num_free) FAIL("free blocks != num_free", free_blocks);
@@ -539,8 +602,13 @@ int kvb_pool_check(kvb_pool_t *p) {
         if (b == KVB_NONE) continue;
         if (b <= 0 || b >= N || !(p->flags[b] & KVB_F_CACHED)) FAIL("hash table holds an uncached or bad block", b);
         entries++;
+        for (int32_t c = p->dnext ? p->dnext[b] : KVB_NONE; c != KVB_NONE; c = p->dnext[c]) {
+            if (c <= 0 || c >= N || !(p->flags[c] & KVB_F_CACHED)) FAIL("duplicate chain holds an uncached or bad block", c);
+            if (p->hash[c].lo != p->hash[b].lo || p->hash[c].hi != p->hash[b].hi) FAIL("duplicate chain mixes keys", c);
+            if (++entries > p->num_cached) FAIL("duplicate chain has a cycle or extra blocks", c);
+        }
     }
-    if (entries != p->num_cached) FAIL("hash table entries != num_cached", entries);
+    if (entries != p->num_cached) FAIL("hash table entries (with duplicates) != num_cached", entries);
     return KVB_OK;
 }
 

@@ -116,8 +116,13 @@ cdef extern from "core.h" nogil:
         int64_t err_a, err_b
         const char *err_what
         kvb_tier_t *tier
+        int32_t *dnext
+        int dup_insert
 
     int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching)
+    int kvb_pool_init_any(kvb_pool_t *p, int32_t num_blocks, int caching)
+    int kvb_pool_try_reset_cache(kvb_pool_t *p, int keep_order)
+    int kvb_pool_move_entry(kvb_pool_t *p, int32_t src, int32_t dst)
     void kvb_pool_destroy(kvb_pool_t *p)
     size_t kvb_pool_bytes(const kvb_pool_t *p)
     int kvb_pool_allocate(kvb_pool_t *p, int32_t n, int32_t *out)
@@ -131,6 +136,7 @@ cdef extern from "core.h" nogil:
     enum:
         KVB_PLACE_HEAD
         KVB_PLACE_TAIL
+        KVB_PLACE_VLLM
     int32_t kvb_cache_find(const kvb_pool_t *p, const kvb_hash_t *h)
     int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes, int64_t n,
                          const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,

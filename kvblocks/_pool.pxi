@@ -55,7 +55,9 @@ cdef object int32_view(object owner, int32_t *ptr, Py_ssize_t n):
 cdef class BlockPool:
     """A pool of ``num_blocks`` KV blocks with ref counts, a free list and a prefix cache.
 
-    Block 0 is the reserved null block: it pads block tables and is never handed out.
+    Block 0 is the reserved null block: it pads block tables and is never handed out. A
+    pool of the null block alone (``num_blocks=1``, vLLM's ``num_gpu_blocks == 1``) is
+    valid: it has nothing to allocate.
 
     A BlockManager's host pool (``mgr.host_pool``) with a host tier is always current: every
     call and property first demotes the evictions the device pool made since (the tier
@@ -77,7 +79,7 @@ cdef class BlockPool:
                   bint enable_kv_events=False, block_size=None, hash_algo="siphash",
                   hash_seed=None):
         cdef int32_t nb = <int32_t>as_int(num_blocks, "num_blocks (block 0 is the null block)",
-                                          2, INT32_MAX - 1)
+                                          1, INT32_MAX - 1)
         self._algo = as_algo(hash_algo)
         if hash_key is not None and self._algo != KVB_HASH_SIPHASH:
             raise InvalidArgumentError(f"hash_key applies to the siphash mode only, not "
@@ -94,7 +96,7 @@ cdef class BlockPool:
         self._key = as_key(hash_key)
         self._block_size = (None if block_size is None else
                             as_int(block_size, "block_size", 1, INT32_MAX))
-        rc = kvb_pool_init(&self.p, nb, enable_prefix_caching)
+        rc = kvb_pool_init_any(&self.p, nb, enable_prefix_caching)
         if rc:
             raise_code(rc, "BlockPool", 0, num_blocks)
         self.p.record_events = enable_kv_events
@@ -156,6 +158,8 @@ cdef class BlockPool:
     def usage(self):
         """Fraction of the non-null blocks that are referenced, 0..1."""
         self._sync()
+        if self.p.num_blocks == 1:  # the null block alone
+            return 0.0
         return (self.p.num_blocks - 1 - self.p.num_free) / <double>(self.p.num_blocks - 1)
 
     @property
@@ -276,15 +280,35 @@ cdef class BlockPool:
             raise_code(rc, f"allocate({k})", self.p.err_a, self.p.err_b)
         return out
 
-    def free(self, ids):
+    def free(self, ids, order=None):
         """Drop one reference of each block; at 0 a block becomes free (evictable if cached).
 
         Blocks join the free list in the order given: pass a block table reversed so that
-        the longest prefixes are evicted first.
+        the longest prefixes are evicted first. By default each block reaching 0 without a
+        cache entry is pushed at the head (the last given ends first) and a cached one joins
+        the tail. ``order="vllm"`` is vLLM's ``free_blocks(ordered)`` instead: those without
+        an entry go to the head as one batch in the order given (the first given ends
+        first), cached ones to the tail in the order they reach 0. Raises
+        InvalidArgumentError for another ``order``, an id out of range or the null block,
+        InvalidStateError for a free block (nothing changed).
+
+        >>> pool = BlockPool(6)
+        >>> ids = pool.allocate(5)
+        >>> pool.cache(ids[2:4], hash_blocks(range(8), 4))
+        2
+        >>> pool.free([5, 3, 1, 4, 2], order="vllm"); pool.free_list().tolist()
+        [5, 1, 2, 3, 4]
         """
         self._sync()
         cdef cnp.ndarray v = as_int32(ids, "ids")
-        cdef int rc = kvb_pool_free(&self.p, i32_data(v), cnp.PyArray_DIM(v, 0))
+        cdef int rc
+        if order is None:
+            rc = kvb_pool_free(&self.p, i32_data(v), cnp.PyArray_DIM(v, 0))
+        elif order == "vllm":
+            rc = kvb_pool_free_placed(&self.p, i32_data(v), cnp.PyArray_DIM(v, 0),
+                                      KVB_PLACE_VLLM)
+        else:
+            raise InvalidArgumentError(f"free: order must be None or 'vllm', not {order!r}")
         if rc:
             raise_code(rc, "free", self.p.err_a, self.p.err_b)
 
@@ -380,6 +404,43 @@ cdef class BlockPool:
             raise_code(<int>rc, "uncache", self.p.err_a, self.p.err_b)
         return rc
 
+    def move_entry(self, src, dst):
+        """vLLM's ``BlockPool.move_block_hashes``: block ``src``'s cache entry moves to
+        block ``dst`` (a copy of it), under the same hash and group. ``dst`` takes the last
+        place among the hash's duplicates; ``src`` keeps its place (in a table, or in the
+        free list, where it is no longer evictable) without an entry. No event is recorded:
+        the cache holds the same hashes. Raises InvalidArgumentError for an id out of range,
+        the null block or ``src == dst``, InvalidStateError when ``src`` holds no entry or
+        ``dst`` holds one or is free (nothing changed).
+
+        >>> pool = BlockPool(4)
+        >>> ids = pool.allocate(2)
+        >>> pool.cache(ids[:1], hash_blocks(range(4), 4))
+        1
+        >>> pool.move_entry(1, 2); pool.is_cached(1), pool.is_cached(2)
+        (False, True)
+        """
+        self._sync()
+        cdef int32_t s = <int32_t>as_int(src, "src", INT32_MIN, INT32_MAX)
+        cdef int32_t d = <int32_t>as_int(dst, "dst", INT32_MIN, INT32_MAX)
+        cdef int rc = kvb_pool_move_entry(&self.p, s, d)
+        if rc:
+            raise_code(rc, "move_entry", self.p.err_a, self.p.err_b)
+
+    def cached_blocks(self, hash):
+        """Every block cached under ``hash`` (one ``[lo, hi]`` uint64 row, or a 128-bit
+        int), the earliest first (the one lookups return); a hash has several only through
+        ``cache(..., dup=True)``. An empty int32 array when none. Raises InvalidTypeError /
+        InvalidArgumentError for a bad hash."""
+        self._sync()
+        cdef kvb_hash_t h = _parent_hash(hash)
+        cdef int32_t b = kvb_cache_find(&self.p, &h) if self.p.caching else KVB_NONE
+        out = []
+        while b != KVB_NONE:
+            out.append(b)
+            b = self.p.dnext[b] if self.p.dnext is not NULL else KVB_NONE
+        return np.asarray(out, dtype=np.int32)
+
     def ref_count(self, block_id):
         block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
         self._sync()
@@ -471,7 +532,7 @@ cdef class BlockPool:
 
     # -- prefix cache -------------------------------------------------------------------------
     def cache(self, ids, hashes, *, parent=None, token_ids=None, lora_name=None,
-              lora_id=None, salt=None, group=0):
+              lora_id=None, salt=None, group=0, bint dup=False):
         """Register referenced full blocks under their hashes (from hash_blocks).
 
         Call it once the blocks' K/V are written: a cached block serves prefix hits at once.
@@ -484,6 +545,21 @@ cdef class BlockPool:
         recorded ``token_ids`` is required, since routers drop a BlockStored without its
         tokens. ``group`` is the KV cache group the blocks belong to (hash them with
         ``hash_blocks(..., group=group)``); events carry it.
+
+        ``dup=True`` keeps duplicates as vLLM does: a block whose hash another block holds
+        is cached too (counted, its own BlockStored and, once evicted, BlockRemoved), behind
+        the blocks already under that hash. Lookups return the earliest cached block of each
+        hash; removing one (eviction, ``uncache``) leaves the others, and the next earliest
+        answers (``cached_blocks`` lists them).
+
+        >>> pool = BlockPool(8)
+        >>> h = hash_blocks(range(4), 4)
+        >>> pool.cache(pool.allocate(1), h), pool.cache(pool.allocate(1), h, dup=True)
+        (1, 1)
+        >>> pool.cached_blocks(h[0]).tolist(), pool.lookup(h).tolist()
+        ([1, 2], [1])
+        >>> pool.uncache([1]), pool.lookup(h).tolist()
+        (1, [2])
         """
         self._sync()
         lora = as_lora(lora_name)
@@ -516,9 +592,11 @@ cdef class BlockPool:
             bs = cnp.PyArray_DIM(toks, 0) // n
             tp = i32_data(toks)
         cdef int64_t stored = 0
+        self.p.dup_insert = dup
         cdef int rc = kvb_tier_cache_insert(&self.p, i32_data(v),
                                             <kvb_hash_t *>&h[0, 0] if n else NULL, n, ppar, tp,
                                             bs, g, tag, &stored)
+        self.p.dup_insert = 0
         if rc:
             raise_code(rc, "cache", self.p.err_a, self.p.err_b)
         return stored
@@ -611,7 +689,7 @@ cdef class BlockPool:
         return out[:k]
 
     def cache_bytes(self, ids, hashes, Py_ssize_t start=0, *, full=None, mark=None,
-                    group=0, uint64_t key_salt=0):
+                    group=0, uint64_t key_salt=0, bint dup=False):
         """``cache(ids, keys)`` with the keys of vLLM's bytes hashes: block ``ids[i]`` is
         registered under ``hashes[start + i]`` (its first 16 bytes, as in lookup_bytes).
         Returns how many entries were added (a key already cached keeps its first block).
@@ -623,7 +701,16 @@ cdef class BlockPool:
         hash must be 32 bytes then) and ``mark[ids[i]]`` (a (num_blocks,) bool or uint8 array)
         is set to 1, for every id, stored or not. All-or-nothing: bad ids, hashes, ``full`` or
         ``mark`` raise InvalidTypeError / InvalidArgumentError / InvalidStateError (as
-        ``cache``) and change nothing.
+        ``cache``) and change nothing. ``dup=True``: a key another block holds caches the
+        block too, as a duplicate behind it (as ``cache(..., dup=True)``).
+
+        >>> pool = BlockPool(8)
+        >>> h = [bytes([1]) * 32]
+        >>> full = np.zeros((8, 4), dtype=np.uint64)
+        >>> [pool.cache_bytes(pool.allocate(1), h, full=full, dup=True) for _ in range(2)]
+        [1, 1]
+        >>> pool.lookup_bytes(h, full=full).tolist(), pool.num_cached
+        ([1], 2)
         """
         self._sync()
         cdef cnp.ndarray v = as_int32(ids, "ids")
@@ -664,7 +751,9 @@ cdef class BlockPool:
                 b = d[i]
                 if 0 < b < self.p.num_blocks and not (self.p.flags[b] & KVB_F_CACHED):
                     self.p.gid[b] = g
+            self.p.dup_insert = dup
             rc = kvb_cache_insert(&self.p, d, keys, n, NULL, NULL, 0, &stored)
+            self.p.dup_insert = 0
             if self.p.tier is not NULL:  # the insertions' records, at the tier's layer
                 kvb_tier_absorb(self.p.tier)
             if rc == 0:
@@ -737,6 +826,22 @@ cdef class BlockPool:
         if rc:
             raise InvalidStateError(f"reset_prefix_cache: {self.p.err_a} of {self.p.err_b} "
                                     f"cached blocks are still referenced")
+
+    def try_reset_prefix_cache(self, *, bint keep_order=False):
+        """vLLM's ``reset_prefix_cache() -> bool``: ``reset_prefix_cache(keep_order=...)``
+        when no block but the null block is referenced (returns True), else False with
+        nothing changed (vLLM's rule: a block in use, cached or not, refuses; the raising
+        ``reset_prefix_cache`` refuses only referenced cached blocks). Never raises.
+
+        >>> pool = BlockPool(4)
+        >>> ids = pool.allocate(1)
+        >>> pool.try_reset_prefix_cache()
+        False
+        >>> pool.free(ids); pool.try_reset_prefix_cache()
+        True
+        """
+        self._sync()
+        return kvb_pool_try_reset_cache(&self.p, keep_order) == 1
 
     @property
     def events_dropped(self):

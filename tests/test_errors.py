@@ -182,8 +182,8 @@ def test_pool_errors():
 
 def test_constructor_errors():
     for call in [
-        lambda: BlockPool(1),
-        lambda: BlockPool(0),
+        lambda: BlockPool(0),  # BlockPool(1), the null block alone, is valid
+        lambda: BlockManager(1, 4),  # a manager needs one block besides the null block
         lambda: BlockManager(8, 0),
         lambda: BlockManager(8, 4, watermark=1.0),
         lambda: BlockManager(8, 4, watermark=-0.1),

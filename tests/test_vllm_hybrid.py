@@ -95,7 +95,7 @@ def test_chunked_local_is_native(specs):
     assert NATIVE_BUILDS["hybrid"] == before + 1
 
 
-@pytest.mark.parametrize("specs", [[full_spec()], [full_spec(), sw_spec(8)]])
+@pytest.mark.parametrize("specs", [[full_spec(), sw_spec(8)]])  # one group: native (seam)
 def test_a_pool_of_the_null_block_alone_falls_back(specs):
     ref, kvb = managers(1, specs)
     assert not kvb.native and type(kvb) is KVCacheManager

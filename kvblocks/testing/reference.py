@@ -302,18 +302,21 @@ def _ceil_div(a: int, b: int) -> int:
 class ReferencePool:
     """Blocks with reference counts, one free list and a prefix cache (hash -> block).
 
-    Block 0 is the null block: never handed out, freed or cached.
+    Block 0 is the null block: never handed out, freed or cached (a pool of the null block
+    alone, ``num_blocks=1``, has nothing to allocate). A hash may hold several blocks when
+    they were cached with ``dup=True`` (vLLM's duplicates): lookups give the earliest.
     """
 
     def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True) -> None:
         num_blocks = scalar_of(num_blocks, "num_blocks")
-        if num_blocks < 2:
-            raise _err(InvalidArgumentError, f"num_blocks must be >= 2, got {num_blocks}")
+        if num_blocks < 1:
+            raise _err(InvalidArgumentError, f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self._ref = [0] * num_blocks
         self._free: List[int] = list(range(1, num_blocks))  # index 0 is allocated first
-        self._block_of: Dict[int, int] = {}  # hash -> cached block
+        self._block_of: Dict[int, int] = {}  # hash -> cached block (the earliest cached)
+        self._later: Dict[int, List[int]] = {}  # hash -> its duplicates after the earliest
         self._hash_of: Dict[int, int] = {}  # cached block -> hash
         self.evictions = 0  # cache entries dropped because allocation reused the block
         #: False after an operation whose free-list order the documents leave open
@@ -364,6 +367,14 @@ class ReferencePool:
         """The prefix cache: ``{block: hash}``."""
         return dict(self._hash_of)
 
+    def cached_blocks(self, h) -> np.ndarray:
+        """Every block cached under hash ``h`` (an int or a ``[lo, hi]`` row), earliest
+        first."""
+        hv = h if isinstance(h, int) else int(hashes_of(np.asarray(h)[None])[0])
+        first = self._block_of.get(hv)
+        out = [] if first is None else [first, *self._later.get(hv, ())]
+        return np.array(out, dtype=np.int32)
+
     def adopt_free_order(self, order: Iterable[int]) -> None:
         """Take the real pool's free-list order where the documents leave it open; the
         blocks must be the same set."""
@@ -388,8 +399,12 @@ class ReferencePool:
             )
         return np.array(self._allocate(n), dtype=np.int32)
 
-    def free(self, ids) -> None:
-        """Drop one reference of each block, in the order given."""
+    def free(self, ids, order=None) -> None:
+        """Drop one reference of each block, in the order given. ``order="vllm"``: vLLM's
+        free_blocks: the blocks reaching 0 without an entry go to the head as one batch in
+        the order they reach 0, cached ones to the tail in that order."""
+        if order not in (None, "vllm"):
+            raise _err(InvalidArgumentError, f"free: order must be None or 'vllm', not {order!r}")
         blocks = self._blocks_arg(ids)
         rules = _Rules()
         held: Dict[int, int] = {}
@@ -398,8 +413,57 @@ class ReferencePool:
             if held[b] > self._ref[b]:
                 rules.add(InvalidStateError, f"free: block {b} is not referenced")
         rules.check()
+        if order is None:
+            for b in blocks:
+                self._release(b)
+            return
+        front: List[int] = []
         for b in blocks:
-            self._release(b)
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if b in self._hash_of:
+                    self._free.append(b)
+                else:
+                    front.append(b)
+        self._free[:0] = front
+
+    def uncache(self, ids) -> int:
+        """vLLM's evict_blocks: drop the entries of the listed blocks that have one (free ones
+        keep their place in the free list); returns how many were dropped."""
+        blocks = self._blocks_arg(ids)
+        dropped = 0
+        for b in blocks:
+            if b in self._hash_of:
+                self._drop_entry(b)
+                dropped += 1
+        return dropped
+
+    def move_entry(self, src, dst) -> None:
+        """vLLM's move_block_hashes: src's entry moves to dst (last among the hash's
+        duplicates); no event."""
+        s, d = self._blocks_arg([src, dst])
+        rules = _Rules()
+        if s == d:
+            rules.add(InvalidArgumentError, "move_entry: src == dst")
+        elif s not in self._hash_of or d in self._hash_of or self._ref[d] == 0:
+            rules.add(InvalidStateError, "move_entry: src uncached, or dst cached or free")
+        rules.check()
+        h = self._hash_of[s]
+        group = self._group_of.get(h, 0)
+        self._drop_entry(s)
+        self._register(d, h, group, dup=True)
+
+    def try_reset_prefix_cache(self, *, keep_order: bool = False) -> bool:
+        """vLLM's reset_prefix_cache: False (nothing changed) while any block is referenced,
+        else every entry dropped and True."""
+        if self.num_used:
+            return False
+        if self._hash_of and not keep_order:
+            self.free_order_known = False
+        self._block_of.clear()
+        self._later.clear()
+        self._hash_of.clear()
+        return True
 
     def incref(self, ids) -> None:
         """One more reference on each block; an evictable cached block is pinned (leaves the
@@ -413,9 +477,10 @@ class ReferencePool:
         for b in blocks:
             self._pin(b)
 
-    def cache(self, ids, hashes, **_event_fields) -> int:
+    def cache(self, ids, hashes, *, dup: bool = False, **_event_fields) -> int:
         """Register referenced blocks under their hashes; a hash already cached keeps its
-        first block. Returns how many entries were added."""
+        first block (``dup``: the later block is cached too, behind it). Returns how many
+        entries were added."""
         blocks = self._blocks_arg(ids)
         hs = hashes_of(hashes)
         rules = _Rules()
@@ -432,7 +497,7 @@ class ReferencePool:
                 rules.add(InvalidArgumentError, f"cache: block {b} under two hashes")
         rules.check()
         group = int(_event_fields.get("group", 0))
-        return sum(self._register(b, h, group) for b, h in zip(blocks, hs))
+        return sum(self._register(b, h, group, dup) for b, h in zip(blocks, hs))
 
     def lookup(self, hashes) -> np.ndarray:
         """Blocks of the longest cached prefix of ``hashes``, not pinned."""
@@ -459,6 +524,7 @@ class ReferencePool:
         if self._hash_of:
             self.free_order_known = False
         self._block_of.clear()
+        self._later.clear()
         self._hash_of.clear()
 
     def check(self) -> None:
@@ -469,8 +535,11 @@ class ReferencePool:
             and 0 not in free
             and self._ref[0] == 0
             and all((self._ref[b] == 0) == (b in free) for b in range(1, self.num_blocks))
-            and all(self._block_of[h] == b for b, h in self._hash_of.items())
-            and len(self._block_of) == len(self._hash_of)
+            and all(
+                self._block_of[h] == b or b in self._later.get(h, ())
+                for b, h in self._hash_of.items()
+            )
+            and len(self._block_of) + sum(map(len, self._later.values())) == len(self._hash_of)
         )
         if not ok:
             raise CorruptionError("reference pool invariant violated")
@@ -525,7 +594,7 @@ class ReferencePool:
 
     def _take(self, b: int) -> None:
         if b in self._hash_of:  # lazy eviction: the entry goes when reused
-            del self._block_of[self._hash_of.pop(b)]
+            self._drop_entry(b)
             self.evictions += 1
         self._ref[b] = 1
 
@@ -547,11 +616,17 @@ class ReferencePool:
             self._spent.discard(b)
         self._ref[b] += 1
 
-    def _register(self, b: int, h: int, group: int = 0) -> int:
+    def _register(self, b: int, h: int, group: int = 0, dup: bool = False) -> int:
         """Cache block ``b`` under ``h`` (of KV cache group ``group``) unless either already
-        has an entry (first wins)."""
-        if not self.enable_prefix_caching or b in self._hash_of or h in self._block_of:
+        has an entry (first wins; ``dup``: b joins h's blocks, last)."""
+        if not self.enable_prefix_caching or b in self._hash_of:
             return 0
+        if h in self._block_of:
+            if not dup:
+                return 0
+            self._later.setdefault(h, []).append(b)
+            self._hash_of[b] = h
+            return 1
         self._block_of[h] = b
         self._hash_of[b] = h
         self._group_of[h] = group
@@ -559,7 +634,22 @@ class ReferencePool:
 
     def _uncache(self, b: int) -> None:
         if b in self._hash_of:
-            del self._block_of[self._hash_of.pop(b)]
+            self._drop_entry(b)
+
+    def _drop_entry(self, b: int) -> None:
+        """Forget cached block b's entry; the next earliest block under its hash answers."""
+        h = self._hash_of.pop(b)
+        later = self._later.get(h)
+        if self._block_of[h] == b:
+            if later:
+                self._block_of[h] = later.pop(0)
+            else:
+                del self._block_of[h]
+        else:
+            assert later is not None
+            later.remove(b)
+        if later is not None and not later:
+            del self._later[h]
 
     def _lookup(self, hashes: Sequence[int]) -> List[int]:
         hits: List[int] = []

@@ -38,7 +38,6 @@ _MASK64 = 0xFFFFFFFFFFFFFFFF
 # attention kinds served natively, as vLLM's coordinator splits groups (full attention first)
 _FULL, _WINDOW, _CHUNK = 0, 1, 2
 _KINDS = {FullAttentionSpec: _FULL, SlidingWindowSpec: _WINDOW, ChunkedLocalAttentionSpec: _CHUNK}
-_DUP_SALT = 0x9E3779B97F4A7C15  # as _NativeState._cache_dups
 
 
 def _group_salt(g: int) -> np.uint64:
@@ -140,25 +139,12 @@ class _HybridState(_NativeState):
         e: int,
     ) -> np.ndarray:
         """Ids of group g's longest run of cached blocks for hashes[s:e] (vLLM's
-        ``get_cached_block`` per block: the earliest block under each hash)."""
+        ``get_cached_block`` per block: the earliest block under each hash, duplicates kept
+        natively)."""
         if s >= e:
             return _EMPTY_I32
-        parts = []
-        pos = s
         kg = None if keys is None else self._gkeys(keys, g, s, e)
-        while pos < e:
-            hit = self._cached_from(g, hashes, kg, tails, s, e, pos)
-            if len(hit):
-                parts.append(hit)
-                pos += len(hit)
-            d = self._dup_at(hashes, pos, e, g)
-            if d is None:
-                break
-            parts.append(d)
-            pos += 1
-        if not parts:
-            return _EMPTY_I32
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return self._cached_from(g, hashes, kg, tails, s, e, s)
 
     def _cached_from(
         self,
@@ -191,14 +177,6 @@ class _HybridState(_NativeState):
                     k = i
                     break
         return hit[:k]
-
-    def _dup_at(self, hashes: Sequence[bytes], pos: int, e: int, g: int) -> Optional[np.ndarray]:
-        """A run stopped at pos: group g's earliest duplicate entry under hashes[pos] (one
-        block id), or None where the run ends (at e, or no duplicate)."""
-        if pos == e or not self.dups:
-            return None
-        d = self.dups.get(self.dup_key(hashes[pos], g))
-        return np.array(d[:1], dtype=np.int32) if d else None
 
     def lookup_one(self, h: bytes, g: int) -> Optional[int]:
         if not 0 <= g < self.num_groups or not self.enable_caching:
@@ -263,7 +241,7 @@ class _HybridState(_NativeState):
         prefix tokens, and per group how many leading ids are null (None: not counted)."""
         if hk[1] is None:
             try:
-                if self.simple1 and not self.dups:
+                if self.simple1:
                     return self._find_simple(hk[0], max_length)
                 return (*self._find(hk, max_length), None)
             except kvblocks.InvalidArgumentError:  # mixed widths: the numpy path
@@ -273,7 +251,7 @@ class _HybridState(_NativeState):
 
     def _find_simple(self, hashes: list, max_length: int) -> tuple:
         """``_find`` of one full-attention group and one window or chunk group, 32-byte
-        hashes and no duplicates: native lookups only (vLLM's simple hybrid: one pass)."""
+        hashes (duplicates natively): native lookups only (vLLM's simple hybrid: one pass)."""
         bs = self.block_size
         _, (gf,), _ = self.attn[0]
         kind, (gw,), need = self.attn[1]
@@ -379,7 +357,8 @@ class _HybridState(_NativeState):
 
     def cache_ids(self, request: Any, g: int, ids_l: list, c: int, num_full: int) -> None:
         """vLLM's BlockPool.cache_full_blocks: blocks ids_l (0: null, skipped) of group g
-        under the request's hashes [c, num_full), and its BlockStored."""
+        under the request's hashes [c, num_full), and its BlockStored; a key another block
+        holds caches the block too, behind it (duplicates natively)."""
         hashes = request.block_hashes
         if not (self.is32(hashes, num_full) and self._cache32(g, ids_l, hashes, c)):
             keys, tails = self.request_keys(request, num_full)
@@ -389,7 +368,7 @@ class _HybridState(_NativeState):
 
     def _cache32(self, g: int, ids_l: list, hashes: list, c: int) -> bool:
         """``_cache_run`` in one native call (cache_bytes) when it can: 32-byte hashes,
-        the blocks after the leading nulls all real, no hash among the duplicates."""
+        the blocks after the leading nulls all real."""
         j = 0
         n = len(ids_l)
         while j < n and ids_l[j] == 0:
@@ -399,13 +378,8 @@ class _HybridState(_NativeState):
         ids = ids_l[j:] if j else ids_l
         if 0 in ids:
             return False
-        dups = self.dups
-        if dups:
-            dk = self.dup_key
-            if any(dk(hashes[i], g) in dups for i in range(c + j, c + n)):
-                return False
         try:
-            stored = self.pool.cache_bytes(
+            self.pool.cache_bytes(
                 ids,
                 hashes,
                 c + j,
@@ -413,29 +387,12 @@ class _HybridState(_NativeState):
                 mark=self.hashed,
                 group=g,
                 key_salt=self.salt_int[g],
+                dup=True,
             )
         except kvblocks.InvalidArgumentError:  # mixed widths: the numpy path
             return False
         self.gid[ids] = g
-        if stored != len(ids):  # keys held by other blocks: duplicates under salted keys
-            is_cached = self.pool.is_cached
-            for i, b in enumerate(ids):
-                if not is_cached(b):
-                    h = hashes[c + j + i]
-                    k = self.to_keys([h])
-                    if g:
-                        k[:, 1] ^= self.salt[g]
-                    self._dup(b, h, g, k)
         return True
-
-    def _dup(self, b: int, h: bytes, g: int, k: np.ndarray) -> None:
-        """Cache block b (key k of hash h in group g, held by another block) under a
-        salted key of its own, listed in ``dups``."""
-        self._salt += 1
-        k = k.copy()
-        k[0, 1] ^= np.uint64((self._salt * _DUP_SALT) & _MASK64)
-        self.pool.cache(np.array([b], dtype=np.int32), k, group=g)
-        self.dups.setdefault(self.dup_key(h, g), []).append(b)
 
     def _cache_run(
         self,
@@ -460,26 +417,11 @@ class _HybridState(_NativeState):
         kg = raw
         if g:
             kg[:, 1] ^= self.salt[g]  # (raw is a copy: fancy indexing)
-        plist = pos.tolist()
-        hs = [hashes[i] for i in plist]
-        dups, dk = self.dups, self.dup_key
-        if dups and any(dk(h, g) in dups for h in hs):  # a hash with duplicates: append
-            first = np.array([dk(h, g) not in dups for h in hs], dtype=np.bool_)
-            self.pool.cache(ids[first], kg[first], group=g)
-            all_in = False
-        else:
-            first = None
-            all_in = self.pool.cache(ids, kg, group=g) == len(ids)
+        self.pool.cache(ids, kg, group=g, dup=True)  # duplicates behind earlier blocks
         self.hashed[ids] = True
         self.gid[ids] = g
         if tails is None:
-            self.hash_of.update(zip(ids.tolist(), hs))
-        if not all_in:  # keys held by other blocks: duplicates under salted keys
-            is_cached = self.pool.is_cached
-            for j, b in enumerate(ids.tolist()):
-                if (first is None or first[j]) and is_cached(b):
-                    continue
-                self._dup(b, hs[j], g, kg[j : j + 1])
+            self.hash_of.update(zip(ids.tolist(), (hashes[i] for i in pos.tolist())))
 
     # -- freeing ------------------------------------------------------------------------------
     def remove_skipped(self, rid: str, processed: int) -> None:

@@ -74,8 +74,6 @@ def native_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
     spec = groups[0].kv_cache_spec
     if type(spec) is not FullAttentionSpec:
         return f"attention kind {type(spec).__name__}"
-    if coord.block_pool.num_gpu_blocks < 2:  # the native pool needs one block besides null
-        return "a pool of the null block alone"
     if mgr.enable_caching and type(coord) is not UnitaryKVCacheCoordinator:
         return f"coordinator {type(coord).__name__}"
     if opts.get("dcp_world_size", 1) != 1 or opts.get("pcp_world_size", 1) != 1:

@@ -210,6 +210,11 @@ class NativeBlockPoolView:
     def evict_blocks(self, block_ids: set) -> None:
         self._s.evict(block_ids)
 
+    def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
+        """vLLM's ``BlockPool.move_block_hashes``: src's entry re-pointed to dst, one native
+        call (``BlockPool.move_entry``); no event."""
+        self._s.move(int(src_block.block_id), int(dst_block.block_id))
+
     def cache_full_blocks(
         self,
         request: Any,

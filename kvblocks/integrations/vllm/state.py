@@ -1,6 +1,7 @@
 """The native state behind kvblocks' vLLM adapters (manager.py, hybrid.py): one
-``kvblocks.BlockPool``, the mirrors of vLLM's per-block hash and group, duplicate entries,
-vLLM-shaped events, and the ``KVCacheBlock`` / ``KVCacheBlocks`` views handed to vLLM."""
+``kvblocks.BlockPool`` (duplicate entries under one key native), the mirrors of vLLM's
+per-block hash and group, vLLM-shaped events, and the ``KVCacheBlock`` / ``KVCacheBlocks``
+views handed to vLLM."""
 
 from __future__ import annotations
 
@@ -190,13 +191,10 @@ class _NativeState:
         self.hash_of = _HashMirror(self)  # block id -> vLLM block hash (group 0)
         # vLLM lets several blocks hold one hash (a prompt computed again while its blocks are
         # cached: the hit stops one block short of the prompt); lookups return the earliest.
-        # The native table holds one block per key: the first is cached under the key, later
-        # ones under a salted key of their own (so they are evictable and evicted like any
-        # cached block), listed here in insertion order for lookups to fall back on.
-        self.dups: dict[Any, list[int]] = {}  # keys: dup_key(hash, group)
+        # The native pool keeps them so (cache(..., dup=True), cache_bytes(..., dup=True)):
+        # every block has its own entry and events, and lookups give the earliest remaining.
         # block -> the KV cache group its cache entry belongs to (vLLM's group id in the key)
         self.gid = np.zeros(num_blocks, dtype=np.uint8)
-        self._salt = 0
         # blocks evict() uncached while requests held them: while any is, frees take the
         # general path (free_in_order), since a table's cached part may have a hole
         self.uncached_held: set[int] = set()
@@ -275,31 +273,19 @@ class _NativeState:
                 pass
         if keys is None:
             keys = self.to_keys(hashes[:n])
-        hash_of = self.hash_of
-        pos = 0
-        parts = []
-        while pos < n:
-            hit = self.pool.lookup(keys[pos:])
-            k = len(hit)
-            if tails is not None:  # the other half of each hit's hash (0 once evicted)
-                ok = (self.full[hit, 2:] == tails[pos : pos + k]).all(axis=1)
-                if not ok.all():
-                    k = int(np.argmin(ok))
-            else:
-                for i, b in enumerate(hit.tolist()):  # exact bytes check (and evict_blocks)
-                    if hash_of.get(b) != hashes[pos + i]:
-                        k = i
-                        break
-            parts.append(hit[:k])
-            pos += k
-            if pos == n or not self.dups:
-                break
-            d = self.dups.get(hashes[pos])  # the key's first block is gone: the next one
-            if not d:
-                break
-            parts.append(np.array(d[:1], dtype=np.int32))
-            pos += 1
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        hit = self.pool.lookup(keys)  # the earliest block of each key (duplicates natively)
+        k = len(hit)
+        if tails is not None:  # the other half of each hit's hash (0 once evicted)
+            ok = (self.full[hit, 2:] == tails[:k]).all(axis=1)
+            if not ok.all():
+                k = int(np.argmin(ok))
+        else:
+            hash_of = self.hash_of
+            for i, b in enumerate(hit.tolist()):  # exact bytes check (and evict_blocks)
+                if hash_of.get(b) != hashes[i]:
+                    k = i
+                    break
+        return hit[:k]
 
     def cache_ids(self, request: Any, g: int, ids_l: list, c: int, num_full: int) -> None:
         """vLLM's BlockPool.cache_full_blocks (the group pools of hybrid.py have it)."""
@@ -313,26 +299,8 @@ class _NativeState:
         return int(hit[0]) if len(hit) else None
 
     def _lookup32(self, hashes: list, n: int) -> np.ndarray:
-        """``lookup`` of 32-byte hashes: keys and the full-width check in native calls (one
-        per run between duplicates)."""
-        pool, full = self.pool, self.full
-        hit = pool.lookup_bytes(hashes, n, full=full)
-        pos = len(hit)
-        if pos == n or not self.dups:
-            return hit
-        parts = [hit]
-        while pos < n:
-            d = self.dups.get(hashes[pos])  # the key's first block is gone: the next one
-            if not d:
-                break
-            parts.append(np.array(d[:1], dtype=np.int32))
-            pos += 1
-            if pos == n:
-                break
-            more = pool.lookup_bytes(hashes, n, start=pos, full=full)
-            parts.append(more)
-            pos += len(more)
-        return np.concatenate(parts)
+        """``lookup`` of 32-byte hashes: keys and the full-width check in one native call."""
+        return self.pool.lookup_bytes(hashes, n, full=self.full)
 
     def allocate(self, n: int) -> np.ndarray:
         """n new blocks (ref 1), popping the free list's head; evicted entries leave the
@@ -351,28 +319,13 @@ class _NativeState:
                 self.hashed[ids] = False
         return ids
 
-    @staticmethod
-    def dup_key(h: bytes, g: int) -> Any:
-        """The ``dups`` key of a hash in KV cache group g (the bare hash for group 0)."""
-        return h if g == 0 else (h, g)
-
     def _forget(self, b: int) -> None:
-        """Drop block b's entry on this side (its duplicate key, a BlockRemoved event)."""
+        """Drop block b's entry on this side (its mirrored hash, a BlockRemoved event)."""
         h = self.hash_of.pop(b, None)
         if h is None:
             return
-        g = int(self.gid[b])
-        self._drop_dup(h, b, g)
         if self.enable_events:
-            self.events.append(self._removed(h, g))
-
-    def _drop_dup(self, h: bytes, b: int, g: int = 0) -> None:
-        k = self.dup_key(h, g)
-        d = self.dups.get(k)
-        if d is not None and b in d:
-            d.remove(b)
-            if not d:
-                del self.dups[k]
+            self.events.append(self._removed(h, int(self.gid[b])))
 
     def _removed(self, h: bytes, g: int = 0) -> BlockRemoved:
         return BlockRemoved(
@@ -382,17 +335,8 @@ class _NativeState:
     def release(self, ids_in_eviction_order: np.ndarray) -> None:
         """vLLM's ``free_blocks``: one reference less each; blocks reaching 0 without a cache
         entry go to the free list's front in the given order, cached ones to its back."""
-        ids = ids_in_eviction_order
-        if len(ids) == 0:
-            return
-        m = self.hashed[ids]
-        if m.all():
-            self.pool.free(ids)
-        elif not m.any():
-            self.pool.free(ids[::-1])  # each goes to the head: reversed keeps the order
-        else:
-            self.pool.free(ids[~m][::-1])
-            self.pool.free(ids[m])
+        if len(ids_in_eviction_order):
+            self.pool.free(ids_in_eviction_order, order="vllm")
 
     def cache(self, request: Any, num_tokens: int) -> None:
         """vLLM's ``cache_blocks`` for full attention: register the request's newly full
@@ -406,21 +350,14 @@ class _NativeState:
         # blocks past num_cached are the request's own (allocated, so without an entry)
         ids_l = self.req[rid][num_cached:num_full]
         hs = hashes[num_cached:num_full]
-        dups = self.dups
-        if (
-            type(hashes) is list
-            and len(hashes[0]) == 32
-            and not (dups and any(h in dups for h in hs))
-        ):
-            try:
-                stored = self.pool.cache_bytes(
-                    ids_l, hashes, num_cached, full=self.full, mark=self.hashed
+        if type(hashes) is list and len(hashes[0]) == 32:
+            try:  # a key another block holds caches this one too, behind it (dup)
+                self.pool.cache_bytes(
+                    ids_l, hashes, num_cached, full=self.full, mark=self.hashed, dup=True
                 )
             except kvblocks.InvalidArgumentError:  # mixed widths: the general path
                 pass
             else:
-                if stored != len(ids_l):  # keys held by other blocks: cache duplicates
-                    self._cache_dups(ids_l, hs, self.to_keys(hs), None)
                 self.num_cached[rid] = num_full
                 if self.enable_events:
                     self.events.append(self._stored(request, num_cached, num_full))
@@ -431,36 +368,12 @@ class _NativeState:
         if tails is not None:
             self.full[ids, :2] = keys
             self.full[ids, 2:] = tails[num_cached:num_full]
-        if dups and any(h in dups for h in hs):  # a hash with duplicates: append to them
-            first = np.array([h not in dups for h in hs], dtype=np.bool_)
-            stored = self.pool.cache(ids[first], keys[first])
-            all_in = False
-        else:
-            first = None
-            stored = self.pool.cache(ids, keys)
-            all_in = stored == len(ids)
+        self.pool.cache(ids, keys, dup=True)  # duplicates behind the keys' earlier blocks
         self.hashed[ids] = True
         self.hash_of.update(zip(ids.tolist(), hs))
-        if not all_in:  # some keys were held by another block: cache these as duplicates
-            self._cache_dups(ids.tolist(), hs, keys, first)
         self.num_cached[rid] = num_full
         if self.enable_events:
             self.events.append(self._stored(request, num_cached, num_full))
-
-    def _cache_dups(
-        self, ids: list, hs: Sequence[bytes], keys: np.ndarray, first: Optional[np.ndarray]
-    ) -> None:
-        """Cache the blocks of ``ids`` left uncached (their key held by another block; or
-        not ``first``) under salted keys of their own, listed in ``dups`` under the hash."""
-        is_cached = self.pool.is_cached
-        for j, b in enumerate(ids):
-            if (first is None or first[j]) and is_cached(b):
-                continue
-            self._salt += 1
-            k = keys[j : j + 1].copy()
-            k[0, 1] ^= np.uint64((self._salt * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
-            self.pool.cache(np.array([b], dtype=np.int32), k)
-            self.dups.setdefault(hs[j], []).append(b)
 
     def _stored(
         self,
@@ -521,34 +434,50 @@ class _NativeState:
         self.hashed[ids] = False
         self.uncached_held.update(b for b in ids if self.refs[b] > 0)
 
+    def move(self, src: int, dst: int) -> None:
+        """vLLM's ``move_block_hashes``: block src's cache entry moves to dst (a fresh copy of
+        it, last among the key's duplicates), natively and in the mirrors; no event. A block
+        without an entry moves nothing. A src a request still holds is listed in
+        ``uncached_held`` (its table's cached part now has a hole)."""
+        if self.hash_of.get(dst) is not None:  # vLLM asserts it first
+            raise AssertionError(f"move_block_hashes: block {dst} already has a hash")
+        if self.hash_of.get(src) is None:
+            return
+        self.pool.move_entry(src, dst)
+        other = self.hash_of._other.pop(src, None)
+        if other is not None:
+            self.hash_of._other[dst] = other
+        self.full[dst] = self.full[src]
+        self.full[src] = 0
+        self.gid[dst] = self.gid[src]
+        self.hashed[src] = False
+        self.hashed[dst] = True
+        if self.refs[src] > 0:
+            self.uncached_held.add(src)
+
     def free_in_order(self, ordered: Sequence[int]) -> None:
-        """vLLM's ``free_blocks(ordered)`` by the native cache entries: blocks reaching 0
-        without an entry go to the free list's head as a batch in the given order, cached
-        ones to its tail in that order (the native free pushes each uncached block at the
-        head: they go in reverse). Forgets the ``uncached_held`` blocks it frees."""
+        """vLLM's ``free_blocks(ordered)`` by the native cache entries, one native call
+        (``free(..., order="vllm")``): blocks reaching 0 without an entry go to the free
+        list's head as a batch in the given order, cached ones to its tail in that order.
+        Forgets the ``uncached_held`` blocks it frees."""
         if not len(ordered):
             return
-        ids = np.asarray(ordered, dtype=np.int32)
-        is_cached = self.pool.is_cached
-        m = np.fromiter((is_cached(b) for b in ids.tolist()), dtype=np.bool_, count=len(ids))
-        self.pool.free(ids[~m][::-1])
-        self.pool.free(ids[m])
+        self.pool.free(np.asarray(ordered, dtype=np.int32), order="vllm")
         if self.uncached_held:
             refs = self.refs
             self.uncached_held = {b for b in self.uncached_held if refs[b] > 0}
 
     def reset(self) -> bool:
-        if self.pool.num_free != self.num_blocks - 1:
+        # vLLM's rule natively: False (nothing changed) while any block is in use; the free
+        # list keeps its order
+        if not self.pool.try_reset_prefix_cache(keep_order=True):
             logger.warning(
                 "Failed to reset prefix cache because some blocks (%d) are not freed yet",
                 self.num_blocks - 1 - self.pool.num_free,
             )
             return False
-        if self.enable_caching and self.hashed.any():
-            self.pool.reset_prefix_cache(keep_order=True)  # vLLM keeps the free list's order
         self.hash_of.clear()
         self.hashed[:] = False
-        self.dups.clear()
         self.uncached_held.clear()
         logger.info("Successfully reset prefix cache")
         if self.enable_events:
