@@ -40,6 +40,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 # "hybrid" (full attention, sliding window and chunked local groups, native), "fallback"
 # (vLLM's managers)
 # one group of these kinds alone runs on the group adapter (hybrid.py) too
-_GROUP_KINDS = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
+_GROUP_KINDS = (SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec)
 NATIVE_BUILDS: Counter = Counter()
 FALLBACK_REASONS: Counter = Counter()  # why the "fallback" ones run on vLLM's managers
 
