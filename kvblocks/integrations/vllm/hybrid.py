@@ -179,6 +179,18 @@ class _HybridCoordinatorView:
         blocks, hit, uncached, _ = s.find(hk, max_cache_hit_length)
         return tuple([s.view(b) for b in ids] for ids in blocks), hit, uncached
 
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple:
+        s = self._m._native
+        hk = s.hash_keys(block_hashes, len(block_hashes))
+        blocks, hits = s.find_per_group(hk, max_cache_hit_length)
+        return tuple([s.view(b) for b in ids] for ids in blocks), tuple(hits)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance() of vLLM's coordinator class holds (the
+        return type(self._inner)  # scheduler's per-group connector path checks it)
+
     def free(self, request_id: str) -> None:
         self._m._native.free_request(request_id)
 
@@ -438,8 +450,9 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                     if k > 0:
                         ext_ids = s.allocate(k).tolist()
                         tables[g].extend(ext_ids)
-                        if s.zeroing[g] is not None and g not in skip_zeroing_group_ids:
-                            s.zeroing[g].new_block_ids.extend(ext_ids)
+                        zero = s.zeroing[g]
+                        if zero is not None and g not in skip_zeroing_group_ids:
+                            zero.new_block_ids.extend(ext_ids)
         out, n_new = self._grow(tables, rid, need, num_main)
         if not delay_cache_blocks and self.enable_caching:
             s.cache_groups(request, min(total_computed + num_new_tokens, request.num_tokens))

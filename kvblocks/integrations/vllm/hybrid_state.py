@@ -351,6 +351,25 @@ class _HybridState(_NativeState):
         out[gw] = hw
         return out, e * bs, (kf - e) * bs, nulls
 
+    def find_per_group(self, hk: tuple, max_length: int) -> tuple[list, list]:
+        """vLLM's find_longest_cache_hit_per_group: each attention group's own longest hit
+        of at most max_length tokens (no fixed point); (ids per group, tokens per group)."""
+        bs = self.block_size
+        blocks: list = [[] for _ in range(self.num_groups)]
+        hits = [0] * self.num_groups
+        m = min(max_length // bs, len(hk[0]))
+        for kind, gids, span in self.attn:
+            if kind == _FULL:
+                got, k = self._full_hit(gids, hk, m)
+            elif kind == _WINDOW:
+                got, k = self._window_hit(gids, span, hk, m)
+            else:
+                got, k = self._chunk_hit(gids, span, hk, max_length)
+            for g, b in zip(gids, got):
+                blocks[g] = b
+                hits[g] = k * bs
+        return blocks, hits
+
     def _find(self, hk: tuple, max_length: int) -> tuple[list, int, int]:
         bs = self.block_size
         hashes = hk[0]
