@@ -19,7 +19,7 @@ cannot pass natively") are kept out: no ``ref_cnt`` write, and none reads
 ``cached_block_hash_to_block``.
 
 Profiles: the default is fast (60 examples of at most 50 steps per configuration);
-``KVB_HYPOTHESIS_PROFILE=deep`` runs 10,000 examples of at most 100 steps.
+``KVB_HYPOTHESIS_PROFILE=mid`` runs 1,000 examples of at most 100 steps, ``deep`` 10,000.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ BS = 4
 MAX_LIVE = 5
 PROFILES = {
     "fast": dict(max_examples=60, stateful_step_count=50),
+    "mid": dict(max_examples=1_000, stateful_step_count=100),
     "deep": dict(max_examples=10_000, stateful_step_count=100),
 }
 PROFILE = settings(
