@@ -1,5 +1,5 @@
 """kvblocks' KV cache manager for vLLM's hybrid models (groups of full attention, sliding
-window and chunked local attention) and models of one window or chunk group.
+window, chunked local attention and Mamba state) and models of one such group.
 
 A model whose layers attend differently (gpt-oss, Gemma 2/3, Mistral with a window, Llama 4
 with chunked local attention) has several KV cache groups; vLLM's
@@ -11,12 +11,13 @@ allocation, caching and free group by group in vLLM's order (one native call eac
 vLLM makes one per group: new blocks for all groups in one ``allocate``, popped in the order
 vLLM pops them; a request's blocks freed in one ``free`` in vLLM's placement).
 
-Served natively: every group ``FullAttentionSpec``, ``SlidingWindowSpec`` (window > 1) or
-``ChunkedLocalAttentionSpec`` (one window or chunk group alone too, under vLLM's unitary
-coordinator), one block size equal to the hash and scheduler block sizes, prefix caching on
-or off, no EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, KV zeroing,
-sparse retention or partial hash hits. Anything else (Mamba, cross-attention, ...) runs on
-vLLM's own managers (``hybrid_unsupported`` says why).
+Served natively: every group ``FullAttentionSpec``, ``SlidingWindowSpec`` (window > 1),
+``ChunkedLocalAttentionSpec`` or ``MambaSpec`` (vLLM's Mamba rules: mamba.py; one window,
+chunk or Mamba group alone too, under vLLM's unitary coordinator), one block size equal to
+the scheduler block size (and the hash block size with caching), prefix caching on or off,
+no EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, sparse retention,
+partial hash hits or Mamba prefill checkpoints. Anything else (cross-attention, MLA, ...)
+runs on vLLM's own managers (``hybrid_unsupported`` says why).
 """
 
 from __future__ import annotations
