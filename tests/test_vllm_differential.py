@@ -19,7 +19,7 @@ cannot pass natively") are kept out: no ``ref_cnt`` write, and none reads
 ``cached_block_hash_to_block``.
 
 Profiles: the default is fast (60 examples of at most 50 steps per configuration);
-``KVB_HYPOTHESIS_PROFILE=deep`` runs 10,000 examples of at most 100 steps.
+``KVB_HYPOTHESIS_PROFILE=mid`` runs 1,000 examples of at most 100 steps, ``deep`` 10,000.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -58,6 +59,7 @@ BS = 4
 MAX_LIVE = 5
 PROFILES = {
     "fast": dict(max_examples=60, stateful_step_count=50),
+    "mid": dict(max_examples=1_000, stateful_step_count=100),
     "deep": dict(max_examples=10_000, stateful_step_count=100),
 }
 PROFILE = settings(
@@ -86,6 +88,16 @@ def sw_spec(window: int):
 def chunk_spec(chunk: int):
     return ChunkedLocalAttentionSpec(
         block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, attention_chunk_size=chunk
+    )
+
+
+def mamba_spec(mode: str = "align", spec_blocks: int = 0):
+    return MambaSpec(
+        block_size=BS,
+        shapes=((1, 1),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode=mode,
+        num_speculative_blocks=spec_blocks,
     )
 
 
@@ -120,9 +132,11 @@ class Differential(RuleBasedStateMachine):
     pairs in preemption order."""
 
     SPECS: list = []
+    CACHING = (False, True)  # prefix caching off / on
 
     @initialize(num_blocks=st.sampled_from([10, 16, 24, 40]), caching=st.booleans())
     def build(self, num_blocks, caching):
+        caching = self.CACHING[caching]
         init_none_hash(sha256)
         args = dict(
             max_model_len=256,
@@ -267,6 +281,13 @@ class Differential(RuleBasedStateMachine):
         event("evict_first release" if evict_first else "evict_blocks")
 
     @rule()
+    def new_step(self):
+        """The scheduler's call at each step (Mamba: hits on blocks cached in the step
+        before may be admitted now)."""
+        for m in (self.ref, self.kvb):
+            m.new_step_starts()
+
+    @rule()
     def reset_prefix_cache(self):
         """With requests running vLLM refuses (False) and changes nothing; so must kvblocks."""
         assert self.ref.reset_prefix_cache() == self.kvb.reset_prefix_cache()
@@ -281,6 +302,8 @@ class Differential(RuleBasedStateMachine):
         assert ref_pool.get_num_free_blocks() == kvb_pool.get_num_free_blocks()
         assert self.ref.usage == self.kvb.usage
         assert self.ref.make_prefix_cache_stats() == self.kvb.make_prefix_cache_stats()
+        assert self.ref.take_boundary_state_offloads() == self.kvb.take_boundary_state_offloads()
+        assert self.ref.take_new_block_ids() == self.kvb.take_new_block_ids()  # KV zeroing
         events = self.kvb.take_events()
         assert self.ref.take_events() == events
         if any(type(e).__name__ == "BlockRemoved" for e in events):
@@ -316,9 +339,40 @@ class FullAndChunkedLocal(Differential):
     SPECS = [full_spec, lambda: chunk_spec(8)]
 
 
+class FullAndMamba(Differential):
+    """Mamba in vLLM's "align" mode (its mode with prefix caching) beside full attention."""
+
+    SPECS = [full_spec, mamba_spec]
+
+
+class MambaOnly(Differential):
+    SPECS = [mamba_spec]
+
+
+class FullAndMambaSpeculative(Differential):
+    """Align mode with two speculative blocks (moved to the table's end each step)."""
+
+    SPECS = [full_spec, lambda: mamba_spec(spec_blocks=2)]
+
+
+class FullAndMambaNone(Differential):
+    """Mamba's "none" mode (no prefix caching), one speculative block."""
+
+    SPECS = [full_spec, lambda: mamba_spec("none", 1)]
+    CACHING = (False, False)
+
+
 TestFullOnly = FullOnly.TestCase
 TestFullOnly.settings = PROFILE
 TestFullAndSlidingWindow = FullAndSlidingWindow.TestCase
 TestFullAndSlidingWindow.settings = PROFILE
 TestFullAndChunkedLocal = FullAndChunkedLocal.TestCase
 TestFullAndChunkedLocal.settings = PROFILE
+TestFullAndMamba = FullAndMamba.TestCase
+TestFullAndMamba.settings = PROFILE
+TestMambaOnly = MambaOnly.TestCase
+TestMambaOnly.settings = PROFILE
+TestFullAndMambaSpeculative = FullAndMambaSpeculative.TestCase
+TestFullAndMambaSpeculative.settings = PROFILE
+TestFullAndMambaNone = FullAndMambaNone.TestCase
+TestFullAndMambaNone.settings = PROFILE

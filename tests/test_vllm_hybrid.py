@@ -1,5 +1,5 @@
-"""kvblocks' native hybrid KV cache manager (full attention, sliding window and chunked local
-attention groups) beside vLLM's own HybridKVCacheCoordinator; skipped unless vllm (0.34) is
+"""kvblocks' native hybrid KV cache manager (full attention, sliding window, chunked local
+attention and Mamba state groups) beside vLLM's own HybridKVCacheCoordinator; skipped unless vllm (0.34) is
 importable."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -47,6 +48,18 @@ def sw_spec(window: int):
 def chunk_spec(chunk: int):
     return ChunkedLocalAttentionSpec(
         block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, attention_chunk_size=chunk
+    )
+
+
+def mamba_spec(mode: str = "align", spec_blocks: int = 0, checkpoints: int = 0):
+    return MambaSpec(
+        block_size=BS,
+        shapes=((1,),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode=mode,
+        num_speculative_blocks=spec_blocks,
+        num_prefill_checkpoint_blocks=checkpoints,
+        prefill_checkpoint_alignment=BS if checkpoints else None,
     )
 
 
@@ -104,16 +117,39 @@ def test_a_pool_of_the_null_block_alone_falls_back(specs):
         assert m.get_computed_blocks(r)[1] == 0 and m.allocate_slots(r, 5) is None
 
 
-def test_mamba_still_falls_back(caplog):
-    from vllm.v1.kv_cache_interface import MambaSpec
+@pytest.mark.parametrize("specs", [[full_spec(), mamba_spec()], [mamba_spec()]])
+def test_mamba_align_is_native(specs):
+    before = NATIVE_BUILDS["hybrid"]
+    _, kvb = managers(32, specs)
+    assert kvb.native and type(kvb) is HybridKVCacheManager
+    assert NATIVE_BUILDS["hybrid"] == before + 1
 
-    spec = MambaSpec(
-        block_size=BS, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align"
-    )
+
+def test_mamba_prefill_checkpoints_fall_back(caplog):
     with caplog.at_level("INFO", logger="kvblocks.integrations.vllm.manager"):
-        _, kvb = managers(32, [full_spec(), spec])
+        _, kvb = managers(32, [full_spec(), mamba_spec(checkpoints=1)])
     assert not kvb.native and type(kvb) is KVCacheManager
-    assert "MambaSpec" in caplog.text
+    assert "Mamba prefill checkpoint blocks" in caplog.text
+
+
+def test_mamba_hit_cached_in_the_same_step_waits_for_the_next():
+    """vLLM defers a hit whose Mamba state block was cached in the current step (its state
+    is written by this step's forward): the allocation is refused until new_step_starts."""
+    ref, kvb = managers(40, [full_spec(), mamba_spec()])
+    toks = list(range(1, 18))
+    out = []
+    for m in (ref, kvb):
+        a = request("a", toks)
+        _admit(m, a, 16, 0)  # 16 tokens: the state block at index 3 is cached
+        b = request("b", toks)
+        blocks, hit, _ = m.get_computed_blocks(b)
+        refused = m.allocate_slots(b, b.num_tokens - hit, hit, blocks)
+        m.new_step_starts()
+        blocks, hit2, _ = m.get_computed_blocks(b)
+        admitted = m.allocate_slots(b, b.num_tokens - hit2, hit2, blocks)
+        out.append((hit, refused, hit2, _ids(admitted), m.get_block_ids("a")))
+    assert out[0] == out[1]
+    assert out[0][0] == 16 and out[0][1] is None and out[0][3] is not None
 
 
 def _ids(blocks):
@@ -153,7 +189,16 @@ SPECS = {
     "chunk8+full+chunk8": lambda: [chunk_spec(8), full_spec(), chunk_spec(8)],
     "full+sw8+chunk8": lambda: [full_spec(), sw_spec(8), chunk_spec(8)],
     "chunk8": lambda: [chunk_spec(8)],
+    # Mamba in align mode (vLLM's mode with prefix caching): beside full attention, alone,
+    # beside full attention and a window, with two speculative blocks; "none" mode (no
+    # caching) with one speculative block
+    "full+mamba": lambda: [full_spec(), mamba_spec()],
+    "mamba": lambda: [mamba_spec()],
+    "full+sw8+mamba": lambda: [full_spec(), sw_spec(8), mamba_spec()],
+    "full+mamba-spec2": lambda: [full_spec(), mamba_spec(spec_blocks=2)],
+    "full+mamba-none": lambda: [full_spec(), mamba_spec("none", 1)],
 }
+NO_CACHING = {"full+mamba-none"}  # Mamba's "none" mode is its mode without prefix caching
 
 
 # a chunk group alone holds at most a chunk of blocks per request: smaller pools evict
@@ -172,7 +217,7 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(shape, seed):
     ``evict_blocks`` of a few blocks (free, held or without an entry), or a pin of a few
     blocks and their release with ``evict_first``."""
     rng = random.Random(seed)
-    caching = seed != 5  # one seed per shape without prefix caching
+    caching = seed != 5 and shape not in NO_CACHING  # one seed per shape without caching
     num_blocks = rng.choice(POOLS.get(shape, [24, 40, 64]))
     ref, kvb = managers(
         num_blocks,
@@ -249,6 +294,11 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(shape, seed):
         seen["evicted"] += sum(isinstance(e, BlockRemoved) for e in ev)
         if not live and rng.random() < 0.3:
             assert ref.reset_prefix_cache() == kvb.reset_prefix_cache()
+        if rng.random() < 0.5:  # the scheduler's next step (Mamba: deferred hits may go)
+            for m in (ref, kvb):
+                m.new_step_starts()
+        assert ref.take_boundary_state_offloads() == kvb.take_boundary_state_offloads()
+        assert ref.take_new_block_ids() == kvb.take_new_block_ids()
     for pair in live.values():
         ref.free(pair[0])
         kvb.free(pair[1])

@@ -1,5 +1,5 @@
 """kvblocks' KV cache manager for vLLM's hybrid models (groups of full attention, sliding
-window and chunked local attention) and models of one window or chunk group.
+window, chunked local attention and Mamba state) and models of one such group.
 
 A model whose layers attend differently (gpt-oss, Gemma 2/3, Mistral with a window, Llama 4
 with chunked local attention) has several KV cache groups; vLLM's
@@ -11,19 +11,20 @@ allocation, caching and free group by group in vLLM's order (one native call eac
 vLLM makes one per group: new blocks for all groups in one ``allocate``, popped in the order
 vLLM pops them; a request's blocks freed in one ``free`` in vLLM's placement).
 
-Served natively: every group ``FullAttentionSpec``, ``SlidingWindowSpec`` (window > 1) or
-``ChunkedLocalAttentionSpec`` (one window or chunk group alone too, under vLLM's unitary
-coordinator), one block size equal to the hash and scheduler block sizes, prefix caching on
-or off, no EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, KV zeroing,
-sparse retention or partial hash hits. Anything else (Mamba, cross-attention, ...) runs on
-vLLM's own managers (``hybrid_unsupported`` says why).
+Served natively: every group ``FullAttentionSpec``, ``SlidingWindowSpec`` (window > 1),
+``ChunkedLocalAttentionSpec`` or ``MambaSpec`` (vLLM's Mamba rules: mamba.py; one window,
+chunk or Mamba group alone too, under vLLM's unitary coordinator), one block size equal to
+the scheduler block size (and the hash block size with caching), prefix caching on or off,
+no EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, sparse retention,
+partial hash hits or Mamba prefill checkpoints. Anything else (cross-attention, MLA, ...)
+runs on vLLM's own managers (``hybrid_unsupported`` says why).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 from vllm.utils.math_utils import cdiv
@@ -33,8 +34,9 @@ from vllm.v1.core.kv_cache_coordinator import (
     UnitaryKVCacheCoordinator,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
-from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
+from . import mamba
 from .hybrid_state import _KINDS, _HybridState
 from .pool_view import NativeBlockPoolView
 from .state import _ADMITTING, _EMPTY_I32, NativeKVCacheBlocks, _ids_of
@@ -57,6 +59,10 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
             return "sliding window of one token"
         if type(spec) is ChunkedLocalAttentionSpec and spec.attention_chunk_size <= 0:
             return "attention chunk of no tokens"
+        if type(spec) is MambaSpec:
+            why = mamba.unsupported(spec, mgr.enable_caching)
+            if why is not None:
+                return why
     if not mgr.enable_caching:
         want: type = KVCacheCoordinatorNoPrefixCache
     elif len(groups) > 1:
@@ -72,7 +78,9 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
     if len(sizes) != 1:
         return "groups of different block sizes"
     (bs,) = sizes
-    if bs != coord.block_pool.hash_block_size or bs != coord.scheduler_block_size:
+    if bs != coord.scheduler_block_size or (
+        bs != coord.block_pool.hash_block_size and mgr.enable_caching
+    ):  # (without caching the hashes are not used)
         return "hash or scheduler block size differs from the block size"
     if getattr(coord, "enable_partial_hash_hits", False):
         return "partial hash hits"
@@ -86,8 +94,6 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
         return "re-prefillable tokens (multi-module MTP)"
     if opts.get("metrics_collector") is not None:
         return "KV cache residency metrics"
-    if any(getattr(stm, "_record_new_block_ids", False) for stm in coord.single_type_managers):
-        return "KV cache zeroing of new blocks"
     if getattr(coord, "retention_interval", None) is not None:
         return "sparse retention interval"
     if getattr(mgr, "retained_hit_group_ids", ()):
@@ -156,6 +162,7 @@ class _HybridCoordinatorView:
             [_ids_of(b) for b in new_computed_blocks],
             total_computed_tokens,
             apply_admission_cap,
+            num_tokens_main_model,
         )
 
     def get_blocks(self, request_id: str) -> tuple:
@@ -172,6 +179,18 @@ class _HybridCoordinatorView:
         hk = s.hash_keys(block_hashes, len(block_hashes))
         blocks, hit, uncached, _ = s.find(hk, max_cache_hit_length)
         return tuple([s.view(b) for b in ids] for ids in blocks), hit, uncached
+
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple:
+        s = self._m._native
+        hk = s.hash_keys(block_hashes, len(block_hashes))
+        blocks, hits = s.find_per_group(hk, max_cache_hit_length)
+        return tuple([s.view(b) for b in ids] for ids in blocks), tuple(hits)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance() of vLLM's coordinator class holds (the
+        return type(self._inner)  # scheduler's per-group connector path checks it)
 
     def free(self, request_id: str) -> None:
         self._m._native.free_request(request_id)
@@ -192,7 +211,9 @@ class _HybridCoordinatorView:
         self._m._native.remove_skipped(request_id, processed_computed_tokens)
 
     def new_step_starts(self) -> None:
-        return None
+        align = self._m._native.align
+        if align is not None:
+            align.new_step()
 
 
 class HybridKVCacheManager(VLLMKVCacheManager):
@@ -278,6 +299,7 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         new_lists: Sequence[Any],
         total_computed_tokens: int,
         apply_admission_cap: bool = False,
+        num_tokens_main: Optional[int] = None,
     ) -> int:
         """vLLM's coordinator get_num_blocks_to_allocate, summed over the groups."""
         s = self._native
@@ -287,7 +309,18 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         required = cdiv(num_tokens, bs)
         total = 0
         for g in range(s.num_groups):
+            if s.is_align[g]:
+                total += cast(Any, s.align).to_allocate(
+                    g,
+                    rid,
+                    num_tokens if num_tokens_main is None else num_tokens_main,
+                    new_lists[g],
+                    len(tables[g]) if tables is not None else 0,
+                )
+                continue
             req = required
+            if s.spec_tokens[g]:
+                req = cdiv(num_tokens + s.spec_tokens[g], bs)
             cap = s.cap[g]
             if apply_admission_cap and cap is not None and cap < req:
                 req = cap
@@ -364,14 +397,14 @@ class HybridKVCacheManager(VLLMKVCacheManager):
             watermark = self.watermark_blocks
         if full_sequence_must_fit:
             full_n = min(request.num_tokens, self.max_model_len)
-            n = self._to_allocate(rid, full_n, new_lists, total_computed, True)
+            n = self._to_allocate(rid, full_n, new_lists, total_computed, True, full_n)
             if n + watermark > s.pool.num_free:
                 return None
         num_main = total_computed + num_new_tokens
         need = min(num_main + num_lookahead_tokens, self.max_model_len)
         if s.sw_groups:
             s.remove_skipped(rid, max(0, total_computed - request.num_in_flight_tokens))
-        n = self._to_allocate(rid, need, new_lists, num_local + ext)
+        n = self._to_allocate(rid, need, new_lists, num_local + ext, False, num_main)
         if n + watermark > s.pool.num_free - reserved_blocks:
             return None
         tables = s.tables.get(rid)
@@ -416,27 +449,51 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                         continue
                     k = cdiv(num_total, bs) - len(tables[g])
                     if k > 0:
-                        tables[g].extend(s.allocate(k).tolist())
-        required = cdiv(need, bs)
-        counts = [required - len(t) for t in tables]
-        n_new = sum(c for c in counts if c > 0)
-        out: list = []
-        if n_new:
-            new = s.allocate(n_new).tolist()
-            pos = 0
-            for t, c in zip(tables, counts):
-                if c > 0:
-                    part = new[pos : pos + c]
-                    pos += c
-                    t.extend(part)
-                    out.append(part)
-                else:
-                    out.append([])
+                        ext_ids = s.allocate(k).tolist()
+                        tables[g].extend(ext_ids)
+                        zero = s.zeroing[g]
+                        if zero is not None and g not in skip_zeroing_group_ids:
+                            zero.new_block_ids.extend(ext_ids)
+        out, n_new = self._grow(tables, rid, need, num_main)
         if not delay_cache_blocks and self.enable_caching:
             s.cache_groups(request, min(total_computed + num_new_tokens, request.num_tokens))
         if not n_new:
             return self.empty_kv_cache_blocks
         return NativeKVCacheBlocks(s, out)
+
+    def _grow(self, tables: list, rid: str, need: int, num_main: int) -> tuple[list, int]:
+        """vLLM's coordinator allocate_new_blocks: each group's table grown to ``need``
+        tokens (a Mamba group's by its rules, mamba.py), the new blocks popped in one
+        native call in vLLM's group order; (the entries returned per group, whether any)."""
+        s = self._native
+        required = cdiv(need, self._bs)
+        counts = []
+        heads: list = []
+        for g, t in enumerate(tables):
+            if s.is_align[g]:
+                c, head = cast(Any, s.align).prepare(g, rid, t, num_main)
+                counts.append(c)
+                heads.append(head)
+                continue
+            r = cdiv(need + s.spec_tokens[g], self._bs) if s.spec_tokens[g] else required
+            counts.append(r - len(t))
+            heads.append(None)
+        n_new = sum(c for c in counts if c > 0)
+        out: list = []
+        new = s.allocate(n_new).tolist() if n_new else []
+        pos = 0
+        any_out = False
+        for t, c, head, zero in zip(tables, counts, heads, s.zeroing):
+            part = new[pos : pos + c] if c > 0 else []
+            pos += len(part)
+            t.extend(part)
+            if zero is not None and part:  # the worker zeroes new attention blocks
+                zero.new_block_ids.extend(part)
+            if head:
+                part = head + part
+            out.append(part)
+            any_out = any_out or bool(part)
+        return out, any_out
 
     def _allocate_running(
         self,
@@ -466,31 +523,39 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         tables = s.tables[rid]
         required = -(-need // self._bs)  # cdiv
         n_new = 0
-        for t in tables:
-            if required > len(t):
-                n_new += required - len(t)
+        if s.mamba_any:  # per-group rules (mamba.py; spec blocks in "none" mode)
+            n_new = self._to_allocate(rid, need, self._empty_groups, total, False, num_main)
+        else:
+            for t in tables:
+                if required > len(t):
+                    n_new += required - len(t)
         watermark = 0
         if has_scheduled_reqs and request.status in _ADMITTING:
             watermark = self.watermark_blocks
         if n_new + watermark > s.pool.num_free - reserved_blocks:
             return None
         out: list = []
-        if n_new:
+        if s.mamba_any:
+            out, any_new = self._grow(tables, rid, need, num_main)
+            n_new = int(any_new)
+        elif n_new:
             new = s.allocate(n_new).tolist()
             pos = 0
-            for t in tables:
+            for t, zero in zip(tables, s.zeroing):
                 c = required - len(t)
                 if c > 0:
                     part = new[pos : pos + c]
                     pos += c
                     t.extend(part)
+                    if zero is not None:
+                        zero.new_block_ids.extend(part)
                     out.append(part)
                 else:
                     out.append([])
         if (
             not delay_cache_blocks
             and self.enable_caching
-            and len(request.block_hashes) > min(s.ncached[rid])
+            and (len(request.block_hashes) > min(s.ncached[rid]) or s.align is not None)
         ):
             s.cache_groups(request, min(num_main, request.num_tokens))
         if not n_new:
@@ -498,6 +563,24 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         return NativeKVCacheBlocks(s, out)
 
     # -- the rest of the scheduler's API ------------------------------------------------------
+    def new_step_starts(self) -> None:
+        align = self._native.align
+        if align is not None:  # hits on blocks cached in the step before wait no more
+            align.new_step()
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        s = self._native
+        tables = s.tables.get(request_id)
+        for g, zero in enumerate(s.zeroing):
+            if zero is not None:
+                assert start_token % self._bs == 0
+                if tables is not None:
+                    zero.new_block_ids.extend(tables[g][start_token // self._bs :])
+
+    def take_boundary_state_offloads(self) -> dict:
+        align = self._native.align
+        return {} if align is None else align.take_offloads()
+
     def free(self, request: Any) -> None:
         self._native.free_request(request.request_id)
 

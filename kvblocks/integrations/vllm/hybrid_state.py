@@ -27,17 +27,24 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 
 import kvblocks
 
+from .mamba import MambaAlign, is_align
 from .state import _EMPTY_I32, _NativeState
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 # attention kinds served natively, as vLLM's coordinator splits groups (full attention first)
-_FULL, _WINDOW, _CHUNK = 0, 1, 2
-_KINDS = {FullAttentionSpec: _FULL, SlidingWindowSpec: _WINDOW, ChunkedLocalAttentionSpec: _CHUNK}
+_FULL, _WINDOW, _CHUNK, _MAMBA = 0, 1, 2, 3
+_KINDS = {
+    FullAttentionSpec: _FULL,
+    SlidingWindowSpec: _WINDOW,
+    ChunkedLocalAttentionSpec: _CHUNK,
+    MambaSpec: _MAMBA,
+}
 
 
 def _group_salt(g: int) -> np.uint64:
@@ -72,9 +79,34 @@ class _HybridState(_NativeState):
         ]
         self.extra = [getattr(m.kv_cache_spec, "extra_retained_tokens", 0) or 0 for m in stms]
         self.cap = [getattr(m, "max_admission_blocks_per_request", None) for m in stms]
-        # groups whose blocks leave the attention span (window or chunk): vLLM's
-        # remove_skipped_blocks frees them
-        self.sw_groups = [g for g in range(self.num_groups) if self.window[g] or self.chunk[g]]
+        # Mamba groups (mamba.py): a state block per request, every token before the last
+        # skipped; in align mode (prefix caching) vLLM's MambaManager rules, otherwise a
+        # window of two tokens with the speculative blocks' tokens more (spec_tokens)
+        self.mamba = [type(m.kv_cache_spec) is MambaSpec for m in stms]
+        align = [g for g in range(self.num_groups) if is_align(stms[g].kv_cache_spec)]
+        self.align: Optional[MambaAlign] = (
+            MambaAlign(self, align, [stms[g].kv_cache_spec for g in align]) if align else None
+        )
+        self.is_align = [g in align for g in range(self.num_groups)]
+        # per group: vLLM's single-type manager when the worker zeroes the group's new
+        # blocks (a model with Mamba layers: its attention groups), whose new_block_ids
+        # the adapter fills and vLLM's take_new_block_ids drains; else None
+        self.zeroing = [m if getattr(m, "_record_new_block_ids", False) else None for m in stms]
+        self.mamba_any = any(self.mamba)
+        self.spec_tokens = [
+            m.kv_cache_spec.num_speculative_blocks * self.block_size
+            if self.mamba[g] and not self.is_align[g]
+            else 0
+            for g, m in enumerate(stms)
+        ]
+        # the hybrid coordinator caches up to a scheduler block boundary (the unitary one
+        # takes the count as it is): what the Mamba rules see as the cached token count
+        self.round_cache = len(stms) > 1
+        # groups whose blocks leave the attention span (window, chunk or Mamba state):
+        # vLLM's remove_skipped_blocks frees them
+        self.sw_groups = [
+            g for g in range(self.num_groups) if self.window[g] or self.chunk[g] or self.mamba[g]
+        ]
         self.salt = [_group_salt(g) for g in range(self.num_groups)]
         self.salt_int = [int(x) for x in self.salt]
         # vLLM's attention groups (verify_and_split_kv_cache_groups: groups of one spec,
@@ -95,6 +127,8 @@ class _HybridState(_NativeState):
             kind = _KINDS[type(spec)]
             if kind == _WINDOW:
                 span = cdiv(spec.sliding_window - 1, self.block_size)
+            elif kind == _MAMBA:  # the rightmost cached block: a window of one block
+                kind, span = _WINDOW, 1
             else:
                 span = spec.attention_chunk_size if kind == _CHUNK else 0
             self.attn.append((kind, gids, span))
@@ -113,6 +147,8 @@ class _HybridState(_NativeState):
     def skipped(self, g: int, num_computed_tokens: int) -> int:
         """vLLM's get_num_skipped_tokens of group g: tokens before the window, or before
         the chunk holding the next token."""
+        if self.mamba[g]:  # only the last token's state is kept
+            return num_computed_tokens - 1 if num_computed_tokens > 1 else 0
         w = self.window[g]
         if not w:
             c = self.chunk[g]
@@ -293,6 +329,25 @@ class _HybridState(_NativeState):
         out[gw] = hw
         return out, e * bs, (kf - e) * bs, nulls
 
+    def find_per_group(self, hk: tuple, max_length: int) -> tuple[list, list]:
+        """vLLM's find_longest_cache_hit_per_group: each attention group's own longest hit
+        of at most max_length tokens (no fixed point); (ids per group, tokens per group)."""
+        bs = self.block_size
+        blocks: list = [[] for _ in range(self.num_groups)]
+        hits = [0] * self.num_groups
+        m = min(max_length // bs, len(hk[0]))
+        for kind, gids, span in self.attn:
+            if kind == _FULL:
+                got, k = self._full_hit(gids, hk, m)
+            elif kind == _WINDOW:
+                got, k = self._window_hit(gids, span, hk, m)
+            else:
+                got, k = self._chunk_hit(gids, span, hk, max_length)
+            for g, b in zip(gids, got):
+                blocks[g] = b
+                hits[g] = k * bs
+        return blocks, hits
+
     def _find(self, hk: tuple, max_length: int) -> tuple[list, int, int]:
         bs = self.block_size
         hashes = hk[0]
@@ -342,7 +397,8 @@ class _HybridState(_NativeState):
         hashes = request.block_hashes
         num_full = min(num_tokens // bs * bs, len(hashes) * bs) // bs
         nc = self.ncached.get(rid)
-        if nc is not None and min(nc) >= num_full:
+        align = self.align
+        if nc is not None and min(nc) >= num_full and align is None:
             return
         if num_full <= 0:
             return
@@ -354,6 +410,9 @@ class _HybridState(_NativeState):
             if c < num_full:
                 self.cache_ids(request, g, tables[g][c:num_full], c, num_full)
                 nc[g] = num_full
+            if align is not None and self.is_align[g]:
+                n = num_tokens // bs * bs if self.round_cache else num_tokens
+                align.after_cache(request, g, n, c, nc[g])
 
     def cache_ids(self, request: Any, g: int, ids_l: list, c: int, num_full: int) -> None:
         """vLLM's BlockPool.cache_full_blocks: blocks ids_l (0: null, skipped) of group g
@@ -433,8 +492,11 @@ class _HybridState(_NativeState):
         bs = self.block_size
         nulls = self.nulls[rid]
         for g in self.sw_groups:
-            n = self.skipped(g, processed) // bs
             t = tables[g]
+            if self.is_align[g]:
+                cast(MambaAlign, self.align).remove_skipped(g, rid, t, processed)
+                continue
+            n = self.skipped(g, processed) // bs
             if n > len(t):
                 n = len(t)
             nn = nulls[g]
@@ -464,16 +526,25 @@ class _HybridState(_NativeState):
         nulls = self.nulls.pop(rid, None)
         nc = self.ncached.pop(rid, None)
         self.keys.pop(rid, None)
+        if self.align is not None:
+            self.align.forget(rid)
         if not tables or nulls is None:
             return
         if self.uncached_held:  # a hole in a cached part (evict_blocks): group by group
             for t, nn in zip(tables, nulls):
-                self.free_in_order(t[nn:][::-1])
+                self.free_in_order([b for b in t[nn:][::-1] if b])
             return
         if nc is None or not self.enable_caching:
             nc = nulls
         order: list[int] = []
-        for t, nn, c in zip(tables, nulls, nc):
+        is_align = self.is_align
+        for g, (t, nn, c) in enumerate(zip(tables, nulls, nc)):
+            if is_align[g]:  # null gaps: each block by its entry (a handful of blocks)
+                live = [b for b in t[::-1] if b]
+                cached = self.pool.is_cached
+                order += [b for b in live[::-1] if not cached(b)]
+                order += [b for b in live if cached(b)]
+                continue
             if c > nn:  # t[c:] to the head (forward: each pushed there), t[c-1..nn] to the tail
                 order += t[c:] + t[c - 1 : nn - 1 : -1] if nn else t[c:] + t[c - 1 :: -1]
             elif nn < len(t):
@@ -487,7 +558,15 @@ class _HybridState(_NativeState):
         nulls = self.nulls.pop(rid, None)
         self.ncached.pop(rid, None)
         self.keys.pop(rid, None)
+        if self.align is not None:
+            self.align.forget(rid)
         out: list[int] = []
         for g, t in enumerate(tables):
+            if self.is_align[g]:  # the null head only: vLLM keeps the gaps
+                i = 0
+                while i < len(t) and not t[i]:
+                    i += 1
+                out.extend(t[i:])
+                continue
             out.extend(t[nulls[g] :] if nulls else t)
         return out

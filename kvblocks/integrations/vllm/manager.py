@@ -17,8 +17,8 @@ batched native calls over a request's whole hash chain:
 Block tables are lists of int ids; ``KVCacheBlock``-shaped objects (``_BlockView``) are made
 only when something reads them (``KVCacheBlocks.blocks``, ``block_pool.blocks[i]``,
 ``req_to_blocks``), once per block id, and read their ref count and hash from the native
-pool. Models of full-attention, sliding-window and chunked-local groups (hybrid, or a window
-or chunk group alone) run on ``hybrid.HybridKVCacheManager`` (this class turns an instance
+pool. Models of full-attention, sliding-window, chunked-local and Mamba groups (hybrid, or
+one such group alone) run on ``hybrid.HybridKVCacheManager`` (this class turns an instance
 into it). Any other
 configuration (other attention kinds, partial-block hashes, EAGLE, context parallelism,
 lookahead hashes, a metrics collector, KV zeroing) runs vLLM's own coordinator and
@@ -40,6 +40,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 # "hybrid" (full attention, sliding window and chunked local groups, native), "fallback"
 # (vLLM's managers)
 # one group of these kinds alone runs on the group adapter (hybrid.py) too
-_GROUP_KINDS = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
+_GROUP_KINDS = (SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec)
 NATIVE_BUILDS: Counter = Counter()
 FALLBACK_REASONS: Counter = Counter()  # why the "fallback" ones run on vLLM's managers
 

@@ -1,0 +1,206 @@
+"""vLLM 0.34's rules for Mamba / linear-attention state groups (``MambaSpec``), over the
+native pool of kvblocks' hybrid adapter (hybrid_state.py, hybrid.py).
+
+A Mamba group keeps per request one state block, not one block per token block. With
+prefix caching vLLM runs it in "align" mode (``mamba_cache_mode="align"``), and its
+``MambaManager`` then keeps a block table indexed by token block whose entries are mostly
+null:
+
+- allocation: a step that needs ``r = cdiv(num_tokens_main_model, block_size) + spec``
+  entries pads the table with nulls up to ``r - spec - 1`` and puts the running state in
+  the block after (``spec`` more for speculative decoding). A request that had blocks
+  before keeps its last ``spec`` blocks (scratch, uncached, owned alone) by moving them to
+  the table's end and leaving nulls in their place; the step returns the table's new
+  entries, nulls and moved blocks included. Lookahead tokens get no slots. The count a
+  step asks the pool for is ``r - hit - held`` (negative counts too), capped at ``1 +
+  spec`` (``1`` for a request that had blocks) when positive, plus the hit's evictable
+  blocks;
+- skipped blocks: every state block before block ``(processed - 1) // block_size`` is
+  freed (null gaps skipped, never past the blocks already retired), then the state block of
+  two steps before, once the processed tokens pass it;
+- hits: the rightmost cached block ``i`` (``[null] * i + [block]``), in vLLM's fixed
+  point like a window of one block; a hit whose last block was cached in the current step
+  cannot be admitted until the next step (``new_step_starts``): its count is the pool's
+  size + 1;
+- caching: the generic newly-full-block caching (nulls skipped), then the prompt's last
+  boundary block cached again if it lost its entry, and every block cached in the step
+  remembered (for the rule above) and handed to a KV connector as a boundary state
+  (``take_boundary_state_offloads``);
+- free: the table without its null head, last block first, null gaps skipped.
+
+Without prefix caching ("none" mode) a Mamba group is a window of two tokens with ``spec``
+blocks more, which hybrid_state.py serves with its window rules. Prefill checkpoint blocks,
+partial (sub-block) hits and their copy-on-write, sparse retention and EAGLE's checkpoint
+shift are not served here: ``unsupported`` sends those configurations to vLLM's managers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.kv_cache_interface import MambaSpec
+
+
+def unsupported(spec: Any, enable_caching: bool) -> Optional[str]:
+    """Why a Mamba group runs on vLLM's managers, or None when the adapter serves it."""
+    mode = spec.mamba_cache_mode
+    if mode not in ("align", "none"):
+        return f"Mamba cache mode {mode!r}"
+    if mode == "align":
+        if spec.num_prefill_checkpoint_blocks > 0 and spec.prefill_checkpoint_alignment:
+            return "Mamba prefill checkpoint blocks"
+    elif enable_caching:
+        return "Mamba prefix caching outside align mode"
+    return None
+
+
+def is_align(spec: Any) -> bool:
+    return type(spec) is MambaSpec and spec.mamba_cache_mode == "align"
+
+
+class MambaAlign:
+    """Per-request state of vLLM's MambaManager in align mode, for the groups ``gids`` of
+    one hybrid state (``s``: its tables, pool and caching)."""
+
+    def __init__(self, s: Any, gids: list[int], specs: list[Any]) -> None:
+        self.s = s
+        self.gids = gids
+        self.spec = {g: sp.num_speculative_blocks for g, sp in zip(gids, specs)}
+        # per group: request id -> table entries already retired (remove_skipped's floor)
+        self.retired: dict[int, dict[str, int]] = {g: {} for g in gids}
+        # per group: request id -> index of the state block of the step before
+        self.last_state: dict[int, dict[str, int]] = {g: {} for g in gids}
+        # per group: requests that have been through allocate_new_blocks
+        self.allocated: dict[int, set[str]] = {g: set() for g in gids}
+        # per group: hashes cached in the current step (hits on them wait a step)
+        self.this_step: dict[int, set[bytes]] = {g: set() for g in gids}
+        # per group: (request id, block id, boundary tokens) cached since the last take
+        self.offloads: dict[int, list[tuple[str, int, int]]] = {g: [] for g in gids}
+
+    # -- counting -----------------------------------------------------------------------------
+    def deferred(self, g: int, hit: Any) -> bool:
+        """Whether the hit's last block was cached in this step (vLLM defers it)."""
+        if not len(hit) or not self.this_step[g]:
+            return False
+        b = int(hit[-1])
+        s = self.s
+        h = s.hash_of.get(b) if b else None
+        return h is not None and int(s.gid[b]) == g and h in self.this_step[g]
+
+    def to_allocate(self, g: int, rid: str, num_tokens_main: int, hit: Any, have: int) -> int:
+        """vLLM's MambaManager.get_num_blocks_to_allocate in align mode (no checkpoint, no
+        partial hit): may be negative."""
+        s = self.s
+        if self.deferred(g, hit):
+            return s.num_blocks + 1
+        spec = self.spec[g]
+        n = cdiv(num_tokens_main, s.block_size) + spec - len(hit) - have
+        if n > 0:
+            cap = 1 if rid in self.allocated[g] else 1 + spec
+            if n > cap:
+                n = cap
+        refs = s.refs
+        for b in hit:  # (a hit is nulls and one block)
+            if b and refs[int(b)] == 0:
+                n += 1
+        return n
+
+    # -- allocation ---------------------------------------------------------------------------
+    def prepare(self, g: int, rid: str, t: list[int], num_tokens_main: int) -> tuple[int, list]:
+        """vLLM's allocate_new_blocks up to popping: pads t with nulls, moves the
+        speculative blocks; returns (blocks to pop, the entries this step returns before
+        the new blocks)."""
+        spec = self.spec[g]
+        required = cdiv(num_tokens_main, self.s.block_size) + spec
+        allocated = self.allocated[g]
+        if required <= len(t):
+            allocated.add(rid)
+            return 0, []
+        prev = len(t)
+        was = rid in allocated
+        if was:
+            self.last_state[g][rid] = prev - 1 - spec
+        elif prev > 0:
+            self.last_state[g][rid] = prev - 1
+        nsb = required - spec - 1
+        if prev < nsb:
+            t.extend([0] * (nsb - prev))
+        if was:
+            for i in range(prev - spec, prev):
+                if i >= nsb:
+                    break
+                t.append(t[i])  # a scratch block moves to the end, a null stays
+                t[i] = 0
+        allocated.add(rid)
+        n = required - len(t)
+        return (n if n > 0 else 0), t[prev:]
+
+    # -- freeing ------------------------------------------------------------------------------
+    def remove_skipped(self, g: int, rid: str, t: list[int], processed: int) -> None:
+        """vLLM's MambaManager.remove_skipped_blocks in align mode."""
+        s = self.s
+        bs = s.block_size
+        if processed - 1 > 0:
+            last = min((processed - 1) // bs, len(t))
+            first = self.retired[g].get(rid, 0)
+            if first < last:
+                freed = [t[i] for i in range(last - 1, first - 1, -1) if t[i]]
+                for i in range(first, last):
+                    t[i] = 0
+                if freed:
+                    s.free_in_order(freed)
+                self.retired[g][rid] = last
+        j = self.last_state[g].get(rid)
+        if j is not None and j < cdiv(processed, bs) - 1 and t[j]:
+            s.free_in_order([t[j]])
+            t[j] = 0
+
+    def forget(self, rid: str) -> None:
+        """pop_blocks_for_free's bookkeeping: the request leaves every Mamba group."""
+        for g in self.gids:
+            self.allocated[g].discard(rid)
+            self.last_state[g].pop(rid, None)
+            self.retired[g].pop(rid, None)
+            if self.offloads[g]:
+                self.offloads[g] = [o for o in self.offloads[g] if o[0] != rid]
+
+    # -- caching ------------------------------------------------------------------------------
+    def after_cache(self, request: Any, g: int, num_tokens: int, before: int, after: int) -> None:
+        """MambaManager.cache_blocks after the generic caching (blocks [before, after) of
+        group g cached just now): the prompt's last boundary block again if it has no entry,
+        the step's cached hashes and the connector's boundary states."""
+        s = self.s
+        rid = request.request_id
+        t = s.tables.get(rid)
+        if t is None:
+            return
+        t = t[g]
+        bs = s.block_size
+        if num_tokens > 0 and num_tokens % bs == 0:
+            boundary = (request.num_prompt_tokens - 1) // bs * bs
+            i = num_tokens // bs - 1
+            if num_tokens == boundary and i < len(t) and t[i] and s.hash_of.get(t[i]) is None:
+                s.cache_ids(request, g, [t[i]], i, i + 1)  # vLLM's cache_partial_block
+                self.this_step[g].add(request.block_hashes[i])
+        for i in range(before, after):
+            b = t[i]
+            if not b:
+                continue
+            h = s.hash_of.get(b)
+            if h is None:
+                continue
+            self.this_step[g].add(h)
+            self.offloads[g].append((rid, b, (i + 1) * bs))
+
+    def new_step(self) -> None:
+        for g in self.gids:
+            self.this_step[g].clear()
+
+    def take_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        out: dict[str, list[tuple[int, int, int]]] = {}
+        for g in self.gids:
+            for rid, b, n in self.offloads[g]:
+                out.setdefault(rid, []).append((g, b, n))
+            self.offloads[g] = []
+        return out
