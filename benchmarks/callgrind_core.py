@@ -12,7 +12,8 @@ compare without timing noise:
 Cases: alloc (allocate + free of 128 blocks), one (allocate(1) + free: the one-element array
 path; allocate_one + free_one where the build has them), decode (append_batch + metadata over
 256 sequences at 2K context), grouped (the same with a full + window-128 manager, both groups'
-metadata), prefix (add of a cached 32K-token prompt: hash, lookup, pin; free), prefix_list
+metadata), step and grouped_step (the v2 step of decode and grouped: a SeqBatch,
+append_batch, plan_step once, each group's metadata into fixed buffers), prefix (add of a cached 32K-token prompt: hash, lookup, pin; free), prefix_list
 (the same prompt given as a Python list).
 Results: benchmarks/results/callgrind_core.json.
 
@@ -70,6 +71,24 @@ elif case == "grouped":
         mgr.append_batch(seqs, tok)
         mgr.metadata(seqs, [1] * 256, group=0)
         mgr.metadata(seqs, [1] * 256, group=1)
+elif case in ("step", "grouped_step"):  # the v2 step: planned once, metadata into buffers
+    from kvblocks import AttentionMetadata, KVGroup
+
+    groups = (KVGroup("full"), KVGroup("sliding_window", window=128))
+    mgr = BlockManager(80000, 16, groups=groups if case == "grouped_step" else None)
+    for s in range(256):
+        mgr.add(s, np.arange(1000 + s, 1000 + s + 2048, dtype=np.int32) % 30000)
+    sb = mgr.batch(list(range(256)))
+    mgr.plan_step(sb, np.full(256, 2048, dtype=np.int32))
+    ng = 2 if case == "grouped_step" else 1
+    bufs = [AttentionMetadata.allocate(256, 256, 256 * 140, 140) for _ in range(ng)]
+    tok = np.ones(256, dtype=np.int32)
+    ones = np.ones(256, dtype=np.int32)
+    for _ in range(n):
+        mgr.append_batch(sb, tok)
+        step = mgr.plan_step(sb, ones)
+        for g in range(ng):
+            step.metadata(g, out=bufs[g])
 elif case in ("prefix", "prefix_list"):
     mgr = BlockManager(8192, 16)
     toks = np.arange(32768, dtype=np.int32)
@@ -82,4 +101,7 @@ elif case in ("prefix", "prefix_list"):
         mgr.add(i, toks)
         mgr.free(i)
 else:
-    raise SystemExit(f"unknown case {case!r}: alloc, one, decode, grouped, prefix or prefix_list")
+    raise SystemExit(
+        f"unknown case {case!r}: alloc, one, decode, grouped, step, grouped_step, prefix or "
+        "prefix_list"
+    )

@@ -111,7 +111,7 @@ typedef struct {               /* how one chain hashes: mode, key, start, extra 
     int32_t extra0_len, extra_len; /* their bytes */
 } kvb_hasher_t;
 
-/* A hasher from a chain context ctx (the `salt` argument of kvb_mgr_add and kvb_mgr_probe):
+/* A hasher from a chain context ctx (the `salt` argument of kvb_grp_add and kvb_grp_probe):
  *   SipHash  any bytes, folded into the root (kvb_hash_root);
  *   vLLM     empty (no extra keys) or what kvb_vllm_context wrote; none_hash: NONE_HASH;
  *   SGLang   empty (the router's own chain) or any bytes, hashed into a start digest.
@@ -643,7 +643,7 @@ typedef struct {
 /* ---- a step planned once (step.c) ------------------------------------------------------- *
  * A forward step over sequences slots[0..B): each computes its last qlens[i] committed tokens
  * and drafts[i] reserved draft slots (drafts may be NULL). kvb_step_check validates the step
- * for every group of g[0..G) (the checks of kvb_mgr_schedule) and writes each group's sizes;
+ * for every group of g[0..G) (the checks of kvb_grp_schedule) and writes each group's sizes;
  * nothing changes, and a failure's detail is in g[0]'s fields. kvb_step_release applies what
  * the step frees (window and chunk groups), kvb_step_commit declares it (computed counts,
  * newly full blocks into the prefix cache). In between, metadata and rows are written from
