@@ -4,7 +4,7 @@
  * whose internal signature is fit for the public API (allocate, free, incref, reset_cache,
  * check) are exported as they are, the rest are wrappers below. The manager handle is a
  * struct of this file: its device and host pools, one core manager per KV cache group
- * (driven through groups.c's kvb_grp_* as the Cython layer drives them) and its last error.
+ * (driven through manager.c's kvb_grp_* as the Cython layer drives them) and its last error.
  *
  * What the Python layer checks before calling into C (a live sequence before reading its
  * record, a host pool before a swap, the sizes of output buffers, the drain order of the
@@ -27,7 +27,7 @@ struct kvb_manager {
     int has_host;              /* a host pool was configured (num_host_blocks >= 2) */
     int32_t ng;                /* KV cache groups, >= 1 */
     kvb_mgr_t *g;              /* [ng] one core manager per group, over pool (and host) */
-    kvb_mgr_t **gp;            /* [ng] &g[j], the form groups.c takes */
+    kvb_mgr_t **gp;            /* [ng] &g[j], the form manager.c takes */
     int64_t err_a, err_b;      /* detail of the last error (meaning per code, kvblocks.h) */
     const char *err_what;      /* name of the failed check, or NULL */
     uint64_t epoch;            /* bumped by every call that may change tables (MUTATE): a plan
@@ -243,7 +243,7 @@ const char *kvb_pool_last_error(const kvb_pool_t *p, int64_t *a, int64_t *b) {
 }
 
 /* ---- manager ---------------------------------------------------------------------------- */
-/* The result of a call: its detail copied from group `from` (0: groups.c reports there). */
+/* The result of a call: its detail copied from group `from` (0: manager.c reports there). */
 static int fin(kvb_manager_t *m, int rc, int32_t from) {
     if (rc) {
         m->err_a = m->gp[from]->err_a;

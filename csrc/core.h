@@ -473,8 +473,6 @@ typedef struct kvb_mgr {
     kvb_hash_t tag;            /* XORed onto the chain hash: the key of the group's blocks (0
                                 * in group 0; every hash mode) */
     int caching;               /* the pool caches and the kind can be cached (not STATE) */
-    uint8_t *hit;              /* [hitcap] add's scratch: which leading blocks are cached */
-    int64_t hitcap;
     int64_t *copies;           /* [2 * ccap] pending (src, dst) copy-on-write pairs; each
                                 * holds one reference on src until drained or dropped */
     int64_t ncopies, ccap;     /* pairs pending, capacity */

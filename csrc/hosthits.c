@@ -1,6 +1,6 @@
 /* hosthits.c -- host-tier prefix hits with KV cache groups (and one group that is not full).
  *
- * The rule is the device rule of groups.c on the union of the two tiers. Block i of group j is
+ * The rule is the device rule of manager.c on the union of the two tiers. Block i of group j is
  * available when the group's hash of it is cached on the device or on the host; a hit of k
  * blocks needs in each group what the query at k * bs reads (table.c, hit_lo): all of [0, k)
  * in a full group, [hit_lo(k), k) in a window or chunk group (the entries below stay null).
@@ -63,7 +63,7 @@ static int64_t free_not_onload(const kvb_tier_t *t) {
     return c;
 }
 
-/* The joint hit with the host for a prepared add (every group's hashes in its free slot):
+/* The joint hit with the host for a prepared add (the prompt hashed in the free slot):
  * pl->k > kdev when a longer hit is taken, with everything add needs reserved; pl->k == kdev
  * otherwise. Only the tier's pending demotions are flushed (not observable). */
 static int plan(kvb_mgr_t *const *g, int32_t G, int64_t n, int64_t kdev, plan_t *pl) {

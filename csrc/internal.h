@@ -148,7 +148,7 @@ typedef struct kvb_twins {
  * second chance on p (owning tw and tw->spent; an earlier policy is freed). */
 void kvb_policy_twins(kvb_pool_t *p, kvb_twins_t *tw);
 
-/* tier.c: the host tier's helpers for the layers above it (table.c, groups.c, hosthits.c) */
+/* tier.c: the host tier's helpers for the layers above it (table.c, manager.c, hosthits.c) */
 /* Host hits continuing a device prefix: hashes[0..n) matched on the host, ids into
  * t->scratch; returns the count, or KVB_ENOMEM. Capacity for as many onloads is reserved. */
 int64_t kvb_tier_match(kvb_tier_t *t, const kvb_hash_t *hashes, int64_t n);
@@ -176,7 +176,7 @@ void mgr_add_stats(kvb_mgr_t *L, int64_t n, int64_t k, int recompute);
 void mgr_step_release(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                       const int32_t *qlens, int64_t B);
 
-/* hosthits.c: host-tier hits for KV cache groups (groups.c's add and probe, after prepare).
+/* hosthits.c: host-tier hits for KV cache groups (manager.c's add and probe, after prepare).
  * kdev: the device-only joint hit. add: 1 when it took a longer hit with the host (slot and
  * cached tokens set), 0 when the device-only hit stands (nothing changed), or an error code
  * (negative, nothing changed). probe: the joint hit's cached tokens and need, when longer. */

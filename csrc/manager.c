@@ -133,7 +133,6 @@ void kvb_mgr_destroy(kvb_mgr_t *m) {
     for (int32_t i = 0; i < m->rcap; i++) free(m->rows[i].blocks);
     free(m->rows);
     free(m->copies);
-    free(m->hit);
     if (m->pool && m->pool->tier) kvb_tier_destroy(m->pool);
     memset(m, 0, sizeof *m);
 }
