@@ -39,8 +39,13 @@ KVB_INLINE kvb_row_t *row_of(const kvb_mgr_t *m, int32_t slot) {
 typedef struct { char *base; size_t stride; } kvb_rows_view_t;
 KVB_INLINE kvb_rows_view_t group_rows(const kvb_mgr_t *m) {
     kvb_rows_view_t v;
-    if (m->lead == m) { v.base = (char *)&m->seqs[0].row; v.stride = sizeof(kvb_seq_t); }
-    else { v.base = (char *)m->rows; v.stride = sizeof(kvb_row_t); }
+    if (m->lead == m) { /* no records yet: no row is read */
+        v.base = m->seqs ? (char *)&m->seqs[0].row : NULL;
+        v.stride = sizeof(kvb_seq_t);
+    } else {
+        v.base = (char *)m->rows;
+        v.stride = sizeof(kvb_row_t);
+    }
     return v;
 }
 KVB_INLINE kvb_row_t *rows_at(kvb_rows_view_t v, int32_t slot) {

@@ -144,7 +144,7 @@ static int grow_rows(kvb_mgr_t *const *g, int32_t G) {
         kvb_mgr_t *m = g[j];
         int64_t cap = m->rcap, old = cap;
         if (kvb_grow((void **)&m->rows, &cap, g[0]->scap, sizeof *m->rows)) return KVB_ENOMEM;
-        memset(m->rows + old, 0, (size_t)(cap - old) * sizeof *m->rows);
+        if (cap > old) memset(m->rows + old, 0, (size_t)(cap - old) * sizeof *m->rows);
         m->rcap = (int32_t)cap;
     }
     return KVB_OK;
