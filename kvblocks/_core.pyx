@@ -52,7 +52,10 @@ cdef Py_ssize_t _IMAP_LIMIT = 1 << 16  # int ids below this also get an array sl
 include "_convert.pxi"
 include "_hash.pxi"
 include "_pool.pxi"
+include "_seqmap.pxi"
+include "_writers.pxi"
 include "_step.pxi"
+include "_tier.pxi"
 include "_manager.pxi"
 
 
