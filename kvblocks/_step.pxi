@@ -197,3 +197,50 @@ cdef object step_rows(BlockManager mgr, StepPlan plan, object group, object stri
                          g, False)
     finally:
         mgr._leave()
+
+
+cdef int64_t step_need(BlockManager mgr, object seq_ids, object num_new_tokens,
+                       object draft_lens, object forks) except? -1:
+    """blocks_needed_batch without the watermark: the counts converted, then one C call."""
+    ids = ids_of(seq_ids)
+    scalar = np.ndim(num_new_tokens) == 0  # one count for every sequence (ints only)
+    n_one = as_int(num_new_tokens, "num_new_tokens", 0, INT32_MAX) if scalar else 0
+    arrays = []
+    if not scalar:
+        arrays.append(("num_new_tokens", as_int32(num_new_tokens, "num_new_tokens")))
+    if draft_lens is not None:
+        arrays.append(("draft_lens", as_int32(draft_lens, "draft_lens")))
+    if forks is not None:
+        arrays.append(("forks", as_int32(forks, "forks")))
+    for name, arr in arrays:
+        if len(arr) and arr.min() < 0:
+            raise InvalidArgumentError(f"blocks_needed_batch: {name} must be >= 0")
+    cdef int64_t need = 0
+    cdef Py_ssize_t count
+    cdef cnp.ndarray ns, cn, fk = None
+    mgr._enter(False)
+    try:
+        slots = slots_of(mgr, ids, &count)
+        for name, arr in arrays:
+            if len(arr) != count:
+                raise InvalidArgumentError(f"blocks_needed_batch: {count} sequences but "
+                                           f"{len(arr)} {name}")
+        cn = np.full(count, n_one, dtype=np.int64)
+        for name, arr in arrays:
+            if name == "num_new_tokens":
+                cn += arr
+        ns = cn.copy()
+        for name, arr in arrays:
+            if name == "forks":
+                fk = np.ascontiguousarray(arr, dtype=np.int64)
+            elif name == "draft_lens":
+                ns += arr
+        rc = kvb_grp_step_need(mgr.gp, mgr.ng, i32_data(slots),
+                               <int64_t *>cnp.PyArray_DATA(ns), <int64_t *>cnp.PyArray_DATA(cn),
+                               <int64_t *>cnp.PyArray_DATA(fk) if fk is not None else NULL,
+                               count, &need)
+        if rc:
+            raise_mgr(mgr, rc, "blocks_needed_batch")
+    finally:
+        mgr._leave()
+    return need
