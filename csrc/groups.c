@@ -37,7 +37,7 @@ int kvb_grp_link(kvb_mgr_t *const *g, int32_t G) {
         kvb_mgr_t *m = g[j];
         int64_t cap = m->rcap, old = cap;
         if (kvb_grow((void **)&m->rows, &cap, L->scap, sizeof *m->rows)) return KVB_ENOMEM;
-        memset(m->rows + old, 0, (size_t)(cap - old) * sizeof *m->rows);
+        if (cap > old) memset(m->rows + old, 0, (size_t)(cap - old) * sizeof *m->rows); /* none yet: NULL */
         m->rcap = (int32_t)cap;
     }
     kvb_pool_t *p = g[0]->pool;
