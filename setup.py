@@ -43,6 +43,7 @@ C_SOURCES = [
     "csrc/hosthits.c",
     "csrc/rows.c",
     "csrc/step.c",
+    "csrc/query.c",
 ]
 
 compile_args = ["-std=c11"] if sys.platform != "win32" else []

@@ -499,6 +499,38 @@ int kvb_grp_link(kvb_mgr_t *const *g, int32_t G); /* KVB_ENOMEM */
 /* Every group's hash mode (kvb_mgr_set_hash), then kvb_grp_link. */
 int kvb_grp_set_hash(kvb_mgr_t *const *g, int32_t G, int32_t algo, const uint8_t none_hash[32]);
 
+/* A manager's groups on the heap (groups.c): *out gets g[0..G), each group initialised over
+ * pool and host (kvb_mgr_init), to be given kinds and the hash mode next; nothing is left
+ * allocated on an error. kvb_grp_delete frees them (g may be NULL). */
+int kvb_grp_new(kvb_mgr_t ***out, int32_t G, kvb_pool_t *pool, kvb_pool_t *host,
+                int32_t block_size, const uint8_t key[16]);
+void kvb_grp_delete(kvb_mgr_t **g, int32_t G);
+
+/* What the Python binding reads of a manager (query.c), so that it names no struct field: a
+ * group's error detail (returns err_what, a and b get err_a and err_b), counts, a live slot's
+ * generation and swap state, and a row (group j's table), the tokens or the hashes (group j's
+ * keys in the SipHash mode, the engine's hashes in the 256-bit ones; none in a group that
+ * does not cache) copied into out (skipped when NULL); kvb_grp_read returns the entries. */
+enum { KVB_READ_TABLE = 0, KVB_READ_TOKENS = 1, KVB_READ_HASHES = 2 };
+const char *kvb_mgr_err(const kvb_mgr_t *m, int64_t *a, int64_t *b);
+int32_t kvb_grp_nseqs(kvb_mgr_t *const *g);
+int32_t kvb_grp_block_size(kvb_mgr_t *const *g);
+int32_t kvb_grp_hash_algo(kvb_mgr_t *const *g);
+int32_t kvb_grp_kind(kvb_mgr_t *const *g, int32_t j);
+int kvb_grp_swapped(kvb_mgr_t *const *g, int32_t slot);
+int64_t kvb_grp_num_tokens(kvb_mgr_t *const *g, int32_t slot);
+/* the generations of n live slots; the first i whose slot's generation is not gens[i] (the
+ * sequence was freed), or -1 */
+void kvb_grp_gens(kvb_mgr_t *const *g, const int32_t *slots, int64_t n, uint32_t *out);
+int64_t kvb_grp_stale(kvb_mgr_t *const *g, const int32_t *slots, const uint32_t *gens,
+                      int64_t n);
+int64_t kvb_grp_read(kvb_mgr_t *const *g, int32_t j, int32_t slot, int32_t what, void *out);
+/* the host tier of the groups' pool or NULL; its pending pairs (0 without one), whether it
+ * writes through, its counters */
+struct kvb_tier *kvb_grp_tier(kvb_mgr_t *const *g);
+void kvb_tier_pending(const struct kvb_tier *t, int64_t *noff, int64_t *non);
+int kvb_tier_write_through(const struct kvb_tier *t);
+
 /* The calls of a manager of groups g[0..G) (manager.c). Every call validates and counts the
  * blocks of all groups before anything changes, so a failed call changes nothing (window
  * release aside: it drops only blocks no query can read); errors are reported in g[0]'s err
@@ -669,6 +701,11 @@ void kvb_meta_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qle
 int kvb_rows_fits(kvb_mgr_t *m, const kvb_step_size_t *z, const kvb_rows_t *out);
 void kvb_rows_write(const kvb_mgr_t *m, const int32_t *slots, const int32_t *qlens,
                     const int32_t *drafts, int64_t B, kvb_rows_t *out);
+/* kvb_step_check as the binding calls it (step.c): all groups (j < 0) or group j alone, with
+ * every group's pending copies refusing it, the detail in g[0]'s fields. */
+int kvb_step_check_for(kvb_mgr_t *const *g, int32_t G, int32_t j, const int32_t *slots,
+                       const int32_t *qlens, const int32_t *drafts, int64_t B,
+                       kvb_step_size_t *sizes /* [G] */);
 /* ---- host tier (tier.c) ------------------------------------------------------------------ *
  * The host pool as a second prefix-cache tier below the device pool. Evicting a cached device
  * block demotes it: a host block (LRU among evictable host entries) takes its hash and a
@@ -734,6 +771,7 @@ typedef struct kvb_tier {
     kvb_tier_stats_t stats;    /* counters since creation */
 } kvb_tier_t;
 
+const kvb_tier_stats_t *kvb_tier_stats(const kvb_tier_t *t); /* query.c */
 /* Attach a host tier to m (its host pool must cache); freed by kvb_mgr_destroy. */
 int kvb_mgr_host_tier(kvb_mgr_t *m, int write_through);
 /* Drain the pool's log: the evictions since the last flush get their host blocks (offloads

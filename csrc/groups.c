@@ -80,3 +80,39 @@ int kvb_grp_set_hash(kvb_mgr_t *const *g, int32_t G, int32_t algo, const uint8_t
     return kvb_grp_link(g, G);
 }
 
+
+/* ---- a manager's groups on the heap ------------------------------------------------------ */
+/* The binding's handle: g[0..G) point into one array of G groups, each initialised over the
+ * same pools (kvb_mgr_init); kinds and hashes come next (kvb_mgr_set_kind, kvb_grp_set_hash). */
+int kvb_grp_new(kvb_mgr_t ***out, int32_t G, kvb_pool_t *pool, kvb_pool_t *host,
+                int32_t block_size, const uint8_t key[16]) {
+    *out = NULL;
+    if (G < 1) return KVB_EINVAL;
+    kvb_mgr_t **g = calloc((size_t)G, sizeof *g);
+    kvb_mgr_t *a = calloc((size_t)G, sizeof *a);
+    if (!g || !a) {
+        free(g);
+        free(a);
+        return KVB_ENOMEM;
+    }
+    for (int32_t j = 0; j < G; j++) {
+        int rc = kvb_mgr_init(&a[j], pool, host, block_size, key);
+        if (rc) {
+            while (j--) kvb_mgr_destroy(&a[j]);
+            free(a);
+            free(g);
+            return rc;
+        }
+        g[j] = &a[j];
+    }
+    *out = g;
+    return KVB_OK;
+}
+
+/* Free what kvb_grp_new made (g may be NULL); group 0 frees the host tier. */
+void kvb_grp_delete(kvb_mgr_t **g, int32_t G) {
+    if (!g) return;
+    for (int32_t j = 0; j < G; j++) kvb_mgr_destroy(g[j]);
+    free(g[0]);
+    free(g);
+}

@@ -52,3 +52,31 @@ void kvb_step_commit(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
                      const int32_t *qlens, const int32_t *drafts, int64_t B) {
     KVB_MUST(kvb_grp_schedule(g, G, slots, qlens, drafts, B, 1)); /* applying cannot fail */
 }
+
+/* The binding's check of a step for every group (j < 0) or for group j alone (a v1
+ * metadata / row_indices call): pending copies in any group refuse either (err_a: how many),
+ * and the detail of a failure is in g[0]'s fields whichever group failed; a length out of
+ * range (KVB_EINVAL) is named "query_lens / draft_lens" (err_a: the index, err_b: the value). */
+int kvb_step_check_for(kvb_mgr_t *const *g, int32_t G, int32_t j, const int32_t *slots,
+                       const int32_t *qlens, const int32_t *drafts, int64_t B,
+                       kvb_step_size_t *sizes) {
+    int rc;
+    if (j < 0) {
+        rc = kvb_step_check(g, G, slots, qlens, drafts, B, sizes);
+    } else {
+        int64_t pending = kvb_grp_num_copies(g, G);
+        if (G > 1 && pending) {
+            KVB_CLEAR_ERR(g[0]);
+            g[0]->err_a = pending;
+            return KVB_EPENDING;
+        }
+        rc = kvb_step_check(&g[j], 1, slots, qlens, drafts, B, &sizes[j]);
+        if (rc && j) {
+            g[0]->err_a = g[j]->err_a;
+            g[0]->err_b = g[j]->err_b;
+            g[0]->err_what = g[j]->err_what;
+        }
+    }
+    if (rc == KVB_EINVAL) g[0]->err_what = "query_lens / draft_lens";
+    return rc;
+}

@@ -230,29 +230,51 @@ ERROR_TYPES = {
 
 
 def error_for(int rc, str what, int64_t a=0, int64_t b=0, str check="", object seq=None,
-              str msg=None):
+              str msg=None, str ctx=None):
     """The exception for C code ``rc`` (not raised): its type from ERROR_TYPES, its message
     from the code and the C error detail (a and b, see kvblocks.h; ``check`` the name of a
-    failed check or buffer, ``seq`` the sequence concerned), or ``msg`` where a call words it
-    itself (the type still comes from the code)."""
+    failed check or buffer, ``seq`` the sequence concerned, ``ctx`` the call's arguments a
+    failed check names), or ``msg`` where a caller words it itself (the type still comes from
+    the code). ``what`` is the call (``"truncate('a', 3)"``); a few codes are worded per call
+    here, the one place that words them."""
     cls = ERROR_TYPES.get(rc, KVBlocksError)
     if msg is not None:
         return cls(msg)
     cdef str name = check
     cdef str who = f"sequence {seq!r}" if seq is not None else "a sequence"
+    cdef str call = what.partition("(")[0]
     if rc == KVB_ENOMEM:
         return cls(f"{what}: out of host memory")
     if rc == KVB_EOUTOFBLOCKS:
+        if call == "swap_out":
+            return cls(f"{what}: need {a} host blocks, {b} free")
         return cls(f"{what}: need {a} blocks, {b} free")
     if rc == KVB_ERANGE:
         if name:
             return cls(f"{what}: buffer {name} holds {b}, the step needs {a}")
         return cls(f"{what}: value {b} at index {a} is out of range")
     if rc == KVB_EINVAL:
+        if call == "truncate":
+            return cls(f"{what}: must be in [0, {a}]")
+        if name == "query_lens / draft_lens":  # a step's lengths (kvb_step_check_for)
+            return cls(f"{what}: query_lens[{a}] / draft_lens[{a}] = {b} is not in "
+                       f"[0, num_tokens] / >= 0")
+        if name and ctx is not None:  # a geometry check, with the arguments it judged
+            return cls(f"{what}: {name} ({ctx})")
         return cls(f"{what}: invalid value {b}" + (f" at index {a}" if a else ""))
     if rc == KVB_ESWAPPED:
         return cls(f"{what}: {who} is swapped out (swap_in first)")
     if rc == KVB_EPENDING:
+        if call == "take_copies":
+            return cls(f"{what}: {a} offloads and {b} onloads are pending; drain "
+                       f"take_offloads() and take_onloads() first (a copy may overwrite a "
+                       f"block an offload reads, or read one an onload fills)")
+        if call == "take_onloads":
+            return cls(f"{what}: {a} offloads are pending; run take_offloads() first (an "
+                       f"onload may read a host block an offload writes)")
+        if call == "reset_prefix_cache":
+            return cls(f"{what}: {a} offloads and {b} onloads are pending; drain "
+                       f"take_offloads() and take_onloads() first (they hold cache entries)")
         if name:  # the host tier's pairs
             return cls(f"{what}: {a} {name}; drain them first")
         return cls(f"{what}: {a} copy-on-write copies are pending; drain them "
@@ -261,6 +283,9 @@ def error_for(int rc, str what, int64_t a=0, int64_t b=0, str check="", object s
         return cls(f"{what}: {who} has {b} committed tokens before the query "
                    f"that were never computed; include them in query_lens")
     if rc == KVB_ESTATE:
+        if call == "reset_prefix_cache":
+            return cls(f"{what}: {a} of {b} {name or 'cached blocks'} (free the sequences "
+                       f"holding them, or drain the copies that hold them, first)")
         return cls(f"{what}: not allowed now" + (f": {name}" if name else
                                                  f" (item {b} at index {a})"))
     if rc == KVB_EDUP:
@@ -276,6 +301,6 @@ def error_for(int rc, str what, int64_t a=0, int64_t b=0, str check="", object s
 
 
 cdef int raise_code(int rc, str what, int64_t a, int64_t b, const char *check=NULL,
-                    object seq=None, str msg=None) except -1:
+                    object seq=None, str msg=None, str ctx=None) except -1:
     """Raise error_for(...): the one place a C code becomes an exception."""
-    raise error_for(rc, what, a, b, check.decode() if check is not NULL else "", seq, msg)
+    raise error_for(rc, what, a, b, check.decode() if check is not NULL else "", seq, msg, ctx)

@@ -95,10 +95,8 @@ cdef extern from "core.h" nogil:
         uint64_t hit_blocks, hit_tokens, recompute_hit_tokens, demotions, offloads, onloads
         uint64_t dropped
 
-    ctypedef struct kvb_tier_t:
-        int write_through
-        int64_t noff, non
-        kvb_tier_stats_t stats
+    ctypedef struct kvb_tier_t:  # opaque: read through kvb_tier_pending, kvb_tier_stats
+        pass
 
     ctypedef struct kvb_pool_t:
         int32_t num_blocks, num_free, num_cached, num_evictable, free_head, free_tail
@@ -182,64 +180,44 @@ cdef extern from "core.h" nogil:
                           int64_t *bad)
     void kvb_buf_free(kvb_buf_t *b)
 
-    ctypedef struct kvb_chain_t:
-        int32_t tag
-
-    ctypedef struct kvb_row_t:
-        int32_t *blocks
-        int32_t nblocks, bcap, lo
-
-    ctypedef struct kvb_seq_t:
-        int32_t *tokens
-        int64_t ntokens, tcap
-        int64_t ncomputed, drafted
-        kvb_hash_t *hashes
-        int32_t nhashed, hcap
-        kvb_hash_t root
-        kvb_chain_t chain
-        uint32_t gen, stamp
-        int32_t next_free, swapped
-
     enum:
         KVB_G_FULL
         KVB_G_WINDOW
         KVB_G_CHUNK
         KVB_G_STATE
 
-    ctypedef struct kvb_mgr_t:
-        int32_t kind
-        int caching
-        int64_t span
-        kvb_pool_t *pool
-        kvb_pool_t *host
-        int32_t block_size
-        uint8_t key[16]
-        int32_t hash_algo
-        kvb_hash_t tag
-        kvb_seq_t *seqs
-        int32_t nseqs, scap
-        int64_t *copies
-        int64_t ncopies, ccap
-        int64_t err_a, err_b
-        const char *err_what
+    ctypedef struct kvb_mgr_t:  # opaque: one KV cache group (g[0] holds the sequences)
+        pass
 
     void kvb_pool_event_hash(const kvb_pool_t *p, int32_t b, kvb_hash_t *out)
-    int kvb_mgr_init(kvb_mgr_t *m, kvb_pool_t *pool, kvb_pool_t *host, int32_t block_size,
-                     const uint8_t *key)
-    void kvb_mgr_destroy(kvb_mgr_t *m)
-    int kvb_mgr_set_hash(kvb_mgr_t *m, int32_t algo, const uint8_t *none_hash)
-
+    int kvb_grp_new(kvb_mgr_t ***out, int32_t G, kvb_pool_t *pool, kvb_pool_t *host,
+                    int32_t block_size, const uint8_t *key)
+    void kvb_grp_delete(kvb_mgr_t **g, int32_t G)
     int kvb_mgr_set_kind(kvb_mgr_t *m, int32_t kind, int64_t span, uint8_t gidx)
     void kvb_group_tag(const uint8_t *key, uint8_t gidx, kvb_hash_t *out)
-    int kvb_grp_link(kvb_mgr_t **g, int32_t G)
     int kvb_grp_set_hash(kvb_mgr_t **g, int32_t G, int32_t algo, const uint8_t *none_hash)
     int64_t kvb_grp_table_blocks(kvb_mgr_t **g, int32_t G, int64_t n)
     int64_t kvb_grp_held(kvb_mgr_t **g, int32_t G, int32_t slot)
     int64_t kvb_grp_num_computed(kvb_mgr_t **g, int32_t G, int32_t slot)
     int64_t kvb_grp_num_copies(kvb_mgr_t **g, int32_t G)
-    const kvb_seq_t *kvb_grp_seq(kvb_mgr_t **g, int32_t slot)
-    const kvb_row_t *kvb_grp_row(kvb_mgr_t **g, int32_t j, int32_t slot)
-    int64_t kvb_grp_hashes(kvb_mgr_t **g, int32_t j, int32_t slot, kvb_hash_t *out)
+    enum:
+        KVB_READ_TABLE
+        KVB_READ_TOKENS
+        KVB_READ_HASHES
+    const char *kvb_mgr_err(const kvb_mgr_t *m, int64_t *a, int64_t *b)
+    int32_t kvb_grp_nseqs(kvb_mgr_t **g)
+    int32_t kvb_grp_block_size(kvb_mgr_t **g)
+    int32_t kvb_grp_hash_algo(kvb_mgr_t **g)
+    int32_t kvb_grp_kind(kvb_mgr_t **g, int32_t j)
+    int kvb_grp_swapped(kvb_mgr_t **g, int32_t slot)
+    int64_t kvb_grp_num_tokens(kvb_mgr_t **g, int32_t slot)
+    void kvb_grp_gens(kvb_mgr_t **g, const int32_t *slots, int64_t n, uint32_t *out)
+    int64_t kvb_grp_stale(kvb_mgr_t **g, const int32_t *slots, const uint32_t *gens, int64_t n)
+    int64_t kvb_grp_read(kvb_mgr_t **g, int32_t j, int32_t slot, int32_t what, void *out)
+    kvb_tier_t *kvb_grp_tier(kvb_mgr_t **g)
+    void kvb_tier_pending(const kvb_tier_t *t, int64_t *noff, int64_t *non)
+    int kvb_tier_write_through(const kvb_tier_t *t)
+    const kvb_tier_stats_t *kvb_tier_stats(const kvb_tier_t *t)
     int kvb_grp_add(kvb_mgr_t **g, int32_t G, const int32_t *tokens, int64_t n,
                     const uint8_t *salt, size_t salt_len, int recompute, int32_t tag,
                     int32_t *slot_out, int64_t *cached_out)
@@ -311,8 +289,9 @@ cdef extern from "core.h" nogil:
     ctypedef struct kvb_step_size_t:
         int64_t tokens, blocks, max_blocks, context
 
-    int kvb_step_check(kvb_mgr_t **g, int32_t G, const int32_t *slots, const int32_t *qlens,
-                       const int32_t *drafts, int64_t B, kvb_step_size_t *sizes)
+    int kvb_step_check_for(kvb_mgr_t **g, int32_t G, int32_t j, const int32_t *slots,
+                           const int32_t *qlens, const int32_t *drafts, int64_t B,
+                           kvb_step_size_t *sizes)
     void kvb_step_release(kvb_mgr_t **g, int32_t G, const int32_t *slots,
                           const int32_t *qlens, int64_t B)
     void kvb_step_commit(kvb_mgr_t **g, int32_t G, const int32_t *slots,
@@ -355,9 +334,7 @@ cdef class BlockPool:
 
 
 cdef class BlockManager:
-    cdef kvb_mgr_t m
-    cdef kvb_mgr_t *gx
-    cdef kvb_mgr_t **gp
+    cdef kvb_mgr_t **gp  # [ng] the KV cache groups (csrc/groups.c: kvb_grp_new)
     cdef int32_t ng
     cdef readonly tuple groups
     cdef list _gowners
@@ -365,7 +342,6 @@ cdef class BlockManager:
     cdef readonly BlockPool host_pool
     cdef double _watermark
     cdef int64_t _watermark_blocks
-    cdef bint _initialized
     cdef dict _slots
     cdef list _ids
     cdef cnp.ndarray _buf
@@ -375,29 +351,4 @@ cdef class BlockManager:
     cdef kvb_step_size_t *_zs  # [ng] the sizes of the last checked step, per group
     cdef uint64_t _epoch  # bumped by every call that may change tables (StepPlan staleness)
     cdef int _enter(self, bint mutates=*) except -1
-    cdef int _step_enter(self, object plan, int32_t g, str what) except -1
-    cdef object _step_commit(self, object plan)
-    cdef object _step_metadata(self, object plan, object group, object out)
-    cdef object _step_rows(self, object plan, object group, object stride, object offset,
-                           bint block_tables, object max_blocks, object out)
     cdef void _leave(self) noexcept
-    cdef int32_t _slot(self, object seq_id) except -1
-    cdef object _id_list(self, object seq_ids)
-    cdef cnp.ndarray _slots_of(self, object ids, Py_ssize_t *count)
-    cdef int _err(self, int rc, str what) except -1
-    cdef _register(self, object seq_id, int32_t slot)
-    cdef _unregister(self, object seq_id, int32_t slot)
-    cdef int64_t _field(self, object seq_id, int which) except? -1
-    cdef object _copy_out(self, object seq_id, int which, int32_t group=*)
-    cdef int _check_step(self, cnp.ndarray slots, cnp.ndarray q, object d, Py_ssize_t B,
-                         str what, int32_t group) except -1
-    cdef object _fill_meta(self, object out, int32_t *slots, int32_t *q, int32_t *d,
-                           Py_ssize_t B, int32_t g, bint release)
-    cdef object _fill_rows(self, object out, int32_t *slots, int32_t *q, int32_t *d,
-                           Py_ssize_t B, int32_t g, int64_t st, int64_t off, int64_t width,
-                           bint block_tables, bint release)
-    cdef _init_groups(self, tuple gs, bytes key)
-    cdef int64_t _table_blocks(self, int64_t n)
-    cdef int32_t _group(self, object group) except -1
-    cdef int64_t _held(self, int32_t slot)
-    cdef int64_t _ncopies(self)

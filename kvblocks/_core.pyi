@@ -23,7 +23,8 @@ def default_hash_key() -> bytes: ...
 #: every C error code (include/kvblocks.h) -> the exception type it raises
 ERROR_TYPES: dict[int, type]
 def error_for(rc: int, what: str, a: int = ..., b: int = ..., check: str = ...,
-              seq: object = ..., msg: Optional[str] = ...) -> Exception: ...
+              seq: object = ..., msg: Optional[str] = ...,
+              ctx: Optional[str] = ...) -> Exception: ...
 HASH_ALGOS: Tuple[str, ...]
 Parent = Union[int, bytes, npt.NDArray[np.uint64], npt.NDArray[np.uint8], None]
 

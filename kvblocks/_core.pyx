@@ -4,8 +4,11 @@
 Each cdef class owns exactly one C object. C functions return 0 or a negative code;
 ``raise_code`` (_convert.pxi) maps codes to the exceptions of kvblocks.errors with a message
 saying what was asked and what was there. The module is split the way uvloop and pyroaring
-split theirs: _convert.pxi (argument conversion, errors), _pool.pxi (BlockPool),
-_manager.pxi (BlockManager, SeqBatch).
+split theirs: _convert.pxi (argument conversion, errors), _hash.pxi (hash modes), _pool.pxi
+(BlockPool), _seqmap.pxi (ids and slots, SeqBatch), _writers.pxi (the step calls and their
+writers), _step.pxi (StepPlan), _tier.pxi (host tier, events), _seqs.pxi (per-sequence
+queries, swap), _groups.pxi (construction), _manager.pxi (BlockManager: convert, guard, call,
+raise).
 """
 import math
 import os
@@ -52,7 +55,12 @@ cdef Py_ssize_t _IMAP_LIMIT = 1 << 16  # int ids below this also get an array sl
 include "_convert.pxi"
 include "_hash.pxi"
 include "_pool.pxi"
+include "_seqmap.pxi"
+include "_writers.pxi"
 include "_step.pxi"
+include "_tier.pxi"
+include "_seqs.pxi"
+include "_groups.pxi"
 include "_manager.pxi"
 
 
