@@ -9,6 +9,92 @@
 
 #include "core.h"
 
+/* ---- the manager's structs (manager.c, table.c): private to csrc/ ---------------------- */
+typedef struct {               /* per-sequence hash chain state beside hashes[] (chain.c) */
+    kvb_digest_t start;        /* block 0's parent (start.h == root) */
+    int32_t has_start;         /* 0: block 0 chains on nothing (SGLang without salt) */
+    int32_t tag;               /* adapter tag the events of its stored blocks carry (0: none) */
+    kvb_hash_t *ext;           /* [ecap] digests' other halves of hashes[] (256-bit modes) */
+    int64_t ecap;              /* capacity of ext */
+    uint8_t *ctx;              /* [ctx_cap] the chain context given at add (vLLM extra keys) */
+    int64_t ctx_len, ctx_cap;  /* its bytes, capacity */
+} kvb_chain_t;
+
+/* One KV cache group's table of one sequence: the only per-group state a sequence has. */
+struct kvb_row {
+    int32_t *blocks;           /* [bcap] block table: physical ids in logical order */
+    int32_t nblocks, bcap;     /* blocks held (committed + reserved), capacity */
+    int32_t lo;                /* blocks[0..lo) were released (window / chunk groups): null */
+    uint32_t tver;             /* bumped when an existing entry changes (not on growth) */
+    int64_t done;              /* leading tokens whose K/V this group holds computed (a step
+                                * declared for this group alone, metadata(group=), runs ahead
+                                * of the others); the record's ncomputed is the fewest */
+    int64_t drafted;           /* draft slots this group's last step declared (as the
+                                * record's, which is the fewest) */
+    int64_t room;              /* STATE: the blocks a token group's table of this sequence
+                                * holds (its tokens' blocks, grown by reserve, cut by
+                                * truncate), which its draft slots must lie within as in
+                                * every kind; other kinds: unused (0) */
+};
+
+/* A sequence, once for all groups: its tokens, hash chain and counters, and group 0's row
+ * (groups 1.. keep theirs in kvb_mgr_t.rows, at the same slot). */
+struct kvb_seq {
+    /* the first 64 bytes are what a decode step (append_batch) reads and writes of a record
+     * with one group: one cache line */
+    kvb_row_t row;             /* group 0's table */
+    int32_t *tokens;           /* [tcap] committed token ids */
+    kvb_hash_t *hashes;        /* [hcap] chain hashes of the leading full blocks (group j's
+                                * cache key of block i: hashes[i] XOR its tag) */
+    int64_t ntokens, tcap;     /* committed tokens, capacity */
+    /* the rest */
+    int32_t nhashed, hcap;     /* hashes known (<= ntokens / block_size), capacity */
+    uint32_t stamp;            /* last batch call that touched it (duplicate check) */
+    int32_t swapped;           /* every group's blocks refer to the host pool (swap_out) */
+    int64_t ncomputed;         /* leading tokens whose K/V are written in every group (or
+                                * promised by the last step); <= ntokens */
+    int64_t drafted;           /* positions < drafted were scheduled as draft slots (in every
+                                * group) since the last commit: append(computed=1) may commit
+                                * up to here */
+    uint32_t gen;              /* bumped when the slot is freed; odd = live */
+    int32_t next_free;         /* free-slot stack link */
+    kvb_hash_t root;           /* chain seed (salt folded in) */
+    kvb_chain_t chain;         /* the rest of the hash chain's state (chain.c) */
+};
+
+/* A manager is G groups g[0..G) over one pool; g[0], the lead, holds the sequences (records,
+ * slots); every group holds its kind, its tag and its rows. Every call takes (g, G). */
+struct kvb_mgr {
+    kvb_pool_t *pool;          /* device pool (not owned) */
+    kvb_pool_t *host;          /* host pool for swapping or NULL (not owned) */
+    int32_t block_size;        /* tokens per block, >= 1 */
+    int32_t bs_shift;          /* log2(block_size) when a power of two, else -1 */
+    uint8_t key[16];           /* hash key */
+    int32_t hash_algo;         /* KVB_HASH_* mode of the block hashes (kvb_mgr_set_hash) */
+    uint8_t none_hash[32];     /* vLLM modes: NONE_HASH, block 0's parent */
+    struct kvb_mgr *lead;      /* the group holding the sequences (itself for g[0]) */
+    kvb_seq_t *seqs;           /* lead: [scap] sequence records */
+    int32_t nseqs, scap;       /* lead: live sequences, capacity */
+    int32_t free_slot;         /* lead: head of the free-slot stack, KVB_NONE if empty */
+    uint32_t stamp;            /* lead: batch call counter */
+    int32_t hashing;           /* lead: some group caches, so records keep chain hashes */
+    struct kvb_mgr *const *grp; /* lead: every group, g[0..ngrp) (kvb_grp_link) */
+    int32_t ngrp;
+    kvb_row_t *rows;           /* groups 1..: [rcap] rows by slot (g[0]'s are in the records) */
+    int32_t rcap;
+    int32_t kind;              /* KVB_G_* */
+    int64_t span;              /* window (WINDOW), chunk (CHUNK) or blocks (STATE); 0 (FULL) */
+    uint8_t gidx;              /* group index (events) */
+    kvb_hash_t tag;            /* XORed onto the chain hash: the key of the group's blocks (0
+                                * in group 0; every hash mode) */
+    int caching;               /* the pool caches and the kind can be cached (not STATE) */
+    int64_t *copies;           /* [2 * ccap] pending (src, dst) copy-on-write pairs; each
+                                * holds one reference on src until drained or dropped */
+    int64_t ncopies, ccap;     /* pairs pending, capacity */
+    int64_t err_a, err_b;      /* detail of the last error (g[0]'s for a call over groups) */
+    const char *err_what;      /* name of the failed invariant (check) or NULL */
+};
+
 /* memcpy that accepts NULL pointers when n is 0 (memcpy itself does not: C11 7.24.1). */
 KVB_INLINE void kvb_copy(void *dst, const void *src, size_t n) {
     if (n) memcpy(dst, src, n);
