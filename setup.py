@@ -37,6 +37,8 @@ C_SOURCES = [
     "csrc/debug.c",
     "csrc/table.c",
     "csrc/manager.c",
+    "csrc/admit.c",
+    "csrc/append.c",
     "csrc/tier.c",
     "csrc/meta.c",
     "csrc/groups.c",
@@ -81,7 +83,14 @@ ext = Extension(
     define_macros=macros + [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=compile_args,
     extra_link_args=link_args,
-    depends=["csrc/core.h", "csrc/internal.h", "include/kvblocks.h", "kvblocks/_core.pxd"],
+    depends=[
+        "csrc/core.h",
+        "csrc/internal.h",
+        "csrc/table.h",
+        "csrc/manager.h",
+        "include/kvblocks.h",
+        "kvblocks/_core.pxd",
+    ],
 )
 
 # libkvblocks vendored in the wheel (docs/c-api.md, `kvblocks config --cflags --libs`): the same
@@ -98,7 +107,14 @@ lib = Extension(
     define_macros=macros + [("KVBLOCKS_BUILD", "1")],
     extra_compile_args=lib_compile,
     extra_link_args=lib_link,
-    depends=["csrc/core.h", "csrc/internal.h", "include/kvblocks.h", "cmake/libkvblocks.map"],
+    depends=[
+        "csrc/core.h",
+        "csrc/internal.h",
+        "csrc/table.h",
+        "csrc/manager.h",
+        "include/kvblocks.h",
+        "cmake/libkvblocks.map",
+    ],
 )
 
 

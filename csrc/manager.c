@@ -13,46 +13,23 @@
  * Release (window, chunk) runs in every group before any group allocates: a group that
  * allocates first must not depend on blocks a later group has not released yet. Errors are
  * reported in g[0]'s fields.
+ *
+ * This file: the lifecycle, slots and records, truncate, fork, free, swap, the counts, the
+ * queries, the drain and the check. admit.c: add and probe. append.c: append, reserve, the
+ * decode step and the step that computes committed tokens.
  */
 #include <stdlib.h>
 #include <string.h>
 
-#include "table.h"
+#include "manager.h"
 
-static int fail_from(kvb_mgr_t *const *g, int32_t k, int rc) {
-    if (k) {
-        g[0]->err_a = g[k]->err_a;
-        g[0]->err_b = g[k]->err_b;
-        g[0]->err_what = g[k]->err_what;
-    }
-    return rc;
-}
-
-KVB_NOINLINE static int out_of_blocks(kvb_mgr_t *m, int64_t need, int64_t have) {
+int mgr_out_of_blocks(kvb_mgr_t *m, int64_t need, int64_t have) {
     m->err_a = need;
     m->err_b = have;
     return KVB_EOUTOFBLOCKS;
 }
 
-/* Tokens no sequence can ever hold: more than the whole pool. Requests above it are refused
- * before any size arithmetic, so ntokens + n never overflows (both stay below 2^62). */
-KVB_INLINE int64_t max_tokens(const kvb_mgr_t *m) {
-    return (int64_t)m->pool->num_blocks * m->block_size;
-}
-
-/* The one preamble of every single-sequence call: the live sequence in slot, refused when
- * swapped out unless allow_swapped. Sets the error detail (index 0, the slot). */
-static int get_seq(kvb_mgr_t *L, int32_t slot, int allow_swapped, kvb_seq_t **out) {
-    kvb_seq_t *s = live_seq(L, slot);
-    L->err_a = 0;
-    L->err_b = slot;
-    if (!s) return KVB_EUNKNOWN;
-    if (s->swapped && !allow_swapped) return KVB_ESWAPPED;
-    *out = s;
-    return KVB_OK;
-}
-
-static uint32_t next_stamp(kvb_mgr_t *L) {
+uint32_t mgr_next_stamp(kvb_mgr_t *L) {
     uint32_t stamp = ++L->stamp;
     if (KVB_UNLIKELY(stamp == 0)) { /* wrapped: clear old stamps */
         for (int32_t i = 0; i < L->scap; i++) L->seqs[i].stamp = 0;
@@ -61,8 +38,7 @@ static uint32_t next_stamp(kvb_mgr_t *L) {
     return stamp;
 }
 
-/* Capacity of a record for ntok tokens and, when hashing, nblk block hashes. */
-static int rec_reserve(const kvb_mgr_t *L, kvb_seq_t *s, int64_t ntok, int64_t nblk) {
+int mgr_rec_reserve(const kvb_mgr_t *L, kvb_seq_t *s, int64_t ntok, int64_t nblk) {
     if (kvb_grow((void **)&s->tokens, &s->tcap, ntok, sizeof *s->tokens)) return KVB_ENOMEM;
     if (!L->hashing || nblk <= s->hcap) return KVB_OK;
     int64_t cap = s->hcap;
@@ -70,14 +46,6 @@ static int rec_reserve(const kvb_mgr_t *L, kvb_seq_t *s, int64_t ntok, int64_t n
         return KVB_ENOMEM;
     s->hcap = (int32_t)cap;
     return kvb_chain_reserve(L, s, nblk);
-}
-
-/* Hash the blocks that became full (from block nhashed to ntokens / bs), once for all
- * groups. They enter the prefix cache only once computed (tbl_computed). */
-static void hash_new(const kvb_mgr_t *L, kvb_seq_t *s) {
-    int64_t full = blk_of(L, s->ntokens);
-    kvb_chain_hash(L, s, s->tokens + s->nhashed * (int64_t)L->block_size, s->nhashed, full);
-    s->nhashed = (int32_t)full;
 }
 
 /* ---- lifecycle -------------------------------------------------------------------------- */
@@ -151,7 +119,7 @@ static int grow_rows(kvb_mgr_t *const *g, int32_t G) {
 }
 
 /* A fresh slot (its arrays keep their capacity), not yet marked live. */
-static int new_slot(kvb_mgr_t *const *g, int32_t G, int32_t *slot) {
+int mgr_new_slot(kvb_mgr_t *const *g, int32_t G, int32_t *slot) {
     kvb_mgr_t *L = g[0];
     if (L->free_slot == KVB_NONE) {
         int64_t cap = L->scap;
@@ -170,7 +138,7 @@ static int new_slot(kvb_mgr_t *const *g, int32_t G, int32_t *slot) {
     return KVB_OK;
 }
 
-static void take_slot(kvb_mgr_t *const *g, int32_t G, int32_t slot) {
+void mgr_take_slot(kvb_mgr_t *const *g, int32_t G, int32_t slot) {
     kvb_mgr_t *L = g[0];
     kvb_seq_t *s = &L->seqs[slot];
     L->free_slot = s->next_free;
@@ -194,7 +162,7 @@ static void take_slot(kvb_mgr_t *const *g, int32_t G, int32_t slot) {
 }
 
 /* The record's computed tokens and draft window: the fewest any group declared. */
-static void sync_computed(const kvb_mgr_t *L, kvb_seq_t *s, int32_t slot) {
+void mgr_sync_computed(const kvb_mgr_t *L, kvb_seq_t *s, int32_t slot) {
     int64_t nc = s->ntokens, dr = INT64_MAX;
     for (int32_t j = 0; j < L->ngrp; j++) {
         const kvb_row_t *r = row_of(L->grp[j], slot);
@@ -203,567 +171,6 @@ static void sync_computed(const kvb_mgr_t *L, kvb_seq_t *s, int32_t slot) {
     }
     s->ncomputed = nc;
     s->drafted = dr;
-}
-
-/* No draft window any more (tokens committed or dropped), in the record and every group. */
-static void clear_drafts(kvb_mgr_t *const *g, int32_t G, kvb_seq_t *s, int32_t slot) {
-    s->drafted = 0;
-    for (int32_t j = 0; j < G; j++) row_of(g[j], slot)->drafted = 0;
-}
-
-/* ---- add and probe: the longest prefix every group can serve ---------------------------- *
- * A hit of k full blocks means tokens [0, k * bs) are reused and computed; the step after
- * computes from position k * bs, so a group must hold the blocks that query reads: all k in a
- * full group, those from tbl_hit_lo(k) in a window or chunk group (the ones below are null
- * entries), none in a state group (no state snapshots: no hits). */
-
-/* Which hit lengths k in [1, K] group m can serve for the prompt hashed in record s: entries
- * it cannot serve are cleared in ok. Its row gets the cached blocks found. */
-static int group_hits(kvb_mgr_t *m, const kvb_seq_t *s, kvb_row_t *r, int64_t n, uint8_t *ok,
-                      int64_t K) {
-    kvb_pool_t *p = m->pool;
-    if (!m->caching) { /* no hits */
-        for (int64_t k = 1; k <= K; k++) ok[k] = 0;
-        return KVB_OK;
-    }
-    if (m->kind == KVB_G_FULL) {
-        int64_t run = 0;
-        if (!(m->tag.lo | m->tag.hi)) {
-            run = kvb_cache_match(p, s->hashes, K, r->blocks);
-        } else {
-            for (; run < K; run++) {
-                kvb_hash_t h = gkey(m, s, run);
-                int32_t b = kvb_cache_find(p, &h);
-                if (b == KVB_NONE) break;
-                r->blocks[run] = b;
-            }
-        }
-        for (int64_t k = run + 1; k <= K; k++) ok[k] = 0;
-        return KVB_OK;
-    }
-    /* window / chunk: a hit of k blocks needs blocks [hit_lo(k), k) cached */
-    int64_t trail = 0; /* cached blocks ending at block k - 1 */
-    for (int64_t k = 1; k <= K; k++) {
-        kvb_hash_t h = gkey(m, s, k - 1);
-        int32_t b = kvb_cache_find(p, &h);
-        r->blocks[k - 1] = b == KVB_NONE ? 0 : b;
-        trail = b == KVB_NONE ? 0 : trail + 1;
-        if (trail < k - tbl_hit_lo(m, n, k)) ok[k] = 0;
-    }
-    return KVB_OK;
-}
-
-/* Phase 1 of add and probe: the prompt hashed once into the next free slot's record (not yet
- * live), each group's hits found (ok[1..K], all set by the caller), capacities grown. */
-static int prepare(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
-                   const uint8_t *salt, size_t salt_len, uint8_t *ok, int64_t K) {
-    kvb_mgr_t *L = g[0];
-    kvb_pool_t *p = L->pool;
-    int64_t full = blk_of(L, n);
-    for (int32_t j = 0; j < G; j++) {
-        int64_t total = tbl_blocks(g[j], n);
-        if (total >= p->num_blocks) return out_of_blocks(L, total, p->num_free);
-    }
-    int32_t slot;
-    if (new_slot(g, G, &slot)) return KVB_ENOMEM;
-    kvb_seq_t *s = &L->seqs[slot];
-    if (rec_reserve(L, s, n, full + 1)) return KVB_ENOMEM;
-    for (int32_t j = 0; j < G; j++) {
-        int64_t total = tbl_blocks(g[j], n);
-        if (tbl_ensure_blocks(row_of(g[j], slot), total > full ? total : full)) return KVB_ENOMEM;
-    }
-    if (L->hashing) {
-        int rc = kvb_chain_begin(L, s, salt, salt_len);
-        if (rc) return rc;
-        kvb_chain_hash(L, s, tokens, 0, full);
-    }
-    for (int32_t j = 0; j < G; j++) {
-        int rc = group_hits(g[j], s, row_of(g[j], slot), n, ok, K);
-        if (rc) return fail_from(g, j, rc);
-    }
-    return KVB_OK;
-}
-
-/* Blocks group m takes from the free pool for an n-token prompt with a k-block hit (its row
- * holds the hits found). */
-static int64_t add_need(const kvb_mgr_t *m, const kvb_row_t *r, int64_t n, int64_t k) {
-    if (m->kind == KVB_G_STATE) return m->span;
-    int64_t need = tbl_blocks(m, n) - k;
-    for (int64_t j = tbl_hit_lo(m, n, k); j < k; j++)
-        need += m->pool->ref_count[r->blocks[j]] == 0; /* pinning an evictable hit */
-    return need;
-}
-
-void mgr_add_stats(kvb_mgr_t *L, int64_t n, int64_t k, int recompute) {
-    kvb_pool_t *p = L->pool;
-    int64_t full = blk_of(L, n);
-    if (p->caching) {
-        p->stats.queries++;
-        p->stats.query_blocks += (uint64_t)full;
-        p->stats.hit_blocks += (uint64_t)k;
-        if (recompute) {
-            p->stats.recompute_query_tokens += (uint64_t)n;
-            p->stats.recompute_hit_tokens += (uint64_t)(k * L->block_size);
-        } else {
-            p->stats.query_tokens += (uint64_t)n;
-            p->stats.hit_tokens += (uint64_t)(k * L->block_size);
-        }
-    }
-}
-
-/* Take the prepared slot: every group pins its k-block hit (the entries below its hit_lo
- * null, a 0 entry: a host hit's, hosthits.c), then the record. */
-void mgr_add_pin(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n, int64_t k,
-                 int32_t slot) {
-    kvb_mgr_t *L = g[0];
-    kvb_seq_t *s = &L->seqs[slot];
-    take_slot(g, G, slot);
-    for (int32_t j = 0; j < G; j++) {
-        kvb_mgr_t *m = g[j];
-        kvb_row_t *r = row_of(m, slot);
-        int64_t kk = m->kind == KVB_G_STATE ? 0 : k;
-        r->lo = (int32_t)tbl_hit_lo(m, n, kk);
-        for (int64_t i = 0; i < r->lo; i++) r->blocks[i] = KVB_NULL_BLOCK;
-        for (int64_t i = r->lo, e; i < kk; i = e) {
-            while (i < kk && !r->blocks[i]) i++;
-            for (e = i; e < kk && r->blocks[e]; e++) {}
-            kvb_pool_pin(m->pool, r->blocks + i, e - i);
-        }
-        r->nblocks = (int32_t)kk;
-        r->done = kk * L->block_size; /* the rest enters the cache once computed */
-    }
-    kvb_copy(s->tokens, tokens, (size_t)n * sizeof *tokens);
-    s->ntokens = n;
-    sync_computed(L, s, slot);
-    s->nhashed = L->hashing ? (int32_t)blk_of(L, n) : 0;
-}
-
-/* Every group allocates the rest of its table (after every group pinned). */
-static void add_fill(kvb_mgr_t *const *g, int32_t G, int32_t slot) {
-    const kvb_seq_t *s = &g[0]->seqs[slot];
-    for (int32_t j = 0; j < G; j++) {
-        kvb_mgr_t *m = g[j];
-        kvb_row_t *r = row_of(m, slot);
-        int64_t total = tbl_blocks(m, s->ntokens);
-        KVB_MUST(kvb_pool_allocate(m->pool, (int32_t)(total - r->nblocks), r->blocks + r->nblocks));
-        r->nblocks = (int32_t)total;
-        if (m->kind == KVB_G_STATE) r->room = blocks_for(m, s->ntokens);
-    }
-}
-
-/* One full-attention group takes host hits continuing its device prefix here (fresh blocks
- * and onloads); any other shape takes the grouped rule of hosthits.c. */
-KVB_INLINE int plain_host_hits(kvb_mgr_t *const *g, int32_t G) {
-    return G == 1 && g[0]->kind == KVB_G_FULL;
-}
-
-static int add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
-               const uint8_t *salt, size_t salt_len, int recompute, int32_t *slot_out,
-               int64_t *cached_out) {
-    kvb_mgr_t *L = g[0];
-    kvb_pool_t *p = L->pool;
-    KVB_CLEAR_ERR(L);
-    if (n < 0) { L->err_b = n; return KVB_EINVAL; }
-    uint8_t small[64];
-    int64_t K = n > 0 ? blk_of(L, n - 1) : 0; /* at least one token is computed */
-    uint8_t *ok = K < 64 ? small : malloc((size_t)K + 1);
-    if (!ok) return KVB_ENOMEM;
-    memset(ok, 1, (size_t)K + 1);
-    int rc = prepare(g, G, tokens, n, salt, salt_len, ok, K);
-    int64_t k = K;
-    while (k > 0 && !ok[k]) k--;
-    if (ok != small) free(ok);
-    if (rc) return rc;
-    int32_t slot = L->free_slot;
-    int64_t need = 0;
-    for (int32_t j = 0; j < G; j++) need = add_sat(need, add_need(g[j], row_of(g[j], slot), n, k));
-    kvb_tier_t *t = p->tier;
-    if (t && !plain_host_hits(g, G)) { /* a longer hit with the host, when it fits */
-        rc = kvb_hh_add(g, G, tokens, n, k, recompute, slot_out, cached_out);
-        if (rc) return rc > 0 ? KVB_OK : rc;
-        t = NULL; /* the device-only hit stands */
-    }
-    if (need > p->num_free) return out_of_blocks(L, need, p->num_free);
-    kvb_seq_t *s = &L->seqs[slot];
-    int64_t hh = 0;
-    if (t && L->caching && k < K) { /* one full group: the prefix continues on the host */
-        hh = kvb_tier_match(t, s->hashes + k, K - k); /* one group: keys are the chain */
-        if (hh < 0) return KVB_ENOMEM;
-    }
-    mgr_add_pin(g, G, tokens, n, k, slot);
-    mgr_add_stats(L, n, k, recompute);
-    if (hh) kvb_pool_pin(L->host, t->scratch, hh); /* before demotions need room */
-    add_fill(g, G, slot);
-    if (hh) { /* host hits are computed like device ones; counted in the tier's stats */
-        kvb_row_t *r = row_of(L, slot);
-        int64_t got = kvb_tier_onload_targets(p, r, k, hh);
-        for (int64_t i = got; i < hh; i++) kvb_pool_release(L->host, t->scratch[i]);
-        if (got) {
-            kvb_tier_onload(L, s, r, k, got);
-            if (recompute) t->stats.recompute_hit_tokens += (uint64_t)(got * L->block_size);
-            else t->stats.hit_tokens += (uint64_t)(got * L->block_size);
-            s->ncomputed += got * L->block_size;
-            r->done = s->ncomputed;
-        }
-    }
-    *slot_out = slot;
-    *cached_out = s->ncomputed;
-    return KVB_OK;
-}
-
-int kvb_grp_add(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
-                const uint8_t *salt, size_t salt_len, int recompute, int32_t tag,
-                int32_t *slot_out, int64_t *cached_out) {
-    kvb_pool_t *p = g[0]->pool;
-    p->events.cur_tag = tag; /* host-tier onloads cache blocks inside add */
-    int rc = add(g, G, tokens, n, salt, salt_len, recompute, slot_out, cached_out);
-    p->events.cur_tag = 0;
-    if (!rc) g[0]->seqs[*slot_out].chain.tag = tag;
-    return rc;
-}
-
-/* probe of one full-attention group: hashes block by block, stopping at the first miss. */
-static int probe_full(kvb_mgr_t *m, const int32_t *tokens, int64_t n, const uint8_t *salt,
-                      size_t salt_len, int64_t *cached_out, int64_t *need_out) {
-    kvb_pool_t *p = m->pool;
-    int64_t total = blocks_for(m, n), hits = 0, pinned_from_free = 0;
-    if (p->tier) kvb_tier_flush(p->tier); /* recent evictions: on the host */
-    if (m->caching && n > 1) {
-        int64_t max_hits = blk_of(m, n - 1);
-        kvb_hasher_t hs;
-        kvb_digest_t d, parent;
-        int rc = kvb_chain_probe(m, salt, salt_len, &hs);
-        if (rc) return rc;
-        int host = 0; /* 1 once the device prefix ended: it continues on the host tier */
-        for (; hits < max_hits; hits++) { /* hash block by block: stop at the first miss */
-            kvb_hash_blocks(&hs, hits ? &parent : NULL, hits, tokens + hits * m->block_size,
-                            1, m->block_size, &d.h, &d.x);
-            int32_t b = host ? KVB_NONE : kvb_cache_find(p, &d.h);
-            if (b == KVB_NONE) {
-                if (!p->tier || kvb_cache_find(p->tier->host, &d.h) == KVB_NONE) break;
-                host = 1; /* a host hit takes a fresh device block all the same */
-            }
-            pinned_from_free += b == KVB_NONE || p->ref_count[b] == 0;
-            parent = d;
-        }
-    }
-    *cached_out = hits * m->block_size;
-    *need_out = total - hits + pinned_from_free;
-    return KVB_OK;
-}
-
-int kvb_grp_probe(kvb_mgr_t *const *g, int32_t G, const int32_t *tokens, int64_t n,
-                  const uint8_t *salt, size_t salt_len, int64_t *cached_out, int64_t *need_out) {
-    kvb_mgr_t *L = g[0];
-    KVB_CLEAR_ERR(L);
-    if (n < 0) { L->err_b = n; return KVB_EINVAL; }
-    if (plain_host_hits(g, G)) return probe_full(L, tokens, n, salt, salt_len, cached_out, need_out);
-    int64_t K = n > 0 ? blk_of(L, n - 1) : 0;
-    uint8_t *ok = malloc((size_t)K + 1);
-    if (!ok) return KVB_ENOMEM;
-    memset(ok, 1, (size_t)K + 1);
-    int rc = prepare(g, G, tokens, n, salt, salt_len, ok, K);
-    int64_t k = K;
-    while (k > 0 && !ok[k]) k--;
-    free(ok);
-    if (rc) return rc;
-    int64_t need = 0;
-    for (int32_t j = 0; j < G; j++)
-        need = add_sat(need, add_need(g[j], row_of(g[j], L->free_slot), n, k));
-    *cached_out = k * L->block_size;
-    *need_out = need;
-    return L->pool->tier ? kvb_hh_probe(g, G, n, k, cached_out, need_out) : KVB_OK;
-}
-
-/* ---- append / reserve ------------------------------------------------------------------- */
-/* Make n slots after the committed tokens writable in every group (copy-on-write of the
- * write block, growth), with capacity for `tokens` more committed tokens; an append
- * (tokens > 0) first releases what the longer sequence no longer needs. */
-static int make_room(kvb_mgr_t *const *g, int32_t G, kvb_seq_t *s, int32_t slot, int64_t n,
-                     int64_t tokens) {
-    kvb_mgr_t *L = g[0];
-    kvb_pool_t *p = L->pool;
-    if (n < 0) { L->err_b = n; return KVB_EINVAL; }
-    if (n == 0) return KVB_OK;
-    if (n > max_tokens(L)) {
-        int64_t need = INT64_MAX; /* state groups only: the state does not grow */
-        for (int32_t j = 0; j < G; j++)
-            if (g[j]->kind != KVB_G_STATE) need = blocks_for(L, max_tokens(L)) + 1;
-        return out_of_blocks(L, need, p->num_free);
-    }
-    int64_t need = 0, have = p->num_free; /* release never touches the write block */
-    for (int32_t j = 0; j < G; j++) {
-        const kvb_row_t *r = row_of(g[j], slot);
-        need = add_sat(need, tbl_need_for(g[j], s, r, n));
-        if (tokens) have += tbl_gain(g[j], r, s->ntokens + n);
-    }
-    if (need > have) return out_of_blocks(L, need, have);
-    if (rec_reserve(L, s, s->ntokens + tokens, blk_of(L, s->ntokens + tokens) + 1))
-        return KVB_ENOMEM;
-    for (int32_t j = 0; j < G; j++) {
-        kvb_mgr_t *m = g[j];
-        kvb_row_t *r = row_of(m, slot);
-        if (m->kind == KVB_G_STATE) continue;
-        if (tbl_ensure_blocks(r, r->nblocks + tbl_need_for(m, s, r, n)) ||
-            tbl_ensure_copies(m, 1))
-            return KVB_ENOMEM;
-    }
-    if (tokens) /* append: moving on */
-        for (int32_t j = 0; j < G; j++)
-            tbl_release_for(g[j], row_of(g[j], slot), s->ntokens + n, INT64_MAX);
-    for (int32_t j = 0; j < G; j++) {
-        kvb_mgr_t *m = g[j];
-        kvb_row_t *r = row_of(m, slot);
-        if (m->kind == KVB_G_STATE) { /* the state blocks do not grow */
-            if (blocks_for(m, s->ntokens + n) > r->room) r->room = blocks_for(m, s->ntokens + n);
-            continue;
-        }
-        tbl_make_writable(m, s, r);
-        tbl_grow(m, s, r, n);
-    }
-    return KVB_OK;
-}
-
-/* Append validation (unknown, swapped, n < 0, computed tokens without draft slots). */
-static int append_check(kvb_mgr_t *L, int32_t slot, int64_t n, int computed, kvb_seq_t **out) {
-    kvb_seq_t *s;
-    int rc = get_seq(L, slot, 0, &s);
-    if (rc) return rc;
-    if (n < 0) { L->err_b = n; return KVB_EINVAL; }
-    if (computed && n > 0 && (s->ncomputed != s->ntokens || n > s->drafted - s->ntokens)) {
-        L->err_a = s->drafted > s->ntokens ? s->drafted - s->ntokens : 0;
-        L->err_b = n;
-        L->err_what = "computed tokens must fill draft slots the last step scheduled";
-        return KVB_ESTATE;
-    }
-    *out = s;
-    return KVB_OK;
-}
-
-int kvb_grp_append(kvb_mgr_t *const *g, int32_t G, int32_t slot, const int32_t *tokens,
-                   int64_t n, int computed) {
-    kvb_mgr_t *L = g[0];
-    kvb_seq_t *s;
-    KVB_CLEAR_ERR(L);
-    int rc = append_check(L, slot, n, computed, &s);
-    if (rc || n == 0) return rc;
-    rc = make_room(g, G, s, slot, n, n);
-    if (rc) return rc;
-    memcpy(s->tokens + s->ntokens, tokens, (size_t)n * sizeof *tokens);
-    s->ntokens += n;
-    if (L->hashing) hash_new(L, s);
-    if (computed) { /* every group is computed (append_check) */
-        for (int32_t j = 0; j < G; j++) tbl_computed(g[j], s, row_of(g[j], slot), s->ntokens);
-        s->ncomputed = s->ntokens;
-    } else {
-        clear_drafts(g, G, s, slot);
-    }
-    return KVB_OK;
-}
-
-int kvb_grp_reserve(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t n) {
-    kvb_mgr_t *L = g[0];
-    kvb_seq_t *s;
-    KVB_CLEAR_ERR(L);
-    int rc = get_seq(L, slot, 0, &s);
-    return rc ? rc : make_room(g, G, s, slot, n, 0);
-}
-
-/* ---- the decode step -------------------------------------------------------------------- */
-/* Validation of a batch (unknown, twice, swapped out), error detail (index, slot). */
-static int batch_check(kvb_mgr_t *L, const int32_t *slots, int64_t n) {
-    uint32_t stamp = next_stamp(L);
-    for (int64_t i = 0; i < n; i++) {
-        kvb_seq_t *s = live_seq(L, slots[i]);
-        L->err_a = i;
-        L->err_b = slots[i];
-        if (KVB_UNLIKELY(!s)) return KVB_EUNKNOWN;
-        if (KVB_UNLIKELY(s->stamp == stamp)) return KVB_EDUP;
-        if (KVB_UNLIKELY(s->swapped)) return KVB_ESWAPPED;
-        s->stamp = stamp;
-    }
-    L->err_a = L->err_b = 0;
-    return KVB_OK;
-}
-
-/* One token for each of n sequences. The records are validated and their capacity grown; each
- * group bounds the blocks the step takes (one per sequence whose write block is missing or
- * shared) and grows its rows; only when that bound does not fit is the step counted exactly,
- * with what release frees. Then every window and chunk group releases, each group's table
- * takes the token's slot, and the records take the tokens. */
-int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
-                         const int32_t *tokens, int64_t n) {
-    kvb_mgr_t *L = g[0];
-    kvb_pool_t *p = L->pool;
-    KVB_CLEAR_ERR(L);
-    uint32_t stamp = next_stamp(L);
-    for (int64_t i = 0; i < n; i++) { /* the records: validation, capacity */
-        kvb_seq_t *s = live_seq(L, slots[i]);
-        L->err_a = i;
-        L->err_b = slots[i];
-        if (KVB_UNLIKELY(!s)) return KVB_EUNKNOWN;
-        if (KVB_UNLIKELY(s->stamp == stamp)) return KVB_EDUP;
-        if (KVB_UNLIKELY(s->swapped)) return KVB_ESWAPPED;
-        s->stamp = stamp;
-        int64_t w = blk_of(L, s->ntokens);
-        if (KVB_UNLIKELY(s->ntokens + 1 > s->tcap || (L->hashing && w + 1 > s->hcap)) &&
-            rec_reserve(L, s, s->ntokens + 1, w + 2))
-            return KVB_ENOMEM;
-    }
-    L->err_a = L->err_b = 0;
-    int64_t need = 0;
-    int windowed = 0;
-    for (int32_t j = 0; j < G; j++) { /* each group: row capacity and the bound */
-        kvb_mgr_t *m = g[j];
-        if (m->kind == KVB_G_STATE) continue;
-        windowed |= m->kind == KVB_G_WINDOW || m->kind == KVB_G_CHUNK;
-        if (KVB_UNLIKELY(tbl_ensure_copies(m, n))) return KVB_ENOMEM;
-        kvb_rows_view_t v = group_rows(m);
-        for (int64_t i = 0; i < n; i++) {
-            kvb_row_t *r = rows_at(v, slots[i]);
-            int64_t w = blk_of(m, L->seqs[slots[i]].ntokens);
-            if (w >= r->nblocks || p->ref_count[r->blocks[w]] > 1) need++;
-            if (KVB_UNLIKELY(r->nblocks + 1 > r->bcap) && tbl_ensure_blocks(r, r->nblocks + 1))
-                return KVB_ENOMEM;
-        }
-    }
-    if (KVB_UNLIKELY(need > p->num_free)) { /* count exactly, with what release frees */
-        int64_t have = p->num_free;
-        need = 0;
-        for (int32_t j = 0; j < G; j++) {
-            kvb_mgr_t *m = g[j];
-            int64_t nj;
-            if (tbl_step_need(m, slots, NULL, 1, NULL, NULL, n, &nj)) return KVB_ENOMEM;
-            need = add_sat(need, nj);
-            for (int64_t i = 0; m->kind != KVB_G_FULL && i < n; i++)
-                have += tbl_gain(m, row_of(m, slots[i]), L->seqs[slots[i]].ntokens + 1);
-        }
-        if (need > have) return out_of_blocks(L, need, have);
-    }
-    for (int32_t j = 0; windowed && j < G; j++) /* every release before any allocation */
-        if (g[j]->kind == KVB_G_WINDOW || g[j]->kind == KVB_G_CHUNK)
-            for (int64_t i = 0; i < n; i++)
-                tbl_release_for(g[j], row_of(g[j], slots[i]), L->seqs[slots[i]].ntokens + 1,
-                                INT64_MAX);
-    for (int32_t j = 0; j < G; j++) { /* each group's table for one more token */
-        kvb_mgr_t *m = g[j];
-        kvb_rows_view_t v = group_rows(m);
-        for (int64_t i = 0; i < n; i++) {
-            kvb_row_t *r = rows_at(v, slots[i]);
-            const kvb_seq_t *s = &L->seqs[slots[i]];
-            int64_t w = blk_of(m, s->ntokens);
-            r->drafted = 0;
-            if (m->kind == KVB_G_STATE) { /* the state blocks do not grow */
-                if (blocks_for(m, s->ntokens + 1) > r->room) r->room = blocks_for(m, s->ntokens + 1);
-            } else if (w >= r->nblocks) {
-                KVB_MUST(kvb_pool_allocate(p, 1, r->blocks + r->nblocks));
-                r->nblocks++;
-            } else {
-                int32_t b = r->blocks[w];
-                if (KVB_UNLIKELY(p->ref_count[b] > 1 || (p->flags[b] & KVB_F_CACHED)))
-                    tbl_make_writable(m, s, r);
-            }
-        }
-    }
-    for (int64_t i = 0; i < n; i++) { /* the records */
-        kvb_seq_t *s = &L->seqs[slots[i]];
-        int64_t t = s->ntokens;
-        s->tokens[t] = tokens[i];
-        s->ntokens = t + 1;
-        s->drafted = 0;
-        if (off_in(L, t + 1) == 0 && L->hashing) hash_new(L, s);
-    }
-    return KVB_OK;
-}
-
-/* ---- the step that computes committed tokens -------------------------------------------- */
-/* Release what the step's queries cannot read (window, chunk groups), every group. */
-void mgr_step_release(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
-                      const int32_t *qlens, int64_t B) {
-    const kvb_seq_t *seqs = g[0]->lead->seqs;
-    for (int32_t j = 0; j < G; j++) {
-        kvb_mgr_t *m = g[j];
-        if (m->kind != KVB_G_WINDOW && m->kind != KVB_G_CHUNK) continue;
-        for (int64_t i = 0; i < B; i++) {
-            const kvb_seq_t *s = &seqs[slots[i]];
-            tbl_release_for(m, row_of(m, slots[i]), s->ntokens, s->ntokens - qlens[i]);
-        }
-    }
-}
-
-/* A step's check in groups g[0..G) (all of the manager's, or one: metadata(group=)); errors
- * in g[0], the records are the lead's. */
-static int schedule_check(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
-                          const int32_t *qlens, const int32_t *drafts, int64_t B) {
-    kvb_mgr_t *E = g[0], *L = E->lead;
-    KVB_CLEAR_ERR(E);
-    for (int32_t j = 0; j < G; j++)
-        if (g[j]->ncopies) { E->err_a = g[j]->ncopies; return KVB_EPENDING; }
-    kvb_tier_t *t = E->pool->tier; /* the step's own write-through copies do not count */
-    if (KVB_UNLIKELY(t && kvb_tier_busy(t))) {
-        E->err_a = kvb_tier_busy(t);
-        E->err_what = "host-tier offloads or onloads are pending (take_offloads, take_onloads)";
-        return KVB_EPENDING;
-    }
-    uint32_t stamp = next_stamp(L);
-    for (int64_t i = 0; i < B; i++) {
-        kvb_seq_t *s = live_seq(L, slots[i]);
-        int64_t q = qlens[i], d = drafts ? drafts[i] : 0;
-        E->err_a = i;
-        E->err_b = slots[i];
-        if (!s) return KVB_EUNKNOWN;
-        if (s->stamp == stamp) return KVB_EDUP;
-        if (s->swapped) return KVB_ESWAPPED;
-        s->stamp = stamp;
-        E->err_b = q;
-        if (q < 0 || q > s->ntokens) return KVB_EINVAL;
-        E->err_b = d;
-        if (d < 0) return KVB_EINVAL;
-        for (int32_t j = 0; j < G; j++) {
-            kvb_mgr_t *m = g[j];
-            m->err_b = slots[i];
-            int rc = tbl_step_check(m, s, row_of(m, slots[i]), q, d);
-            if (rc) {
-                m->err_a = i;
-                return fail_from(g, j, rc);
-            }
-        }
-    }
-    E->err_a = E->err_b = 0;
-    return KVB_OK;
-}
-
-int kvb_grp_schedule(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
-                     const int32_t *qlens, const int32_t *drafts, int64_t B, int apply) {
-    if (!apply) return schedule_check(g, G, slots, qlens, drafts, B);
-    kvb_mgr_t *L = g[0]->lead;
-    mgr_step_release(g, G, slots, qlens, B);
-    if (L->pool->tier) kvb_tier_settle(L->pool->tier); /* the drain ran */
-    for (int32_t j = 0; j < G; j++) {
-        kvb_mgr_t *m = g[j];
-        kvb_rows_view_t v = group_rows(m);
-        for (int64_t i = 0; i < B; i++) {
-            const kvb_seq_t *s = &L->seqs[slots[i]];
-            kvb_row_t *r = rows_at(v, slots[i]);
-            tbl_computed(m, s, r, s->ntokens);
-            r->drafted = s->ntokens + (drafts ? drafts[i] : 0);
-        }
-    }
-    for (int64_t i = 0; i < B; i++) {
-        kvb_seq_t *s = &L->seqs[slots[i]];
-        if (G == L->ngrp) {
-            s->ncomputed = s->ntokens;
-            s->drafted = s->ntokens + (drafts ? drafts[i] : 0);
-        } else {
-            sync_computed(L, s, slots[i]);
-        }
-    }
-    return KVB_OK;
-}
-
-void kvb_grp_schedule_one(kvb_mgr_t *const *g, int32_t j, const int32_t *slots,
-                          const int32_t *qlens, const int32_t *drafts, int64_t B) {
-    KVB_MUST(kvb_grp_schedule(&g[j], 1, slots, qlens, drafts, B, 1));
 }
 
 /* ---- truncate / fork / free ------------------------------------------------------------- */
@@ -818,12 +225,12 @@ int kvb_grp_fork(kvb_mgr_t *const *g, int32_t G, int32_t parent, int32_t *child_
     if (rc) return rc;
     int64_t need = 0; /* state groups copy the state at once */
     for (int32_t j = 0; j < G; j++) if (g[j]->kind == KVB_G_STATE) need += g[j]->span;
-    if (need > p->num_free) return out_of_blocks(L, need, p->num_free);
+    if (need > p->num_free) return mgr_out_of_blocks(L, need, p->num_free);
     int32_t slot;
-    if (new_slot(g, G, &slot)) return KVB_ENOMEM;
+    if (mgr_new_slot(g, G, &slot)) return KVB_ENOMEM;
     ps = &L->seqs[parent]; /* new_slot may have moved the arrays */
     kvb_seq_t *s = &L->seqs[slot];
-    if (rec_reserve(L, s, ps->ntokens, (int64_t)ps->nhashed + 1) || kvb_chain_fork(L, s, ps))
+    if (mgr_rec_reserve(L, s, ps->ntokens, (int64_t)ps->nhashed + 1) || kvb_chain_fork(L, s, ps))
         return KVB_ENOMEM;
     for (int32_t j = 0; j < G; j++) {
         kvb_mgr_t *m = g[j];
@@ -837,7 +244,7 @@ int kvb_grp_fork(kvb_mgr_t *const *g, int32_t G, int32_t parent, int32_t *child_
         for (int64_t i = pr->lo; i < nb; i++) /* ref counts stay far below INT32_MAX */
             if (p->ref_count[pr->blocks[i]] == INT32_MAX) return KVB_ENOMEM;
     }
-    take_slot(g, G, slot);
+    mgr_take_slot(g, G, slot);
     for (int32_t j = 0; j < G; j++) {
         kvb_mgr_t *m = g[j];
         const kvb_row_t *pr = row_of(m, parent);
@@ -898,7 +305,7 @@ int kvb_grp_swap_out(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pair
     if (!h) return KVB_ESTATE;
     int64_t need = 0; /* released entries stay null */
     for (int32_t j = 0; j < G; j++) need += row_of(g[j], slot)->nblocks - row_of(g[j], slot)->lo;
-    if (need > h->num_free) return out_of_blocks(L, need, h->num_free);
+    if (need > h->num_free) return mgr_out_of_blocks(L, need, h->num_free);
     int32_t *fresh = malloc((size_t)(need ? need : 1) * sizeof *fresh);
     if (!fresh) return KVB_ENOMEM;
     KVB_MUST(kvb_pool_allocate(h, (int32_t)need, fresh));
@@ -941,7 +348,7 @@ int kvb_grp_swap_in(kvb_mgr_t *const *g, int32_t G, int32_t slot, int64_t *pairs
         need = add_sat(need, tbl_swap_in_need(g[j], s, r, NULL));
         if (r->nblocks > nbmax) nbmax = r->nblocks;
     }
-    if (need > p->num_free) return out_of_blocks(L, need, p->num_free);
+    if (need > p->num_free) return mgr_out_of_blocks(L, need, p->num_free);
     int32_t *dev = malloc((size_t)nbmax * sizeof *dev);
     if (!dev) return KVB_ENOMEM;
     int64_t k = 0;
@@ -1018,6 +425,22 @@ int kvb_grp_batch_need(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, int
         }
     }
     *need_out = need;
+    return KVB_OK;
+}
+
+/* Validation of a batch (unknown, twice, swapped out), error detail (index, slot). */
+static int batch_check(kvb_mgr_t *L, const int32_t *slots, int64_t n) {
+    uint32_t stamp = mgr_next_stamp(L);
+    for (int64_t i = 0; i < n; i++) {
+        kvb_seq_t *s = live_seq(L, slots[i]);
+        L->err_a = i;
+        L->err_b = slots[i];
+        if (KVB_UNLIKELY(!s)) return KVB_EUNKNOWN;
+        if (KVB_UNLIKELY(s->stamp == stamp)) return KVB_EDUP;
+        if (KVB_UNLIKELY(s->swapped)) return KVB_ESWAPPED;
+        s->stamp = stamp;
+    }
+    L->err_a = L->err_b = 0;
     return KVB_OK;
 }
 

@@ -73,7 +73,7 @@ MUTANTS: List[Mutant] = [
            "if (!same_bt) /* a row",
            "if (0) /* a row",
            "a block-table row written anew keeps the previous row's tail"),
-    Mutant("batch-never-tight", "csrc/manager.c",
+    Mutant("batch-never-tight", "csrc/append.c",
            "if (KVB_UNLIKELY(need > p->num_free)) { /* count exactly",
            "if (0) { /* count exactly",
            "a decode step never counts exactly when the pool is nearly full"),
