@@ -91,13 +91,15 @@ def chunk_spec(chunk: int):
     )
 
 
-def mamba_spec(mode: str = "align", spec_blocks: int = 0):
+def mamba_spec(mode: str = "align", spec_blocks: int = 0, checkpoint_alignment=None):
     return MambaSpec(
         block_size=BS,
         shapes=((1, 1),),
         dtypes=(torch.float32,),
         mamba_cache_mode=mode,
         num_speculative_blocks=spec_blocks,
+        num_prefill_checkpoint_blocks=int(checkpoint_alignment is not None),
+        prefill_checkpoint_alignment=checkpoint_alignment,
     )
 
 
@@ -133,9 +135,15 @@ class Differential(RuleBasedStateMachine):
 
     SPECS: list = []
     CACHING = (False, True)  # prefix caching off / on
+    # coordinator.retention_interval values set after the build, as vLLM's tests do
+    RETENTION: tuple = (None,)
 
-    @initialize(num_blocks=st.sampled_from([10, 16, 24, 40]), caching=st.booleans())
-    def build(self, num_blocks, caching):
+    @initialize(
+        num_blocks=st.sampled_from([10, 16, 24, 40]),
+        caching=st.booleans(),
+        retention=st.integers(0, 3),
+    )
+    def build(self, num_blocks, caching, retention):
         caching = self.CACHING[caching]
         init_none_hash(sha256)
         args = dict(
@@ -150,6 +158,11 @@ class Differential(RuleBasedStateMachine):
         self.ref = VLLMKVCacheManager(config(num_blocks, specs), **args)
         self.kvb = KVCacheManager(config(num_blocks, specs), **args)
         assert self.kvb.native
+        self.retention = self.RETENTION[retention % len(self.RETENTION)]
+        if self.retention is not None:
+            for m in (self.ref, self.kvb):
+                m.coordinator.retention_interval = self.retention
+            event(f"retention interval {self.retention}")
         self.live: dict[str, tuple] = {}
         self.waiting: list[tuple] = []
         self.prompts: list[tuple] = []  # (tokens, salt) of every admitted request
@@ -304,6 +317,12 @@ class Differential(RuleBasedStateMachine):
         assert self.ref.make_prefix_cache_stats() == self.kvb.make_prefix_cache_stats()
         assert self.ref.take_boundary_state_offloads() == self.kvb.take_boundary_state_offloads()
         assert self.ref.take_new_block_ids() == self.kvb.take_new_block_ids()  # KV zeroing
+        for g, spec in enumerate(self.ref.kv_cache_config.kv_cache_groups):  # checkpoints
+            if getattr(spec.kv_cache_spec, "num_prefill_checkpoint_blocks", 0):
+                ck = self.ref.coordinator.single_type_managers[g]._checkpoints
+                assert ck == self.kvb.coordinator.single_type_managers[g]._checkpoints
+                if ck:
+                    event("checkpoint reserved")
         events = self.kvb.take_events()
         assert self.ref.take_events() == events
         if any(type(e).__name__ == "BlockRemoved" for e in events):
@@ -376,3 +395,27 @@ TestFullAndMambaSpeculative = FullAndMambaSpeculative.TestCase
 TestFullAndMambaSpeculative.settings = PROFILE
 TestFullAndMambaNone = FullAndMambaNone.TestCase
 TestFullAndMambaNone.settings = PROFILE
+
+
+class FullAndMambaCheckpoints(Differential):
+    """Mamba prefill checkpoint blocks (a state exported inside a chunk, kept at its
+    boundary): the alignment half a block, as vLLM's tests (16 tokens in blocks of 32);
+    dense or sparse retention (0: replay boundaries only; 8: every second block)."""
+
+    SPECS = [full_spec, lambda: mamba_spec(checkpoint_alignment=2)]
+    CACHING = (True, True)
+    RETENTION = (None, 0, 8, None)
+
+
+class MambaCheckpointsBlockAligned(Differential):
+    """Mamba alone with checkpoints at block alignment and a speculative block."""
+
+    SPECS = [lambda: mamba_spec(spec_blocks=1, checkpoint_alignment=4)]
+    CACHING = (True, True)
+    RETENTION = (None, 0, 4, 12)
+
+
+TestFullAndMambaCheckpoints = FullAndMambaCheckpoints.TestCase
+TestFullAndMambaCheckpoints.settings = PROFILE
+TestMambaCheckpointsBlockAligned = MambaCheckpointsBlockAligned.TestCase
+TestMambaCheckpointsBlockAligned.settings = PROFILE

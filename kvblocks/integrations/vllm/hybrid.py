@@ -15,8 +15,9 @@ Served natively: every group ``FullAttentionSpec``, ``SlidingWindowSpec`` (windo
 ``ChunkedLocalAttentionSpec`` or ``MambaSpec`` (vLLM's Mamba rules: mamba.py; one window,
 chunk or Mamba group alone too, under vLLM's unitary coordinator), one block size equal to
 the scheduler block size (and the hash block size with caching), prefix caching on or off,
-no EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, sparse retention,
-partial hash hits or Mamba prefill checkpoints. Anything else (cross-attention, MLA, ...)
+no EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, sparse retention
+(at construction; a Mamba model's interval set afterwards is served) or partial hash hits.
+Mamba prefill checkpoint blocks are served (mamba.py). Anything else (cross-attention, MLA, ...)
 runs on vLLM's own managers (``hybrid_unsupported`` says why).
 """
 
@@ -101,6 +102,11 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
     return None
 
 
+def _prefill_end(request: Any) -> int:
+    """The token index the request's prefill ends at (vLLM's allocate_slots)."""
+    return max(request.num_prompt_tokens, request.num_tokens - 1)
+
+
 class _HybridGroupView:
     """vLLM's single-type manager of group g, with the native request tables."""
 
@@ -127,6 +133,13 @@ class _HybridGroupView:
         g = self._g
         return {rid: nc[g] for rid, nc in self._s.ncached.items()}
 
+    @property
+    def _checkpoints(self) -> dict:  # MambaManager's reserved (position, table index)
+        align = self._s.align
+        if align is None or not self._s.is_align[self._g]:
+            return self._inner._checkpoints
+        return dict(align.checkpoints[self._g])
+
 
 class _HybridCoordinatorView:
     """vLLM's hybrid coordinator, with the calls that touch blocks answered natively."""
@@ -143,6 +156,25 @@ class _HybridCoordinatorView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    @property
+    def retention_interval(self) -> Optional[int]:
+        return self._m._native.retention
+
+    @retention_interval.setter
+    def retention_interval(self, value: Optional[int]) -> None:
+        """vLLM's tests set the interval on a built manager: a Mamba group's masks and
+        checkpoints follow it (mamba.py); a window group's sparse retention is not
+        served natively, so it is refused rather than ignored."""
+        s = self._m._native
+        if value is not None and any(s.window):
+            raise NotImplementedError(
+                "kvblocks: sparse retention of a sliding-window group set after the "
+                "manager was built"
+            )
+        s.retention = value
+        if s.align is not None:
+            s.align.retention = value
 
     def get_num_blocks_to_allocate(
         self,
@@ -163,6 +195,7 @@ class _HybridCoordinatorView:
             total_computed_tokens,
             apply_admission_cap,
             num_tokens_main_model,
+            prefill_end,
         )
 
     def get_blocks(self, request_id: str) -> tuple:
@@ -300,8 +333,10 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         total_computed_tokens: int,
         apply_admission_cap: bool = False,
         num_tokens_main: Optional[int] = None,
+        prefill_end: int = 0,
     ) -> int:
-        """vLLM's coordinator get_num_blocks_to_allocate, summed over the groups."""
+        """vLLM's coordinator get_num_blocks_to_allocate, summed over the groups
+        (``prefill_end``: the request's, for Mamba checkpoints under sparse retention)."""
         s = self._native
         bs = self._bs
         tables = s.tables.get(rid)
@@ -316,6 +351,9 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                     num_tokens if num_tokens_main is None else num_tokens_main,
                     new_lists[g],
                     len(tables[g]) if tables is not None else 0,
+                    total_computed_tokens,
+                    prefill_end,
+                    not apply_admission_cap,
                 )
                 continue
             req = required
@@ -397,14 +435,18 @@ class HybridKVCacheManager(VLLMKVCacheManager):
             watermark = self.watermark_blocks
         if full_sequence_must_fit:
             full_n = min(request.num_tokens, self.max_model_len)
-            n = self._to_allocate(rid, full_n, new_lists, total_computed, True, full_n)
+            n = self._to_allocate(
+                rid, full_n, new_lists, total_computed, True, full_n, _prefill_end(request)
+            )
             if n + watermark > s.pool.num_free:
                 return None
         num_main = total_computed + num_new_tokens
         need = min(num_main + num_lookahead_tokens, self.max_model_len)
         if s.sw_groups:
             s.remove_skipped(rid, max(0, total_computed - request.num_in_flight_tokens))
-        n = self._to_allocate(rid, need, new_lists, num_local + ext, False, num_main)
+        n = self._to_allocate(
+            rid, need, new_lists, num_local + ext, False, num_main, _prefill_end(request)
+        )
         if n + watermark > s.pool.num_free - reserved_blocks:
             return None
         tables = s.tables.get(rid)
@@ -524,7 +566,9 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         required = -(-need // self._bs)  # cdiv
         n_new = 0
         if s.mamba_any:  # per-group rules (mamba.py; spec blocks in "none" mode)
-            n_new = self._to_allocate(rid, need, self._empty_groups, total, False, num_main)
+            n_new = self._to_allocate(
+                rid, need, self._empty_groups, total, False, num_main, _prefill_end(request)
+            )
         else:
             for t in tables:
                 if required > len(t):

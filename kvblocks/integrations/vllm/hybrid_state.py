@@ -88,6 +88,9 @@ class _HybridState(_NativeState):
             MambaAlign(self, align, [stms[g].kv_cache_spec for g in align]) if align else None
         )
         self.is_align = [g in align for g in range(self.num_groups)]
+        # vLLM's coordinator.retention_interval: None (dense) when built natively; vLLM's
+        # tests set it afterwards (hybrid.py's coordinator view), Mamba groups follow it
+        self.retention: Optional[int] = None
         # per group: vLLM's single-type manager when the worker zeroes the group's new
         # blocks (a model with Mamba layers: its attention groups), whose new_block_ids
         # the adapter fills and vLLM's take_new_block_ids drains; else None
@@ -408,7 +411,12 @@ class _HybridState(_NativeState):
         for g in range(self.num_groups):
             c = nc[g]
             if c < num_full:
-                self.cache_ids(request, g, tables[g][c:num_full], c, num_full)
+                ids_l = tables[g][c:num_full]
+                if align is not None and self.retention is not None and self.is_align[g]:
+                    mask = align.mask(request, g, c, num_full)  # sparse retention
+                    if mask is not None:
+                        ids_l = [b if keep else 0 for b, keep in zip(ids_l, mask)]
+                self.cache_ids(request, g, ids_l, c, num_full)
                 nc[g] = num_full
             if align is not None and self.is_align[g]:
                 n = num_tokens // bs * bs if self.round_cache else num_tokens
@@ -422,6 +430,11 @@ class _HybridState(_NativeState):
         if not (self.is32(hashes, num_full) and self._cache32(g, ids_l, hashes, c)):
             keys, tails = self.request_keys(request, num_full)
             self._cache_run(g, ids_l, hashes, keys, tails, c)
+        if self.is_align[g]:  # the tokens each entry covers (Mamba's rules read them)
+            bs = self.block_size
+            for j, b in enumerate(ids_l):
+                if b:
+                    self.hash_tokens[b] = (c + j + 1) * bs
         if self.enable_events:
             self.events.append(self._stored(request, c, num_full, g, ids_l))
 

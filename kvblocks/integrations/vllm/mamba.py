@@ -28,10 +28,28 @@ null:
   (``take_boundary_state_offloads``);
 - free: the table without its null head, last block first, null gaps skipped.
 
+Prefill checkpoint blocks (``num_prefill_checkpoint_blocks`` with a
+``prefill_checkpoint_alignment``): a chunk that ends the prefill (or any chunk, under dense
+retention) and can export a state inside itself reserves one block more, at table index
+``cdiv(query_end, block_size) - 2``, for the state at ``(query_end - 1) // block_size *
+block_size`` tokens (vLLM's ``get_mamba_prefill_checkpoint_position`` and
+``is_mamba_prefill_checkpoint_valid``, called as they are). The reservation is decided while
+counting (``to_allocate``, not under the admission cap) and read by the allocation, which
+leaves that index unpadded; after caching, the checkpoint block keeps its entry when it is
+the prompt's checkpoint, a retained boundary or the shared-prefix boundary, and otherwise
+loses every entry (a transient state, vLLM's ``_maybe_evict_cached_block``). With the hash
+block size equal to the block size the position is block aligned, so the block is keyed at
+its own table index (no re-keying inside a block).
+
+Sparse retention (``coordinator.retention_interval``, which vLLM's tests set after the
+manager is built): a Mamba group caches only the blocks vLLM's
+``MambaManager.reachable_block_mask`` keeps (called as it is), and the checkpoint rule above
+reads the interval.
+
 Without prefix caching ("none" mode) a Mamba group is a window of two tokens with ``spec``
-blocks more, which hybrid_state.py serves with its window rules. Prefill checkpoint blocks,
-partial (sub-block) hits and their copy-on-write, sparse retention and EAGLE's checkpoint
-shift are not served here: ``unsupported`` sends those configurations to vLLM's managers.
+blocks more, which hybrid_state.py serves with its window rules. Partial (sub-block) hits
+and their copy-on-write and EAGLE's checkpoint shift are not served here: hybrid.py's
+``hybrid_unsupported`` sends those configurations to vLLM's managers.
 """
 
 from __future__ import annotations
@@ -39,7 +57,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from vllm.utils.math_utils import cdiv
-from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+from vllm.v1.kv_cache_interface import (
+    MambaSpec,
+    get_mamba_prefill_checkpoint_position,
+    is_mamba_prefill_checkpoint_valid,
+)
 
 
 def unsupported(spec: Any, enable_caching: bool) -> Optional[str]:
@@ -47,12 +70,19 @@ def unsupported(spec: Any, enable_caching: bool) -> Optional[str]:
     mode = spec.mamba_cache_mode
     if mode not in ("align", "none"):
         return f"Mamba cache mode {mode!r}"
-    if mode == "align":
-        if spec.num_prefill_checkpoint_blocks > 0 and spec.prefill_checkpoint_alignment:
-            return "Mamba prefill checkpoint blocks"
-    elif enable_caching:
+    if mode != "align" and enable_caching:
         return "Mamba prefix caching outside align mode"
     return None
+
+
+def has_checkpoints(spec: Any) -> bool:
+    """Whether an align-mode group reserves prefill checkpoint blocks (vLLM's
+    ``MambaManager.has_prefill_checkpoint_blocks``; exported only with an alignment)."""
+    return (
+        spec.mamba_cache_mode == "align"
+        and spec.num_prefill_checkpoint_blocks > 0
+        and spec.prefill_checkpoint_alignment is not None
+    )
 
 
 def is_align(spec: Any) -> bool:
@@ -67,6 +97,16 @@ class MambaAlign:
         self.s = s
         self.gids = gids
         self.spec = {g: sp.num_speculative_blocks for g, sp in zip(gids, specs)}
+        self.specs = dict(zip(gids, specs))
+        # per group: the prefill checkpoint alignment, None without checkpoint blocks
+        self.ckpt_align = {
+            g: sp.prefill_checkpoint_alignment if has_checkpoints(sp) else None
+            for g, sp in zip(gids, specs)
+        }
+        # per group: request id -> (checkpoint position, table index) of this allocation
+        self.checkpoints: dict[int, dict[str, tuple[int, int]]] = {g: {} for g in gids}
+        # vLLM's coordinator.retention_interval (None: dense; hybrid.py's view sets it)
+        self.retention: Optional[int] = None
         # per group: request id -> table entries already retired (remove_skipped's floor)
         self.retired: dict[int, dict[str, int]] = {g: {} for g in gids}
         # per group: request id -> index of the state block of the step before
@@ -88,16 +128,70 @@ class MambaAlign:
         h = s.hash_of.get(b) if b else None
         return h is not None and int(s.gid[b]) == g and h in self.this_step[g]
 
-    def to_allocate(self, g: int, rid: str, num_tokens_main: int, hit: Any, have: int) -> int:
-        """vLLM's MambaManager.get_num_blocks_to_allocate in align mode (no checkpoint, no
-        partial hit): may be negative."""
+    def _checkpoint(
+        self, g: int, rid: str, query_start: int, query_end: int, prefill_end: int
+    ) -> int:
+        """vLLM's checkpoint position of this allocation (get_num_blocks_to_allocate with
+        ``_needs_internal_checkpoint``), 0 when the chunk exports none."""
+        align = self.ckpt_align[g]
+        if align is None:
+            return 0
+        bs = self.s.block_size
+        pos = get_mamba_prefill_checkpoint_position(query_end, bs, False)
+        idx = cdiv(query_end, bs) - 2
+        if query_end < prefill_end or idx < 0:
+            return 0
+        if not is_mamba_prefill_checkpoint_valid(
+            query_start=query_start,
+            query_end=query_end,
+            checkpoint_position=pos,
+            hash_block_size=bs,
+            mamba_block_size=bs,
+            checkpoint_alignment=align,
+        ):
+            return 0
+        t = self.s.tables.get(rid)
+        t = t[g] if t is not None else []
+        if (
+            idx >= len(t)
+            or not t[idx]
+            or (rid in self.allocated[g] and idx >= len(t) - self.spec[g])
+        ):
+            return pos
+        return 0
+
+    def to_allocate(
+        self,
+        g: int,
+        rid: str,
+        num_tokens_main: int,
+        hit: Any,
+        have: int,
+        query_start: int = 0,
+        prefill_end: int = 0,
+        record: bool = True,
+    ) -> int:
+        """vLLM's MambaManager.get_num_blocks_to_allocate in align mode (no partial hit):
+        may be negative. ``record`` (not under the admission cap): the checkpoint decided
+        here is the one the allocation reserves."""
         s = self.s
         if self.deferred(g, hit):
             return s.num_blocks + 1
         spec = self.spec[g]
         n = cdiv(num_tokens_main, s.block_size) + spec - len(hit) - have
+        cb = 0
+        if self.ckpt_align[g] is not None:
+            if self.retention != 0:
+                prefill_end = 0
+            pos = self._checkpoint(g, rid, query_start, num_tokens_main, prefill_end)
+            cb = int(pos > 0)
+            if record:
+                if pos:
+                    self.checkpoints[g][rid] = (pos, cdiv(num_tokens_main, s.block_size) - 2)
+                else:
+                    self.checkpoints[g].pop(rid, None)
         if n > 0:
-            cap = 1 if rid in self.allocated[g] else 1 + spec
+            cap = (1 if rid in self.allocated[g] else 1 + spec) + cb
             if n > cap:
                 n = cap
         refs = s.refs
@@ -114,7 +208,8 @@ class MambaAlign:
         spec = self.spec[g]
         required = cdiv(num_tokens_main, self.s.block_size) + spec
         allocated = self.allocated[g]
-        if required <= len(t):
+        cb = int(rid in self.checkpoints[g])  # the checkpoint's index stays unpadded
+        if required <= len(t) and not cb:
             allocated.add(rid)
             return 0, []
         prev = len(t)
@@ -124,11 +219,11 @@ class MambaAlign:
         elif prev > 0:
             self.last_state[g][rid] = prev - 1
         nsb = required - spec - 1
-        if prev < nsb:
-            t.extend([0] * (nsb - prev))
+        if prev < nsb - cb:
+            t.extend([0] * (nsb - cb - prev))
         if was:
             for i in range(prev - spec, prev):
-                if i >= nsb:
+                if i >= nsb - cb:
                     break
                 t.append(t[i])  # a scratch block moves to the end, a null stays
                 t[i] = 0
@@ -162,14 +257,68 @@ class MambaAlign:
             self.allocated[g].discard(rid)
             self.last_state[g].pop(rid, None)
             self.retired[g].pop(rid, None)
+            self.checkpoints[g].pop(rid, None)
             if self.offloads[g]:
                 self.offloads[g] = [o for o in self.offloads[g] if o[0] != rid]
 
     # -- caching ------------------------------------------------------------------------------
+    def mask(self, request: Any, g: int, start: int, end: int) -> Optional[list]:
+        """vLLM's MambaManager.reachable_block_mask of blocks [start, end) under the
+        coordinator's retention interval (None: cache every block)."""
+        if self.retention is None:
+            return None
+        bs = self.s.block_size
+        boundaries = [request.num_prompt_tokens - 1]  # vLLM's replay_boundaries, no EAGLE
+        if request.shared_prefix_boundary:
+            boundaries.append(request.shared_prefix_boundary)
+        return MambaManager.reachable_block_mask(
+            start,
+            end,
+            bs,
+            self.specs[g],
+            False,
+            retention_interval=self.retention,
+            reachable_boundaries=boundaries,
+        )
+
+    def _cache_checkpoint(self, request: Any, g: int, t: list) -> bool:
+        """MambaManager._cache_partial_tail_block with a reserved checkpoint: the block
+        keeps (or gets) its entry at the checkpoint when that state is reusable, and loses
+        every entry when it is transient. False without a checkpoint."""
+        ck = self.checkpoints[g].get(request.request_id)
+        if ck is None:
+            return False
+        s = self.s
+        bs = s.block_size
+        pos, idx = ck
+        b = t[idx]
+        prompt_pos = get_mamba_prefill_checkpoint_position(request.num_prompt_tokens, bs, False)
+        retained = False
+        if pos % bs == 0:
+            i = pos // bs - 1
+            m = MambaManager.reachable_block_mask(
+                i, i + 1, bs, self.specs[g], False, retention_interval=self.retention
+            )
+            retained = m is None or m[0]
+        if pos != prompt_pos and not retained and pos != request.shared_prefix_boundary:
+            if b and s.hash_of.get(b) is not None:
+                s.evict([b])  # the transient state overwrites the slot
+            return True
+        if not b:
+            return True
+        if s.hash_of.get(b) is not None:
+            if s.hash_tokens.get(b) == pos:  # keyed there already (the full-block pass)
+                return True
+            s.evict([b])  # its other entries go (replace_existing_hashes)
+        s.cache_ids(request, g, [b], idx, idx + 1)  # vLLM's cache_partial_block
+        self.this_step[g].add(request.block_hashes[idx])
+        return True
+
     def after_cache(self, request: Any, g: int, num_tokens: int, before: int, after: int) -> None:
         """MambaManager.cache_blocks after the generic caching (blocks [before, after) of
-        group g cached just now): the prompt's last boundary block again if it has no entry,
-        the step's cached hashes and the connector's boundary states."""
+        group g cached just now): the checkpoint block's entry, or the prompt's last
+        boundary block again if it has no entry; the step's cached hashes and the
+        connector's boundary states."""
         s = self.s
         rid = request.request_id
         t = s.tables.get(rid)
@@ -177,7 +326,9 @@ class MambaAlign:
             return
         t = t[g]
         bs = s.block_size
-        if num_tokens > 0 and num_tokens % bs == 0:
+        if self._cache_checkpoint(request, g, t):
+            pass
+        elif num_tokens > 0 and num_tokens % bs == 0:
             boundary = (request.num_prompt_tokens - 1) // bs * bs
             i = num_tokens // bs - 1
             if num_tokens == boundary and i < len(t) and t[i] and s.hash_of.get(t[i]) is None:

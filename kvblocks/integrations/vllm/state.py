@@ -64,7 +64,10 @@ class _BlockView:
 
     @property
     def block_hash_num_tokens(self) -> Optional[int]:
-        return None if self.block_id not in self._s.hash_of else self._s.block_size
+        b = self.block_id
+        if b not in self._s.hash_of:
+            return None
+        return self._s.hash_tokens.get(b, self._s.block_size)
 
     @property
     def pool(self) -> Any:
@@ -198,6 +201,9 @@ class _NativeState:
         # blocks evict() uncached while requests held them: while any is, frees take the
         # general path (free_in_order), since a table's cached part may have a hole
         self.uncached_held: set[int] = set()
+        # block -> the tokens its entry covers (vLLM's block_hash_num_tokens), kept for the
+        # groups whose rules read it (Mamba in align mode: hybrid_state.py); else block_size
+        self.hash_tokens: dict[int, int] = {}
         self.events: list[Any] = []
         self._views: dict[int, _BlockView] = {}
         self.free_queue: Any = None  # the _FreeQueueView, set by NativeBlockPoolView
@@ -449,6 +455,9 @@ class _NativeState:
             self.hash_of._other[dst] = other
         self.full[dst] = self.full[src]
         self.full[src] = 0
+        n = self.hash_tokens.pop(src, None)
+        if n is not None:
+            self.hash_tokens[dst] = n
         self.gid[dst] = self.gid[src]
         self.hashed[src] = False
         self.hashed[dst] = True
