@@ -108,13 +108,38 @@ def test_chunked_local_is_native(specs):
     assert NATIVE_BUILDS["hybrid"] == before + 1
 
 
-@pytest.mark.parametrize("specs", [[full_spec(), sw_spec(8)]])  # one group: native (seam)
-def test_a_pool_of_the_null_block_alone_falls_back(specs):
-    ref, kvb = managers(1, specs)
-    assert not kvb.native and type(kvb) is KVCacheManager
+ONE_BLOCK_SHAPES = [
+    [full_spec(), sw_spec(8)],
+    [full_spec(), chunk_spec(8)],
+    [full_spec(), mamba_spec()],
+    [mamba_spec(checkpoints=1)],
+    [sw_spec(8)],
+]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("specs", ONE_BLOCK_SHAPES)
+def test_a_pool_of_the_null_block_alone_is_native(specs, caching):
+    """vLLM's num_gpu_blocks == 1 (the null block alone) on BlockPool(1): nothing to
+    allocate; every answer as vLLM's (refusals, free counts, usage, stats, events, the
+    free list, reset)."""
+    ref, kvb = managers(1, specs, enable_caching=caching, enable_kv_cache_events=True)
+    assert kvb.native and type(kvb) is HybridKVCacheManager
+    out = []
     for m in (ref, kvb):
-        r = request("a", [1, 2, 3, 4, 5])
-        assert m.get_computed_blocks(r)[1] == 0 and m.allocate_slots(r, 5) is None
+        r = request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+        blocks, hit, _ = m.get_computed_blocks(r)
+        got = [hit, blocks.get_block_ids()]
+        got.append(_ids(m.allocate_slots(r, 9, hit, blocks, full_sequence_must_fit=True)))
+        got.append(_ids(m.allocate_slots(r, 4, hit, blocks)))
+        m.free(r)
+        m.new_step_starts()
+        free = [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+        got += [m.block_pool.get_num_free_blocks(), m.usage, free, m.reset_prefix_cache()]
+        got += [m.take_events(), m.take_new_block_ids(), m.take_boundary_state_offloads()]
+        out.append(got)
+    assert out[0] == out[1]
+    assert out[0][2] is None and out[0][3] is None
 
 
 @pytest.mark.parametrize("specs", [[full_spec(), mamba_spec()], [mamba_spec()]])
@@ -125,11 +150,42 @@ def test_mamba_align_is_native(specs):
     assert NATIVE_BUILDS["hybrid"] == before + 1
 
 
-def test_mamba_prefill_checkpoints_fall_back(caplog):
-    with caplog.at_level("INFO", logger="kvblocks.integrations.vllm.manager"):
-        _, kvb = managers(32, [full_spec(), mamba_spec(checkpoints=1)])
-    assert not kvb.native and type(kvb) is KVCacheManager
-    assert "Mamba prefill checkpoint blocks" in caplog.text
+@pytest.mark.parametrize("retention", [None, 0, 8])
+@pytest.mark.parametrize("alignment", [2, BS])
+def test_mamba_prefill_checkpoints_as_vllm(retention, alignment):
+    """vLLM's prefill checkpoint blocks: a chunk that can export a state inside itself
+    reserves one block more at index cdiv(end, bs) - 2 (not padded with a null), keyed at
+    its position when that state is the prompt's, a retained boundary or the shared-prefix
+    boundary, and evicted (a transient state) otherwise; a later request hits it."""
+    specs = [full_spec(), mamba_spec(checkpoints=1)]
+    specs[1] = MambaSpec(**{**specs[1].__dict__, "prefill_checkpoint_alignment": alignment})
+    ref, kvb = managers(64, specs, enable_kv_cache_events=True)
+    assert kvb.native and type(kvb) is HybridKVCacheManager
+    toks = list(range(1, 42))  # 41 tokens: chunks of 16, 16 and 9
+    out = []
+    for m in (ref, kvb):
+        m.coordinator.retention_interval = retention
+        mm = m.coordinator.single_type_managers[1]
+        got = []
+        a = request("a", toks)
+        got.append(_admit(m, a, 16, 0))
+        got.append((dict(mm._checkpoints), m.take_events(), m.take_boundary_state_offloads()))
+        for _ in range(2):
+            m.new_step_starts()
+            got.append(_step(m, a, 16, 0))
+            got.append((dict(mm._checkpoints), m.take_events(), m.get_block_ids("a")))
+            got.append(m.take_boundary_state_offloads())
+        m.new_step_starts()
+        b = request("b", toks + [7, 7, 7, 7, 7])
+        got.append(_admit(m, b, 64, 0))
+        m.free(a)
+        m.free(b)
+        free = [x.block_id for x in m.block_pool.free_block_queue.get_all_free_blocks()]
+        got += [free, m.take_events()]
+        out.append(got)
+    assert out[0] == out[1]
+    assert any(out[0][i][0] for i in (1, 3, 6))  # a checkpoint was reserved
+    assert out[0][8][0] > 0  # the follower hits a Mamba state
 
 
 def test_mamba_hit_cached_in_the_same_step_waits_for_the_next():

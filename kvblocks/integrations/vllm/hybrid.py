@@ -73,8 +73,6 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
     coord_cls: Any = type(coord)
     if coord_cls is not want:
         return f"coordinator {coord_cls.__name__}"
-    if coord.block_pool.num_gpu_blocks < 2:
-        return "a pool of the null block alone"
     sizes = {stm.block_size for stm in coord.single_type_managers}
     if len(sizes) != 1:
         return "groups of different block sizes"
