@@ -430,23 +430,26 @@ class _HybridState(_NativeState):
         if not (self.is32(hashes, num_full) and self._cache32(g, ids_l, hashes, c)):
             keys, tails = self.request_keys(request, num_full)
             self._cache_run(g, ids_l, hashes, keys, tails, c)
-        if self.is_align[g]:  # the tokens each entry covers (Mamba's rules read them)
-            bs = self.block_size
-            for j, b in enumerate(ids_l):
+        if self.is_align[g] and ids_l.count(0) < len(ids_l):  # the tokens each entry
+            bs = self.block_size  # covers (Mamba's rules read them)
+            ht = self.hash_tokens
+            for j, b in enumerate(ids_l, c + 1):
                 if b:
-                    self.hash_tokens[b] = (c + j + 1) * bs
+                    ht[b] = j * bs
         if self.enable_events:
             self.events.append(self._stored(request, c, num_full, g, ids_l))
 
     def _cache32(self, g: int, ids_l: list, hashes: list, c: int) -> bool:
         """``_cache_run`` in one native call (cache_bytes) when it can: 32-byte hashes,
         the blocks after the leading nulls all real."""
-        j = 0
         n = len(ids_l)
-        while j < n and ids_l[j] == 0:
-            j += 1
+        j = ids_l.count(0)  # nulls lead a table (a window's, a Mamba group's gaps)
         if j == n:
             return True
+        if j and ids_l[:j].count(0) != j:  # not all leading: count them
+            j = 0
+            while j < n and ids_l[j] == 0:
+                j += 1
         ids = ids_l[j:] if j else ids_l
         if 0 in ids:
             return False

@@ -115,8 +115,9 @@ class MambaAlign:
         self.allocated: dict[int, set[str]] = {g: set() for g in gids}
         # per group: hashes cached in the current step (hits on them wait a step)
         self.this_step: dict[int, set[bytes]] = {g: set() for g in gids}
-        # per group: (request id, block id, boundary tokens) cached since the last take
-        self.offloads: dict[int, list[tuple[str, int, int]]] = {g: [] for g in gids}
+        # per group: request id -> (block id, boundary tokens) cached since the last take (a
+        # request's first entry fixes its place, as in vLLM's one list of them)
+        self.offloads: dict[int, dict[str, list[tuple[int, int]]]] = {g: {} for g in gids}
 
     # -- counting -----------------------------------------------------------------------------
     def deferred(self, g: int, hit: Any) -> bool:
@@ -134,12 +135,16 @@ class MambaAlign:
         """vLLM's checkpoint position of this allocation (get_num_blocks_to_allocate with
         ``_needs_internal_checkpoint``), 0 when the chunk exports none."""
         align = self.ckpt_align[g]
-        if align is None:
+        if align is None or query_end < prefill_end:
             return 0
         bs = self.s.block_size
+        # (vLLM's validity needs start + bs <= pos < end, pos = (end - 1) // bs * bs: a
+        # decode step or a chunk within one block exports nothing; checked first, cheaply)
+        if query_start + bs >= query_end:
+            return 0
         pos = get_mamba_prefill_checkpoint_position(query_end, bs, False)
         idx = cdiv(query_end, bs) - 2
-        if query_end < prefill_end or idx < 0:
+        if idx < 0:
             return 0
         if not is_mamba_prefill_checkpoint_valid(
             query_start=query_start,
@@ -240,9 +245,9 @@ class MambaAlign:
             last = min((processed - 1) // bs, len(t))
             first = self.retired[g].get(rid, 0)
             if first < last:
-                freed = [t[i] for i in range(last - 1, first - 1, -1) if t[i]]
-                for i in range(first, last):
-                    t[i] = 0
+                seg = t[first:last]  # mostly nulls: slices and filters run in C
+                freed = [b for b in reversed(seg) if b] if seg.count(0) < len(seg) else None
+                t[first:last] = [0] * (last - first)
                 if freed:
                     s.free_in_order(freed)
                 self.retired[g][rid] = last
@@ -258,8 +263,7 @@ class MambaAlign:
             self.last_state[g].pop(rid, None)
             self.retired[g].pop(rid, None)
             self.checkpoints[g].pop(rid, None)
-            if self.offloads[g]:
-                self.offloads[g] = [o for o in self.offloads[g] if o[0] != rid]
+            self.offloads[g].pop(rid, None)
 
     # -- caching ------------------------------------------------------------------------------
     def mask(self, request: Any, g: int, start: int, end: int) -> Optional[list]:
@@ -334,15 +338,23 @@ class MambaAlign:
             if num_tokens == boundary and i < len(t) and t[i] and s.hash_of.get(t[i]) is None:
                 s.cache_ids(request, g, [t[i]], i, i + 1)  # vLLM's cache_partial_block
                 self.this_step[g].add(request.block_hashes[i])
-        for i in range(before, after):
-            b = t[i]
-            if not b:
-                continue
-            h = s.hash_of.get(b)
-            if h is None:
-                continue
-            self.this_step[g].add(h)
-            self.offloads[g].append((rid, b, (i + 1) * bs))
+        if before >= after:
+            return
+        seg = t[before:after]
+        if seg.count(0) == len(seg):
+            return
+        hash_of = s.hash_of
+        this_step = self.this_step[g]
+        offloads = None
+        for i, b in enumerate(seg, before):
+            if b:
+                h = hash_of.get(b)
+                if h is None:
+                    continue
+                this_step.add(h)
+                if offloads is None:
+                    offloads = self.offloads[g].setdefault(rid, [])
+                offloads.append((b, (i + 1) * bs))
 
     def new_step(self) -> None:
         for g in self.gids:
@@ -351,7 +363,7 @@ class MambaAlign:
     def take_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         out: dict[str, list[tuple[int, int, int]]] = {}
         for g in self.gids:
-            for rid, b, n in self.offloads[g]:
-                out.setdefault(rid, []).append((g, b, n))
-            self.offloads[g] = []
+            for rid, entries in self.offloads[g].items():
+                out.setdefault(rid, []).extend((g, b, n) for b, n in entries)
+            self.offloads[g] = {}
         return out
