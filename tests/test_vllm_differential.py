@@ -411,7 +411,6 @@ class MambaCheckpointsBlockAligned(Differential):
     """Mamba alone with checkpoints at block alignment and a speculative block."""
 
     SPECS = [lambda: mamba_spec(spec_blocks=1, checkpoint_alignment=4)]
-    CACHING = (True, True)
     RETENTION = (None, 0, 4, 12)
 
 

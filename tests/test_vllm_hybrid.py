@@ -150,21 +150,31 @@ def test_mamba_align_is_native(specs):
     assert NATIVE_BUILDS["hybrid"] == before + 1
 
 
+@pytest.mark.parametrize("at_build", [False, True])
 @pytest.mark.parametrize("retention", [None, 0, 8])
 @pytest.mark.parametrize("alignment", [2, BS])
-def test_mamba_prefill_checkpoints_as_vllm(retention, alignment):
+def test_mamba_prefill_checkpoints_as_vllm(retention, alignment, at_build):
     """vLLM's prefill checkpoint blocks: a chunk that can export a state inside itself
     reserves one block more at index cdiv(end, bs) - 2 (not padded with a null), keyed at
     its position when that state is the prompt's, a retained boundary or the shared-prefix
     boundary, and evicted (a transient state) otherwise; a later request hits it."""
     specs = [full_spec(), mamba_spec(checkpoints=1)]
     specs[1] = MambaSpec(**{**specs[1].__dict__, "prefill_checkpoint_alignment": alignment})
-    ref, kvb = managers(64, specs, enable_kv_cache_events=True)
+    init_none_hash(sha256)
+    args = dict(max_model_len=256, scheduler_block_size=BS, hash_block_size=BS)
+    args.update(enable_caching=True, enable_kv_cache_events=True)
+    cfgs = [config(64, specs) for _ in range(2)]
+    if at_build:  # vLLM's prefix_cache_retention_interval, or set afterwards as its tests do
+        for c in cfgs:
+            c.prefix_cache_retention_interval = retention
+    ref, kvb = VLLMKVCacheManager(cfgs[0], **args), KVCacheManager(cfgs[1], **args)
     assert kvb.native and type(kvb) is HybridKVCacheManager
     toks = list(range(1, 42))  # 41 tokens: chunks of 16, 16 and 9
     out = []
     for m in (ref, kvb):
-        m.coordinator.retention_interval = retention
+        if not at_build:
+            m.coordinator.retention_interval = retention
+        assert m.coordinator.retention_interval == retention
         mm = m.coordinator.single_type_managers[1]
         got = []
         a = request("a", toks)
@@ -442,3 +452,17 @@ def test_chunked_local_hits_are_null_before_the_chunk_and_decode_frees_them():
     assert kvb.get_block_ids("e")[1][:6] == [0] * 6 and all(kvb.get_block_ids("e")[1][6:])
     assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
     assert ref.take_events() == kvb.take_events()
+
+
+def test_a_window_groups_sparse_retention_falls_back():
+    """vLLM's sliding-window retention masks are not served: built with one, the model runs
+    on vLLM's managers; set afterwards on a native manager, it is refused."""
+    specs = [full_spec(), sw_spec(8)]
+    c = config(32, specs)
+    c.prefix_cache_retention_interval = 0
+    kvb = KVCacheManager(c, max_model_len=256, scheduler_block_size=BS, hash_block_size=BS)
+    assert not kvb.native
+    _, kvb = managers(32, specs)
+    assert kvb.native
+    with pytest.raises(NotImplementedError):
+        kvb.coordinator.retention_interval = 0

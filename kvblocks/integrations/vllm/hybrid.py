@@ -15,8 +15,9 @@ Served natively: every group ``FullAttentionSpec``, ``SlidingWindowSpec`` (windo
 ``ChunkedLocalAttentionSpec`` or ``MambaSpec`` (vLLM's Mamba rules: mamba.py; one window,
 chunk or Mamba group alone too, under vLLM's unitary coordinator), one block size equal to
 the scheduler block size (and the hash block size with caching), prefix caching on or off,
-no EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, sparse retention
-(at construction; a Mamba model's interval set afterwards is served) or partial hash hits.
+no EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, a window group's
+sparse retention or partial hash hits (a retention interval of full attention, chunk and
+Mamba groups is served, set at construction or afterwards, as vLLM's tests do).
 Mamba prefill checkpoint blocks are served (mamba.py). Anything else (cross-attention, MLA, ...)
 runs on vLLM's own managers (``hybrid_unsupported`` says why).
 """
@@ -93,8 +94,10 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
         return "re-prefillable tokens (multi-module MTP)"
     if opts.get("metrics_collector") is not None:
         return "KV cache residency metrics"
-    if getattr(coord, "retention_interval", None) is not None:
-        return "sparse retention interval"
+    if getattr(coord, "retention_interval", None) is not None and any(
+        type(g.kv_cache_spec) is SlidingWindowSpec for g in groups
+    ):  # (full attention and chunks keep every block; Mamba's masks: mamba.py)
+        return "sparse retention interval of a sliding-window group"
     if getattr(mgr, "retained_hit_group_ids", ()):
         return "groups retaining longer hits"
     return None
@@ -265,6 +268,7 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         self.block_pool = NativeBlockPoolView(self._native, coord.block_pool.hash_block_size)
         self._vllm_coordinator = coord
         self.coordinator = _HybridCoordinatorView(coord, self)
+        self.coordinator.retention_interval = getattr(coord, "retention_interval", None)
         self._empty_groups = tuple(_EMPTY_I32 for _ in range(self._native.num_groups))
 
     def _blocks(self, per_group: Sequence[Any]) -> Any:
