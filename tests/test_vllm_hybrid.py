@@ -17,6 +17,7 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -466,3 +467,83 @@ def test_a_window_groups_sparse_retention_falls_back():
     assert kvb.native
     with pytest.raises(NotImplementedError):
         kvb.coordinator.retention_interval = 0
+
+
+def cross_spec():
+    return CrossAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("shape", ["full+cross", "cross+full", "full+sw8+cross"])
+def test_cross_attention_as_vllm(shape, seed):
+    """Encoder-decoder models (Whisper): a cross-attention group sized by the step's
+    encoder tokens (vLLM's CrossAttentionManager: once per request, no prefix caching),
+    beside the decoder's groups; a random stream of admissions with encoder inputs,
+    decode steps without, preemption, resume and finish, compared call by call."""
+    specs = {
+        "full+cross": [full_spec(), cross_spec()],
+        "cross+full": [cross_spec(), full_spec()],
+        "full+sw8+cross": [full_spec(), sw_spec(8), cross_spec()],
+    }[shape]
+    ref, kvb = managers(24, specs, enable_caching=False)
+    assert kvb.native and type(kvb) is HybridKVCacheManager
+    rng = random.Random(seed)
+    live: dict[str, tuple] = {}
+    waiting: list[tuple] = []
+    n = 0
+    for _ in range(60):
+        op = rng.random()
+        if op < 0.3 or not live:
+            n += 1
+            toks = [rng.randint(1, 9) for _ in range(rng.randint(1, 20))]
+            pair = (request(f"r{n}", toks), request(f"r{n}", toks))
+            enc = rng.choice([0, 1, 3, 4, 5, 17])
+            waiting.append((pair, enc))
+        elif op < 0.45 and waiting:
+            pair, enc = waiting.pop(0)
+            must_fit = rng.random() < 0.5
+            out = []
+            for m, r in zip((ref, kvb), pair):
+                new = m.allocate_slots(
+                    r, r.num_tokens, num_encoder_tokens=enc, full_sequence_must_fit=must_fit
+                )
+                if new is not None:
+                    r.num_computed_tokens = r.num_tokens
+                out.append(_ids(new))
+            assert out[0] == out[1]
+            if out[0] is not None:
+                live[pair[0].request_id] = pair
+        elif op < 0.8:
+            rid = rng.choice(sorted(live))
+            pair = live[rid]
+            out = []
+            for m, r in zip((ref, kvb), pair):
+                r.append_output_token_ids(rng.randint(1, 9))
+                new = m.allocate_slots(r, 1, num_lookahead_tokens=rng.choice([0, 2]))
+                if new is not None:
+                    r.num_computed_tokens += 1
+                out.append(_ids(new))
+            assert out[0] == out[1]
+            if out[0] is None:
+                for m, r in zip((ref, kvb), live.pop(rid)):
+                    m.free(r)
+        else:
+            pair = live.pop(rng.choice(sorted(live)))
+            for m, r in zip((ref, kvb), pair):
+                m.free(r)
+                r.num_computed_tokens = 0
+            if rng.random() < 0.5:  # preempted: comes back with its encoder input
+                waiting.append((pair, rng.choice([1, 4, 9])))
+        for rid in live:
+            assert ref.get_block_ids(rid) == kvb.get_block_ids(rid)
+        assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
+        assert ref.usage == kvb.usage
+        assert ref.take_new_block_ids() == kvb.take_new_block_ids()
+    for pair in live.values():
+        for m, r in zip((ref, kvb), pair):
+            m.free(r)
+    free = [
+        [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+        for m in (ref, kvb)
+    ]
+    assert free[0] == free[1]

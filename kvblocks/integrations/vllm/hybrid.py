@@ -36,7 +36,12 @@ from vllm.v1.core.kv_cache_coordinator import (
     UnitaryKVCacheCoordinator,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
-from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 
 from . import mamba
 from .hybrid_state import _KINDS, _HybridState
@@ -65,6 +70,8 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
             why = mamba.unsupported(spec, mgr.enable_caching)
             if why is not None:
                 return why
+        if type(spec) is CrossAttentionSpec and mgr.enable_caching:
+            return "cross-attention with prefix caching"
     if not mgr.enable_caching:
         want: type = KVCacheCoordinatorNoPrefixCache
     elif len(groups) > 1:
@@ -123,6 +130,10 @@ class _HybridGroupView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance() of vLLM's manager class holds (vLLM's
+        return type(self._inner)  # code and tests find the cross-attention group so)
 
     @property
     def req_to_blocks(self) -> dict:
@@ -197,6 +208,7 @@ class _HybridCoordinatorView:
             apply_admission_cap,
             num_tokens_main_model,
             prefill_end,
+            num_encoder_tokens,
         )
 
     def get_blocks(self, request_id: str) -> tuple:
@@ -336,9 +348,11 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         apply_admission_cap: bool = False,
         num_tokens_main: Optional[int] = None,
         prefill_end: int = 0,
+        num_encoder_tokens: int = 0,
     ) -> int:
         """vLLM's coordinator get_num_blocks_to_allocate, summed over the groups
-        (``prefill_end``: the request's, for Mamba checkpoints under sparse retention)."""
+        (``prefill_end``: the request's, for Mamba checkpoints under sparse retention;
+        ``num_encoder_tokens``: what a cross-attention group needs)."""
         s = self._native
         bs = self._bs
         tables = s.tables.get(rid)
@@ -361,6 +375,14 @@ class HybridKVCacheManager(VLLMKVCacheManager):
             req = required
             if s.spec_tokens[g]:
                 req = cdiv(num_tokens + s.spec_tokens[g], bs)
+            elif s.cross[g]:  # the encoder's tokens, no hit, nothing skipped
+                req = cdiv(num_encoder_tokens, bs)
+                cap = s.cap[g]
+                if apply_admission_cap and cap is not None and cap < req:
+                    req = cap
+                have = len(tables[g]) if tables is not None else 0
+                total += max(req - have, 0)
+                continue
             cap = s.cap[g]
             if apply_admission_cap and cap is not None and cap < req:
                 req = cap
@@ -413,6 +435,7 @@ class HybridKVCacheManager(VLLMKVCacheManager):
             and num_external_computed_tokens == 0
             and not full_sequence_must_fit
             and rid in s.ncached
+            and not s.cross_any
         ):  # a running request (decode, next chunk): the same rules, fewer steps
             return self._allocate_running(
                 request,
@@ -438,7 +461,14 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         if full_sequence_must_fit:
             full_n = min(request.num_tokens, self.max_model_len)
             n = self._to_allocate(
-                rid, full_n, new_lists, total_computed, True, full_n, _prefill_end(request)
+                rid,
+                full_n,
+                new_lists,
+                total_computed,
+                True,
+                full_n,
+                _prefill_end(request),
+                num_encoder_tokens,
             )
             if n + watermark > s.pool.num_free:
                 return None
@@ -447,7 +477,14 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         if s.sw_groups:
             s.remove_skipped(rid, max(0, total_computed - request.num_in_flight_tokens))
         n = self._to_allocate(
-            rid, need, new_lists, num_local + ext, False, num_main, _prefill_end(request)
+            rid,
+            need,
+            new_lists,
+            num_local + ext,
+            False,
+            num_main,
+            _prefill_end(request),
+            num_encoder_tokens,
         )
         if n + watermark > s.pool.num_free - reserved_blocks:
             return None
@@ -487,6 +524,8 @@ class HybridKVCacheManager(VLLMKVCacheManager):
             if ext > 0:
                 num_total = num_local + ext
                 for g in range(ng):
+                    if s.cross[g]:  # (vLLM's CrossAttentionManager loads nothing)
+                        continue
                     sk = s.skipped(g, num_total)
                     e = min(num_total - sk, ext) if sk > 0 else ext
                     if e <= 0:
@@ -498,14 +537,16 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                         zero = s.zeroing[g]
                         if zero is not None and g not in skip_zeroing_group_ids:
                             zero.new_block_ids.extend(ext_ids)
-        out, n_new = self._grow(tables, rid, need, num_main)
+        out, n_new = self._grow(tables, rid, need, num_main, num_encoder_tokens)
         if not delay_cache_blocks and self.enable_caching:
             s.cache_groups(request, min(total_computed + num_new_tokens, request.num_tokens))
         if not n_new:
             return self.empty_kv_cache_blocks
         return NativeKVCacheBlocks(s, out)
 
-    def _grow(self, tables: list, rid: str, need: int, num_main: int) -> tuple[list, int]:
+    def _grow(
+        self, tables: list, rid: str, need: int, num_main: int, num_encoder_tokens: int = 0
+    ) -> tuple[list, int]:
         """vLLM's coordinator allocate_new_blocks: each group's table grown to ``need``
         tokens (a Mamba group's by its rules, mamba.py), the new blocks popped in one
         native call in vLLM's group order; (the entries returned per group, whether any)."""
@@ -520,6 +561,8 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                 heads.append(head)
                 continue
             r = cdiv(need + s.spec_tokens[g], self._bs) if s.spec_tokens[g] else required
+            if s.cross[g]:
+                r = cdiv(num_encoder_tokens, self._bs)
             counts.append(r - len(t))
             heads.append(None)
         n_new = sum(c for c in counts if c > 0)

@@ -26,6 +26,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -38,12 +39,13 @@ from .state import _EMPTY_I32, _NativeState
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 # attention kinds served natively, as vLLM's coordinator splits groups (full attention first)
-_FULL, _WINDOW, _CHUNK, _MAMBA = 0, 1, 2, 3
+_FULL, _WINDOW, _CHUNK, _MAMBA, _CROSS = 0, 1, 2, 3, 4
 _KINDS = {
     FullAttentionSpec: _FULL,
     SlidingWindowSpec: _WINDOW,
     ChunkedLocalAttentionSpec: _CHUNK,
     MambaSpec: _MAMBA,
+    CrossAttentionSpec: _CROSS,  # (without prefix caching only: hybrid.py)
 }
 
 
@@ -96,6 +98,11 @@ class _HybridState(_NativeState):
         # the adapter fills and vLLM's take_new_block_ids drains; else None
         self.zeroing = [m if getattr(m, "_record_new_block_ids", False) else None for m in stms]
         self.mamba_any = any(self.mamba)
+        # cross-attention groups (encoder-decoder models, no prefix caching): vLLM's
+        # CrossAttentionManager sizes them by the step's encoder tokens, once per request
+        # (no hits, no skipped blocks, no external blocks)
+        self.cross = [type(m.kv_cache_spec) is CrossAttentionSpec for m in stms]
+        self.cross_any = any(self.cross)
         self.spec_tokens = [
             m.kv_cache_spec.num_speculative_blocks * self.block_size
             if self.mamba[g] and not self.is_align[g]
