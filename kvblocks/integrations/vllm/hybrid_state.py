@@ -408,8 +408,12 @@ class _HybridState(_NativeState):
         num_full = min(num_tokens // bs * bs, len(hashes) * bs) // bs
         nc = self.ncached.get(rid)
         align = self.align
-        if nc is not None and min(nc) >= num_full and align is None:
-            return
+        if nc is not None and min(nc) >= num_full:
+            if align is None:
+                return
+            n = num_tokens // bs * bs if self.round_cache else num_tokens
+            if align.idle(request, n):  # no block to cache, no checkpoint, no prompt tail
+                return
         if num_full <= 0:
             return
         tables = self.tables[rid]

@@ -318,6 +318,21 @@ class MambaAlign:
         self.this_step[g].add(request.block_hashes[idx])
         return True
 
+    def idle(self, request: Any, num_tokens: int) -> bool:
+        """Whether ``after_cache`` has nothing to do for a request that caches no new
+        block: no checkpoint reserved, and num_tokens is not the prompt's last block
+        boundary (the re-cached tail)."""
+        rid = request.request_id
+        for g in self.gids:
+            if rid in self.checkpoints[g]:
+                return False
+        bs = self.s.block_size
+        return (
+            num_tokens <= 0
+            or num_tokens % bs != 0
+            or num_tokens != (request.num_prompt_tokens - 1) // bs * bs
+        )
+
     def after_cache(self, request: Any, g: int, num_tokens: int, before: int, after: int) -> None:
         """MambaManager.cache_blocks after the generic caching (blocks [before, after) of
         group g cached just now): the checkpoint block's entry, or the prompt's last

@@ -116,6 +116,9 @@ class NativeKVCacheBlocks(VLLMKVCacheBlocks):
         return len(self._ids)
 
 
+_ZERO32 = bytes(32)  # a row of ``full`` without a hash
+
+
 class _HashMirror:
     """Block id -> vLLM block hash (group 0) of the blocks whose hash vLLM would show: read
     from ``full`` (32-byte hashes, written natively) or, for other widths, a dict. A block
@@ -132,8 +135,8 @@ class _HashMirror:
         h = self._other.get(b)
         if h is not None:
             return h
-        row = s.full[b]
-        return row.tobytes() if row.any() else default
+        h = s.full[b].tobytes()  # (a bytes compare: cheaper than ndarray.any())
+        return h if h != _ZERO32 else default
 
     def __contains__(self, b: object) -> bool:
         return isinstance(b, (int, np.integer)) and self.get(int(b)) is not None
