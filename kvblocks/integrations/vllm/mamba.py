@@ -246,7 +246,7 @@ class MambaAlign:
             first = self.retired[g].get(rid, 0)
             if first < last:
                 seg = t[first:last]  # mostly nulls: slices and filters run in C
-                freed = [b for b in reversed(seg) if b] if seg.count(0) < len(seg) else None
+                freed = list(filter(None, reversed(seg))) if seg.count(0) < len(seg) else None
                 t[first:last] = [0] * (last - first)
                 if freed:
                     s.free_in_order(freed)

@@ -320,7 +320,8 @@ class _NativeState:
             raise ValueError(f"Cannot get {n} free blocks from the pool")
         evictable = self.pool.num_evictable  # none: no popped block can hold an entry
         ids = self.pool.allocate(n)
-        if evictable and self.enable_caching:
+        # a popped block that held an entry lowers num_evictable: none did when it is equal
+        if evictable and self.enable_caching and self.pool.num_evictable != evictable:
             was = self.hashed[ids]
             if was.any():
                 for b in ids[was].tolist():  # (the mirror reads hashed: clear it after)
@@ -474,7 +475,7 @@ class _NativeState:
         Forgets the ``uncached_held`` blocks it frees."""
         if not len(ordered):
             return
-        self.pool.free(np.asarray(ordered, dtype=np.int32), order="vllm")
+        self.pool.free(ordered, order="vllm")  # (a list or an int32 array, as given)
         if self.uncached_held:
             refs = self.refs
             self.uncached_held = {b for b in self.uncached_held if refs[b] > 0}
