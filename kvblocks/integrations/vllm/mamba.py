@@ -183,7 +183,7 @@ class MambaAlign:
         if self.deferred(g, hit):
             return s.num_blocks + 1
         spec = self.spec[g]
-        n = cdiv(num_tokens_main, s.block_size) + spec - len(hit) - have
+        n = -(-num_tokens_main // s.block_size) + spec - len(hit) - have  # (cdiv)
         cb = 0
         if self.ckpt_align[g] is not None:
             if self.retention != 0:
@@ -211,7 +211,7 @@ class MambaAlign:
         speculative blocks; returns (blocks to pop, the entries this step returns before
         the new blocks)."""
         spec = self.spec[g]
-        required = cdiv(num_tokens_main, self.s.block_size) + spec
+        required = -(-num_tokens_main // self.s.block_size) + spec  # (cdiv)
         allocated = self.allocated[g]
         cb = int(rid in self.checkpoints[g])  # the checkpoint's index stays unpadded
         if required <= len(t) and not cb:
@@ -246,13 +246,12 @@ class MambaAlign:
             first = self.retired[g].get(rid, 0)
             if first < last:
                 seg = t[first:last]  # mostly nulls: slices and filters run in C
-                freed = list(filter(None, reversed(seg))) if seg.count(0) < len(seg) else None
-                t[first:last] = [0] * (last - first)
-                if freed:
-                    s.free_in_order(freed)
+                if seg.count(0) < len(seg):
+                    t[first:last] = [0] * (last - first)
+                    s.free_in_order(list(filter(None, reversed(seg))))
                 self.retired[g][rid] = last
         j = self.last_state[g].get(rid)
-        if j is not None and j < cdiv(processed, bs) - 1 and t[j]:
+        if j is not None and j < -(-processed // bs) - 1 and t[j]:  # (cdiv)
             s.free_in_order([t[j]])
             t[j] = 0
 
