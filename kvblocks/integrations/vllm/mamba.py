@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 from vllm.v1.kv_cache_interface import (
@@ -199,10 +200,11 @@ class MambaAlign:
             cap = (1 if rid in self.allocated[g] else 1 + spec) + cb
             if n > cap:
                 n = cap
-        refs = s.refs
-        for b in hit:  # (a hit is nulls and one block)
-            if b and refs[int(b)] == 0:
-                n += 1
+        if len(hit):  # the hit's evictable blocks (a hit is nulls and one block)
+            refs = s.refs
+            for b in filter(None, hit.tolist() if isinstance(hit, np.ndarray) else hit):
+                if refs[b] == 0:
+                    n += 1
         return n
 
     # -- allocation ---------------------------------------------------------------------------
@@ -295,15 +297,18 @@ class MambaAlign:
         bs = s.block_size
         pos, idx = ck
         b = t[idx]
-        prompt_pos = get_mamba_prefill_checkpoint_position(request.num_prompt_tokens, bs, False)
-        retained = False
-        if pos % bs == 0:
+        retained = self.retention is None and pos % bs == 0  # (dense: vLLM's mask is None)
+        if not retained and pos % bs == 0:
             i = pos // bs - 1
             m = MambaManager.reachable_block_mask(
                 i, i + 1, bs, self.specs[g], False, retention_interval=self.retention
             )
             retained = m is None or m[0]
-        if pos != prompt_pos and not retained and pos != request.shared_prefix_boundary:
+        if (
+            not retained
+            and pos != get_mamba_prefill_checkpoint_position(request.num_prompt_tokens, bs, False)
+            and pos != request.shared_prefix_boundary
+        ):
             if b and s.hash_of.get(b) is not None:
                 s.evict([b])  # the transient state overwrites the slot
             return True
