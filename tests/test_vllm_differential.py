@@ -42,7 +42,11 @@ from hypothesis.stateful import (  # noqa: E402
 )
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_group_id,
+    get_request_block_hasher,
+    init_none_hash,
+)
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -317,6 +321,17 @@ class Differential(RuleBasedStateMachine):
         assert self.ref.make_prefix_cache_stats() == self.kvb.make_prefix_cache_stats()
         assert self.ref.take_boundary_state_offloads() == self.kvb.take_boundary_state_offloads()
         assert self.ref.take_new_block_ids() == self.kvb.take_new_block_ids()  # KV zeroing
+        align = {
+            g
+            for g, spec in enumerate(self.ref.kv_cache_config.kv_cache_groups)
+            if getattr(spec.kv_cache_spec, "mamba_cache_mode", None) == "align"
+        }
+        if align and self.ref.enable_caching:  # a Mamba entry's token count (its rules read it)
+            for b in range(1, ref_pool.num_gpu_blocks):
+                rb, kb = ref_pool.blocks[b], kvb_pool.blocks[b]
+                assert rb.block_hash == kb.block_hash, b
+                if rb.block_hash is not None and get_group_id(rb.block_hash) in align:
+                    assert rb.block_hash_num_tokens == kb.block_hash_num_tokens, b
         for g, spec in enumerate(self.ref.kv_cache_config.kv_cache_groups):  # checkpoints
             if getattr(spec.kv_cache_spec, "num_prefill_checkpoint_blocks", 0):
                 ck = self.ref.coordinator.single_type_managers[g]._checkpoints

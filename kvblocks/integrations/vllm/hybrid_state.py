@@ -446,7 +446,7 @@ class _HybridState(_NativeState):
             ht = self.hash_tokens
             for j, b in enumerate(ids_l, c + 1):
                 if b:
-                    ht[b] = j * bs
+                    ht[b] = (g, j * bs)
         if self.enable_events:
             self.events.append(self._stored(request, c, num_full, g, ids_l))
 

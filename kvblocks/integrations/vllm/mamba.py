@@ -315,7 +315,7 @@ class MambaAlign:
         if not b:
             return True
         if s.hash_of.get(b) is not None:
-            if s.hash_tokens.get(b) == pos:  # keyed there already (the full-block pass)
+            if s.hash_tokens.get(b) == (g, pos):  # keyed there (the full-block pass)
                 return True
             s.evict([b])  # its other entries go (replace_existing_hashes)
         s.cache_ids(request, g, [b], idx, idx + 1)  # vLLM's cache_partial_block

@@ -67,7 +67,8 @@ class _BlockView:
         b = self.block_id
         if b not in self._s.hash_of:
             return None
-        return self._s.hash_tokens.get(b, self._s.block_size)
+        e = self._s.hash_tokens.get(b)  # (group, tokens): current while the group matches
+        return e[1] if e is not None and e[0] == int(self._s.gid[b]) else self._s.block_size
 
     @property
     def pool(self) -> Any:
@@ -204,9 +205,10 @@ class _NativeState:
         # blocks evict() uncached while requests held them: while any is, frees take the
         # general path (free_in_order), since a table's cached part may have a hole
         self.uncached_held: set[int] = set()
-        # block -> the tokens its entry covers (vLLM's block_hash_num_tokens), kept for the
-        # groups whose rules read it (Mamba in align mode: hybrid_state.py); else block_size
-        self.hash_tokens: dict[int, int] = {}
+        # block -> (group, the tokens its entry covers: vLLM's block_hash_num_tokens), kept
+        # for the groups whose rules read it (Mamba in align mode: hybrid_state.py); a block
+        # cached since in another group reads block_size, as every other block
+        self.hash_tokens: dict[int, tuple[int, int]] = {}
         self.events: list[Any] = []
         self._views: dict[int, _BlockView] = {}
         self.free_queue: Any = None  # the _FreeQueueView, set by NativeBlockPoolView
