@@ -512,7 +512,7 @@ def test_vllm_suite_without_vllm_in_a_fresh_process():
     [
         (("bench", "vllm", "alloc"), ("the vllm suite runs alone",)),
         (("bench", "vllm", "--samples", "3"), ("--samples does not apply to the vllm suite",)),
-        (("bench", "vllm", "--case", "mamba"), ("argument --case: invalid choice",)),
+        (("bench", "vllm", "--case", "mla"), ("argument --case: invalid choice",)),
         (("bench", "vllm", "--reps", "0"), ("argument --reps",)),
     ],
 )

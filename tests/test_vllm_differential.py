@@ -42,7 +42,11 @@ from hypothesis.stateful import (  # noqa: E402
 )
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_group_id,
+    get_request_block_hasher,
+    init_none_hash,
+)
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -91,13 +95,15 @@ def chunk_spec(chunk: int):
     )
 
 
-def mamba_spec(mode: str = "align", spec_blocks: int = 0):
+def mamba_spec(mode: str = "align", spec_blocks: int = 0, checkpoint_alignment=None):
     return MambaSpec(
         block_size=BS,
         shapes=((1, 1),),
         dtypes=(torch.float32,),
         mamba_cache_mode=mode,
         num_speculative_blocks=spec_blocks,
+        num_prefill_checkpoint_blocks=int(checkpoint_alignment is not None),
+        prefill_checkpoint_alignment=checkpoint_alignment,
     )
 
 
@@ -133,9 +139,15 @@ class Differential(RuleBasedStateMachine):
 
     SPECS: list = []
     CACHING = (False, True)  # prefix caching off / on
+    # coordinator.retention_interval values set after the build, as vLLM's tests do
+    RETENTION: tuple = (None,)
 
-    @initialize(num_blocks=st.sampled_from([10, 16, 24, 40]), caching=st.booleans())
-    def build(self, num_blocks, caching):
+    @initialize(
+        num_blocks=st.sampled_from([10, 16, 24, 40]),
+        caching=st.booleans(),
+        retention=st.integers(0, 3),
+    )
+    def build(self, num_blocks, caching, retention):
         caching = self.CACHING[caching]
         init_none_hash(sha256)
         args = dict(
@@ -150,6 +162,11 @@ class Differential(RuleBasedStateMachine):
         self.ref = VLLMKVCacheManager(config(num_blocks, specs), **args)
         self.kvb = KVCacheManager(config(num_blocks, specs), **args)
         assert self.kvb.native
+        self.retention = self.RETENTION[retention % len(self.RETENTION)]
+        if self.retention is not None:
+            for m in (self.ref, self.kvb):
+                m.coordinator.retention_interval = self.retention
+            event(f"retention interval {self.retention}")
         self.live: dict[str, tuple] = {}
         self.waiting: list[tuple] = []
         self.prompts: list[tuple] = []  # (tokens, salt) of every admitted request
@@ -304,6 +321,23 @@ class Differential(RuleBasedStateMachine):
         assert self.ref.make_prefix_cache_stats() == self.kvb.make_prefix_cache_stats()
         assert self.ref.take_boundary_state_offloads() == self.kvb.take_boundary_state_offloads()
         assert self.ref.take_new_block_ids() == self.kvb.take_new_block_ids()  # KV zeroing
+        align = {
+            g
+            for g, spec in enumerate(self.ref.kv_cache_config.kv_cache_groups)
+            if getattr(spec.kv_cache_spec, "mamba_cache_mode", None) == "align"
+        }
+        if align and self.ref.enable_caching:  # a Mamba entry's token count (its rules read it)
+            for b in range(1, ref_pool.num_gpu_blocks):
+                rb, kb = ref_pool.blocks[b], kvb_pool.blocks[b]
+                assert rb.block_hash == kb.block_hash, b
+                if rb.block_hash is not None and get_group_id(rb.block_hash) in align:
+                    assert rb.block_hash_num_tokens == kb.block_hash_num_tokens, b
+        for g, spec in enumerate(self.ref.kv_cache_config.kv_cache_groups):  # checkpoints
+            if getattr(spec.kv_cache_spec, "num_prefill_checkpoint_blocks", 0):
+                ck = self.ref.coordinator.single_type_managers[g]._checkpoints
+                assert ck == self.kvb.coordinator.single_type_managers[g]._checkpoints
+                if ck:
+                    event("checkpoint reserved")
         events = self.kvb.take_events()
         assert self.ref.take_events() == events
         if any(type(e).__name__ == "BlockRemoved" for e in events):
@@ -376,3 +410,26 @@ TestFullAndMambaSpeculative = FullAndMambaSpeculative.TestCase
 TestFullAndMambaSpeculative.settings = PROFILE
 TestFullAndMambaNone = FullAndMambaNone.TestCase
 TestFullAndMambaNone.settings = PROFILE
+
+
+class FullAndMambaCheckpoints(Differential):
+    """Mamba prefill checkpoint blocks (a state exported inside a chunk, kept at its
+    boundary): the alignment half a block, as vLLM's tests (16 tokens in blocks of 32);
+    dense or sparse retention (0: replay boundaries only; 8: every second block)."""
+
+    SPECS = [full_spec, lambda: mamba_spec(checkpoint_alignment=2)]
+    CACHING = (True, True)
+    RETENTION = (None, 0, 8, None)
+
+
+class MambaCheckpointsBlockAligned(Differential):
+    """Mamba alone with checkpoints at block alignment and a speculative block."""
+
+    SPECS = [lambda: mamba_spec(spec_blocks=1, checkpoint_alignment=4)]
+    RETENTION = (None, 0, 4, 12)
+
+
+TestFullAndMambaCheckpoints = FullAndMambaCheckpoints.TestCase
+TestFullAndMambaCheckpoints.settings = PROFILE
+TestMambaCheckpointsBlockAligned = MambaCheckpointsBlockAligned.TestCase
+TestMambaCheckpointsBlockAligned.settings = PROFILE

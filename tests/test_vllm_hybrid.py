@@ -17,6 +17,7 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -108,13 +109,38 @@ def test_chunked_local_is_native(specs):
     assert NATIVE_BUILDS["hybrid"] == before + 1
 
 
-@pytest.mark.parametrize("specs", [[full_spec(), sw_spec(8)]])  # one group: native (seam)
-def test_a_pool_of_the_null_block_alone_falls_back(specs):
-    ref, kvb = managers(1, specs)
-    assert not kvb.native and type(kvb) is KVCacheManager
+ONE_BLOCK_SHAPES = [
+    [full_spec(), sw_spec(8)],
+    [full_spec(), chunk_spec(8)],
+    [full_spec(), mamba_spec()],
+    [mamba_spec(checkpoints=1)],
+    [sw_spec(8)],
+]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("specs", ONE_BLOCK_SHAPES)
+def test_a_pool_of_the_null_block_alone_is_native(specs, caching):
+    """vLLM's num_gpu_blocks == 1 (the null block alone) on BlockPool(1): nothing to
+    allocate; every answer as vLLM's (refusals, free counts, usage, stats, events, the
+    free list, reset)."""
+    ref, kvb = managers(1, specs, enable_caching=caching, enable_kv_cache_events=True)
+    assert kvb.native and type(kvb) is HybridKVCacheManager
+    out = []
     for m in (ref, kvb):
-        r = request("a", [1, 2, 3, 4, 5])
-        assert m.get_computed_blocks(r)[1] == 0 and m.allocate_slots(r, 5) is None
+        r = request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+        blocks, hit, _ = m.get_computed_blocks(r)
+        got = [hit, blocks.get_block_ids()]
+        got.append(_ids(m.allocate_slots(r, 9, hit, blocks, full_sequence_must_fit=True)))
+        got.append(_ids(m.allocate_slots(r, 4, hit, blocks)))
+        m.free(r)
+        m.new_step_starts()
+        free = [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+        got += [m.block_pool.get_num_free_blocks(), m.usage, free, m.reset_prefix_cache()]
+        got += [m.take_events(), m.take_new_block_ids(), m.take_boundary_state_offloads()]
+        out.append(got)
+    assert out[0] == out[1]
+    assert out[0][2] is None and out[0][3] is None
 
 
 @pytest.mark.parametrize("specs", [[full_spec(), mamba_spec()], [mamba_spec()]])
@@ -125,11 +151,52 @@ def test_mamba_align_is_native(specs):
     assert NATIVE_BUILDS["hybrid"] == before + 1
 
 
-def test_mamba_prefill_checkpoints_fall_back(caplog):
-    with caplog.at_level("INFO", logger="kvblocks.integrations.vllm.manager"):
-        _, kvb = managers(32, [full_spec(), mamba_spec(checkpoints=1)])
-    assert not kvb.native and type(kvb) is KVCacheManager
-    assert "Mamba prefill checkpoint blocks" in caplog.text
+@pytest.mark.parametrize("at_build", [False, True])
+@pytest.mark.parametrize("retention", [None, 0, 8])
+@pytest.mark.parametrize("alignment", [2, BS])
+def test_mamba_prefill_checkpoints_as_vllm(retention, alignment, at_build):
+    """vLLM's prefill checkpoint blocks: a chunk that can export a state inside itself
+    reserves one block more at index cdiv(end, bs) - 2 (not padded with a null), keyed at
+    its position when that state is the prompt's, a retained boundary or the shared-prefix
+    boundary, and evicted (a transient state) otherwise; a later request hits it."""
+    specs = [full_spec(), mamba_spec(checkpoints=1)]
+    specs[1] = MambaSpec(**{**specs[1].__dict__, "prefill_checkpoint_alignment": alignment})
+    init_none_hash(sha256)
+    args = dict(max_model_len=256, scheduler_block_size=BS, hash_block_size=BS)
+    args.update(enable_caching=True, enable_kv_cache_events=True)
+    cfgs = [config(64, specs) for _ in range(2)]
+    if at_build:  # vLLM's prefix_cache_retention_interval, or set afterwards as its tests do
+        for c in cfgs:
+            c.prefix_cache_retention_interval = retention
+    ref, kvb = VLLMKVCacheManager(cfgs[0], **args), KVCacheManager(cfgs[1], **args)
+    assert kvb.native and type(kvb) is HybridKVCacheManager
+    toks = list(range(1, 42))  # 41 tokens: chunks of 16, 16 and 9
+    out = []
+    for m in (ref, kvb):
+        if not at_build:
+            m.coordinator.retention_interval = retention
+        assert m.coordinator.retention_interval == retention
+        mm = m.coordinator.single_type_managers[1]
+        got = []
+        a = request("a", toks)
+        got.append(_admit(m, a, 16, 0))
+        got.append((dict(mm._checkpoints), m.take_events(), m.take_boundary_state_offloads()))
+        for _ in range(2):
+            m.new_step_starts()
+            got.append(_step(m, a, 16, 0))
+            got.append((dict(mm._checkpoints), m.take_events(), m.get_block_ids("a")))
+            got.append(m.take_boundary_state_offloads())
+        m.new_step_starts()
+        b = request("b", toks + [7, 7, 7, 7, 7])
+        got.append(_admit(m, b, 64, 0))
+        m.free(a)
+        m.free(b)
+        free = [x.block_id for x in m.block_pool.free_block_queue.get_all_free_blocks()]
+        got += [free, m.take_events()]
+        out.append(got)
+    assert out[0] == out[1]
+    assert any(out[0][i][0] for i in (1, 3, 6))  # a checkpoint was reserved
+    assert out[0][8][0] > 0  # the follower hits a Mamba state
 
 
 def test_mamba_hit_cached_in_the_same_step_waits_for_the_next():
@@ -386,3 +453,97 @@ def test_chunked_local_hits_are_null_before_the_chunk_and_decode_frees_them():
     assert kvb.get_block_ids("e")[1][:6] == [0] * 6 and all(kvb.get_block_ids("e")[1][6:])
     assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
     assert ref.take_events() == kvb.take_events()
+
+
+def test_a_window_groups_sparse_retention_falls_back():
+    """vLLM's sliding-window retention masks are not served: built with one, the model runs
+    on vLLM's managers; set afterwards on a native manager, it is refused."""
+    specs = [full_spec(), sw_spec(8)]
+    c = config(32, specs)
+    c.prefix_cache_retention_interval = 0
+    kvb = KVCacheManager(c, max_model_len=256, scheduler_block_size=BS, hash_block_size=BS)
+    assert not kvb.native
+    _, kvb = managers(32, specs)
+    assert kvb.native
+    with pytest.raises(NotImplementedError):
+        kvb.coordinator.retention_interval = 0
+
+
+def cross_spec():
+    return CrossAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("shape", ["full+cross", "cross+full", "full+sw8+cross"])
+def test_cross_attention_as_vllm(shape, seed):
+    """Encoder-decoder models (Whisper): a cross-attention group sized by the step's
+    encoder tokens (vLLM's CrossAttentionManager: once per request, no prefix caching),
+    beside the decoder's groups; a random stream of admissions with encoder inputs,
+    decode steps without, preemption, resume and finish, compared call by call."""
+    specs = {
+        "full+cross": [full_spec(), cross_spec()],
+        "cross+full": [cross_spec(), full_spec()],
+        "full+sw8+cross": [full_spec(), sw_spec(8), cross_spec()],
+    }[shape]
+    ref, kvb = managers(24, specs, enable_caching=False)
+    assert kvb.native and type(kvb) is HybridKVCacheManager
+    rng = random.Random(seed)
+    live: dict[str, tuple] = {}
+    waiting: list[tuple] = []
+    n = 0
+    for _ in range(60):
+        op = rng.random()
+        if op < 0.3 or not live:
+            n += 1
+            toks = [rng.randint(1, 9) for _ in range(rng.randint(1, 20))]
+            pair = (request(f"r{n}", toks), request(f"r{n}", toks))
+            enc = rng.choice([0, 1, 3, 4, 5, 17])
+            waiting.append((pair, enc))
+        elif op < 0.45 and waiting:
+            pair, enc = waiting.pop(0)
+            must_fit = rng.random() < 0.5
+            out = []
+            for m, r in zip((ref, kvb), pair):
+                new = m.allocate_slots(
+                    r, r.num_tokens, num_encoder_tokens=enc, full_sequence_must_fit=must_fit
+                )
+                if new is not None:
+                    r.num_computed_tokens = r.num_tokens
+                out.append(_ids(new))
+            assert out[0] == out[1]
+            if out[0] is not None:
+                live[pair[0].request_id] = pair
+        elif op < 0.8:
+            rid = rng.choice(sorted(live))
+            pair = live[rid]
+            out = []
+            for m, r in zip((ref, kvb), pair):
+                r.append_output_token_ids(rng.randint(1, 9))
+                new = m.allocate_slots(r, 1, num_lookahead_tokens=rng.choice([0, 2]))
+                if new is not None:
+                    r.num_computed_tokens += 1
+                out.append(_ids(new))
+            assert out[0] == out[1]
+            if out[0] is None:
+                for m, r in zip((ref, kvb), live.pop(rid)):
+                    m.free(r)
+        else:
+            pair = live.pop(rng.choice(sorted(live)))
+            for m, r in zip((ref, kvb), pair):
+                m.free(r)
+                r.num_computed_tokens = 0
+            if rng.random() < 0.5:  # preempted: comes back with its encoder input
+                waiting.append((pair, rng.choice([1, 4, 9])))
+        for rid in live:
+            assert ref.get_block_ids(rid) == kvb.get_block_ids(rid)
+        assert ref.block_pool.get_num_free_blocks() == kvb.block_pool.get_num_free_blocks()
+        assert ref.usage == kvb.usage
+        assert ref.take_new_block_ids() == kvb.take_new_block_ids()
+    for pair in live.values():
+        for m, r in zip((ref, kvb), pair):
+            m.free(r)
+    free = [
+        [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+        for m in (ref, kvb)
+    ]
+    assert free[0] == free[1]

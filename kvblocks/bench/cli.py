@@ -36,7 +36,7 @@ suites:
   all        the five above (the default)
   vllm       vLLM's KV cache manager against kvblocks' (kvblocks.integrations.vllm) under
              vLLM's scheduler API: admission, decode and free of 256 requests sharing 4 system
-             prompts, medians of --reps interleaved runs, --case full|hybrid|chunked|all;
+             prompts, medians of --reps interleaved runs, --case full|hybrid|chunked|mamba|all;
              runs alone, not part of all; without vllm it prints "skipped: vllm not
              importable" and exits 0 (docs/vllm.md)
 
@@ -103,7 +103,10 @@ def add_command(sub: "argparse._SubParsersAction") -> None:
     )
     v = p.add_argument_group("the vllm suite")
     v.add_argument(
-        "--case", choices=("full", "hybrid", "chunked", "all"), default="all", help="default all"
+        "--case",
+        choices=("full", "hybrid", "chunked", "mamba", "all"),
+        default="all",
+        help="default all",
     )
     v.add_argument("--reps", type=_samples, default=7, metavar="N", help="runs (default 7)")
     v.add_argument(

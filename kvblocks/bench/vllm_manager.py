@@ -23,7 +23,13 @@ window, 32 per request); ``chunked`` (Llama 4's shape: one full-attention group 
 local attention group, the chunk shortened from Llama 4's 8192 tokens to 256 so that this
 workload crosses chunks; admission's hit ends on a chunk boundary, so the chunk group's part
 is 32 null blocks without a lookup, and the decode step frees the 32 blocks per request
-before the new token's chunk).
+before the new token's chunk); ``mamba`` (a Jamba / Qwen3-Next style hybrid: one
+full-attention group + one Mamba state group in vLLM's "align" mode with prefill checkpoint
+blocks, alignment one block; before the timing, one request per shared prompt computes that
+prompt alone, so its state block is cached; admission then hits the prompt's 32 full blocks
+and the Mamba group's one state block (31 nulls before it) and allocates the full blocks, the
+checkpoint block and the running state block; the decode step frees each request's hit state
+and checkpoint blocks and takes one new state block).
 
 Reports per phase the median over repetitions of the phase's time (ms), the ratio vLLM /
 kvblocks of those medians, and the p50 / p99 of one call (one request's operation, pooled over
@@ -50,6 +56,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request
@@ -59,7 +66,7 @@ from .errors import BenchError
 
 __all__ = ["BLOCK_SIZE", "CASES", "CHUNK", "NUM_BLOCKS", "WINDOW", "run", "run_case"]
 
-CASES = ("full", "hybrid", "chunked")
+CASES = ("full", "hybrid", "chunked", "mamba")
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 40_000
@@ -90,6 +97,16 @@ def make_config(num_blocks: int, case: str = "full") -> KVCacheConfig:
             attention_chunk_size=CHUNK,
         )
         groups.append(KVCacheGroupSpec(["chunk_layer"], cl))
+    elif case == "mamba":
+        mamba = MambaSpec(
+            block_size=BLOCK_SIZE,
+            shapes=((1,),),
+            dtypes=(torch.float32,),
+            mamba_cache_mode="align",
+            num_prefill_checkpoint_blocks=1,
+            prefill_checkpoint_alignment=BLOCK_SIZE,
+        )
+        groups.append(KVCacheGroupSpec(["mamba_layer"], mamba))
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
@@ -141,6 +158,18 @@ def run_once(cls: type, n: int, case: str) -> tuple[dict[str, list[int]], list]:
     if case != "full":
         assert cls is VLLMKVCacheManager or getattr(mgr, "native", False), "not native"
     reqs = make_requests(n)
+    if case == "mamba":  # each shared prompt computed alone once: its state block cached
+        for r in make_requests(4)[:4]:
+            seed = Request(
+                request_id=f"seed-{r.request_id}",
+                prompt_token_ids=r.prompt_token_ids[:512],
+                sampling_params=r.sampling_params,
+                pooling_params=None,
+                block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+            )
+            assert mgr.allocate_slots(seed, 512) is not None
+            mgr.free(seed)
+        mgr.new_step_starts()
 
     def admit(r: Request) -> None:
         blocks, hit, _ = mgr.get_computed_blocks(r)
@@ -171,7 +200,8 @@ def pct(xs: list[int], q: float) -> float:
 
 
 def run_case(case: str, reps: int, n: int) -> dict:
-    """Time one case (``full``, ``hybrid`` or ``chunked``), print its table, return its rows."""
+    """Time one case (``full``, ``hybrid``, ``chunked`` or ``mamba``), print its table,
+    return its rows."""
     sides = {"vllm": VLLMKVCacheManager, "kvblocks": KVBKVCacheManager}
     phase_ms: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
     calls: dict[str, dict[str, list[int]]] = {s: {} for s in sides}
@@ -190,6 +220,7 @@ def run_case(case: str, reps: int, n: int) -> dict:
         "full": "full attention",
         "hybrid": f"full + sliding window {WINDOW}",
         "chunked": f"full + chunked local {CHUNK}",
+        "mamba": "full + Mamba align, prefill checkpoints",
     }[case]
     print(
         f"{case} ({shape}): {n} requests, 4 shared 512-token prompts + 512 own, block size "
@@ -217,8 +248,8 @@ def run_case(case: str, reps: int, n: int) -> dict:
 
 
 def run(case: str = "all", reps: int = 7, requests: int = 256) -> dict:
-    """Time ``case`` (``full``, ``hybrid``, ``chunked`` or ``all``), print the tables; the
-    results doc."""
+    """Time ``case`` (``full``, ``hybrid``, ``chunked``, ``mamba`` or ``all``), print the
+    tables; the results doc."""
     if reps < 1 or requests < 1:
         raise BenchError(f"--reps and --requests must be >= 1, not {reps} and {requests}")
     init_none_hash(sha256)

@@ -15,8 +15,10 @@ Served natively: every group ``FullAttentionSpec``, ``SlidingWindowSpec`` (windo
 ``ChunkedLocalAttentionSpec`` or ``MambaSpec`` (vLLM's Mamba rules: mamba.py; one window,
 chunk or Mamba group alone too, under vLLM's unitary coordinator), one block size equal to
 the scheduler block size (and the hash block size with caching), prefix caching on or off,
-no EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, sparse retention,
-partial hash hits or Mamba prefill checkpoints. Anything else (cross-attention, MLA, ...)
+no EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, a window group's
+sparse retention or partial hash hits (a retention interval of full attention, chunk and
+Mamba groups is served, set at construction or afterwards, as vLLM's tests do).
+Mamba prefill checkpoint blocks are served (mamba.py). Anything else (cross-attention, MLA, ...)
 runs on vLLM's own managers (``hybrid_unsupported`` says why).
 """
 
@@ -34,7 +36,12 @@ from vllm.v1.core.kv_cache_coordinator import (
     UnitaryKVCacheCoordinator,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
-from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 
 from . import mamba
 from .hybrid_state import _KINDS, _HybridState
@@ -63,6 +70,8 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
             why = mamba.unsupported(spec, mgr.enable_caching)
             if why is not None:
                 return why
+        if type(spec) is CrossAttentionSpec and mgr.enable_caching:
+            return "cross-attention with prefix caching"
     if not mgr.enable_caching:
         want: type = KVCacheCoordinatorNoPrefixCache
     elif len(groups) > 1:
@@ -72,8 +81,6 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
     coord_cls: Any = type(coord)
     if coord_cls is not want:
         return f"coordinator {coord_cls.__name__}"
-    if coord.block_pool.num_gpu_blocks < 2:
-        return "a pool of the null block alone"
     sizes = {stm.block_size for stm in coord.single_type_managers}
     if len(sizes) != 1:
         return "groups of different block sizes"
@@ -94,11 +101,18 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
         return "re-prefillable tokens (multi-module MTP)"
     if opts.get("metrics_collector") is not None:
         return "KV cache residency metrics"
-    if getattr(coord, "retention_interval", None) is not None:
-        return "sparse retention interval"
+    if getattr(coord, "retention_interval", None) is not None and any(
+        type(g.kv_cache_spec) is SlidingWindowSpec for g in groups
+    ):  # (full attention and chunks keep every block; Mamba's masks: mamba.py)
+        return "sparse retention interval of a sliding-window group"
     if getattr(mgr, "retained_hit_group_ids", ()):
         return "groups retaining longer hits"
     return None
+
+
+def _prefill_end(request: Any) -> int:
+    """The token index the request's prefill ends at (vLLM's allocate_slots)."""
+    return max(request.num_prompt_tokens, request.num_tokens - 1)
 
 
 class _HybridGroupView:
@@ -117,6 +131,10 @@ class _HybridGroupView:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance() of vLLM's manager class holds (vLLM's
+        return type(self._inner)  # code and tests find the cross-attention group so)
+
     @property
     def req_to_blocks(self) -> dict:
         view, g = self._s.view, self._g
@@ -126,6 +144,13 @@ class _HybridGroupView:
     def num_cached_block(self) -> dict:
         g = self._g
         return {rid: nc[g] for rid, nc in self._s.ncached.items()}
+
+    @property
+    def _checkpoints(self) -> dict:  # MambaManager's reserved (position, table index)
+        align = self._s.align
+        if align is None or not self._s.is_align[self._g]:
+            return self._inner._checkpoints
+        return dict(align.checkpoints[self._g])
 
 
 class _HybridCoordinatorView:
@@ -143,6 +168,25 @@ class _HybridCoordinatorView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    @property
+    def retention_interval(self) -> Optional[int]:
+        return self._m._native.retention
+
+    @retention_interval.setter
+    def retention_interval(self, value: Optional[int]) -> None:
+        """vLLM's tests set the interval on a built manager: a Mamba group's masks and
+        checkpoints follow it (mamba.py); a window group's sparse retention is not
+        served natively, so it is refused rather than ignored."""
+        s = self._m._native
+        if value is not None and any(s.window):
+            raise NotImplementedError(
+                "kvblocks: sparse retention of a sliding-window group set after the "
+                "manager was built"
+            )
+        s.retention = value
+        if s.align is not None:
+            s.align.retention = value
 
     def get_num_blocks_to_allocate(
         self,
@@ -163,6 +207,8 @@ class _HybridCoordinatorView:
             total_computed_tokens,
             apply_admission_cap,
             num_tokens_main_model,
+            prefill_end,
+            num_encoder_tokens,
         )
 
     def get_blocks(self, request_id: str) -> tuple:
@@ -234,6 +280,7 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         self.block_pool = NativeBlockPoolView(self._native, coord.block_pool.hash_block_size)
         self._vllm_coordinator = coord
         self.coordinator = _HybridCoordinatorView(coord, self)
+        self.coordinator.retention_interval = getattr(coord, "retention_interval", None)
         self._empty_groups = tuple(_EMPTY_I32 for _ in range(self._native.num_groups))
 
     def _blocks(self, per_group: Sequence[Any]) -> Any:
@@ -300,8 +347,12 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         total_computed_tokens: int,
         apply_admission_cap: bool = False,
         num_tokens_main: Optional[int] = None,
+        prefill_end: int = 0,
+        num_encoder_tokens: int = 0,
     ) -> int:
-        """vLLM's coordinator get_num_blocks_to_allocate, summed over the groups."""
+        """vLLM's coordinator get_num_blocks_to_allocate, summed over the groups
+        (``prefill_end``: the request's, for Mamba checkpoints under sparse retention;
+        ``num_encoder_tokens``: what a cross-attention group needs)."""
         s = self._native
         bs = self._bs
         tables = s.tables.get(rid)
@@ -316,11 +367,22 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                     num_tokens if num_tokens_main is None else num_tokens_main,
                     new_lists[g],
                     len(tables[g]) if tables is not None else 0,
+                    total_computed_tokens,
+                    prefill_end,
+                    not apply_admission_cap,
                 )
                 continue
             req = required
             if s.spec_tokens[g]:
                 req = cdiv(num_tokens + s.spec_tokens[g], bs)
+            elif s.cross[g]:  # the encoder's tokens, no hit, nothing skipped
+                req = cdiv(num_encoder_tokens, bs)
+                cap = s.cap[g]
+                if apply_admission_cap and cap is not None and cap < req:
+                    req = cap
+                have = len(tables[g]) if tables is not None else 0
+                total += max(req - have, 0)
+                continue
             cap = s.cap[g]
             if apply_admission_cap and cap is not None and cap < req:
                 req = cap
@@ -373,6 +435,7 @@ class HybridKVCacheManager(VLLMKVCacheManager):
             and num_external_computed_tokens == 0
             and not full_sequence_must_fit
             and rid in s.ncached
+            and not s.cross_any
         ):  # a running request (decode, next chunk): the same rules, fewer steps
             return self._allocate_running(
                 request,
@@ -397,14 +460,32 @@ class HybridKVCacheManager(VLLMKVCacheManager):
             watermark = self.watermark_blocks
         if full_sequence_must_fit:
             full_n = min(request.num_tokens, self.max_model_len)
-            n = self._to_allocate(rid, full_n, new_lists, total_computed, True, full_n)
+            n = self._to_allocate(
+                rid,
+                full_n,
+                new_lists,
+                total_computed,
+                True,
+                full_n,
+                _prefill_end(request),
+                num_encoder_tokens,
+            )
             if n + watermark > s.pool.num_free:
                 return None
         num_main = total_computed + num_new_tokens
         need = min(num_main + num_lookahead_tokens, self.max_model_len)
         if s.sw_groups:
             s.remove_skipped(rid, max(0, total_computed - request.num_in_flight_tokens))
-        n = self._to_allocate(rid, need, new_lists, num_local + ext, False, num_main)
+        n = self._to_allocate(
+            rid,
+            need,
+            new_lists,
+            num_local + ext,
+            False,
+            num_main,
+            _prefill_end(request),
+            num_encoder_tokens,
+        )
         if n + watermark > s.pool.num_free - reserved_blocks:
             return None
         tables = s.tables.get(rid)
@@ -443,6 +524,8 @@ class HybridKVCacheManager(VLLMKVCacheManager):
             if ext > 0:
                 num_total = num_local + ext
                 for g in range(ng):
+                    if s.cross[g]:  # (vLLM's CrossAttentionManager loads nothing)
+                        continue
                     sk = s.skipped(g, num_total)
                     e = min(num_total - sk, ext) if sk > 0 else ext
                     if e <= 0:
@@ -454,14 +537,16 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                         zero = s.zeroing[g]
                         if zero is not None and g not in skip_zeroing_group_ids:
                             zero.new_block_ids.extend(ext_ids)
-        out, n_new = self._grow(tables, rid, need, num_main)
+        out, n_new = self._grow(tables, rid, need, num_main, num_encoder_tokens)
         if not delay_cache_blocks and self.enable_caching:
             s.cache_groups(request, min(total_computed + num_new_tokens, request.num_tokens))
         if not n_new:
             return self.empty_kv_cache_blocks
         return NativeKVCacheBlocks(s, out)
 
-    def _grow(self, tables: list, rid: str, need: int, num_main: int) -> tuple[list, int]:
+    def _grow(
+        self, tables: list, rid: str, need: int, num_main: int, num_encoder_tokens: int = 0
+    ) -> tuple[list, int]:
         """vLLM's coordinator allocate_new_blocks: each group's table grown to ``need``
         tokens (a Mamba group's by its rules, mamba.py), the new blocks popped in one
         native call in vLLM's group order; (the entries returned per group, whether any)."""
@@ -476,6 +561,8 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                 heads.append(head)
                 continue
             r = cdiv(need + s.spec_tokens[g], self._bs) if s.spec_tokens[g] else required
+            if s.cross[g]:
+                r = cdiv(num_encoder_tokens, self._bs)
             counts.append(r - len(t))
             heads.append(None)
         n_new = sum(c for c in counts if c > 0)
@@ -524,7 +611,9 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         required = -(-need // self._bs)  # cdiv
         n_new = 0
         if s.mamba_any:  # per-group rules (mamba.py; spec blocks in "none" mode)
-            n_new = self._to_allocate(rid, need, self._empty_groups, total, False, num_main)
+            n_new = self._to_allocate(
+                rid, need, self._empty_groups, total, False, num_main, _prefill_end(request)
+            )
         else:
             for t in tables:
                 if required > len(t):

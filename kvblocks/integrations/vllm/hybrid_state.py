@@ -26,6 +26,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -38,12 +39,13 @@ from .state import _EMPTY_I32, _NativeState
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 # attention kinds served natively, as vLLM's coordinator splits groups (full attention first)
-_FULL, _WINDOW, _CHUNK, _MAMBA = 0, 1, 2, 3
+_FULL, _WINDOW, _CHUNK, _MAMBA, _CROSS = 0, 1, 2, 3, 4
 _KINDS = {
     FullAttentionSpec: _FULL,
     SlidingWindowSpec: _WINDOW,
     ChunkedLocalAttentionSpec: _CHUNK,
     MambaSpec: _MAMBA,
+    CrossAttentionSpec: _CROSS,  # (without prefix caching only: hybrid.py)
 }
 
 
@@ -88,11 +90,19 @@ class _HybridState(_NativeState):
             MambaAlign(self, align, [stms[g].kv_cache_spec for g in align]) if align else None
         )
         self.is_align = [g in align for g in range(self.num_groups)]
+        # vLLM's coordinator.retention_interval: None (dense) when built natively; vLLM's
+        # tests set it afterwards (hybrid.py's coordinator view), Mamba groups follow it
+        self.retention: Optional[int] = None
         # per group: vLLM's single-type manager when the worker zeroes the group's new
         # blocks (a model with Mamba layers: its attention groups), whose new_block_ids
         # the adapter fills and vLLM's take_new_block_ids drains; else None
         self.zeroing = [m if getattr(m, "_record_new_block_ids", False) else None for m in stms]
         self.mamba_any = any(self.mamba)
+        # cross-attention groups (encoder-decoder models, no prefix caching): vLLM's
+        # CrossAttentionManager sizes them by the step's encoder tokens, once per request
+        # (no hits, no skipped blocks, no external blocks)
+        self.cross = [type(m.kv_cache_spec) is CrossAttentionSpec for m in stms]
+        self.cross_any = any(self.cross)
         self.spec_tokens = [
             m.kv_cache_spec.num_speculative_blocks * self.block_size
             if self.mamba[g] and not self.is_align[g]
@@ -398,8 +408,12 @@ class _HybridState(_NativeState):
         num_full = min(num_tokens // bs * bs, len(hashes) * bs) // bs
         nc = self.ncached.get(rid)
         align = self.align
-        if nc is not None and min(nc) >= num_full and align is None:
-            return
+        if nc is not None and min(nc) >= num_full:
+            if align is None:
+                return
+            n = num_tokens // bs * bs if self.round_cache else num_tokens
+            if align.idle(request, n):  # no block to cache, no checkpoint, no prompt tail
+                return
         if num_full <= 0:
             return
         tables = self.tables[rid]
@@ -408,7 +422,12 @@ class _HybridState(_NativeState):
         for g in range(self.num_groups):
             c = nc[g]
             if c < num_full:
-                self.cache_ids(request, g, tables[g][c:num_full], c, num_full)
+                ids_l = tables[g][c:num_full]
+                if align is not None and self.retention is not None and self.is_align[g]:
+                    mask = align.mask(request, g, c, num_full)  # sparse retention
+                    if mask is not None:
+                        ids_l = [b if keep else 0 for b, keep in zip(ids_l, mask)]
+                self.cache_ids(request, g, ids_l, c, num_full)
                 nc[g] = num_full
             if align is not None and self.is_align[g]:
                 n = num_tokens // bs * bs if self.round_cache else num_tokens
@@ -422,18 +441,26 @@ class _HybridState(_NativeState):
         if not (self.is32(hashes, num_full) and self._cache32(g, ids_l, hashes, c)):
             keys, tails = self.request_keys(request, num_full)
             self._cache_run(g, ids_l, hashes, keys, tails, c)
+        if self.is_align[g] and ids_l.count(0) < len(ids_l):  # the tokens each entry
+            bs = self.block_size  # covers (Mamba's rules read them)
+            ht = self.hash_tokens
+            for j, b in enumerate(ids_l, c + 1):
+                if b:
+                    ht[b] = (g, j * bs)
         if self.enable_events:
             self.events.append(self._stored(request, c, num_full, g, ids_l))
 
     def _cache32(self, g: int, ids_l: list, hashes: list, c: int) -> bool:
         """``_cache_run`` in one native call (cache_bytes) when it can: 32-byte hashes,
         the blocks after the leading nulls all real."""
-        j = 0
         n = len(ids_l)
-        while j < n and ids_l[j] == 0:
-            j += 1
+        j = ids_l.count(0)  # nulls lead a table (a window's, a Mamba group's gaps)
         if j == n:
             return True
+        if j and ids_l[:j].count(0) != j:  # not all leading: count them
+            j = 0
+            while j < n and ids_l[j] == 0:
+                j += 1
         ids = ids_l[j:] if j else ids_l
         if 0 in ids:
             return False

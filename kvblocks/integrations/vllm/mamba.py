@@ -28,18 +28,42 @@ null:
   (``take_boundary_state_offloads``);
 - free: the table without its null head, last block first, null gaps skipped.
 
+Prefill checkpoint blocks (``num_prefill_checkpoint_blocks`` with a
+``prefill_checkpoint_alignment``): a chunk that ends the prefill (or any chunk, under dense
+retention) and can export a state inside itself reserves one block more, at table index
+``cdiv(query_end, block_size) - 2``, for the state at ``(query_end - 1) // block_size *
+block_size`` tokens (vLLM's ``get_mamba_prefill_checkpoint_position`` and
+``is_mamba_prefill_checkpoint_valid``, called as they are). The reservation is decided while
+counting (``to_allocate``, not under the admission cap) and read by the allocation, which
+leaves that index unpadded; after caching, the checkpoint block keeps its entry when it is
+the prompt's checkpoint, a retained boundary or the shared-prefix boundary, and otherwise
+loses every entry (a transient state, vLLM's ``_maybe_evict_cached_block``). With the hash
+block size equal to the block size the position is block aligned, so the block is keyed at
+its own table index (no re-keying inside a block).
+
+Sparse retention (``coordinator.retention_interval``, which vLLM's tests set after the
+manager is built): a Mamba group caches only the blocks vLLM's
+``MambaManager.reachable_block_mask`` keeps (called as it is), and the checkpoint rule above
+reads the interval.
+
 Without prefix caching ("none" mode) a Mamba group is a window of two tokens with ``spec``
-blocks more, which hybrid_state.py serves with its window rules. Prefill checkpoint blocks,
-partial (sub-block) hits and their copy-on-write, sparse retention and EAGLE's checkpoint
-shift are not served here: ``unsupported`` sends those configurations to vLLM's managers.
+blocks more, which hybrid_state.py serves with its window rules. Partial (sub-block) hits
+and their copy-on-write and EAGLE's checkpoint shift are not served here: hybrid.py's
+``hybrid_unsupported`` sends those configurations to vLLM's managers.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 from vllm.utils.math_utils import cdiv
-from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+from vllm.v1.kv_cache_interface import (
+    MambaSpec,
+    get_mamba_prefill_checkpoint_position,
+    is_mamba_prefill_checkpoint_valid,
+)
 
 
 def unsupported(spec: Any, enable_caching: bool) -> Optional[str]:
@@ -47,12 +71,19 @@ def unsupported(spec: Any, enable_caching: bool) -> Optional[str]:
     mode = spec.mamba_cache_mode
     if mode not in ("align", "none"):
         return f"Mamba cache mode {mode!r}"
-    if mode == "align":
-        if spec.num_prefill_checkpoint_blocks > 0 and spec.prefill_checkpoint_alignment:
-            return "Mamba prefill checkpoint blocks"
-    elif enable_caching:
+    if mode != "align" and enable_caching:
         return "Mamba prefix caching outside align mode"
     return None
+
+
+def has_checkpoints(spec: Any) -> bool:
+    """Whether an align-mode group reserves prefill checkpoint blocks (vLLM's
+    ``MambaManager.has_prefill_checkpoint_blocks``; exported only with an alignment)."""
+    return (
+        spec.mamba_cache_mode == "align"
+        and spec.num_prefill_checkpoint_blocks > 0
+        and spec.prefill_checkpoint_alignment is not None
+    )
 
 
 def is_align(spec: Any) -> bool:
@@ -67,6 +98,16 @@ class MambaAlign:
         self.s = s
         self.gids = gids
         self.spec = {g: sp.num_speculative_blocks for g, sp in zip(gids, specs)}
+        self.specs = dict(zip(gids, specs))
+        # per group: the prefill checkpoint alignment, None without checkpoint blocks
+        self.ckpt_align = {
+            g: sp.prefill_checkpoint_alignment if has_checkpoints(sp) else None
+            for g, sp in zip(gids, specs)
+        }
+        # per group: request id -> (checkpoint position, table index) of this allocation
+        self.checkpoints: dict[int, dict[str, tuple[int, int]]] = {g: {} for g in gids}
+        # vLLM's coordinator.retention_interval (None: dense; hybrid.py's view sets it)
+        self.retention: Optional[int] = None
         # per group: request id -> table entries already retired (remove_skipped's floor)
         self.retired: dict[int, dict[str, int]] = {g: {} for g in gids}
         # per group: request id -> index of the state block of the step before
@@ -75,8 +116,9 @@ class MambaAlign:
         self.allocated: dict[int, set[str]] = {g: set() for g in gids}
         # per group: hashes cached in the current step (hits on them wait a step)
         self.this_step: dict[int, set[bytes]] = {g: set() for g in gids}
-        # per group: (request id, block id, boundary tokens) cached since the last take
-        self.offloads: dict[int, list[tuple[str, int, int]]] = {g: [] for g in gids}
+        # per group: request id -> (block id, boundary tokens) cached since the last take (a
+        # request's first entry fixes its place, as in vLLM's one list of them)
+        self.offloads: dict[int, dict[str, list[tuple[int, int]]]] = {g: {} for g in gids}
 
     # -- counting -----------------------------------------------------------------------------
     def deferred(self, g: int, hit: Any) -> bool:
@@ -88,22 +130,81 @@ class MambaAlign:
         h = s.hash_of.get(b) if b else None
         return h is not None and int(s.gid[b]) == g and h in self.this_step[g]
 
-    def to_allocate(self, g: int, rid: str, num_tokens_main: int, hit: Any, have: int) -> int:
-        """vLLM's MambaManager.get_num_blocks_to_allocate in align mode (no checkpoint, no
-        partial hit): may be negative."""
+    def _checkpoint(
+        self, g: int, rid: str, query_start: int, query_end: int, prefill_end: int
+    ) -> int:
+        """vLLM's checkpoint position of this allocation (get_num_blocks_to_allocate with
+        ``_needs_internal_checkpoint``), 0 when the chunk exports none."""
+        align = self.ckpt_align[g]
+        if align is None or query_end < prefill_end:
+            return 0
+        bs = self.s.block_size
+        # (vLLM's validity needs start + bs <= pos < end, pos = (end - 1) // bs * bs: a
+        # decode step or a chunk within one block exports nothing; checked first, cheaply)
+        if query_start + bs >= query_end:
+            return 0
+        pos = get_mamba_prefill_checkpoint_position(query_end, bs, False)
+        idx = cdiv(query_end, bs) - 2
+        if idx < 0:
+            return 0
+        if not is_mamba_prefill_checkpoint_valid(
+            query_start=query_start,
+            query_end=query_end,
+            checkpoint_position=pos,
+            hash_block_size=bs,
+            mamba_block_size=bs,
+            checkpoint_alignment=align,
+        ):
+            return 0
+        t = self.s.tables.get(rid)
+        t = t[g] if t is not None else []
+        if (
+            idx >= len(t)
+            or not t[idx]
+            or (rid in self.allocated[g] and idx >= len(t) - self.spec[g])
+        ):
+            return pos
+        return 0
+
+    def to_allocate(
+        self,
+        g: int,
+        rid: str,
+        num_tokens_main: int,
+        hit: Any,
+        have: int,
+        query_start: int = 0,
+        prefill_end: int = 0,
+        record: bool = True,
+    ) -> int:
+        """vLLM's MambaManager.get_num_blocks_to_allocate in align mode (no partial hit):
+        may be negative. ``record`` (not under the admission cap): the checkpoint decided
+        here is the one the allocation reserves."""
         s = self.s
         if self.deferred(g, hit):
             return s.num_blocks + 1
         spec = self.spec[g]
-        n = cdiv(num_tokens_main, s.block_size) + spec - len(hit) - have
+        n = -(-num_tokens_main // s.block_size) + spec - len(hit) - have  # (cdiv)
+        cb = 0
+        if self.ckpt_align[g] is not None:
+            if self.retention != 0:
+                prefill_end = 0
+            pos = self._checkpoint(g, rid, query_start, num_tokens_main, prefill_end)
+            cb = int(pos > 0)
+            if record:
+                if pos:
+                    self.checkpoints[g][rid] = (pos, cdiv(num_tokens_main, s.block_size) - 2)
+                else:
+                    self.checkpoints[g].pop(rid, None)
         if n > 0:
-            cap = 1 if rid in self.allocated[g] else 1 + spec
+            cap = (1 if rid in self.allocated[g] else 1 + spec) + cb
             if n > cap:
                 n = cap
-        refs = s.refs
-        for b in hit:  # (a hit is nulls and one block)
-            if b and refs[int(b)] == 0:
-                n += 1
+        if len(hit):  # the hit's evictable blocks (a hit is nulls and one block)
+            refs = s.refs
+            for b in filter(None, hit.tolist() if isinstance(hit, np.ndarray) else hit):
+                if refs[b] == 0:
+                    n += 1
         return n
 
     # -- allocation ---------------------------------------------------------------------------
@@ -112,9 +213,10 @@ class MambaAlign:
         speculative blocks; returns (blocks to pop, the entries this step returns before
         the new blocks)."""
         spec = self.spec[g]
-        required = cdiv(num_tokens_main, self.s.block_size) + spec
+        required = -(-num_tokens_main // self.s.block_size) + spec  # (cdiv)
         allocated = self.allocated[g]
-        if required <= len(t):
+        cb = int(rid in self.checkpoints[g])  # the checkpoint's index stays unpadded
+        if required <= len(t) and not cb:
             allocated.add(rid)
             return 0, []
         prev = len(t)
@@ -124,11 +226,11 @@ class MambaAlign:
         elif prev > 0:
             self.last_state[g][rid] = prev - 1
         nsb = required - spec - 1
-        if prev < nsb:
-            t.extend([0] * (nsb - prev))
+        if prev < nsb - cb:
+            t.extend([0] * (nsb - cb - prev))
         if was:
             for i in range(prev - spec, prev):
-                if i >= nsb:
+                if i >= nsb - cb:
                     break
                 t.append(t[i])  # a scratch block moves to the end, a null stays
                 t[i] = 0
@@ -145,14 +247,13 @@ class MambaAlign:
             last = min((processed - 1) // bs, len(t))
             first = self.retired[g].get(rid, 0)
             if first < last:
-                freed = [t[i] for i in range(last - 1, first - 1, -1) if t[i]]
-                for i in range(first, last):
-                    t[i] = 0
-                if freed:
-                    s.free_in_order(freed)
+                seg = t[first:last]  # mostly nulls: slices and filters run in C
+                if seg.count(0) < len(seg):
+                    t[first:last] = [0] * (last - first)
+                    s.free_in_order(list(filter(None, reversed(seg))))
                 self.retired[g][rid] = last
         j = self.last_state[g].get(rid)
-        if j is not None and j < cdiv(processed, bs) - 1 and t[j]:
+        if j is not None and j < -(-processed // bs) - 1 and t[j]:  # (cdiv)
             s.free_in_order([t[j]])
             t[j] = 0
 
@@ -162,14 +263,85 @@ class MambaAlign:
             self.allocated[g].discard(rid)
             self.last_state[g].pop(rid, None)
             self.retired[g].pop(rid, None)
-            if self.offloads[g]:
-                self.offloads[g] = [o for o in self.offloads[g] if o[0] != rid]
+            self.checkpoints[g].pop(rid, None)
+            self.offloads[g].pop(rid, None)
 
     # -- caching ------------------------------------------------------------------------------
+    def mask(self, request: Any, g: int, start: int, end: int) -> Optional[list]:
+        """vLLM's MambaManager.reachable_block_mask of blocks [start, end) under the
+        coordinator's retention interval (None: cache every block)."""
+        if self.retention is None:
+            return None
+        bs = self.s.block_size
+        boundaries = [request.num_prompt_tokens - 1]  # vLLM's replay_boundaries, no EAGLE
+        if request.shared_prefix_boundary:
+            boundaries.append(request.shared_prefix_boundary)
+        return MambaManager.reachable_block_mask(
+            start,
+            end,
+            bs,
+            self.specs[g],
+            False,
+            retention_interval=self.retention,
+            reachable_boundaries=boundaries,
+        )
+
+    def _cache_checkpoint(self, request: Any, g: int, t: list) -> bool:
+        """MambaManager._cache_partial_tail_block with a reserved checkpoint: the block
+        keeps (or gets) its entry at the checkpoint when that state is reusable, and loses
+        every entry when it is transient. False without a checkpoint."""
+        ck = self.checkpoints[g].get(request.request_id)
+        if ck is None:
+            return False
+        s = self.s
+        bs = s.block_size
+        pos, idx = ck
+        b = t[idx]
+        retained = self.retention is None and pos % bs == 0  # (dense: vLLM's mask is None)
+        if not retained and pos % bs == 0:
+            i = pos // bs - 1
+            m = MambaManager.reachable_block_mask(
+                i, i + 1, bs, self.specs[g], False, retention_interval=self.retention
+            )
+            retained = m is None or m[0]
+        if (
+            not retained
+            and pos != get_mamba_prefill_checkpoint_position(request.num_prompt_tokens, bs, False)
+            and pos != request.shared_prefix_boundary
+        ):
+            if b and s.hash_of.get(b) is not None:
+                s.evict([b])  # the transient state overwrites the slot
+            return True
+        if not b:
+            return True
+        if s.hash_of.get(b) is not None:
+            if s.hash_tokens.get(b) == (g, pos):  # keyed there (the full-block pass)
+                return True
+            s.evict([b])  # its other entries go (replace_existing_hashes)
+        s.cache_ids(request, g, [b], idx, idx + 1)  # vLLM's cache_partial_block
+        self.this_step[g].add(request.block_hashes[idx])
+        return True
+
+    def idle(self, request: Any, num_tokens: int) -> bool:
+        """Whether ``after_cache`` has nothing to do for a request that caches no new
+        block: no checkpoint reserved, and num_tokens is not the prompt's last block
+        boundary (the re-cached tail)."""
+        rid = request.request_id
+        for g in self.gids:
+            if rid in self.checkpoints[g]:
+                return False
+        bs = self.s.block_size
+        return (
+            num_tokens <= 0
+            or num_tokens % bs != 0
+            or num_tokens != (request.num_prompt_tokens - 1) // bs * bs
+        )
+
     def after_cache(self, request: Any, g: int, num_tokens: int, before: int, after: int) -> None:
         """MambaManager.cache_blocks after the generic caching (blocks [before, after) of
-        group g cached just now): the prompt's last boundary block again if it has no entry,
-        the step's cached hashes and the connector's boundary states."""
+        group g cached just now): the checkpoint block's entry, or the prompt's last
+        boundary block again if it has no entry; the step's cached hashes and the
+        connector's boundary states."""
         s = self.s
         rid = request.request_id
         t = s.tables.get(rid)
@@ -177,21 +349,31 @@ class MambaAlign:
             return
         t = t[g]
         bs = s.block_size
-        if num_tokens > 0 and num_tokens % bs == 0:
+        if self._cache_checkpoint(request, g, t):
+            pass
+        elif num_tokens > 0 and num_tokens % bs == 0:
             boundary = (request.num_prompt_tokens - 1) // bs * bs
             i = num_tokens // bs - 1
             if num_tokens == boundary and i < len(t) and t[i] and s.hash_of.get(t[i]) is None:
                 s.cache_ids(request, g, [t[i]], i, i + 1)  # vLLM's cache_partial_block
                 self.this_step[g].add(request.block_hashes[i])
-        for i in range(before, after):
-            b = t[i]
-            if not b:
-                continue
-            h = s.hash_of.get(b)
-            if h is None:
-                continue
-            self.this_step[g].add(h)
-            self.offloads[g].append((rid, b, (i + 1) * bs))
+        if before >= after:
+            return
+        seg = t[before:after]
+        if seg.count(0) == len(seg):
+            return
+        hash_of = s.hash_of
+        this_step = self.this_step[g]
+        offloads = None
+        for i, b in enumerate(seg, before):
+            if b:
+                h = hash_of.get(b)
+                if h is None:
+                    continue
+                this_step.add(h)
+                if offloads is None:
+                    offloads = self.offloads[g].setdefault(rid, [])
+                offloads.append((b, (i + 1) * bs))
 
     def new_step(self) -> None:
         for g in self.gids:
@@ -200,7 +382,7 @@ class MambaAlign:
     def take_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         out: dict[str, list[tuple[int, int, int]]] = {}
         for g in self.gids:
-            for rid, b, n in self.offloads[g]:
-                out.setdefault(rid, []).append((g, b, n))
-            self.offloads[g] = []
+            for rid, entries in self.offloads[g].items():
+                out.setdefault(rid, []).extend((g, b, n) for b, n in entries)
+            self.offloads[g] = {}
         return out

@@ -90,8 +90,7 @@ def native_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
         return "hash block size differs from the block size (partial-block hits)"
     if getattr(stm, "_record_new_block_ids", False):
         return "KV cache zeroing of new blocks"
-    if getattr(coord, "retention_interval", None) not in (None,):
-        return "sparse retention interval"
+    # (a retention interval changes nothing for full attention: vLLM's mask keeps every block)
     return None
 
 

@@ -64,7 +64,11 @@ class _BlockView:
 
     @property
     def block_hash_num_tokens(self) -> Optional[int]:
-        return None if self.block_id not in self._s.hash_of else self._s.block_size
+        b = self.block_id
+        if b not in self._s.hash_of:
+            return None
+        e = self._s.hash_tokens.get(b)  # (group, tokens): current while the group matches
+        return e[1] if e is not None and e[0] == int(self._s.gid[b]) else self._s.block_size
 
     @property
     def pool(self) -> Any:
@@ -113,6 +117,9 @@ class NativeKVCacheBlocks(VLLMKVCacheBlocks):
         return len(self._ids)
 
 
+_ZERO32 = bytes(32)  # a row of ``full`` without a hash
+
+
 class _HashMirror:
     """Block id -> vLLM block hash (group 0) of the blocks whose hash vLLM would show: read
     from ``full`` (32-byte hashes, written natively) or, for other widths, a dict. A block
@@ -129,8 +136,8 @@ class _HashMirror:
         h = self._other.get(b)
         if h is not None:
             return h
-        row = s.full[b]
-        return row.tobytes() if row.any() else default
+        h = s.full[b].tobytes()  # (a bytes compare: cheaper than ndarray.any())
+        return h if h != _ZERO32 else default
 
     def __contains__(self, b: object) -> bool:
         return isinstance(b, (int, np.integer)) and self.get(int(b)) is not None
@@ -198,6 +205,10 @@ class _NativeState:
         # blocks evict() uncached while requests held them: while any is, frees take the
         # general path (free_in_order), since a table's cached part may have a hole
         self.uncached_held: set[int] = set()
+        # block -> (group, the tokens its entry covers: vLLM's block_hash_num_tokens), kept
+        # for the groups whose rules read it (Mamba in align mode: hybrid_state.py); a block
+        # cached since in another group reads block_size, as every other block
+        self.hash_tokens: dict[int, tuple[int, int]] = {}
         self.events: list[Any] = []
         self._views: dict[int, _BlockView] = {}
         self.free_queue: Any = None  # the _FreeQueueView, set by NativeBlockPoolView
@@ -311,7 +322,8 @@ class _NativeState:
             raise ValueError(f"Cannot get {n} free blocks from the pool")
         evictable = self.pool.num_evictable  # none: no popped block can hold an entry
         ids = self.pool.allocate(n)
-        if evictable and self.enable_caching:
+        # a popped block that held an entry lowers num_evictable: none did when it is equal
+        if evictable and self.enable_caching and self.pool.num_evictable != evictable:
             was = self.hashed[ids]
             if was.any():
                 for b in ids[was].tolist():  # (the mirror reads hashed: clear it after)
@@ -449,6 +461,9 @@ class _NativeState:
             self.hash_of._other[dst] = other
         self.full[dst] = self.full[src]
         self.full[src] = 0
+        n = self.hash_tokens.pop(src, None)
+        if n is not None:
+            self.hash_tokens[dst] = n
         self.gid[dst] = self.gid[src]
         self.hashed[src] = False
         self.hashed[dst] = True
@@ -462,7 +477,7 @@ class _NativeState:
         Forgets the ``uncached_held`` blocks it frees."""
         if not len(ordered):
             return
-        self.pool.free(np.asarray(ordered, dtype=np.int32), order="vllm")
+        self.pool.free(ordered, order="vllm")  # (a list or an int32 array, as given)
         if self.uncached_held:
             refs = self.refs
             self.uncached_held = {b for b in self.uncached_held if refs[b] > 0}
