@@ -81,7 +81,8 @@ elif case in ("step", "grouped_step"):  # the v2 step: planned once, metadata in
     sb = mgr.batch(list(range(256)))
     mgr.plan_step(sb, np.full(256, 2048, dtype=np.int32))
     ng = 2 if case == "grouped_step" else 1
-    bufs = [AttentionMetadata.allocate(256, 256, 256 * 140, 140) for _ in range(ng)]
+    width = (2048 + n) // 16 + 2  # the table's blocks after n more tokens, and room
+    bufs = [AttentionMetadata.allocate(256, 256, 256 * width, width) for _ in range(ng)]
     tok = np.ones(256, dtype=np.int32)
     ones = np.ones(256, dtype=np.int32)
     for _ in range(n):
