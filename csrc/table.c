@@ -17,7 +17,7 @@
  * (old, new) copy when the old one holds committed tokens, drop one reference of the old one.
  * The last user writes in place. If it is private but still carries a prefix-cache entry
  * (after truncate), the entry is dropped. Fork shares only the committed blocks, so no later
- * block can be shared. Pending copies are described at queue_copy below.
+ * block can be shared. Pending copies are described at tbl_queue_copy below.
  */
 #include <stdlib.h>
 #include <string.h>
