@@ -25,6 +25,14 @@ DEBUG = DEBUG_LEVEL != "0"
 SANITIZE = os.environ.get("KVBLOCKS_SANITIZE", "") not in ("", "0")
 PRELOAD = os.environ.get("KVBLOCKS_SANITIZE", "") == "preload"
 
+# the headers every C file may include: a change rebuilds both extensions
+C_HEADERS = [
+    "csrc/core.h",
+    "csrc/internal.h",
+    "csrc/table.h",
+    "csrc/manager.h",
+    "include/kvblocks.h",
+]
 C_SOURCES = [
     "csrc/hash.c",
     "csrc/sha256.c",
@@ -83,14 +91,7 @@ ext = Extension(
     define_macros=macros + [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=compile_args,
     extra_link_args=link_args,
-    depends=[
-        "csrc/core.h",
-        "csrc/internal.h",
-        "csrc/table.h",
-        "csrc/manager.h",
-        "include/kvblocks.h",
-        "kvblocks/_core.pxd",
-    ],
+    depends=C_HEADERS + ["kvblocks/_core.pxd"],
 )
 
 # libkvblocks vendored in the wheel (docs/c-api.md, `kvblocks config --cflags --libs`): the same
@@ -107,14 +108,7 @@ lib = Extension(
     define_macros=macros + [("KVBLOCKS_BUILD", "1")],
     extra_compile_args=lib_compile,
     extra_link_args=lib_link,
-    depends=[
-        "csrc/core.h",
-        "csrc/internal.h",
-        "csrc/table.h",
-        "csrc/manager.h",
-        "include/kvblocks.h",
-        "cmake/libkvblocks.map",
-    ],
+    depends=C_HEADERS + ["cmake/libkvblocks.map"],
 )
 
 

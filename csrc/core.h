@@ -514,12 +514,8 @@ int64_t kvb_grp_table_blocks(kvb_mgr_t *const *g, int32_t G, int64_t n);
 int64_t kvb_grp_held(kvb_mgr_t *const *g, int32_t G, int32_t slot);
 int64_t kvb_grp_num_computed(kvb_mgr_t *const *g, int32_t G, int32_t slot);
 int64_t kvb_grp_num_copies(kvb_mgr_t *const *g, int32_t G);
-/* A live slot's record and group j's row (not checked). */
-const kvb_seq_t *kvb_grp_seq(kvb_mgr_t *const *g, int32_t slot);
+/* Group j's row of a live slot (not checked; capi.c's block tables). */
 const kvb_row_t *kvb_grp_row(kvb_mgr_t *const *g, int32_t j, int32_t slot);
-/* Group j's cache keys of a live slot's hashed blocks into out[0..nhashed) (the record's
- * chain XOR the group's tag); returns nhashed. */
-int64_t kvb_grp_hashes(kvb_mgr_t *const *g, int32_t j, int32_t slot, kvb_hash_t *out);
 /* Every group's pending copies into out ([2 * cap] int64 (src, dst) pairs; *n_out pairs), in
  * group order, after the drain-order check: KVB_EPENDING while host-tier offloads or onloads are
  * pending (g[0]'s err_a: offloads, err_b: onloads, err_what says so; a copy may overwrite a

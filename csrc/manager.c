@@ -494,16 +494,8 @@ int64_t kvb_grp_num_copies(kvb_mgr_t *const *g, int32_t G) {
     return n;
 }
 
-const kvb_seq_t *kvb_grp_seq(kvb_mgr_t *const *g, int32_t slot) { return &g[0]->seqs[slot]; }
-
 const kvb_row_t *kvb_grp_row(kvb_mgr_t *const *g, int32_t j, int32_t slot) {
     return row_of(g[j], slot);
-}
-
-int64_t kvb_grp_hashes(kvb_mgr_t *const *g, int32_t j, int32_t slot, kvb_hash_t *out) {
-    const kvb_seq_t *s = &g[0]->seqs[slot];
-    for (int64_t i = 0; i < s->nhashed; i++) out[i] = gkey(g[j], s, i);
-    return s->nhashed;
 }
 
 /* ---- the drain --------------------------------------------------------------------------- */

@@ -65,7 +65,6 @@ KVB_INLINE int32_t users(const kvb_mgr_t *m, int32_t b) {
     if (KVB_UNLIKELY(m->pool->flags[b] & KVB_F_COPY_SRC)) r -= pending_holds(m, b);
     return r;
 }
-int32_t tbl_users(const kvb_mgr_t *m, int32_t b) { return users(m, b); }
 
 /* Queue (src, dst); capacity for one more pair was reserved by the caller. */
 void tbl_queue_copy(kvb_mgr_t *m, int32_t src, int32_t dst) {

@@ -8,7 +8,6 @@
 
 int tbl_ensure_blocks(kvb_row_t *r, int64_t need);            /* KVB_ENOMEM */
 int tbl_ensure_copies(kvb_mgr_t *m, int64_t more);            /* room for more pairs */
-int32_t tbl_users(const kvb_mgr_t *m, int32_t b);             /* refs less copy holds */
 int32_t tbl_pending_src(const kvb_mgr_t *m, int32_t dst);     /* a pending dst's source */
 void tbl_queue_copy(kvb_mgr_t *m, int32_t src, int32_t dst);  /* capacity reserved */
 int64_t tbl_take_copies(kvb_mgr_t *m, int64_t *out);          /* drain, release holds */

@@ -281,6 +281,17 @@ class _HybridState(_NativeState):
             k = min(len(r) for r in runs)
         return [[0] * lo + r[:k].tolist() for r in runs], lo + k
 
+    def _kind_hit(
+        self, kind: int, gids: list[int], span: int, hk: tuple, m: int, length: int
+    ) -> tuple[list, int]:
+        """The hit of one attention kind's groups: at most m blocks (a chunk group: of at most
+        ``length`` tokens, its rule reads the token count)."""
+        if kind == _FULL:
+            return self._full_hit(gids, hk, m)
+        if kind == _WINDOW:
+            return self._window_hit(gids, span, hk, m)
+        return self._chunk_hit(gids, span, hk, length)
+
     def find(self, hk: tuple, max_length: int) -> tuple:
         """vLLM's HybridKVCacheCoordinator.find_longest_cache_hit over hk (hash_keys):
         per-group ids (lists or int32 arrays, 0 = null), the hit length, the uncached common
@@ -347,12 +358,7 @@ class _HybridState(_NativeState):
         hits = [0] * self.num_groups
         m = min(max_length // bs, len(hk[0]))
         for kind, gids, span in self.attn:
-            if kind == _FULL:
-                got, k = self._full_hit(gids, hk, m)
-            elif kind == _WINDOW:
-                got, k = self._window_hit(gids, span, hk, m)
-            else:
-                got, k = self._chunk_hit(gids, span, hk, max_length)
+            got, k = self._kind_hit(kind, gids, span, hk, m, max_length)
             for g, b in zip(gids, got):
                 blocks[g] = b
                 hits[g] = k * bs
@@ -373,12 +379,7 @@ class _HybridState(_NativeState):
                     curr = min(curr, len_by[g0])
                     continue
                 m = min(curr // bs, len(hashes))
-                if kind == _FULL:
-                    blocks, k = self._full_hit(gids, hk, m)
-                elif kind == _WINDOW:
-                    blocks, k = self._window_hit(gids, span, hk, m)
-                else:
-                    blocks, k = self._chunk_hit(gids, span, hk, curr)
+                blocks, k = self._kind_hit(kind, gids, span, hk, m, curr)
                 curr = k * bs
                 for g, b in zip(gids, blocks):
                     by_group[g] = b
