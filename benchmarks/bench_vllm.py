@@ -1,6 +1,6 @@
 """vLLM's KV cache manager vs kvblocks' under vLLM's scheduler API, same process (issue 26).
 
-    python benchmarks/bench_vllm.py [--reps 7] [--requests 256] [--case full|hybrid|chunked|mamba|all]
+    python benchmarks/bench_vllm.py [--reps 7] [--requests 256] [--case full|hybrid|chunked|mamba|mixed|all]
 
 A thin wrapper of ``kvblocks bench vllm`` (kvblocks/bench/vllm_manager.py has the workload
 and the method) that writes benchmarks/results/bench_vllm.json (``--case all``) or
@@ -21,7 +21,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--case", choices=("full", "hybrid", "chunked", "mamba", "all"), default="all")
+    ap.add_argument(
+        "--case", choices=("full", "hybrid", "chunked", "mamba", "mixed", "all"), default="all"
+    )
     ap.add_argument("--json", default=None, help="default: benchmarks/results/bench_vllm*.json")
     args = ap.parse_args()
     out = run(args.case, args.reps, args.requests)

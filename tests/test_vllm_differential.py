@@ -24,6 +24,7 @@ Profiles: the default is fast (60 examples of at most 50 steps per configuration
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -79,13 +80,13 @@ CHUNK = st.sampled_from([3, 4, 8, 64])
 LOOKAHEAD = st.sampled_from([0, 0, 1, 3])
 
 
-def full_spec():
-    return FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+def full_spec(bs: int = BS):
+    return FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32)
 
 
-def sw_spec(window: int):
+def sw_spec(window: int, bs: int = BS):
     return SlidingWindowSpec(
-        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
+        block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
     )
 
 
@@ -115,7 +116,7 @@ def config(num_blocks: int, specs) -> KVCacheConfig:
     )
 
 
-def request(rid: str, tokens: list, salt) -> Request:
+def request(rid: str, tokens: list, salt, hbs: int = BS) -> Request:
     sp = SamplingParams(max_tokens=8)
     sp.update_from_generation_config({}, eos_token_id=0)
     return Request(
@@ -123,7 +124,7 @@ def request(rid: str, tokens: list, salt) -> Request:
         prompt_token_ids=tokens,
         sampling_params=sp,
         pooling_params=None,
-        block_hasher=get_request_block_hasher(BS, sha256),
+        block_hasher=get_request_block_hasher(hbs, sha256),
         cache_salt=salt,
     )
 
@@ -150,15 +151,21 @@ class Differential(RuleBasedStateMachine):
     def build(self, num_blocks, caching, retention):
         caching = self.CACHING[caching]
         init_none_hash(sha256)
+        specs = [f() for f in self.SPECS]
+        # groups of different block sizes: vLLM hashes at their gcd and aligns hits to
+        # their lcm (resolve_kv_cache_block_sizes); without caching both are the lcm
+        sizes = [sp.block_size for sp in specs]
+        sbs = math.lcm(*sizes)
+        self.hbs = math.gcd(*sizes) if caching else sbs
+        self.mixed = len(set(sizes)) > 1
         args = dict(
             max_model_len=256,
-            scheduler_block_size=BS,
-            hash_block_size=BS,
+            scheduler_block_size=sbs,
+            hash_block_size=self.hbs,
             enable_caching=caching,
             enable_kv_cache_events=True,
             log_stats=True,
         )
-        specs = [f() for f in self.SPECS]
         self.ref = VLLMKVCacheManager(config(num_blocks, specs), **args)
         self.kvb = KVCacheManager(config(num_blocks, specs), **args)
         assert self.kvb.native
@@ -234,7 +241,8 @@ class Differential(RuleBasedStateMachine):
         self.prompts.append((toks, salt))
         self.n += 1
         rid = f"q{self.n}"
-        self._admit((request(rid, toks, salt), request(rid, toks, salt)), chunk, la, must_fit)
+        pair = (request(rid, toks, salt, self.hbs), request(rid, toks, salt, self.hbs))
+        self._admit(pair, chunk, la, must_fit)
 
     @precondition(lambda self: self.waiting and len(self.live) < MAX_LIVE)
     @rule(chunk=CHUNK, la=LOOKAHEAD, must_fit=st.booleans())
@@ -326,11 +334,13 @@ class Differential(RuleBasedStateMachine):
             for g, spec in enumerate(self.ref.kv_cache_config.kv_cache_groups)
             if getattr(spec.kv_cache_spec, "mamba_cache_mode", None) == "align"
         }
-        if align and self.ref.enable_caching:  # a Mamba entry's token count (its rules read it)
-            for b in range(1, ref_pool.num_gpu_blocks):
-                rb, kb = ref_pool.blocks[b], kvb_pool.blocks[b]
+        if (align or self.mixed) and self.ref.enable_caching:  # an entry's token count (a
+            for b in range(1, ref_pool.num_gpu_blocks):  # Mamba group's rules, a partial
+                rb, kb = ref_pool.blocks[b], kvb_pool.blocks[b]  # prompt tail, read it)
                 assert rb.block_hash == kb.block_hash, b
-                if rb.block_hash is not None and get_group_id(rb.block_hash) in align:
+                if rb.block_hash is not None and (
+                    self.mixed or get_group_id(rb.block_hash) in align
+                ):
                     assert rb.block_hash_num_tokens == kb.block_hash_num_tokens, b
         for g, spec in enumerate(self.ref.kv_cache_config.kv_cache_groups):  # checkpoints
             if getattr(spec.kv_cache_spec, "num_prefill_checkpoint_blocks", 0):
@@ -338,6 +348,8 @@ class Differential(RuleBasedStateMachine):
                 assert ck == self.kvb.coordinator.single_type_managers[g]._checkpoints
                 if ck:
                     event("checkpoint reserved")
+        if self.mixed and getattr(self.kvb, "_native", None) is not None and self.kvb._native.sec:
+            event("a block with several keys")  # (a partial prompt tail's extra key)
         events = self.kvb.take_events()
         assert self.ref.take_events() == events
         if any(type(e).__name__ == "BlockRemoved" for e in events):
@@ -410,6 +422,26 @@ TestFullAndMambaSpeculative = FullAndMambaSpeculative.TestCase
 TestFullAndMambaSpeculative.settings = PROFILE
 TestFullAndMambaNone = FullAndMambaNone.TestCase
 TestFullAndMambaNone.settings = PROFILE
+
+
+class MixedBlockSizes(Differential):
+    """Full attention in blocks of 8 and a window of 8 tokens in blocks of 4 (hashes of 4,
+    hits aligned to 8: the window caches only the tail an aligned hit reads; the full
+    group keys a prompt's last hash boundary inside a block as that block's extra key)."""
+
+    SPECS = [lambda: full_spec(8), lambda: sw_spec(8, 4)]
+
+
+class MixedBlockSizesWindowLarger(Differential):
+    """Full attention in blocks of 4 beside a window of 13 tokens in blocks of 8."""
+
+    SPECS = [lambda: full_spec(4), lambda: sw_spec(13, 8)]
+
+
+TestMixedBlockSizes = MixedBlockSizes.TestCase
+TestMixedBlockSizes.settings = PROFILE
+TestMixedBlockSizesWindowLarger = MixedBlockSizesWindowLarger.TestCase
+TestMixedBlockSizesWindowLarger.settings = PROFILE
 
 
 class FullAndMambaCheckpoints(Differential):

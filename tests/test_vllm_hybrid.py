@@ -36,13 +36,13 @@ from kvblocks.integrations.vllm.manager import (  # noqa: E402
 BS = 4
 
 
-def full_spec():
-    return FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+def full_spec(bs: int = BS):
+    return FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32)
 
 
-def sw_spec(window: int):
+def sw_spec(window: int, bs: int = BS):
     return SlidingWindowSpec(
-        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
+        block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
     )
 
 
@@ -293,6 +293,12 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(shape, seed):
         enable_caching=caching,
     )
     assert kvb.native and type(kvb) is HybridKVCacheManager
+    _stream(ref, kvb, rng, num_blocks, caching)
+
+
+def _stream(ref, kvb, rng, num_blocks, caching, windows=True):
+    """The random stream of test_same_blocks_hits_free_counts_and_events_as_vllm (windows:
+    whether it must reach window hits and null table entries)."""
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.choice([4, 8, 13, 21]))] for _ in range(3)]
     live: dict[str, tuple] = {}
     waiting: list[tuple] = []
@@ -377,7 +383,59 @@ def test_same_blocks_hits_free_counts_and_events_as_vllm(shape, seed):
     assert free[0] == free[1]
     assert ref.reset_prefix_cache() and kvb.reset_prefix_cache()
     assert ref.take_events() == kvb.take_events()
+    if not windows:
+        del seen["window hit"], seen["null"]
     assert all(seen.values()) or not caching, seen  # hits, window hits, null blocks, evictions
+
+
+# groups of different block sizes (vLLM: hashes at their gcd, hits and caching aligned to
+# their lcm; a window group caches only the tail a hit at an aligned boundary reads; a
+# full-attention group of blocks larger than the hash keys the prompt's last hash boundary
+# inside a block as an extra key of that block)
+MIXED = {
+    "full4+sw8/8": lambda: [full_spec(4), sw_spec(8, 8)],
+    "full4+sw5/8": lambda: [full_spec(4), sw_spec(5, 8)],
+    "full8+sw8/4": lambda: [full_spec(8), sw_spec(8, 4)],
+    "full8+sw13/4": lambda: [full_spec(8), sw_spec(13, 4)],
+    "sw6/4+full12+sw12/8": lambda: [sw_spec(6, 4), full_spec(12), sw_spec(12, 8)],
+    "full4+full8": lambda: [full_spec(4), full_spec(8)],
+}
+
+
+def _is_window(spec) -> bool:
+    return isinstance(spec, SlidingWindowSpec)
+
+
+@pytest.mark.parametrize("shape", sorted(MIXED))
+@pytest.mark.parametrize("seed", range(4))
+def test_groups_of_different_block_sizes_as_vllm(shape, seed):
+    """The stream of test_same_blocks_hits_free_counts_and_events_as_vllm over groups of
+    different block sizes, served natively (seed 3: without prefix caching)."""
+    import math
+
+    specs = MIXED[shape]()
+    sizes = [sp.block_size for sp in specs]
+    rng = random.Random(seed)
+    caching = seed != 3
+    num_blocks = rng.choice([24, 40, 64])
+    hbs = math.gcd(*sizes) if caching else math.lcm(*sizes)
+    init_none_hash(sha256)
+    args = dict(
+        max_model_len=256,
+        scheduler_block_size=math.lcm(*sizes),
+        hash_block_size=hbs,
+        enable_kv_cache_events=True,
+        enable_caching=caching,
+    )
+    ref = VLLMKVCacheManager(config(num_blocks, specs), **args)
+    kvb = KVCacheManager(config(num_blocks, MIXED[shape]()), **args)
+    assert kvb.native and type(kvb) is HybridKVCacheManager
+    global BS
+    old, BS = BS, hbs  # (the requests' hashes: at the hash block size)
+    try:
+        _stream(ref, kvb, rng, num_blocks, caching, any(map(_is_window, specs)))
+    finally:
+        BS = old
 
 
 def _decode(m, rid, prompt, steps):

@@ -36,7 +36,7 @@ suites:
   all        the five above (the default)
   vllm       vLLM's KV cache manager against kvblocks' (kvblocks.integrations.vllm) under
              vLLM's scheduler API: admission, decode and free of 256 requests sharing 4 system
-             prompts, medians of --reps interleaved runs, --case full|hybrid|chunked|mamba|all;
+             prompts, medians of --reps interleaved runs, --case full|hybrid|chunked|mamba|mixed|all;
              runs alone, not part of all; without vllm it prints "skipped: vllm not
              importable" and exits 0 (docs/vllm.md)
 
@@ -104,7 +104,7 @@ def add_command(sub: "argparse._SubParsersAction") -> None:
     v = p.add_argument_group("the vllm suite")
     v.add_argument(
         "--case",
-        choices=("full", "hybrid", "chunked", "mamba", "all"),
+        choices=("full", "hybrid", "chunked", "mamba", "mixed", "all"),
         default="all",
         help="default all",
     )

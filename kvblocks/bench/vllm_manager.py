@@ -66,7 +66,7 @@ from .errors import BenchError
 
 __all__ = ["BLOCK_SIZE", "CASES", "CHUNK", "NUM_BLOCKS", "WINDOW", "run", "run_case"]
 
-CASES = ("full", "hybrid", "chunked", "mamba")
+CASES = ("full", "hybrid", "chunked", "mamba", "mixed")
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 40_000
@@ -75,11 +75,16 @@ CHUNK = 256  # the chunked case's attention chunk (Llama 4's: 8192)
 
 
 def make_config(num_blocks: int, case: str = "full") -> KVCacheConfig:
+    # "mixed": groups of different block sizes (full attention in blocks of 32 beside the
+    # window in blocks of 16: hashes of 16, hits aligned to 32)
     full = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+        block_size=2 * BLOCK_SIZE if case == "mixed" else BLOCK_SIZE,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=torch.float32,
     )
     groups = [KVCacheGroupSpec(["layer"], full)]
-    if case == "hybrid":
+    if case in ("hybrid", "mixed"):
         sw = SlidingWindowSpec(
             block_size=BLOCK_SIZE,
             num_kv_heads=1,
@@ -151,7 +156,7 @@ def run_once(cls: type, n: int, case: str) -> tuple[dict[str, list[int]], list]:
     mgr = cls(
         make_config(NUM_BLOCKS, case),
         max_model_len=8192,
-        scheduler_block_size=BLOCK_SIZE,
+        scheduler_block_size=2 * BLOCK_SIZE if case == "mixed" else BLOCK_SIZE,
         hash_block_size=BLOCK_SIZE,
         enable_caching=True,
     )
@@ -200,7 +205,7 @@ def pct(xs: list[int], q: float) -> float:
 
 
 def run_case(case: str, reps: int, n: int) -> dict:
-    """Time one case (``full``, ``hybrid``, ``chunked`` or ``mamba``), print its table,
+    """Time one case (``full``, ``hybrid``, ``chunked``, ``mamba`` or ``mixed``), print its table,
     return its rows."""
     sides = {"vllm": VLLMKVCacheManager, "kvblocks": KVBKVCacheManager}
     phase_ms: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
@@ -221,6 +226,7 @@ def run_case(case: str, reps: int, n: int) -> dict:
         "hybrid": f"full + sliding window {WINDOW}",
         "chunked": f"full + chunked local {CHUNK}",
         "mamba": "full + Mamba align, prefill checkpoints",
+        "mixed": f"full in blocks of {2 * BLOCK_SIZE} + sliding window {WINDOW}",
     }[case]
     print(
         f"{case} ({shape}): {n} requests, 4 shared 512-token prompts + 512 own, block size "
@@ -248,7 +254,7 @@ def run_case(case: str, reps: int, n: int) -> dict:
 
 
 def run(case: str = "all", reps: int = 7, requests: int = 256) -> dict:
-    """Time ``case`` (``full``, ``hybrid``, ``chunked``, ``mamba`` or ``all``), print the
+    """Time ``case`` (``full``, ``hybrid``, ``chunked``, ``mamba``, ``mixed`` or ``all``), print the
     tables; the results doc."""
     if reps < 1 or requests < 1:
         raise BenchError(f"--reps and --requests must be >= 1, not {reps} and {requests}")

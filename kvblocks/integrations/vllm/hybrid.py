@@ -39,6 +39,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
+    FullAttentionSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
@@ -83,12 +84,15 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
         return f"coordinator {coord_cls.__name__}"
     sizes = {stm.block_size for stm in coord.single_type_managers}
     if len(sizes) != 1:
-        return "groups of different block sizes"
-    (bs,) = sizes
-    if bs != coord.scheduler_block_size or (
-        bs != coord.block_pool.hash_block_size and mgr.enable_caching
-    ):  # (without caching the hashes are not used)
-        return "hash or scheduler block size differs from the block size"
+        why = _mixed_unsupported(mgr, coord, groups)
+        if why is not None:
+            return why
+    else:
+        (bs,) = sizes
+        if bs != coord.scheduler_block_size or (
+            bs != coord.block_pool.hash_block_size and mgr.enable_caching
+        ):  # (without caching the hashes are not used)
+            return "hash or scheduler block size differs from the block size"
     if getattr(coord, "enable_partial_hash_hits", False):
         return "partial hash hits"
     if opts.get("dcp_world_size", 1) != 1 or opts.get("pcp_world_size", 1) != 1:
@@ -107,6 +111,22 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
         return "sparse retention interval of a sliding-window group"
     if getattr(mgr, "retained_hit_group_ids", ()):
         return "groups retaining longer hits"
+    return None
+
+
+def _mixed_unsupported(mgr: VLLMKVCacheManager, coord: Any, groups: Sequence[Any]) -> Optional[str]:
+    """Why groups of different block sizes run on vLLM's managers, or None: served are
+    full-attention and sliding-window groups (vLLM's hashes at the sizes' gcd, hits and
+    caching aligned to their lcm), without a retention interval."""
+    for g in groups:
+        if type(g.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec):
+            return f"groups of different block sizes with {type(g.kv_cache_spec).__name__}"
+    sbs, hbs = coord.scheduler_block_size, coord.block_pool.hash_block_size
+    for stm in coord.single_type_managers:
+        if sbs % stm.block_size or (mgr.enable_caching and stm.block_size % hbs):
+            return "groups of different block sizes off the scheduler / hash block grid"
+    if getattr(coord, "retention_interval", None) is not None:
+        return "groups of different block sizes with a retention interval"
     return None
 
 
@@ -292,7 +312,7 @@ class HybridKVCacheManager(VLLMKVCacheManager):
     def _find(self, request: Any, max_length: int) -> tuple:
         s = self._native
         hashes = request.block_hashes
-        n = min(max_length // self._bs, len(hashes))
+        n = min(max_length // (s.hbs if s.mixed else self._bs), len(hashes))
         if n <= 0 or not s.attn:
             return [[] for _ in range(s.num_groups)], 0, 0, None
         return s.find(s.hash_keys(hashes, n, request), max_length)
@@ -312,7 +332,8 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         ):
             for g, b in enumerate(blocks):
                 if len(b):
-                    s.events.append(s._stored(request, 0, len(b), g))
+                    hs = s.gview((request.block_hashes, None, None), g)[0]
+                    s.events.append(s._stored(request, 0, len(b), g, None, s.bsz[g], hs))
         out = self._blocks(blocks)
         if nulls is not None and out is not self.empty_kv_cache_blocks:
             out._nulls = nulls
@@ -329,11 +350,12 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         if not tables:
             return 0
         out: Optional[int] = None
-        for t in tables:
+        for g, t in enumerate(tables):
             n = 0
             for i in range(len(t) - 1, -1, -1):
                 if t[i] and t[i] in s.hash_of:
-                    n = (i + 1) * self._bs
+                    e = s.hash_tokens.get(t[i]) if s.mixed else None
+                    n = e[1] if e is not None else (i + 1) * s.bsz[g]
                     break
             out = n if out is None else min(out, n)
         return out or 0
@@ -354,12 +376,14 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         (``prefill_end``: the request's, for Mamba checkpoints under sparse retention;
         ``num_encoder_tokens``: what a cross-attention group needs)."""
         s = self._native
-        bs = self._bs
         tables = s.tables.get(rid)
         running = rid in s.ncached
-        required = cdiv(num_tokens, bs)
+        required = cdiv(num_tokens, self._bs)
         total = 0
         for g in range(s.num_groups):
+            bs = s.bsz[g]
+            if s.mixed:
+                required = cdiv(num_tokens, bs)
             if s.is_align[g]:
                 total += cast(Any, s.align).to_allocate(
                     g,
@@ -423,7 +447,6 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
         s = self._native
-        bs = self._bs
         rid = request.request_id
         ng = s.num_groups
         adopt = (
@@ -498,7 +521,7 @@ class HybridKVCacheManager(VLLMKVCacheManager):
             nc = [0] * ng
             touch: list = []
             for g in range(ng):
-                nsb = s.skipped(g, num_local + ext) // bs
+                nsb = s.skipped(g, num_local + ext) // s.bsz[g]
                 blocks = new_lists[g]
                 blocks = blocks[nsb:] if nsb else blocks
                 ids = blocks.tolist() if isinstance(blocks, np.ndarray) else list(blocks)
@@ -530,7 +553,7 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                     e = min(num_total - sk, ext) if sk > 0 else ext
                     if e <= 0:
                         continue
-                    k = cdiv(num_total, bs) - len(tables[g])
+                    k = cdiv(num_total, s.bsz[g]) - len(tables[g])
                     if k > 0:
                         ext_ids = s.allocate(k).tolist()
                         tables[g].extend(ext_ids)
@@ -561,7 +584,9 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                 heads.append(head)
                 continue
             r = cdiv(need + s.spec_tokens[g], self._bs) if s.spec_tokens[g] else required
-            if s.cross[g]:
+            if s.mixed:
+                r = cdiv(need, s.bsz[g])
+            elif s.cross[g]:
                 r = cdiv(num_encoder_tokens, self._bs)
             counts.append(r - len(t))
             heads.append(None)
@@ -615,9 +640,13 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                 rid, need, self._empty_groups, total, False, num_main, _prefill_end(request)
             )
         else:
-            for t in tables:
-                if required > len(t):
-                    n_new += required - len(t)
+            if s.mixed:  # each group's blocks for the tokens, at its block size
+                reqs = [-(-need // bs) for bs in s.bsz]
+            else:
+                reqs = [required] * len(tables)
+            for t, r in zip(tables, reqs):
+                if r > len(t):
+                    n_new += r - len(t)
         watermark = 0
         if has_scheduled_reqs and request.status in _ADMITTING:
             watermark = self.watermark_blocks
@@ -630,8 +659,8 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         elif n_new:
             new = s.allocate(n_new).tolist()
             pos = 0
-            for t, zero in zip(tables, s.zeroing):
-                c = required - len(t)
+            for t, zero, r in zip(tables, s.zeroing, reqs):
+                c = r - len(t)
                 if c > 0:
                     part = new[pos : pos + c]
                     pos += c
@@ -644,7 +673,7 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         if (
             not delay_cache_blocks
             and self.enable_caching
-            and (len(request.block_hashes) > min(s.ncached[rid]) or s.align is not None)
+            and (len(request.block_hashes) > min(s.ncached[rid]) or s.align is not None or s.mixed)
         ):
             s.cache_groups(request, min(num_main, request.num_tokens))
         if not n_new:
@@ -662,9 +691,9 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         tables = s.tables.get(request_id)
         for g, zero in enumerate(s.zeroing):
             if zero is not None:
-                assert start_token % self._bs == 0
+                assert start_token % s.bsz[g] == 0
                 if tables is not None:
-                    zero.new_block_ids.extend(tables[g][start_token // self._bs :])
+                    zero.new_block_ids.extend(tables[g][start_token // s.bsz[g] :])
 
     def take_boundary_state_offloads(self) -> dict:
         align = self._native.align
@@ -702,19 +731,25 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         return tuple(list(ids) for ids in t)
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple:
-        n = cdiv(num_computed_tokens, self._bs)
-        return tuple(ids[:n] for ids in self.get_block_ids(request_id))
+        s = self._native
+        return tuple(
+            ids if s.cross[g] or s.mamba[g] else ids[: cdiv(num_computed_tokens, s.bsz[g])]
+            for g, ids in enumerate(self.get_block_ids(request_id))
+        )
 
     def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
-        assert num_computed_tokens % self._bs == 0
-        n = num_computed_tokens // self._bs
+        s = self._native
         groups = (
             blocks._ids
             if isinstance(blocks, NativeKVCacheBlocks)
             else [_ids_of(b) for b in blocks.blocks]
         )
         out = []
-        for ids in groups:
+        for g, ids in enumerate(groups):
+            assert num_computed_tokens % s.bsz[g] == 0
+            n = num_computed_tokens // s.bsz[g]
+            if s.mamba[g]:  # (an external hit can supply the last Mamba state)
+                n = min(n, len(ids))
             assert n <= len(ids)
             out.append(list(ids[:n]))
         return self._blocks(out)

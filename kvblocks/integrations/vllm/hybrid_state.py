@@ -22,8 +22,14 @@ from collections.abc import Sequence
 from typing import Any, Optional, cast
 
 import numpy as np
+from vllm.distributed.kv_events import BlockStored
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
+)
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -68,6 +74,24 @@ class _HybridState(_NativeState):
             vpool.medium,
         )
         self.num_groups = len(stms)
+        # per group: its block size. Groups of different block sizes (vLLM's hybrid
+        # coordinator: hashes at the sizes' gcd, ``hash_block_size``; hits and caching
+        # aligned to their lcm, ``scheduler_block_size``) take the ``mixed`` paths below;
+        # ``scale[g]``: group g's block in hash blocks (its hashes: every scale-th one)
+        self.bsz = [m.block_size for m in stms]
+        self.mixed = len(set(self.bsz)) > 1
+        self.sbs = coord.scheduler_block_size if self.mixed else stms[0].block_size
+        self.hbs = vpool.hash_block_size if mgr.enable_caching else self.sbs
+        self.scale = [bs // self.hbs if mgr.enable_caching else 1 for bs in self.bsz]
+        # per group: whether vLLM's FullAttentionManager caches the prompt's last hash
+        # boundary inside a block as an extra key of that block (block size > hash size)
+        self.partial = [
+            self.mixed and type(m.kv_cache_spec) is FullAttentionSpec and self.scale[g] > 1
+            for g, m in enumerate(stms)
+        ]
+        # per group: vLLM's manager class (a window group's reachable_block_mask) and spec
+        self.stm_cls = [type(m) for m in stms]
+        self.specs = [m.kv_cache_spec for m in stms]
         # per group: sliding window (0 for full attention), extra retained tokens, vLLM's
         # admission cap in blocks (None: no cap)
         self.window = [getattr(m.kv_cache_spec, "sliding_window", 0) or 0 for m in stms]
@@ -136,7 +160,7 @@ class _HybridState(_NativeState):
         for spec, gids in split:
             kind = _KINDS[type(spec)]
             if kind == _WINDOW:
-                span = cdiv(spec.sliding_window - 1, self.block_size)
+                span = cdiv(spec.sliding_window - 1, self.bsz[gids[0]])
             elif kind == _MAMBA:  # the rightmost cached block: a window of one block
                 kind, span = _WINDOW, 1
             else:
@@ -145,7 +169,7 @@ class _HybridState(_NativeState):
         self.simple = len(self.attn) == 2 and self.attn[0][0] == _FULL
         # the common shape (gpt-oss, Gemma): one full-attention and one window group
         self.simple1 = self.simple and self.num_groups == 2 and len(self.attn[1][1]) == 1
-        self.simple1 = self.simple1 and len(self.attn[0][1]) == 1
+        self.simple1 = self.simple1 and len(self.attn[0][1]) == 1 and not self.mixed
         self.tables: dict[str, list[list[int]]] = {}  # request id -> table per group
         # request id -> per group, how many leading table entries are null (vLLM's tables
         # of a window: nulls, then blocks; nulls come from hits and remove_skipped only)
@@ -292,6 +316,48 @@ class _HybridState(_NativeState):
             return self._window_hit(gids, span, hk, m)
         return self._chunk_hit(gids, span, hk, length)
 
+    def gview(self, hk: tuple, g: int) -> tuple:
+        """hk (hash_keys) at group g's block size: vLLM's BlockHashListWithBlockSize keeps
+        the hash ending each block (every scale-th one: it chains over the whole prefix)."""
+        k = self.scale[g]
+        if k == 1:
+            return hk
+        hashes, keys, tails = hk
+        return (
+            hashes[k - 1 :: k],
+            None if keys is None else keys[k - 1 :: k],
+            None if tails is None else tails[k - 1 :: k],
+        )
+
+    def _mixed_hit(
+        self, kind: int, gids: list[int], span: int, hk: tuple, curr: int
+    ) -> tuple[list, int]:
+        """The hit of one attention kind's groups among groups of different block sizes
+        (hits aligned to the scheduler block size, the sizes' lcm): per group ids, tokens.
+        Full attention: the cached run from block 0, rounded down to the alignment. A window
+        (vLLM's right-to-left scan, which only starts a run at a block ending on the
+        alignment): the rightmost aligned end e with the span [e - span, e) cached in every
+        group, nulls before it; else the run from block 0, rounded down."""
+        g0 = gids[0]
+        bs = self.bsz[g0]
+        a = self.sbs // bs  # blocks per alignment unit
+        v = self.gview(hk, g0)
+        m = min(curr // bs, len(v[0]))
+        if kind == _WINDOW:
+            e = m - m % a
+            while e >= span and e > 0:
+                s0 = e - span
+                runs = [self.run(g, v[0], v[1], v[2], s0, e) for g in gids]
+                k = min(len(r) for r in runs)
+                if k == span:
+                    return [[0] * s0 + r.tolist() for r in runs], e * bs
+                miss = s0 + k  # every window holding this block misses
+                e = miss - miss % a
+        runs = [self.run(g, v[0], v[1], v[2], 0, m) for g in gids]
+        k = min(len(r) for r in runs)
+        k -= k % a
+        return [r[:k].tolist() for r in runs], k * bs
+
     def find(self, hk: tuple, max_length: int) -> tuple:
         """vLLM's HybridKVCacheCoordinator.find_longest_cache_hit over hk (hash_keys):
         per-group ids (lists or int32 arrays, 0 = null), the hit length, the uncached common
@@ -358,10 +424,14 @@ class _HybridState(_NativeState):
         hits = [0] * self.num_groups
         m = min(max_length // bs, len(hk[0]))
         for kind, gids, span in self.attn:
-            got, k = self._kind_hit(kind, gids, span, hk, m, max_length)
+            if self.mixed:
+                got, t = self._mixed_hit(kind, gids, span, hk, max_length)
+            else:
+                got, k = self._kind_hit(kind, gids, span, hk, m, max_length)
+                t = k * bs
             for g, b in zip(gids, got):
                 blocks[g] = b
-                hits[g] = k * bs
+                hits[g] = t
         return blocks, hits
 
     def _find(self, hk: tuple, max_length: int) -> tuple[list, int, int]:
@@ -378,9 +448,12 @@ class _HybridState(_NativeState):
                 if kind == _FULL and by_group[g0] is not None:
                     curr = min(curr, len_by[g0])
                     continue
-                m = min(curr // bs, len(hashes))
-                blocks, k = self._kind_hit(kind, gids, span, hk, m, curr)
-                curr = k * bs
+                if self.mixed:
+                    blocks, curr = self._mixed_hit(kind, gids, span, hk, curr)
+                else:
+                    m = min(curr // bs, len(hashes))
+                    blocks, k = self._kind_hit(kind, gids, span, hk, m, curr)
+                    curr = k * bs
                 for g, b in zip(gids, blocks):
                     by_group[g] = b
                     len_by[g] = curr
@@ -390,9 +463,9 @@ class _HybridState(_NativeState):
             hit_length = curr
             if self.simple:
                 break
-        nb = cdiv(hit_length, bs)
         for kind, gids, _ in self.attn:
             if kind == _FULL:
+                nb = cdiv(hit_length, self.bsz[gids[0]])
                 for g in gids:
                     b = by_group[g]
                     if b is not None:
@@ -403,6 +476,9 @@ class _HybridState(_NativeState):
     def cache_groups(self, request: Any, num_tokens: int) -> None:
         """vLLM's coordinator cache_blocks: each group's newly full blocks (null blocks
         skipped) under the request's hashes, one BlockStored per group that caches."""
+        if self.mixed:
+            self._cache_mixed(request, num_tokens)
+            return
         rid = request.request_id
         bs = self.block_size
         hashes = request.block_hashes
@@ -436,20 +512,145 @@ class _HybridState(_NativeState):
 
     def cache_ids(self, request: Any, g: int, ids_l: list, c: int, num_full: int) -> None:
         """vLLM's BlockPool.cache_full_blocks: blocks ids_l (0: null, skipped) of group g
-        under the request's hashes [c, num_full), and its BlockStored; a key another block
-        holds caches the block too, behind it (duplicates natively)."""
+        under the request's hashes [c, num_full) (at the group's block size), and its
+        BlockStored; a key another block holds caches the block too, behind it (duplicates
+        natively)."""
         hashes = request.block_hashes
+        k = self.scale[g]
+        if k > 1:  # the hash ending each of the group's blocks
+            hashes = hashes[k - 1 : num_full * k : k]
         if not (self.is32(hashes, num_full) and self._cache32(g, ids_l, hashes, c)):
-            keys, tails = self.request_keys(request, num_full)
+            keys, tails = self.request_keys(request, num_full * k)
+            if k > 1:
+                keys = keys[k - 1 :: k]
+                tails = None if tails is None else tails[k - 1 :: k]
             self._cache_run(g, ids_l, hashes, keys, tails, c)
-        if self.is_align[g] and ids_l.count(0) < len(ids_l):  # the tokens each entry
-            bs = self.block_size  # covers (Mamba's rules read them)
-            ht = self.hash_tokens
+        if (self.is_align[g] or self.mixed) and ids_l.count(0) < len(ids_l):
+            bs = self.bsz[g]  # the tokens each entry covers (Mamba's rules, and
+            ht = self.hash_tokens  # estimate_cached_tokens among block sizes, read them)
             for j, b in enumerate(ids_l, c + 1):
                 if b:
                     ht[b] = (g, j * bs)
         if self.enable_events:
-            self.events.append(self._stored(request, c, num_full, g, ids_l))
+            self.events.append(self._stored(request, c, num_full, g, ids_l, self.bsz[g], hashes))
+
+    # -- groups of different block sizes: caching ---------------------------------------------
+    def _cache_mixed(self, request: Any, num_tokens: int) -> None:
+        """vLLM's coordinator cache_blocks among groups of different block sizes: the
+        tokens rounded down to the scheduler block size, each group's newly full blocks
+        (a window group's masked by vLLM's reachable_block_mask: only the tail a hit at an
+        aligned boundary reads), a full-attention group's partial prompt tail."""
+        rid = request.request_id
+        n = num_tokens - num_tokens % self.sbs  # (vLLM's get_num_cacheable_tokens)
+        nh = min(n, len(request.block_hashes) * self.hbs)
+        tables = self.tables.get(rid)
+        if tables is None:
+            return
+        nc = self.ncached.get(rid)
+        if nc is None:
+            if nh < min(self.bsz):
+                return
+            nc = self.ncached[rid] = [0] * self.num_groups
+        bsz = self.bsz
+        for g in range(self.num_groups):
+            num_full = nh // bsz[g]
+            c = nc[g]
+            if c < num_full:
+                ids_l = tables[g][c:num_full]
+                if self.window[g]:
+                    mask = self.stm_cls[g].reachable_block_mask(
+                        start_block=c,
+                        end_block=num_full,
+                        alignment_tokens=self.sbs,
+                        kv_cache_spec=self.specs[g],
+                        use_eagle=False,
+                        retention_interval=None,
+                        reachable_boundaries=(),
+                    )
+                    if mask is not None:
+                        ids_l = [b if keep else 0 for b, keep in zip(ids_l, mask)]
+                if self.partial[g]:  # a partial tail's block fills: its entries go first
+                    for b in ids_l:
+                        if b and self.hashed[b]:
+                            self.drop_entries(b)
+                self.cache_ids(request, g, ids_l, c, num_full)
+                nc[g] = num_full
+            if self.partial[g]:
+                self._cache_partial_tail(request, g, n)
+
+    def _cache_partial_tail(self, request: Any, g: int, num_tokens: int) -> None:
+        """vLLM's FullAttentionManager._cache_partial_tail_block and
+        BlockPool.cache_partial_block: the prompt's last hash boundary inside a block keys
+        that block too (its first key, or an extra one when it has a key already)."""
+        hbs = self.hbs
+        hashes = request.block_hashes
+        boundary = min((request.num_prompt_tokens - 1) // hbs, len(hashes)) * hbs
+        bs = self.bsz[g]
+        if boundary == 0 or boundary > num_tokens or boundary % bs == 0:
+            return
+        t = self.tables[request.request_id][g]
+        idx = boundary // bs
+        if idx >= len(t) or not t[idx]:
+            return
+        b = t[idx]
+        nhb = boundary // hbs
+        h = hashes[nhb - 1]
+        if self.hashed[b] and int(self.gid[b]) == g:
+            if self.hash_of.get(b) == h or h in self.sec.get(b, ()):
+                return  # (vLLM: already cached, no event)
+            e = self.hash_tokens.get(b)
+            if e is not None and e[1] < boundary:
+                self.drop_entries(b)  # a shorter prefix's entries give way
+        if self.hashed[b]:
+            self._add_key(b, h, g)
+        else:
+            self._cache_run_or_bytes(g, b, h)
+            self.hash_tokens[b] = (g, boundary)
+        if self.enable_events:
+            lora = request.lora_request
+            start = (nhb - 1) * hbs
+            extra, _ = generate_block_hash_extra_keys(request, start, boundary, 0)
+            self.events.append(
+                BlockStored(
+                    block_hashes=[maybe_convert_block_hash(h)],
+                    parent_block_hash=(
+                        maybe_convert_block_hash(hashes[nhb - 2]) if nhb > 1 else None
+                    ),
+                    token_ids=request.all_token_ids[start:boundary],
+                    block_size=boundary - start,
+                    lora_id=lora.adapter_id if lora else None,
+                    medium=self.medium,
+                    lora_name=lora.name if lora else None,
+                    extra_keys=to_event_extra_keys([extra]),
+                    group_idx=g,
+                    session_id=request.session_id,
+                    lookahead_token_ids=None,
+                )
+            )
+
+    def _cache_run_or_bytes(self, g: int, b: int, h: bytes) -> None:
+        """Block b (without an entry) cached under h in group g, as any block."""
+        if not (len(h) == 32 and self._cache32(g, [b], [h], 0)):
+            k, t = self.to_keys_tails([h])
+            self._cache_run(g, [b], [h], k, t, 0)
+
+    def _add_key(self, b: int, h: bytes, g: int) -> None:
+        """One more key of block b (natively: BlockPool.add_key_bytes / add_key)."""
+        if len(h) == 32:
+            self.pool.add_key_bytes(b, h, group=g, key_salt=self.salt_int[g])
+        else:
+            key = self.to_keys([h])[0].copy()
+            key[1] ^= self.salt[g]
+            self.pool.add_key(b, key)
+        self.sec.setdefault(b, []).append(h)
+
+    def drop_entries(self, b: int) -> None:
+        """Every key of block b leaves the cache (vLLM's _remove_cached_block_hashes: the
+        first key, then the others; a BlockRemoved each), natively in one uncache."""
+        self._forget(b)
+        self.pool.uncache([b])
+        self.hashed[b] = False
+        self.hash_tokens.pop(b, None)
 
     def _cache32(self, g: int, ids_l: list, hashes: list, c: int) -> bool:
         """``_cache_run`` in one native call (cache_bytes) when it can: 32-byte hashes,
@@ -517,14 +718,13 @@ class _HybridState(_NativeState):
         tables = self.tables.get(rid)
         if tables is None:
             return
-        bs = self.block_size
         nulls = self.nulls[rid]
         for g in self.sw_groups:
             t = tables[g]
             if self.is_align[g]:
                 cast(MambaAlign, self.align).remove_skipped(g, rid, t, processed)
                 continue
-            n = self.skipped(g, processed) // bs
+            n = self.skipped(g, processed) // self.bsz[g]
             if n > len(t):
                 n = len(t)
             nn = nulls[g]
@@ -533,8 +733,8 @@ class _HybridState(_NativeState):
             # blocks nn..n-1 leave, last first: a table is [nulls | cached | uncached], so
             # vLLM's free_blocks puts t[c:n] (uncached) at the free list's head and
             # t[nn:c] (cached) at its tail, last first; one native free in that order
-            if self.uncached_held:  # a hole in the cached part (evict_blocks)
-                self.free_in_order(t[nn:n][::-1])
+            if self.uncached_held or self.mixed:  # a hole in the cached part (evict_blocks,
+                self.free_in_order(t[nn:n][::-1])  # a window's tail-only caching)
             else:
                 c = self._cached_end(rid, g)
                 self.pool.free(t[max(c, nn) : n] + t[nn : min(c, n)][::-1])
@@ -558,7 +758,8 @@ class _HybridState(_NativeState):
             self.align.forget(rid)
         if not tables or nulls is None:
             return
-        if self.uncached_held:  # a hole in a cached part (evict_blocks): group by group
+        if self.uncached_held or self.mixed:  # a hole in a cached part (evict_blocks, a
+            # window's tail-only caching among block sizes): group by group
             for t, nn in zip(tables, nulls):
                 self.free_in_order([b for b in t[nn:][::-1] if b])
             return

@@ -84,6 +84,18 @@ class _CacheMapView:
     def __len__(self) -> int:
         return len(self._s.hash_of)
 
+    def pop(self, key: bytes, block_id: int) -> Optional[_BlockView]:
+        """vLLM's ``BlockHashToBlockMap.pop(key, block_id)``: hides block_id's entry under
+        key when it holds it (as ``del _cache[key]``: the native entry stays, lookups and
+        the block's ``block_hash`` miss it, no event); None otherwise."""
+        s, b = self._s, int(block_id)
+        if not 0 < b < s.num_blocks or s.hash_of.get(b) != bytes(key[:-4]):
+            return None
+        if int(s.gid[b]) != int.from_bytes(key[-4:], "big"):
+            return None
+        s.hash_of.pop(b)
+        return s.view(b)
+
     @property
     def _cache(self) -> Any:
         # an empty map is a plain (empty, so untracked by the cyclic GC) dict, as vLLM's

@@ -209,6 +209,8 @@ class _NativeState:
         # for the groups whose rules read it (Mamba in align mode: hybrid_state.py); a block
         # cached since in another group reads block_size, as every other block
         self.hash_tokens: dict[int, tuple[int, int]] = {}
+        # block -> its keys after the first (vLLM's partial-prefix entries, hybrid_state.py)
+        self.sec: dict[int, list[bytes]] = {}
         self.events: list[Any] = []
         self._views: dict[int, _BlockView] = {}
         self.free_queue: Any = None  # the _FreeQueueView, set by NativeBlockPoolView
@@ -336,8 +338,12 @@ class _NativeState:
         h = self.hash_of.pop(b, None)
         if h is None:
             return
+        other = self.sec.pop(b, None) if self.sec else None  # its other keys (hybrid_state)
         if self.enable_events:
-            self.events.append(self._removed(h, int(self.gid[b])))
+            g = int(self.gid[b])
+            self.events.append(self._removed(h, g))
+            if other:
+                self.events.extend(self._removed(h2, g) for h2 in other)
 
     def _removed(self, h: bytes, g: int = 0) -> BlockRemoved:
         return BlockRemoved(
@@ -394,13 +400,18 @@ class _NativeState:
         num_full: int,
         group: int = 0,
         ids: Optional[Sequence[int]] = None,
+        bs: int = 0,
+        hashes: Optional[Sequence[bytes]] = None,
     ) -> BlockStored:
         """vLLM's BlockStored for blocks [num_cached, num_full) of a request in KV cache
         group ``group`` (the shape of BlockPool._build_block_stored_event); ``ids`` (the
         blocks of that range) leaves out the null blocks' hashes and extra keys, as vLLM's
-        ``cache_full_blocks`` does for sliding-window tables."""
-        bs = self.block_size
-        hashes = request.block_hashes
+        ``cache_full_blocks`` does for sliding-window tables; ``bs`` and ``hashes``: the
+        group's block size and its hashes when they are not the pool's (groups of
+        different block sizes)."""
+        bs = bs or self.block_size
+        if hashes is None:
+            hashes = request.block_hashes
         extra: list = []
         mm_idx = 0
         if ids is None:
@@ -464,6 +475,9 @@ class _NativeState:
         n = self.hash_tokens.pop(src, None)
         if n is not None:
             self.hash_tokens[dst] = n
+        other = self.sec.pop(src, None)  # (natively move_entry moves every key)
+        if other is not None:
+            self.sec[dst] = other
         self.gid[dst] = self.gid[src]
         self.hashed[src] = False
         self.hashed[dst] = True
@@ -493,6 +507,7 @@ class _NativeState:
             return False
         self.hash_of.clear()
         self.hashed[:] = False
+        self.sec.clear()
         self.uncached_held.clear()
         logger.info("Successfully reset prefix cache")
         if self.enable_events:
