@@ -142,6 +142,7 @@ class Differential(RuleBasedStateMachine):
     CACHING = (False, True)  # prefix caching off / on
     # coordinator.retention_interval values set after the build, as vLLM's tests do
     RETENTION: tuple = (None,)
+    EAGLE = False  # EAGLE / MTP speculative decoding: hits drop their last block
 
     @initialize(
         num_blocks=st.sampled_from([10, 16, 24, 40]),
@@ -165,6 +166,7 @@ class Differential(RuleBasedStateMachine):
             enable_caching=caching,
             enable_kv_cache_events=True,
             log_stats=True,
+            use_eagle=self.EAGLE,
         )
         self.ref = VLLMKVCacheManager(config(num_blocks, specs), **args)
         self.kvb = KVCacheManager(config(num_blocks, specs), **args)
@@ -438,6 +440,36 @@ class MixedBlockSizesWindowLarger(Differential):
     SPECS = [lambda: full_spec(4), lambda: sw_spec(13, 8)]
 
 
+class FullOnlyEagle(Differential):
+    """One full-attention group with EAGLE (the one-group path: a hit's last block is
+    dropped)."""
+
+    SPECS = [full_spec]
+    EAGLE = True
+
+
+class FullAndSlidingWindowEagle(Differential):
+    """Full attention + a window of 8 with EAGLE (vLLM's fixed point: each group looks a
+    block past the candidate and drops it once per candidate, a window needs one block
+    more)."""
+
+    SPECS = [full_spec, lambda: sw_spec(8)]
+    EAGLE = True
+
+
+class SlidingWindowsEagle(Differential):
+    """Two windows (5 and 12 tokens, looked up apart) beside full attention, with EAGLE."""
+
+    SPECS = [lambda: sw_spec(5), full_spec, lambda: sw_spec(12)]
+    EAGLE = True
+
+
+TestFullOnlyEagle = FullOnlyEagle.TestCase
+TestFullOnlyEagle.settings = PROFILE
+TestFullAndSlidingWindowEagle = FullAndSlidingWindowEagle.TestCase
+TestFullAndSlidingWindowEagle.settings = PROFILE
+TestSlidingWindowsEagle = SlidingWindowsEagle.TestCase
+TestSlidingWindowsEagle.settings = PROFILE
 TestMixedBlockSizes = MixedBlockSizes.TestCase
 TestMixedBlockSizes.settings = PROFILE
 TestMixedBlockSizesWindowLarger = MixedBlockSizesWindowLarger.TestCase

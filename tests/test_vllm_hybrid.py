@@ -605,3 +605,28 @@ def test_cross_attention_as_vllm(shape, seed):
         for m in (ref, kvb)
     ]
     assert free[0] == free[1]
+
+
+@pytest.mark.parametrize("shape", ["full", "full+sw8"])
+def test_eagle_hits_drop_a_block_and_the_map_keeps_the_earliest_duplicate(shape):
+    """EAGLE: a hit drops its last block, so a prompt computed again caches a duplicate of
+    that block; vLLM's ``cached_block_hash_to_block._cache`` maps the key to the earliest
+    block (the one lookups return), and so must the view (it gave the latest: a test that
+    pops an entry and puts the snapshot's block back then hid the earliest for good)."""
+    import copy
+
+    specs = {"full": lambda: [full_spec()], "full+sw8": lambda: [full_spec(), sw_spec(8)]}[shape]
+    ref, kvb = managers(32, specs(), use_eagle=True)
+    assert kvb.native
+    prompt = list(range(1, 15))  # 3 full blocks and 2 tokens
+    for i in range(2):
+        got = []
+        for m in (ref, kvb):
+            r = request(f"r{i}", prompt)
+            blocks, hit, _ = m.get_computed_blocks(r)
+            new = m.allocate_slots(r, r.num_tokens - hit, hit, blocks)
+            got.append((hit, blocks.get_block_ids(), new.get_block_ids()))
+        assert got[0] == got[1]
+    assert got[0][0] == 2 * BS  # the 3 cached blocks, the last dropped
+    maps = [copy.copy(m.block_pool.cached_block_hash_to_block._cache) for m in (ref, kvb)]
+    assert maps[0] == maps[1]

@@ -170,6 +170,13 @@ class _HybridState(_NativeState):
         # the common shape (gpt-oss, Gemma): one full-attention and one window group
         self.simple1 = self.simple and self.num_groups == 2 and len(self.attn[1][1]) == 1
         self.simple1 = self.simple1 and len(self.attn[0][1]) == 1 and not self.mixed
+        # EAGLE / MTP (vLLM's drop_eagle_group_ids): the attention groups whose hits drop
+        # their last block, and the margin a hybrid coordinator looks past the candidate
+        drop = getattr(coord, "drop_eagle_group_ids", set())
+        self.eagle_idx = {i for i, (_, gids, _) in enumerate(self.attn) if set(gids) & drop}
+        self.margin = 0 if len(stms) == 1 else stms[0].block_size
+        if self.eagle_idx:
+            self.simple1 = False
         self.tables: dict[str, list[list[int]]] = {}  # request id -> table per group
         # request id -> per group, how many leading table entries are null (vLLM's tables
         # of a window: nulls, then blocks; nulls come from hits and remove_skipped only)
@@ -358,6 +365,26 @@ class _HybridState(_NativeState):
         k -= k % a
         return [r[:k].tolist() for r in runs], k * bs
 
+    def _eagle_hit(
+        self, kind: int, gids: list[int], span: int, hk: tuple, curr: int, margin: int
+    ) -> tuple[list, int]:
+        """The hit of an EAGLE / MTP group (vLLM's drop_eagle_block): looked up ``margin``
+        tokens past the candidate (a block; none under the unitary coordinator), a window
+        needing one block more, and the last block dropped; per group ids, tokens."""
+        bs = self.block_size
+        n = len(hk[0])
+        mx = min(curr + margin, n * bs) if margin else curr
+        m = min(mx // bs, n)
+        if kind == _WINDOW:
+            blocks, k = self._window_hit(gids, span + 1, hk, m)
+        else:
+            blocks, k = self._full_hit(gids, hk, m)
+        if k:
+            for b in blocks:
+                b.pop()
+            k -= 1
+        return blocks, k * bs
+
     def find(self, hk: tuple, max_length: int) -> tuple:
         """vLLM's HybridKVCacheCoordinator.find_longest_cache_hit over hk (hash_keys):
         per-group ids (lists or int32 arrays, 0 = null), the hit length, the uncached common
@@ -423,9 +450,11 @@ class _HybridState(_NativeState):
         blocks: list = [[] for _ in range(self.num_groups)]
         hits = [0] * self.num_groups
         m = min(max_length // bs, len(hk[0]))
-        for kind, gids, span in self.attn:
+        for idx, (kind, gids, span) in enumerate(self.attn):
             if self.mixed:
                 got, t = self._mixed_hit(kind, gids, span, hk, max_length)
+            elif idx in self.eagle_idx:
+                got, t = self._eagle_hit(kind, gids, span, hk, max_length, bs)
             else:
                 got, k = self._kind_hit(kind, gids, span, hk, m, max_length)
                 t = k * bs
@@ -441,18 +470,25 @@ class _HybridState(_NativeState):
         longest = 0
         by_group: list[Optional[list]] = [None] * self.num_groups
         len_by = [0] * self.num_groups
-        while True:
+        eagle = self.eagle_idx
+        verified: set[int] = set()  # (vLLM's eagle_verified: each EAGLE group drops once
+        while True:  # per candidate length)
             curr = hit_length
-            for kind, gids, span in self.attn:
+            for idx, (kind, gids, span) in enumerate(self.attn):
                 g0 = gids[0]
                 if kind == _FULL and by_group[g0] is not None:
                     curr = min(curr, len_by[g0])
                     continue
                 if self.mixed:
                     blocks, curr = self._mixed_hit(kind, gids, span, hk, curr)
+                elif idx in eagle and idx not in verified:
+                    blocks, curr = self._eagle_hit(kind, gids, span, hk, curr, self.margin)
+                    verified.add(idx)
                 else:
                     m = min(curr // bs, len(hashes))
                     blocks, k = self._kind_hit(kind, gids, span, hk, m, curr)
+                    if k * bs < curr:
+                        verified.clear()
                     curr = k * bs
                 for g, b in zip(gids, blocks):
                     by_group[g] = b

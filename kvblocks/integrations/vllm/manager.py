@@ -79,8 +79,8 @@ def native_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
         return f"coordinator {type(coord).__name__}"
     if opts.get("dcp_world_size", 1) != 1 or opts.get("pcp_world_size", 1) != 1:
         return "decode/prefill context parallelism"
-    if mgr.use_eagle:
-        return "EAGLE / MTP lookahead"
+    if getattr(coord, "num_reprefillable_tokens", 0):
+        return "re-prefillable tokens (multi-module MTP)"
     if opts.get("num_hash_lookahead_tokens", 0) or opts.get("num_prefill_lookahead", 0):
         return "lookahead block hashes"
     if opts.get("metrics_collector") is not None:
@@ -156,6 +156,8 @@ class _CoordinatorView:
     ) -> tuple:
         s = self._m._native
         hit = s.lookup(block_hashes, min(max_cache_hit_length // s.block_size, len(block_hashes)))
+        if self._m._drop and len(hit):  # (EAGLE)
+            hit = hit[:-1]
         return ([s.view(b) for b in hit.tolist()],), len(hit) * s.block_size, 0
 
     def free(self, request_id: str) -> None:
@@ -239,6 +241,9 @@ class KVCacheManager(VLLMKVCacheManager):
             vpool.medium,
         )
         self._bs = stm.block_size
+        # EAGLE / MTP: a hit drops its last block (vLLM's drop_eagle_block: the draft
+        # model recomputes the tokens before the generation point)
+        self._drop = 0 in getattr(self.coordinator, "drop_eagle_group_ids", ())
         self.block_pool = NativeBlockPoolView(self._native, vpool.hash_block_size)
         self._vllm_coordinator = self.coordinator
         self.coordinator = _CoordinatorView(self.coordinator, self)
@@ -268,6 +273,8 @@ class KVCacheManager(VLLMKVCacheManager):
         else:
             keys, tails = s.request_keys(request, len(hashes))
             hit = s.lookup(hashes, n, keys[:n], None if tails is None else tails[:n])
+        if self._drop and len(hit):
+            hit = hit[:-1]
         if not len(hit):
             return self.empty_kv_cache_blocks, 0, 0
         if (
@@ -284,7 +291,8 @@ class KVCacheManager(VLLMKVCacheManager):
             return 0
         hashes = request.block_hashes
         n = min((request.num_tokens - 1) // self._bs, len(hashes))
-        return len(self._native.lookup(hashes, n)) * self._bs
+        k = len(self._native.lookup(hashes, n))
+        return (k - 1 if self._drop and k else k) * self._bs
 
     def _blocks_to_allocate(self, request_id: str, num_tokens: int, new_ids: np.ndarray) -> int:
         s = self._native

@@ -103,8 +103,9 @@ class _CacheMapView:
 
 
 class _CacheDict(MutableMapping):
-    """vLLM's ``cached_block_hash_to_block._cache`` (hash + group id -> block) over the
-    native table. vLLM's tests pop entries to stage a miss and put them back: ``pop`` hides
+    """vLLM's ``cached_block_hash_to_block._cache`` (hash + group id -> block id, as vLLM
+    0.34 keeps it) over the native table. vLLM's tests pop entries to stage a miss and put
+    them back: ``pop`` hides
     the entry (the block keeps its native entry and place; lookups and its ``block_hash``
     miss it, no event) and setting the key to the same block shows it again. ``copy.copy``
     gives a plain dict snapshot."""
@@ -113,20 +114,28 @@ class _CacheDict(MutableMapping):
         self._s = state
 
     def _items(self) -> dict:
-        gid = self._s.gid
-        return {
-            make_block_hash_with_group_id(h, int(gid[b])): self._s.view(b)
-            for b, h in self._s.hash_of.items()
-        }
+        """hash + group id -> the block lookups return for it (the earliest of a key's
+        duplicates: vLLM's ``_cache`` holds that one, its ``_dup_ids`` the others)."""
+        s = self._s
+        gid = s.gid
+        out: dict = {}
+        for b, h in s.hash_of.items():
+            g = int(gid[b])
+            key = make_block_hash_with_group_id(h, g)
+            if key not in out:
+                first = s.lookup_one(h, g)
+                out[key] = b if first is None else first
+        return out
 
-    def __getitem__(self, key: bytes) -> _BlockView:
+    def __getitem__(self, key: bytes) -> int:
         b = self._s.lookup_one(bytes(key[:-4]), int.from_bytes(key[-4:], "big"))
         if b is None:
             raise KeyError(key)
-        return self._s.view(b)
+        return b
 
-    def __setitem__(self, key: bytes, block: Any) -> None:
-        s, b, h = self._s, int(block.block_id), bytes(key[:-4])
+    def __setitem__(self, key: bytes, block: Any) -> None:  # a block id (or a block)
+        s, h = self._s, bytes(key[:-4])
+        b = int(getattr(block, "block_id", block))
         if not s.hashed[b] or int(s.gid[b]) != int.from_bytes(key[-4:], "big"):
             raise NotImplementedError("kvblocks' vLLM pool: only a popped entry can be set back")
         if len(h) == 32:
@@ -135,7 +144,7 @@ class _CacheDict(MutableMapping):
             s.hash_of.update([(b, h)])
 
     def __delitem__(self, key: bytes) -> None:
-        b = self[key].block_id
+        b = self[key]
         self._s.hash_of.pop(b)  # hidden: the native entry stays (as evict_blocks)
 
     def __iter__(self) -> Iterator:
