@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 import kvblocks
 from kvblocks import (
@@ -158,8 +164,23 @@ class KeysMachine(RuleBasedStateMachine):
     def held(self):
         return [b for b in range(1, N) if self.model.ref[b] > 0]
 
+    @initialize(n=st.integers(0, N - 1), data=st.data())
+    def seed(self, n, data):
+        """Start from cached blocks with secondary keys, some held, some evictable."""
+        ids = self.pool.allocate(n).tolist()
+        self.model.allocate(n)
+        for b in ids:
+            k, dup = data.draw(keys), data.draw(st.booleans())
+            assert self.pool.cache([b], [k], dup=dup) == self.model.cache(b, k, dup)
+            if b in self.model.keys:
+                for k2 in data.draw(st.lists(keys, max_size=4)):
+                    assert self.pool.add_key(b, k2) == self.model.add_key(b, k2)
+        for b in data.draw(st.lists(st.sampled_from(ids), unique=True)) if ids else []:
+            self.pool.free([b])
+            self.model.release(b)
+
     # -- calls that succeed -------------------------------------------------------------------
-    @rule(n=st.integers(0, 3))
+    @rule(n=st.integers(0, 5))
     def allocate(self, n):
         if n > len(self.model.free):
             fails(self.pool, lambda p: p.allocate(n), kvblocks.OutOfBlocksError)
@@ -192,17 +213,22 @@ class KeysMachine(RuleBasedStateMachine):
     def uncache(self, ids):
         assert self.pool.uncache(ids) == self.model.uncache(ids)
 
-    @rule(s=st.integers(-1, N), d=st.integers(-1, N))
-    def move_entry(self, s, d):
+    def movable(self):
         m = self.model
-        ok = (
-            0 < s < N
-            and 0 < d < N
-            and s != d
-            and s in m.keys
-            and d not in m.keys
-            and m.ref[d] > 0
-        )
+        dst = [b for b in range(1, N) if m.ref[b] > 0 and b not in m.keys]
+        return [(s, d) for s in sorted(m.keys) for d in dst]
+
+    @precondition(lambda self: self.movable())
+    @rule(data=st.data())
+    def move_entry(self, data):
+        s, d = data.draw(st.sampled_from(self.movable()))
+        self.pool.move_entry(s, d)
+        self.model.move(s, d)
+
+    @rule(s=st.integers(-1, N), d=st.integers(-1, N))
+    def move_entry_any(self, s, d):
+        m = self.model
+        ok = 0 < s < N and 0 < d < N and s != d and s in m.keys and d not in m.keys and m.ref[d] > 0
         if not ok:
             fails(self.pool, lambda p: p.move_entry(s, d))
             return
@@ -246,8 +272,16 @@ class KeysMachine(RuleBasedStateMachine):
     @rule(
         data=st.data(),
         key=st.sampled_from(
-            [-1, 2**128, 1.5, True, np.array([1, 2], dtype=np.int64), np.zeros(3, np.uint64),
-             "k", None]
+            [
+                -1,
+                2**128,
+                1.5,
+                True,
+                np.array([1, 2], dtype=np.int64),
+                np.zeros(3, np.uint64),
+                "k",
+                None,
+            ]
         ),
     )
     def add_a_bad_key(self, data, key):
@@ -276,9 +310,7 @@ class KeysMachine(RuleBasedStateMachine):
             assert p.cached_blocks(k).tolist() == m.map.get(k, [])
 
 
-KeysMachine.TestCase.settings = settings(
-    settings.default, stateful_step_count=40, deadline=None
-)
+KeysMachine.TestCase.settings = settings(settings.default, stateful_step_count=50, deadline=None)
 TestKeysMachine = KeysMachine.TestCase
 
 
@@ -451,17 +483,17 @@ def test_errors_change_nothing():
     free_block = pool.allocate(1)[0]
     pool.free([free_block])
     for b in (0, -1, N, 2**31, 2**70):
-        fails(pool, lambda p: p.add_key(b, KEYS[7]), InvalidArgumentError)
+        fails(pool, lambda p, b=b: p.add_key(b, KEYS[7]), InvalidArgumentError)
     for b in (1.0, True, "1", None):
-        fails(pool, lambda p: p.add_key(b, KEYS[7]), InvalidTypeError)
+        fails(pool, lambda p, b=b: p.add_key(b, KEYS[7]), InvalidTypeError)
     fails(pool, lambda p: p.add_key(free_block, KEYS[7]), InvalidStateError)
     for k in (-1, 2**128):
-        fails(pool, lambda p: p.add_key(1, k), InvalidArgumentError)
+        fails(pool, lambda p, k=k: p.add_key(1, k), InvalidArgumentError)
     for k in (1.5, False, np.array([1, 2], dtype=np.int64), "k"):
-        fails(pool, lambda p: p.add_key(1, k), InvalidTypeError)
+        fails(pool, lambda p, k=k: p.add_key(1, k), InvalidTypeError)
     fails(pool, lambda p: p.add_key(1, np.zeros(3, np.uint64)), InvalidArgumentError)
     for b in (-1, N):
-        fails(pool, lambda p: p.keys_of(b), InvalidArgumentError)
+        fails(pool, lambda p, b=b: p.keys_of(b), InvalidArgumentError)
     fails(pool, lambda p: p.keys_of(1.0), InvalidTypeError)
     assert pool.add_key(np.int64(2), np.uint64(5)) and pool.lookup([5]).tolist() == [2]
     off = BlockPool(4, enable_prefix_caching=False)
