@@ -213,11 +213,14 @@ typedef struct kvb_pool {
     int32_t *ref_count;        /* [num_blocks] references held; 0 <=> in the free list */
     int32_t *prev;             /* [num_blocks] free-list link toward head, KVB_NONE at head */
     int32_t *next;             /* [num_blocks] free-list link toward tail, KVB_NONE at tail */
-    kvb_hash_t *hash;          /* [num_blocks] block hash, valid iff flags & KVB_F_CACHED */
+    kvb_hash_t *hash;          /* [num_blocks + xcap] entry keys: block b's hash, valid iff
+                                * flags & KVB_F_CACHED; then the secondary records' keys */
     uint8_t *flags;            /* [num_blocks] KVB_F_* bits */
     uint8_t *gid;              /* [num_blocks] KV cache group a cached block belongs to */
-    int32_t *table;            /* [table_mask+1] open addressing slots: block id or KVB_NONE */
-    uint64_t table_mask;       /* table size - 1; size is a power of two >= 2 * num_blocks */
+    int32_t *table;            /* [table_mask+1] open addressing slots: entry id (a block's
+                                * primary, or num_blocks + a secondary record) or KVB_NONE */
+    uint64_t table_mask;       /* table size - 1; size is a power of two >= 2 * num_blocks and
+                                * >= 2 * (num_blocks - 1 + nx): at most half full */
     int caching;               /* prefix caching enabled */
     int record_events;         /* append to events when nonzero */
     kvb_stats_t stats;         /* counters since creation */
@@ -245,13 +248,27 @@ typedef struct kvb_pool {
                                 * (kvb_grp_link), or NULL: a cached block's key is the engine's
                                 * hash XOR its group's tag, and its events carry the engine's
                                 * hash and the group (vLLM keys a block by (hash, group id)) */
-    int32_t *dnext;            /* [num_blocks] duplicate entries (cache.c): the next block cached
+    int32_t *dnext;            /* [num_blocks + xcap] duplicate entries (cache.c): the next entry
                                 * under the same key, in insertion order, KVB_NONE at a chain's
-                                * end; the table holds each chain's first block. NULL until the
-                                * first insertion with dup_insert (owned) */
+                                * end; the table holds each chain's first entry. NULL until the
+                                * first insertion with dup_insert or secondary key (owned) */
     int dup_insert;            /* per call, set and cleared by the caller: 1 makes
                                 * kvb_cache_insert append a block whose key another block holds
                                 * to that key's chain (vLLM's duplicates), 0 leaves it uncached */
+    /* Secondary keys (cache.c, kvb_cache_add_key: vLLM's partial-prefix hashes of a block that
+     * already has its primary). Entry ids: e < num_blocks is block e's primary, e = num_blocks
+     * + r is record r. The table and dnext[] hold entry ids; hash[e] is entry e's key. All NULL
+     * and 0 until the first secondary is added (owned). */
+    int32_t nx;                /* live records (secondary entries) */
+    int32_t xcap;              /* records allocated; hash[] and dnext[] hold num_blocks + xcap */
+    int32_t xfree;             /* first free record (linked by xnext), KVB_NONE: none */
+    int32_t *xhead;            /* [num_blocks] block's first secondary record, KVB_NONE: none;
+                                * only a cached block has any */
+    int32_t *xblock;           /* [xcap] owner block of a live record, KVB_NONE when free */
+    int32_t *xnext;            /* [xcap] next record of the same owner (insertion order), or
+                                * the next free record; KVB_NONE at the end */
+    uint64_t *xcheck;          /* [4 * xcap] a record's full 32-byte key (lookup_bytes' check),
+                                * zeros when none was given */
 } kvb_pool_t;
 /* The hash a cached block's events carry: its key, untagged in a 256-bit mode with groups. */
 void kvb_pool_event_hash(const kvb_pool_t *p, int32_t b, kvb_hash_t *out);
@@ -295,8 +312,9 @@ int kvb_pool_reset_cache_keep_order(kvb_pool_t *p);
  * its keep_order variant) when no block but the null block is referenced; else 0, nothing
  * changed (vLLM's rule: any block in use, cached or not, refuses). Never an error. */
 int kvb_pool_try_reset_cache(kvb_pool_t *p, int keep_order);
-/* vLLM's move_block_hashes: src's cache entry moves to dst under the same key and group
- * (dst takes the key's last place among its duplicates; src keeps its place in the free list
+/* vLLM's move_block_hashes: src's cache entries (primary, then its secondary keys in order)
+ * move to dst under the same keys and group (dst takes each key's last place among its
+ * duplicates; src keeps its place in the free list
  * or table, without an entry), recording no event. Validated first: both in range and not
  * null, src cached, dst referenced and uncached, src != dst (KVB_ERANGE / KVB_ESTATE /
  * KVB_EINVAL, nothing changed). */
@@ -312,8 +330,19 @@ int32_t kvb_cache_find(const kvb_pool_t *p, const kvb_hash_t *h);         /* id 
 int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes, int64_t n,
                      const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,
                      int64_t *stored);
-/* Whether b is among the blocks cached under its key (the key's chain, cache.c). */
-int kvb_cache_holds(const kvb_pool_t *p, int32_t b);
+/* Whether entry e (a block's primary or num_blocks + a record) is among the entries under
+ * its key (the key's chain, cache.c). */
+int kvb_cache_holds(const kvb_pool_t *p, int32_t e);
+/* The first entry under h (a block id, or num_blocks + a secondary record), or KVB_NONE. */
+int32_t kvb_cache_find_entry(const kvb_pool_t *p, const kvb_hash_t *h);
+/* vLLM's _insert_block_hash onto a block that has its primary: b (in range, not null, cached:
+ * else KVB_ERANGE / KVB_ESTATE) takes h as a secondary key, at the end of h's duplicates.
+ * Returns 1, or 0 when h is already one of b's keys (nothing changed). check4 (4 words, may be
+ * NULL: zeros) is kept with the key (the full 32-byte hash, xcheck). Records a BlockStored
+ * (no parent, no tokens) when events are recorded; each secondary leaves with its block's
+ * primary (a BlockRemoved after the primary's). KVB_ESTATE on a host tier's pool (p->log or
+ * p->tiered), KVB_ENOMEM when growing fails; nothing changed on error. */
+int kvb_cache_add_key(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const uint64_t *check4);
 /* Longest cached prefix of hashes: returns its length; ids written to out (may be NULL). */
 int64_t kvb_cache_lookup(kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n, int32_t *out);
 /* Same, and add one reference to each hit in the same step (pool.c). */

@@ -206,9 +206,9 @@ void kvb_pool_record(kvb_pool_t *p, int kind, int32_t b, const kvb_hash_t *h,
 /* cache.c */
 int64_t kvb_cache_match(const kvb_pool_t *p, const kvb_hash_t *hashes, int64_t n,
                         int32_t *out);            /* kvb_cache_lookup without stats */
-void kvb_cache_forget(kvb_pool_t *p, int32_t b);  /* drop a cached block's entry (any state) */
+void kvb_cache_forget(kvb_pool_t *p, int32_t b);  /* drop a cached block's entries (any state) */
 void kvb_cache_clear(kvb_pool_t *p);              /* drop every entry (free list untouched) */
-void kvb_cache_move(kvb_pool_t *p, int32_t src, int32_t dst); /* src's entry to dst (checked) */
+void kvb_cache_move(kvb_pool_t *p, int32_t src, int32_t dst); /* src's entries to dst (checked) */
 int kvb_cache_put(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const kvb_hash_t *parent,
                   const int32_t *tokens, int32_t block_size); /* 1 stored, 0 hash present */
 

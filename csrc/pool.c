@@ -21,9 +21,10 @@
  *
  * Invariants (kvb_pool_check verifies all of them):
  *   num_free == length of the list == #{b != 0 : ref_count[b] == 0}
- *   num_cached == #{b : flags[b] & CACHED} == entries in the hash table
+ *   num_cached == #{b : flags[b] & CACHED}; num_cached + nx == entries in the hash table
  *   num_evictable == #{b : CACHED and FREE}
- *   every cached block is found in the table under its hash.
+ *   every cached block is found in the table under its hash, every secondary record under
+ *   its key, and a record is live iff its cached owner's list links it (cache.c).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -100,6 +101,7 @@ int kvb_pool_init_any(kvb_pool_t *p, int32_t num_blocks, int caching) {
     memset(p->table, 0xff, tsize * sizeof *p->table); /* all KVB_NONE */
     p->num_blocks = num_blocks;
     p->table_mask = tsize - 1;
+    p->xfree = KVB_NONE; /* no secondary records until the first (cache.c) */
     p->events.max_pending = (int64_t)1 << 20;
     p->caching = caching;
     /* free list 1, 2, ..., N-1 in order; the null block 0 is never listed */
@@ -126,6 +128,7 @@ void kvb_pool_destroy(kvb_pool_t *p) {
     p->gtag = NULL;
     free(p->ref_count); free(p->prev); free(p->next); free(p->hash); free(p->flags);
     free(p->gid); free(p->table); free(p->dnext);
+    free(p->xhead); free(p->xblock); free(p->xnext); free(p->xcheck);
     free(p->chance); free(p->policy);
     kvb_pool_log_off(p);
     kvb_events_destroy(&p->events);
@@ -133,11 +136,13 @@ void kvb_pool_destroy(kvb_pool_t *p) {
 }
 
 size_t kvb_pool_bytes(const kvb_pool_t *p) {
-    size_t n = (size_t)p->num_blocks;
+    size_t n = (size_t)p->num_blocks, x = (size_t)p->xcap; /* x: secondary records */
     return n * (sizeof *p->ref_count + sizeof *p->prev + sizeof *p->next + sizeof *p->hash +
                 sizeof *p->flags + sizeof *p->gid) +
            (size_t)(p->table_mask + 1) * sizeof *p->table + sizeof *p +
-           (p->dnext ? n * sizeof *p->dnext : 0);
+           (p->dnext ? (n + x) * sizeof *p->dnext : 0) +
+           (p->xhead ? n * sizeof *p->xhead : 0) +
+           x * (sizeof *p->hash + sizeof *p->xblock + sizeof *p->xnext + 4 * sizeof *p->xcheck);
 }
 
 /* ---- the log: what leaves and enters the cache, for a reader above (internal.h) ------- */
@@ -564,6 +569,43 @@ int kvb_pool_move_entry(kvb_pool_t *p, int32_t src, int32_t dst) {
 #define FAIL(what, item) do { p->err_what = (what); p->err_a = 0; p->err_b = (item); \
                              return KVB_ECORRUPT; } while (0)
 
+/* A live entry: a cached block's primary, or a live secondary record of a cached block. */
+static int entry_ok(const kvb_pool_t *p, int32_t e) {
+    int32_t N = p->num_blocks;
+    if (e >= N && e - N < p->xcap) e = p->xblock[e - N];
+    else if (e >= N) return 0;
+    return e > 0 && e < N && (p->flags[e] & KVB_F_CACHED);
+}
+
+/* The secondary records: each owner's list (only cached blocks have one) links live records
+ * it owns, each found in the table under its key; the free records are the rest. */
+static int check_secondaries(kvb_pool_t *p) {
+    int32_t N = p->num_blocks;
+    if (!p->xhead) {
+        if (p->nx || p->xcap) FAIL("secondary records without their lists", p->nx);
+        return KVB_OK;
+    }
+    int64_t listed = 0, live = 0, nfree = 0;
+    for (int32_t b = 0; b < N; b++) {
+        int32_t r = p->xhead[b];
+        if (r != KVB_NONE && (b == 0 || !(p->flags[b] & KVB_F_CACHED))) FAIL("uncached block holds secondary keys", b);
+        for (; r != KVB_NONE; r = p->xnext[r]) {
+            if (r < 0 || r >= p->xcap || p->xblock[r] != b) FAIL("secondary list links a record of another owner", r);
+            if (!kvb_cache_holds(p, N + r)) FAIL("secondary key not found under its key", r);
+            if (p->hash[N + r].lo == p->hash[b].lo && p->hash[N + r].hi == p->hash[b].hi) FAIL("secondary key repeats its block's primary", r);
+            if (++listed > p->xcap) FAIL("secondary list has a cycle", b);
+        }
+    }
+    for (int32_t r = 0; r < p->xcap; r++) live += p->xblock[r] != KVB_NONE;
+    for (int32_t r = p->xfree; r != KVB_NONE; r = p->xnext[r]) {
+        if (r < 0 || r >= p->xcap || p->xblock[r] != KVB_NONE) FAIL("free secondary records hold a live one", r);
+        if (++nfree > p->xcap) FAIL("free secondary records have a cycle", r);
+    }
+    if (listed != p->nx || live != p->nx) FAIL("secondary records listed or live != nx", listed);
+    if (nfree + p->nx != p->xcap) FAIL("secondary records free + live != allocated", nfree);
+    return KVB_OK;
+}
+
 int kvb_pool_check(kvb_pool_t *p) {
     KVB_CLEAR_ERR(p);
     int32_t N = p->num_blocks;
@@ -596,20 +638,21 @@ int kvb_pool_check(kvb_pool_t *p) {
     }
     if (free_blocks != p->num_free) FAIL("free blocks != num_free", free_blocks);
     if (cached != p->num_cached) FAIL("cached blocks != num_cached", cached);
-    int64_t entries = 0;
+    int64_t entries = 0, all = p->num_cached + (int64_t)p->nx;
+    if (2 * ((int64_t)N - 1 + p->nx) > (int64_t)(p->table_mask + 1)) FAIL("hash table more than half full", p->nx);
     for (uint64_t s = 0; s <= p->table_mask; s++) {
         int32_t b = p->table[s];
         if (b == KVB_NONE) continue;
-        if (b <= 0 || b >= N || !(p->flags[b] & KVB_F_CACHED)) FAIL("hash table holds an uncached or bad block", b);
+        if (!entry_ok(p, b)) FAIL("hash table holds an uncached or bad block", b);
         entries++;
         for (int32_t c = p->dnext ? p->dnext[b] : KVB_NONE; c != KVB_NONE; c = p->dnext[c]) {
-            if (c <= 0 || c >= N || !(p->flags[c] & KVB_F_CACHED)) FAIL("duplicate chain holds an uncached or bad block", c);
+            if (!entry_ok(p, c)) FAIL("duplicate chain holds an uncached or bad block", c);
             if (p->hash[c].lo != p->hash[b].lo || p->hash[c].hi != p->hash[b].hi) FAIL("duplicate chain mixes keys", c);
-            if (++entries > p->num_cached) FAIL("duplicate chain has a cycle or extra blocks", c);
+            if (++entries > all) FAIL("duplicate chain has a cycle or extra blocks", c);
         }
     }
-    if (entries != p->num_cached) FAIL("hash table entries (with duplicates) != num_cached", entries);
-    return KVB_OK;
+    if (entries != p->num_cached + (int64_t)p->nx) FAIL("hash table entries (with duplicates) != num_cached + secondaries", entries);
+    return check_secondaries(p);
 }
 
 void kvb_pool_event_hash(const kvb_pool_t *p, int32_t b, kvb_hash_t *out) {

@@ -116,6 +116,11 @@ cdef extern from "core.h" nogil:
         kvb_tier_t *tier
         int32_t *dnext
         int dup_insert
+        int32_t nx, xcap
+        int32_t *xhead
+        int32_t *xblock
+        int32_t *xnext
+        uint64_t *xcheck
 
     int kvb_pool_init(kvb_pool_t *p, int32_t num_blocks, int caching)
     int kvb_pool_init_any(kvb_pool_t *p, int32_t num_blocks, int caching)
@@ -136,6 +141,8 @@ cdef extern from "core.h" nogil:
         KVB_PLACE_TAIL
         KVB_PLACE_VLLM
     int32_t kvb_cache_find(const kvb_pool_t *p, const kvb_hash_t *h)
+    int32_t kvb_cache_find_entry(const kvb_pool_t *p, const kvb_hash_t *h)
+    int kvb_cache_add_key(kvb_pool_t *p, int32_t b, const kvb_hash_t *h, const uint64_t *check4)
     int kvb_cache_insert(kvb_pool_t *p, const int32_t *ids, const kvb_hash_t *hashes, int64_t n,
                          const kvb_hash_t *parent, const int32_t *tokens, int32_t block_size,
                          int64_t *stored)
@@ -312,6 +319,7 @@ cdef class BlockPool:
     cdef object _block_size
     cdef BlockPool _tier_pool  # a host pool: the device pool whose tier feeds it
     cdef void _sync(self) noexcept
+    cdef int _key_error(self, int rc, str what, int32_t b) except -1
     cdef list _build_events(self, kvb_events_t *ev, const uint8_t *src=*, list media=*)
     cdef object _stored_event(self, kvb_hash_t h, kvb_hash_t parent, uint8_t g, int32_t tag,
                               bint has, int64_t ntok, str medium)

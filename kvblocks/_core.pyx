@@ -197,6 +197,36 @@ cdef kvb_hash_t _parent_hash(object parent) except *:
     return h
 
 
+cdef kvb_hash_t _one_key(object key, str what) except *:
+    """One 128-bit key: an int in [0, 2**128) (numpy integers too) or a ``[lo, hi]`` uint64
+    pair. Bools and floats are refused (InvalidTypeError), as as_int refuses them."""
+    cdef kvb_hash_t h
+    if PyBool_Check(key) or isinstance(key, float):
+        raise InvalidTypeError(f"{what} must be a 128-bit int or a uint64 [lo, hi] pair, got "
+                               f"{type(key).__name__}")
+    if type(key) in _NP_INT_TYPES:
+        key = int(key)
+    if isinstance(key, int):
+        if key < 0 or key >> 128:
+            raise InvalidArgumentError(f"{what} must be a 128-bit unsigned int, got {key}")
+        h.lo = key & 0xFFFFFFFFFFFFFFFF
+        h.hi = key >> 64
+        return h
+    try:
+        arr = np.asarray(key)
+    except Exception as exc:
+        raise InvalidTypeError(f"{what}: {type(exc).__name__}") from None
+    if arr.dtype != np.uint64:
+        raise InvalidTypeError(f"{what} must be a 128-bit int or a uint64 [lo, hi] pair, got "
+                               f"dtype {arr.dtype}")
+    if arr.shape != (2,):
+        raise InvalidArgumentError(f"{what} must be a uint64 [lo, hi] pair, got shape "
+                                   f"{arr.shape}")
+    h.lo = arr[0]
+    h.hi = arr[1]
+    return h
+
+
 def hash_to_int(h):
     """A block hash as one 128-bit int, from a ``[lo, hi]`` uint64 pair (a row of
     ``hash_blocks``) or an int (checked). Events and ``block_hash`` use ints; hash_blocks rows.

@@ -392,7 +392,8 @@ cdef class BlockPool:
 
     def uncache(self, ids):
         """vLLM's ``evict_blocks``: drop the cache entry of each listed block that has one
-        (referenced or not) and return how many were dropped. A free block keeps its place
+        (referenced or not; with every key ``add_key`` gave it) and return how many blocks
+        were dropped. A free block keeps its place
         in the free list (no longer evictable); a referenced one, once freed, goes to the
         head as a block without an entry. Raises InvalidArgumentError for an id out of range
         or the null block (nothing changed).
@@ -406,8 +407,9 @@ cdef class BlockPool:
 
     def move_entry(self, src, dst):
         """vLLM's ``BlockPool.move_block_hashes``: block ``src``'s cache entry moves to
-        block ``dst`` (a copy of it), under the same hash and group. ``dst`` takes the last
-        place among the hash's duplicates; ``src`` keeps its place (in a table, or in the
+        block ``dst`` (a copy of it), under the same hash and group, with every key
+        ``add_key`` gave it (in the same order). ``dst`` takes the last place among each
+        key's duplicates; ``src`` keeps its place (in a table, or in the
         free list, where it is no longer evictable) without an entry. No event is recorded:
         the cache holds the same hashes. Raises InvalidArgumentError for an id out of range,
         the null block or ``src == dst``, InvalidStateError when ``src`` holds no entry or
@@ -430,16 +432,145 @@ cdef class BlockPool:
     def cached_blocks(self, hash):
         """Every block cached under ``hash`` (one ``[lo, hi]`` uint64 row, or a 128-bit
         int), the earliest first (the one lookups return); a hash has several only through
-        ``cache(..., dup=True)``. An empty int32 array when none. Raises InvalidTypeError /
+        ``cache(..., dup=True)`` or ``add_key`` (a block holding it as a secondary key counts
+        in its place). An empty int32 array when none. Raises InvalidTypeError /
         InvalidArgumentError for a bad hash."""
         self._sync()
         cdef kvb_hash_t h = _parent_hash(hash)
-        cdef int32_t b = kvb_cache_find(&self.p, &h) if self.p.caching else KVB_NONE
+        cdef int32_t e = kvb_cache_find_entry(&self.p, &h) if self.p.caching else KVB_NONE
+        cdef int32_t nb = self.p.num_blocks
         out = []
-        while b != KVB_NONE:
-            out.append(b)
-            b = self.p.dnext[b] if self.p.dnext is not NULL else KVB_NONE
+        while e != KVB_NONE:  # entries: a block's primary, or nb + a secondary record
+            out.append(e if e < nb else self.p.xblock[e - nb])
+            e = self.p.dnext[e] if self.p.dnext is not NULL else KVB_NONE
         return np.asarray(out, dtype=np.int32)
+
+    # -- secondary keys (vLLM's cached_block_hashes_by_block) --------------------------------
+    def add_key(self, block, key):
+        """Give cached block ``block`` one more key (vLLM's ``_insert_block_hash`` onto a
+        block that has its hash: a "partial-prefix" key): ``key`` (one ``[lo, hi]`` uint64
+        row or a 128-bit int) then finds the block too, behind any blocks already under it
+        (lookups return the earliest). Returns True when added, False when the block
+        already holds that key (its own hash, or an earlier ``add_key``).
+
+        The keys live and leave with the block's entry: evicting it (allocation),
+        ``uncache`` and ``reset_prefix_cache`` drop them all, ``move_entry`` moves them all.
+        While events are recorded each key gets a BlockStored (no parent, no tokens) and a
+        BlockRemoved when it leaves, after its block's. Raises InvalidArgumentError for a
+        block out of range, the null block or a bad key, InvalidTypeError for a non-int
+        block or key of another type, InvalidStateError for a block without a cache entry
+        or a pool of a host tier (nothing changed).
+
+        >>> pool = BlockPool(8)
+        >>> h = hash_blocks(range(8), 4)
+        >>> pool.cache(pool.allocate(1), h[:1])
+        1
+        >>> pool.add_key(1, h[1]), pool.add_key(1, h[1]), pool.add_key(1, h[0])
+        (True, False, False)
+        >>> pool.lookup(h[1:]).tolist(), pool.num_cached, pool.num_entries
+        ([1], 1, 2)
+        >>> pool.uncache([1]), pool.lookup(h[1:]).tolist(), pool.num_entries
+        (1, [], 0)
+        """
+        self._sync()
+        cdef int32_t b = <int32_t>as_int(block, "add_key: block", INT32_MIN, INT32_MAX)
+        cdef kvb_hash_t h = _one_key(key, "add_key: key")
+        cdef int rc = kvb_cache_add_key(&self.p, b, &h, NULL)
+        if rc < 0:
+            self._key_error(rc, "add_key", b)
+        return rc == 1
+
+    def add_key_bytes(self, block, hash, *, group=0, uint64_t key_salt=0):
+        """``add_key`` with the key of one of vLLM's bytes hashes, as ``cache_bytes`` keys
+        blocks: its first 16 bytes (zero-padded when shorter), ``key_salt`` XORed into the
+        second 8. A 32-byte hash is kept whole with the key: ``lookup_bytes(..., full=)``
+        checks a hit through this key against those 32 bytes (not against ``full[block]``,
+        the block's own hash); a shorter one keeps zeros, which never match. ``group`` must
+        be the group the block was cached for. As ``cache_bytes``, it records no event:
+        raises InvalidStateError while this pool records events. Other errors as
+        ``add_key``, and InvalidTypeError for a hash that is not bytes, InvalidArgumentError
+        for another ``group`` (nothing changed).
+
+        >>> pool = BlockPool(8)
+        >>> h = [bytes([i]) * 32 for i in (1, 2)]
+        >>> full = np.zeros((8, 4), dtype=np.uint64)
+        >>> pool.cache_bytes(pool.allocate(1), h, full=full)
+        1
+        >>> pool.add_key_bytes(1, h[1]), pool.lookup_bytes(h[1:], full=full).tolist()
+        (True, [1])
+        >>> pool.keys_of(1).shape
+        (2, 2)
+        """
+        self._sync()
+        cdef int32_t b = <int32_t>as_int(block, "add_key_bytes: block", INT32_MIN, INT32_MAX)
+        if not PyBytes_Check(hash):
+            raise InvalidTypeError(f"add_key_bytes: hash is {type(hash).__name__}, not bytes")
+        cdef uint8_t g = <uint8_t>as_int(group, "group", 0, 254)
+        if self.p.record_events:
+            raise InvalidStateError("add_key_bytes: records no events; this pool records "
+                                    "them (use add_key)")
+        if (0 < b < self.p.num_blocks and self.p.flags[b] & KVB_F_CACHED
+                and self.p.gid[b] != g):
+            raise InvalidArgumentError(f"add_key_bytes: block {b} is cached for group "
+                                       f"{self.p.gid[b]}, not {g}")
+        cdef kvb_hash_t h
+        cdef Py_ssize_t w = PyBytes_GET_SIZE(hash)
+        memset(&h, 0, sizeof(h))
+        memcpy(&h, PyBytes_AS_STRING(hash), min(w, 16))
+        h.hi ^= key_salt
+        cdef const uint64_t *full = (<const uint64_t *>PyBytes_AS_STRING(hash)) if w == 32 \
+            else NULL
+        cdef int rc = kvb_cache_add_key(&self.p, b, &h, full)
+        if rc < 0:
+            self._key_error(rc, "add_key_bytes", b)
+        return rc == 1
+
+    cdef int _key_error(self, int rc, str what, int32_t b) except -1:
+        """Raise for add_key's code rc on block b."""
+        msg = None
+        if rc == KVB_ESTATE:
+            msg = (f"{what}: block {b} holds no cache entry" if not self.p.flags[b] & KVB_F_CACHED
+                   else f"{what}: a host tier's pool takes no secondary keys")
+        elif rc == KVB_ERANGE:
+            msg = f"{what}: block {b} out of range [1, {self.p.num_blocks})"
+        return raise_code(rc, what, self.p.err_a, self.p.err_b, NULL, None, msg)
+
+    def keys_of(self, block):
+        """Every key block ``block`` holds, as an (n, 2) uint64 array of ``[lo, hi]`` rows:
+        its hash first (``block_hash``), then the keys ``add_key`` gave it, in the order
+        given; (0, 2) when it holds no cache entry. Raises InvalidArgumentError for an id
+        outside ``[0, num_blocks)``, InvalidTypeError for a non-int.
+
+        >>> pool = BlockPool(4)
+        >>> pool.keys_of(1).shape
+        (0, 2)
+        >>> pool.cache(pool.allocate(1), [5]); pool.add_key(1, 7)
+        1
+        True
+        >>> pool.keys_of(1).tolist()
+        [[5, 0], [7, 0]]
+        """
+        cdef int64_t b = as_int(block, "keys_of: block", INT32_MIN, INT32_MAX)
+        self._sync()
+        if b < 0 or b >= self.p.num_blocks:
+            raise InvalidArgumentError(f"keys_of: block {b} out of range "
+                                       f"[0, {self.p.num_blocks})")
+        cdef int32_t nb = self.p.num_blocks, r
+        cdef list keys = []
+        if self.p.flags[b] & KVB_F_CACHED:
+            keys.append((self.p.hash[b].lo, self.p.hash[b].hi))
+            r = self.p.xhead[b] if self.p.xhead is not NULL else KVB_NONE
+            while r != KVB_NONE:
+                keys.append((self.p.hash[nb + r].lo, self.p.hash[nb + r].hi))
+                r = self.p.xnext[r]
+        return np.array(keys, dtype=np.uint64).reshape(len(keys), 2)
+
+    @property
+    def num_entries(self):
+        """Keys the prefix cache holds: ``num_cached`` blocks' hashes plus the keys
+        ``add_key`` gave them."""
+        self._sync()
+        return self.p.num_cached + self.p.nx
 
     def ref_count(self, block_id):
         block_id = as_int(block_id, "block_id", INT32_MIN, INT32_MAX)
@@ -640,7 +771,8 @@ cdef class BlockPool:
         ``cache_bytes(..., full=)`` fills with each block's whole hash) checks the full width
         too: every hash must then be 32 bytes, and a hit stops at the first block whose row
         is not the hash's 32 bytes (so a 128-bit key collision, or a row the caller zeroed,
-        never hits).
+        never hits). A hit through a key ``add_key_bytes`` gave is checked against the 32
+        bytes kept with that key instead.
 
         ``key_salt`` is XORed into the second 8 bytes of every key (so one hash can key one
         entry per salt: the vLLM adapter gives each KV cache group its own salt, as vLLM's
@@ -676,12 +808,23 @@ cdef class BlockPool:
         cdef int32_t *o = i32_data(out)
         cdef int64_t k, i
         cdef int32_t b
+        cdef const uint64_t *row
+        cdef int32_t e
         try:
             k = kvb_cache_lookup(&self.p, keys, n, o)
             for i in range(k):
                 b = o[i]
-                if self.p.gid[b] != g or (tl != NULL and memcmp(
-                        &tl[4 * <int64_t>b], PyBytes_AS_STRING(hs[start + i]), 32)):
+                if self.p.gid[b] != g:
+                    k = i
+                    break
+                if tl == NULL:
+                    continue
+                row = &tl[4 * <int64_t>b]
+                if self.p.nx:  # the hit may be a secondary key: its own 32 bytes
+                    e = kvb_cache_find_entry(&self.p, &keys[i])
+                    if e >= self.p.num_blocks:
+                        row = &self.p.xcheck[4 * <int64_t>(e - self.p.num_blocks)]
+                if memcmp(row, PyBytes_AS_STRING(hs[start + i]), 32):
                     k = i
                     break
         finally:
