@@ -2,8 +2,9 @@
  *
  * The table holds int32 entry ids only; the 128-bit keys live in the pool's hash[] array, so
  * a slot costs 4 bytes and the table stays at most half full (size >= 2 * num_blocks, each
- * block holds at most one primary entry; secondary keys, below, grow it). Linear probing from hash.lo; deletion shifts the following
- * run back (no tombstones), so lookups never slow down as blocks churn.
+ * block holds at most one primary entry; secondary keys, below, grow it). Linear probing
+ * from hash.lo; deletion shifts the following run back (no tombstones), so lookups never
+ * slow down as blocks churn.
  *
  * Ownership: this file owns the table, the CACHED bit and num_cached. It never touches the free
  * list or its counters (num_free, num_evictable: pool.c), so pool.c calls in here and never

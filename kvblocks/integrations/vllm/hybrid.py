@@ -14,10 +14,13 @@ vLLM pops them; a request's blocks freed in one ``free`` in vLLM's placement).
 Served natively: every group ``FullAttentionSpec``, ``SlidingWindowSpec`` (window > 1),
 ``ChunkedLocalAttentionSpec`` or ``MambaSpec`` (vLLM's Mamba rules: mamba.py; one window,
 chunk or Mamba group alone too, under vLLM's unitary coordinator), one block size equal to
-the scheduler block size (and the hash block size with caching), prefix caching on or off,
-no EAGLE / MTP, context parallelism, lookahead hashes, metrics collector, a window group's
-sparse retention or partial hash hits (a retention interval of full attention, chunk and
-Mamba groups is served, set at construction or afterwards, as vLLM's tests do).
+the scheduler block size (and the hash block size with caching), or full-attention and
+window groups of different block sizes (hashes at their gcd, hits and caching aligned to
+their lcm: ``_mixed_unsupported``), prefix caching on or off, EAGLE / MTP over full
+attention and windows of one block size, no context parallelism, lookahead hashes, metrics
+collector, a window group's sparse retention or partial hash hits (a retention interval of
+full attention, chunk and Mamba groups is served, set at construction or afterwards, as
+vLLM's tests do).
 Mamba prefill checkpoint blocks are served (mamba.py). Anything else (cross-attention, MLA, ...)
 runs on vLLM's own managers (``hybrid_unsupported`` says why).
 """

@@ -13,7 +13,12 @@ vLLM's rules per group kind live here, as its single-type managers have them:
   the full 32 bytes checked against the array beside the pool);
 - skipped blocks (``remove_skipped``): a window group's blocks before the window, a chunk
   group's before the chunk of the next token, are freed and become the null block 0;
-- caching (``cache_groups``) and free (``free_request``) group by group in vLLM's order.
+- caching (``cache_groups``) and free (``free_request``) group by group in vLLM's order;
+- EAGLE / MTP (``_eagle_hit``): a group's hit looks a block further and drops its last block;
+- groups of different block sizes (``mixed``: ``_mixed_hit``, ``_cache_mixed``): each group
+  reads every scale-th hash, hits and caching are aligned to the sizes' lcm, a window caches
+  only the tail an aligned hit reads, a full-attention group keys the prompt's last hash
+  boundary inside a block as that block's extra key (``BlockPool.add_key_bytes``).
 """
 
 from __future__ import annotations

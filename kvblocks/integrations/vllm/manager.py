@@ -19,8 +19,8 @@ only when something reads them (``KVCacheBlocks.blocks``, ``block_pool.blocks[i]
 ``req_to_blocks``), once per block id, and read their ref count and hash from the native
 pool. Models of full-attention, sliding-window, chunked-local and Mamba groups (hybrid, or
 one such group alone) run on ``hybrid.HybridKVCacheManager`` (this class turns an instance
-into it). Any other
-configuration (other attention kinds, partial-block hashes, EAGLE, context parallelism,
+into it). EAGLE / MTP drops a hit's last block (``_drop``). Any other configuration
+(other attention kinds, partial-block hashes, multi-module MTP, context parallelism,
 lookahead hashes, a metrics collector, KV zeroing) runs vLLM's own coordinator and
 single-type managers unchanged, and says so in the log.
 """
