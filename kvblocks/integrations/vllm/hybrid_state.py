@@ -177,7 +177,7 @@ class _HybridState(_NativeState):
         self.simple1 = self.simple1 and len(self.attn[0][1]) == 1 and not self.mixed
         # EAGLE / MTP (vLLM's drop_eagle_group_ids): the attention groups whose hits drop
         # their last block, and the margin a hybrid coordinator looks past the candidate
-        drop = getattr(coord, "drop_eagle_group_ids", set())
+        drop: set[int] = set(getattr(coord, "drop_eagle_group_ids", ()))
         self.eagle_idx = {i for i, (_, gids, _) in enumerate(self.attn) if set(gids) & drop}
         self.margin = 0 if len(stms) == 1 else stms[0].block_size
         if self.eagle_idx:

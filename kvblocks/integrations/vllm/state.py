@@ -475,9 +475,9 @@ class _NativeState:
         n = self.hash_tokens.pop(src, None)
         if n is not None:
             self.hash_tokens[dst] = n
-        other = self.sec.pop(src, None)  # (natively move_entry moves every key)
-        if other is not None:
-            self.sec[dst] = other
+        keys = self.sec.pop(src, None)  # (natively move_entry moves every key)
+        if keys is not None:
+            self.sec[dst] = keys
         self.gid[dst] = self.gid[src]
         self.hashed[src] = False
         self.hashed[dst] = True
