@@ -361,8 +361,7 @@ class HybridKVCacheManager(VLLMKVCacheManager):
             n = 0
             for i in range(len(t) - 1, -1, -1):
                 if t[i] and t[i] in s.hash_of:
-                    e = s.hash_tokens.get(t[i]) if s.mixed else None
-                    n = e[1] if e is not None else (i + 1) * s.bsz[g]
+                    n = int(s.ntok[t[i]]) if s.ntok is not None else (i + 1) * s.bsz[g]
                     break
             out = n if out is None else min(out, n)
         return out or 0

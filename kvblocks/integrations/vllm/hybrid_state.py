@@ -95,6 +95,8 @@ class _HybridState(_NativeState):
             for g, m in enumerate(stms)
         ]
         # per group: vLLM's manager class (a window group's reachable_block_mask) and spec
+        if self.mixed:
+            self.ntok = np.zeros(self.num_blocks, dtype=np.int32)
         self.stm_cls = [type(m) for m in stms]
         self.specs = [m.kv_cache_spec for m in stms]
         # per group: sliding window (0 for full attention), extra retained tokens, vLLM's
@@ -566,9 +568,17 @@ class _HybridState(_NativeState):
                 keys = keys[k - 1 :: k]
                 tails = None if tails is None else tails[k - 1 :: k]
             self._cache_run(g, ids_l, hashes, keys, tails, c)
-        if (self.is_align[g] or self.mixed) and ids_l.count(0) < len(ids_l):
-            bs = self.bsz[g]  # the tokens each entry covers (Mamba's rules, and
-            ht = self.hash_tokens  # estimate_cached_tokens among block sizes, read them)
+        if self.ntok is not None:  # every entry's token count, among block sizes
+            n = len(ids_l)
+            ids = np.array(ids_l, dtype=np.int32)
+            tok = np.arange(c + 1, c + 1 + n, dtype=np.int32) * self.bsz[g]
+            if 0 in ids_l:
+                live = ids != 0
+                ids, tok = ids[live], tok[live]
+            self.ntok[ids] = tok
+        elif self.is_align[g] and ids_l.count(0) < len(ids_l):
+            bs = self.bsz[g]  # the tokens each entry covers (Mamba's rules read them)
+            ht = self.hash_tokens
             for j, b in enumerate(ids_l, c + 1):
                 if b:
                     ht[b] = (g, j * bs)
@@ -639,14 +649,13 @@ class _HybridState(_NativeState):
         if self.hashed[b] and int(self.gid[b]) == g:
             if self.hash_of.get(b) == h or h in self.sec.get(b, ()):
                 return  # (vLLM: already cached, no event)
-            e = self.hash_tokens.get(b)
-            if e is not None and e[1] < boundary:
+            if cast(np.ndarray, self.ntok)[b] < boundary:
                 self.drop_entries(b)  # a shorter prefix's entries give way
         if self.hashed[b]:
             self._add_key(b, h, g)
         else:
             self._cache_run_or_bytes(g, b, h)
-            self.hash_tokens[b] = (g, boundary)
+            cast(np.ndarray, self.ntok)[b] = boundary
         if self.enable_events:
             lora = request.lora_request
             start = (nhb - 1) * hbs
@@ -691,7 +700,6 @@ class _HybridState(_NativeState):
         self._forget(b)
         self.pool.uncache([b])
         self.hashed[b] = False
-        self.hash_tokens.pop(b, None)
 
     def _cache32(self, g: int, ids_l: list, hashes: list, c: int) -> bool:
         """``_cache_run`` in one native call (cache_bytes) when it can: 32-byte hashes,

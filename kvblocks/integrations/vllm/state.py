@@ -67,6 +67,9 @@ class _BlockView:
         b = self.block_id
         if b not in self._s.hash_of:
             return None
+        ntok = self._s.ntok  # (groups of different block sizes: every entry's count)
+        if ntok is not None:
+            return int(ntok[b])
         e = self._s.hash_tokens.get(b)  # (group, tokens): current while the group matches
         return e[1] if e is not None and e[0] == int(self._s.gid[b]) else self._s.block_size
 
@@ -209,6 +212,10 @@ class _NativeState:
         # for the groups whose rules read it (Mamba in align mode: hybrid_state.py); a block
         # cached since in another group reads block_size, as every other block
         self.hash_tokens: dict[int, tuple[int, int]] = {}
+        # block -> the tokens its first entry covers, for every block, when the groups have
+        # different block sizes (hybrid_state.py: a partial prompt tail's entry reads its
+        # boundary); None otherwise
+        self.ntok: Optional[np.ndarray] = None
         # block -> its keys after the first (vLLM's partial-prefix entries, hybrid_state.py)
         self.sec: dict[int, list[bytes]] = {}
         self.events: list[Any] = []
@@ -475,6 +482,8 @@ class _NativeState:
         n = self.hash_tokens.pop(src, None)
         if n is not None:
             self.hash_tokens[dst] = n
+        if self.ntok is not None:
+            self.ntok[dst] = self.ntok[src]
         keys = self.sec.pop(src, None)  # (natively move_entry moves every key)
         if keys is not None:
             self.sec[dst] = keys
