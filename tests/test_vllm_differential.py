@@ -116,7 +116,7 @@ def config(num_blocks: int, specs) -> KVCacheConfig:
     )
 
 
-def request(rid: str, tokens: list, salt, hbs: int = BS) -> Request:
+def request(rid: str, tokens: list, salt, hbs: int = BS, lookahead: int = 0) -> Request:
     sp = SamplingParams(max_tokens=8)
     sp.update_from_generation_config({}, eos_token_id=0)
     return Request(
@@ -124,7 +124,7 @@ def request(rid: str, tokens: list, salt, hbs: int = BS) -> Request:
         prompt_token_ids=tokens,
         sampling_params=sp,
         pooling_params=None,
-        block_hasher=get_request_block_hasher(hbs, sha256),
+        block_hasher=get_request_block_hasher(hbs, sha256, lookahead),
         cache_salt=salt,
     )
 
@@ -143,6 +143,7 @@ class Differential(RuleBasedStateMachine):
     # coordinator.retention_interval values set after the build, as vLLM's tests do
     RETENTION: tuple = (None,)
     EAGLE = False  # EAGLE / MTP speculative decoding: hits drop their last block
+    LOOKAHEAD_HASH = 0  # vLLM's num_hash_lookahead_tokens: hashes cover tokens past a block
 
     @initialize(
         num_blocks=st.sampled_from([10, 16, 24, 40]),
@@ -167,6 +168,7 @@ class Differential(RuleBasedStateMachine):
             enable_kv_cache_events=True,
             log_stats=True,
             use_eagle=self.EAGLE,
+            num_hash_lookahead_tokens=self.LOOKAHEAD_HASH,
         )
         self.ref = VLLMKVCacheManager(config(num_blocks, specs), **args)
         self.kvb = KVCacheManager(config(num_blocks, specs), **args)
@@ -243,7 +245,8 @@ class Differential(RuleBasedStateMachine):
         self.prompts.append((toks, salt))
         self.n += 1
         rid = f"q{self.n}"
-        pair = (request(rid, toks, salt, self.hbs), request(rid, toks, salt, self.hbs))
+        la = self.LOOKAHEAD_HASH
+        pair = (request(rid, toks, salt, self.hbs, la), request(rid, toks, salt, self.hbs, la))
         self._admit(pair, chunk, la, must_fit)
 
     @precondition(lambda self: self.waiting and len(self.live) < MAX_LIVE)
@@ -464,6 +467,24 @@ class SlidingWindowsEagle(Differential):
     EAGLE = True
 
 
+class FullAndSlidingWindowLookahead(Differential):
+    """Full attention + a window of 8 with lookahead hashes of 2 tokens (each hash covers
+    the block and the 2 tokens after it: the events carry them); blocks of different sizes
+    (full in 8, the window in 4) so that partial prompt tails carry them too."""
+
+    SPECS = [lambda: full_spec(8), lambda: sw_spec(8, 4)]
+    LOOKAHEAD_HASH = 2
+
+
+class FullOnlyLookahead(Differential):
+    SPECS = [full_spec]
+    LOOKAHEAD_HASH = 1
+
+
+TestFullAndSlidingWindowLookahead = FullAndSlidingWindowLookahead.TestCase
+TestFullAndSlidingWindowLookahead.settings = PROFILE
+TestFullOnlyLookahead = FullOnlyLookahead.TestCase
+TestFullOnlyLookahead.settings = PROFILE
 TestFullOnlyEagle = FullOnlyEagle.TestCase
 TestFullOnlyEagle.settings = PROFILE
 TestFullAndSlidingWindowEagle = FullAndSlidingWindowEagle.TestCase

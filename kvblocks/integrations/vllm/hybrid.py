@@ -100,14 +100,18 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
         return "partial hash hits"
     if opts.get("dcp_world_size", 1) != 1 or opts.get("pcp_world_size", 1) != 1:
         return "decode/prefill context parallelism"
-    if mgr.use_eagle or coord.eagle_group_ids:  # (served: full attention and windows of
-        kinds = {type(g.kv_cache_spec) for g in groups}  # one block size)
-        if not kinds <= {FullAttentionSpec, SlidingWindowSpec} or len(sizes) != 1:
-            return "EAGLE / MTP lookahead"
-        if set(coord.eagle_group_ids) != set(getattr(coord, "drop_eagle_group_ids", ())):
-            return "EAGLE groups without the last-block drop"
-    if opts.get("num_hash_lookahead_tokens", 0) or opts.get("num_prefill_lookahead", 0):
-        return "lookahead block hashes"
+    kinds = {type(g.kv_cache_spec) for g in groups}
+    if getattr(coord, "drop_eagle_group_ids", ()):  # (served: full attention and windows
+        if not kinds <= {FullAttentionSpec, SlidingWindowSpec} or len(sizes) != 1:  # of one
+            return "EAGLE / MTP lookahead"  # block size)
+    elif coord.eagle_group_ids and MambaSpec in kinds:  # (flagged groups that drop nothing
+        return "EAGLE groups beside a Mamba group"  # act as others but for Mamba's rules)
+    if opts.get("num_prefill_lookahead", 0):
+        return "prefill lookahead (multi-module MTP)"
+    if opts.get("num_hash_lookahead_tokens", 0) and any(
+        type(g.kv_cache_spec) is MambaSpec for g in groups
+    ):
+        return "lookahead block hashes with a Mamba group"
     if getattr(coord, "num_reprefillable_tokens", 0):
         return "re-prefillable tokens (multi-module MTP)"
     if opts.get("metrics_collector") is not None:

@@ -32,6 +32,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
+    generate_lookahead_block_hash_extra_keys,
     maybe_convert_block_hash,
     to_event_extra_keys,
 )
@@ -79,6 +80,7 @@ class _HybridState(_NativeState):
             vpool.medium,
         )
         self.num_groups = len(stms)
+        self.lookahead = getattr(vpool, "num_hash_lookahead_tokens", 0)
         # per group: its block size. Groups of different block sizes (vLLM's hybrid
         # coordinator: hashes at the sizes' gcd, ``hash_block_size``; hits and caching
         # aligned to their lcm, ``scheduler_block_size``) take the ``mixed`` paths below;
@@ -659,7 +661,13 @@ class _HybridState(_NativeState):
         if self.enable_events:
             lora = request.lora_request
             start = (nhb - 1) * hbs
-            extra, _ = generate_block_hash_extra_keys(request, start, boundary, 0)
+            la = self.lookahead
+            if la:
+                extra, _ = generate_lookahead_block_hash_extra_keys(
+                    request, start, boundary, boundary + la, 0
+                )
+            else:
+                extra, _ = generate_block_hash_extra_keys(request, start, boundary, 0)
             self.events.append(
                 BlockStored(
                     block_hashes=[maybe_convert_block_hash(h)],
@@ -674,7 +682,9 @@ class _HybridState(_NativeState):
                     extra_keys=to_event_extra_keys([extra]),
                     group_idx=g,
                     session_id=request.session_id,
-                    lookahead_token_ids=None,
+                    lookahead_token_ids=(
+                        [request.all_token_ids[boundary : boundary + la]] if la else None
+                    ),
                 )
             )
 

@@ -81,8 +81,8 @@ def native_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
         return "decode/prefill context parallelism"
     if getattr(coord, "num_reprefillable_tokens", 0):
         return "re-prefillable tokens (multi-module MTP)"
-    if opts.get("num_hash_lookahead_tokens", 0) or opts.get("num_prefill_lookahead", 0):
-        return "lookahead block hashes"
+    if opts.get("num_prefill_lookahead", 0):
+        return "prefill lookahead (multi-module MTP)"
     if opts.get("metrics_collector") is not None:
         return "KV cache residency metrics"
     stm = coord.single_type_managers[0]
@@ -244,6 +244,7 @@ class KVCacheManager(VLLMKVCacheManager):
         # EAGLE / MTP: a hit drops its last block (vLLM's drop_eagle_block: the draft
         # model recomputes the tokens before the generation point)
         self._drop = 0 in getattr(self.coordinator, "drop_eagle_group_ids", ())
+        self._native.lookahead = getattr(vpool, "num_hash_lookahead_tokens", 0)
         self.block_pool = NativeBlockPoolView(self._native, vpool.hash_block_size)
         self._vllm_coordinator = self.coordinator
         self.coordinator = _CoordinatorView(self.coordinator, self)

@@ -14,6 +14,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VLLMKVCacheBlocks
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
+    generate_lookahead_block_hash_extra_keys,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
     to_event_extra_keys,
@@ -216,6 +217,9 @@ class _NativeState:
         # different block sizes (hybrid_state.py: a partial prompt tail's entry reads its
         # boundary); None otherwise
         self.ntok: Optional[np.ndarray] = None
+        # vLLM's num_hash_lookahead_tokens: each block hash covers this many tokens past
+        # the block (the events carry them and their extra keys)
+        self.lookahead = 0
         # block -> its keys after the first (vLLM's partial-prefix entries, hybrid_state.py)
         self.sec: dict[int, list[bytes]] = {}
         self.events: list[Any] = []
@@ -425,8 +429,14 @@ class _NativeState:
             pos: Sequence[int] = range(num_cached, num_full)
         else:
             pos = [num_cached + j for j, b in enumerate(ids) if b]
+        la = self.lookahead
         for i in pos:
-            keys, mm_idx = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
+            if la:  # (vLLM's generate_event_extra_keys: the hash covers L tokens more)
+                keys, mm_idx = generate_lookahead_block_hash_extra_keys(
+                    request, i * bs, (i + 1) * bs, (i + 1) * bs + la, mm_idx
+                )
+            else:
+                keys, mm_idx = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
             extra.append(keys)
         lora = request.lora_request
         return BlockStored(
@@ -442,7 +452,11 @@ class _NativeState:
             extra_keys=to_event_extra_keys(extra),
             group_idx=group,
             session_id=request.session_id,
-            lookahead_token_ids=None,
+            lookahead_token_ids=(
+                [request.all_token_ids[(i + 1) * bs : (i + 1) * bs + la] for i in pos]
+                if la
+                else None
+            ),
         )
 
     def evict(self, block_ids: Iterable[int]) -> None:
