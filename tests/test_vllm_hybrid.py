@@ -34,6 +34,12 @@ from kvblocks.integrations.vllm.manager import (  # noqa: E402
 )
 
 BS = 4
+HASH_FN = sha256  # the requests' hash function (a test may take a shorter one)
+
+
+def sha256_16(obj) -> bytes:
+    """A 16-byte hash (the width of vLLM's xxhash options): the adapter's numpy key path."""
+    return sha256(obj)[:16]
 
 
 def full_spec(bs: int = BS):
@@ -80,7 +86,7 @@ def request(rid: str, tokens: list) -> Request:
         prompt_token_ids=tokens,
         sampling_params=sp,
         pooling_params=None,
-        block_hasher=get_request_block_hasher(BS, sha256),
+        block_hasher=get_request_block_hasher(BS, HASH_FN),
     )
 
 
@@ -430,12 +436,14 @@ def test_groups_of_different_block_sizes_as_vllm(shape, seed):
     ref = VLLMKVCacheManager(config(num_blocks, specs), **args)
     kvb = KVCacheManager(config(num_blocks, MIXED[shape]()), **args)
     assert kvb.native and type(kvb) is HybridKVCacheManager
-    global BS
-    old, BS = BS, hbs  # (the requests' hashes: at the hash block size)
+    global BS, HASH_FN
+    old = BS, HASH_FN
+    BS = hbs  # (the requests' hashes: at the hash block size; seed 2: 16 bytes wide)
+    HASH_FN = sha256_16 if seed == 2 else sha256
     try:
         _stream(ref, kvb, rng, num_blocks, caching, any(map(_is_window, specs)))
     finally:
-        BS = old
+        BS, HASH_FN = old
 
 
 def _decode(m, rid, prompt, steps):
@@ -630,3 +638,52 @@ def test_eagle_hits_drop_a_block_and_the_map_keeps_the_earliest_duplicate(shape)
     assert got[0][0] == 2 * BS  # the 3 cached blocks, the last dropped
     maps = [copy.copy(m.block_pool.cached_block_hash_to_block._cache) for m in (ref, kvb)]
     assert maps[0] == maps[1]
+
+
+@pytest.mark.parametrize("hash_fn", [sha256, sha256_16])
+def test_a_partial_prompt_tail_is_an_extra_key_of_its_block(hash_fn):
+    """Full attention in blocks of 8 beside a window in blocks of 4 (hashes of 4): a
+    13-token prompt's last hash boundary (12) lies inside block 1, which vLLM keys by that
+    boundary's hash as well as, once full, by its own; get_cached_block finds the block by
+    either key, evicting it drops both (one BlockRemoved each), as vLLM's pool."""
+    global BS, HASH_FN
+    old = BS, HASH_FN
+    BS, HASH_FN = 4, hash_fn
+    try:
+        init_none_hash(sha256)
+        specs = lambda: [full_spec(8), sw_spec(8, 4)]  # noqa: E731
+        args = dict(max_model_len=256, scheduler_block_size=8, hash_block_size=4)
+        ref = VLLMKVCacheManager(config(16, specs()), enable_kv_cache_events=True, **args)
+        kvb = KVCacheManager(config(16, specs()), enable_kv_cache_events=True, **args)
+        assert kvb.native
+        pair = [request("a", list(range(1, 14))) for _ in range(2)]
+        for m, r in zip((ref, kvb), pair):
+            assert m.allocate_slots(r, 13) is not None
+            r.num_computed_tokens = 13
+            for tok in (50, 51, 52):  # decode to 16 tokens: block 1 fills
+                r.append_output_token_ids(tok)
+                assert m.allocate_slots(r, 1) is not None
+                r.num_computed_tokens += 1
+        assert ref.take_events() == kvb.take_events()
+        partial, full = pair[0].block_hashes[2], pair[0].block_hashes[3]
+        found = [
+            [
+                None if b is None else [x.block_id for x in b]
+                for b in (
+                    m.block_pool.get_cached_block(partial, [0]),
+                    m.block_pool.get_cached_block(full, [0]),
+                )
+            ]
+            for m in (ref, kvb)
+        ]
+        assert found[0] == found[1] and found[0][0] == found[0][1] is not None, found
+        (b,) = found[1][0]
+        assert kvb._native.pool.keys_of(b).shape == (2, 2)  # its own key, then the tail's
+        for m in (ref, kvb):
+            m.evict_blocks({b})
+        assert ref.take_events() == kvb.take_events()
+        for m in (ref, kvb):
+            assert m.block_pool.get_cached_block(partial, [0]) is None
+            assert m.block_pool.get_cached_block(full, [0]) is None
+    finally:
+        BS, HASH_FN = old

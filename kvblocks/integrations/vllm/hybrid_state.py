@@ -257,10 +257,11 @@ class _HybridState(_NativeState):
             if not ok.all():
                 k = int(np.argmin(ok))
         elif k:
-            hash_of = self.hash_of
+            hash_of, sec = self.hash_of, self.sec
             for i, b in enumerate(hit.tolist()):
-                if hash_of.get(b) != hashes[pos + i]:
-                    k = i
+                h = hashes[pos + i]
+                if hash_of.get(b) != h and not (sec and h in sec.get(b, ())):  # (its other
+                    k = i  # keys: a partial prompt tail's)
                     break
         return hit[:k]
 
