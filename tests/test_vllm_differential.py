@@ -54,6 +54,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -427,6 +429,37 @@ TestFullAndMambaSpeculative = FullAndMambaSpeculative.TestCase
 TestFullAndMambaSpeculative.settings = PROFILE
 TestFullAndMambaNone = FullAndMambaNone.TestCase
 TestFullAndMambaNone.settings = PROFILE
+
+
+def mla_spec():
+    return MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+
+
+def sw_mla_spec(window: int):
+    return SlidingWindowMLASpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window
+    )
+
+
+class MLAOnly(Differential):
+    """One MLA group (DeepSeek V2/V3: vLLM's FullAttentionManager rules), the one-group
+    path, with EAGLE."""
+
+    SPECS = [mla_spec]
+    EAGLE = True
+
+
+class MLAAndSlidingWindowMLA(Differential):
+    """MLA beside a sliding-window MLA group of 8 tokens and a plain full-attention group
+    (three attention groups, full ones looked up apart: their specs differ)."""
+
+    SPECS = [mla_spec, lambda: sw_mla_spec(8), full_spec]
+
+
+TestMLAOnly = MLAOnly.TestCase
+TestMLAOnly.settings = PROFILE
+TestMLAAndSlidingWindowMLA = MLAAndSlidingWindowMLA.TestCase
+TestMLAAndSlidingWindowMLA.settings = PROFILE
 
 
 class MixedBlockSizes(Differential):

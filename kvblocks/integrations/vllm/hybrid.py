@@ -42,13 +42,11 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
-    FullAttentionSpec,
     MambaSpec,
-    SlidingWindowSpec,
 )
 
 from . import mamba
-from .hybrid_state import _KINDS, _HybridState
+from .hybrid_state import _FULL, _KINDS, _MAMBA, _WINDOW, _HybridState
 from .pool_view import NativeBlockPoolView
 from .state import _ADMITTING, _EMPTY_I32, NativeKVCacheBlocks, _ids_of
 
@@ -66,7 +64,7 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
             return f"KV cache group role {g.role}"
         if not getattr(spec, "prefix_cacheable", True):
             return "a group outside prefix caching"
-        if type(spec) is SlidingWindowSpec and spec.sliding_window <= 1:
+        if _KINDS[type(spec)] == _WINDOW and spec.sliding_window <= 1:
             return "sliding window of one token"
         if type(spec) is ChunkedLocalAttentionSpec and spec.attention_chunk_size <= 0:
             return "attention chunk of no tokens"
@@ -100,11 +98,11 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
         return "partial hash hits"
     if opts.get("dcp_world_size", 1) != 1 or opts.get("pcp_world_size", 1) != 1:
         return "decode/prefill context parallelism"
-    kinds = {type(g.kv_cache_spec) for g in groups}
+    kinds = {_KINDS[type(g.kv_cache_spec)] for g in groups}
     if getattr(coord, "drop_eagle_group_ids", ()):  # (served: full attention and windows
-        if not kinds <= {FullAttentionSpec, SlidingWindowSpec} or len(sizes) != 1:  # of one
-            return "EAGLE / MTP lookahead"  # block size)
-    elif coord.eagle_group_ids and MambaSpec in kinds:  # (flagged groups that drop nothing
+        if not kinds <= {_FULL, _WINDOW} or len(sizes) != 1:  # of one block size)
+            return "EAGLE / MTP lookahead"
+    elif coord.eagle_group_ids and _MAMBA in kinds:  # (flagged groups that drop nothing
         return "EAGLE groups beside a Mamba group"  # act as others but for Mamba's rules)
     if opts.get("num_prefill_lookahead", 0):
         return "prefill lookahead (multi-module MTP)"
@@ -117,7 +115,7 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
     if opts.get("metrics_collector") is not None:
         return "KV cache residency metrics"
     if getattr(coord, "retention_interval", None) is not None and any(
-        type(g.kv_cache_spec) is SlidingWindowSpec for g in groups
+        _KINDS[type(g.kv_cache_spec)] == _WINDOW for g in groups
     ):  # (full attention and chunks keep every block; Mamba's masks: mamba.py)
         return "sparse retention interval of a sliding-window group"
     if getattr(mgr, "retained_hit_group_ids", ()):
@@ -130,7 +128,7 @@ def _mixed_unsupported(mgr: VLLMKVCacheManager, coord: Any, groups: Sequence[Any
     full-attention and sliding-window groups (vLLM's hashes at the sizes' gcd, hits and
     caching aligned to their lcm), without a retention interval."""
     for g in groups:
-        if type(g.kv_cache_spec) not in (FullAttentionSpec, SlidingWindowSpec):
+        if _KINDS[type(g.kv_cache_spec)] not in (_FULL, _WINDOW):
             return f"groups of different block sizes with {type(g.kv_cache_spec).__name__}"
     sbs, hbs = coord.scheduler_block_size, coord.block_pool.hash_block_size
     for stm in coord.single_type_managers:

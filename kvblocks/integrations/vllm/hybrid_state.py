@@ -41,6 +41,8 @@ from vllm.v1.kv_cache_interface import (
     CrossAttentionSpec,
     FullAttentionSpec,
     MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
@@ -54,7 +56,9 @@ _MASK64 = 0xFFFFFFFFFFFFFFFF
 _FULL, _WINDOW, _CHUNK, _MAMBA, _CROSS = 0, 1, 2, 3, 4
 _KINDS = {
     FullAttentionSpec: _FULL,
+    MLAAttentionSpec: _FULL,  # (MLA's latent cache: vLLM's FullAttentionManager rules)
     SlidingWindowSpec: _WINDOW,
+    SlidingWindowMLASpec: _WINDOW,  # (vLLM's SlidingWindowManager)
     ChunkedLocalAttentionSpec: _CHUNK,
     MambaSpec: _MAMBA,
     CrossAttentionSpec: _CROSS,  # (without prefix caching only: hybrid.py)
@@ -93,7 +97,7 @@ class _HybridState(_NativeState):
         # per group: whether vLLM's FullAttentionManager caches the prompt's last hash
         # boundary inside a block as an extra key of that block (block size > hash size)
         self.partial = [
-            self.mixed and type(m.kv_cache_spec) is FullAttentionSpec and self.scale[g] > 1
+            self.mixed and _KINDS[type(m.kv_cache_spec)] == _FULL and self.scale[g] > 1
             for g, m in enumerate(stms)
         ]
         # per group: vLLM's manager class (a window group's reachable_block_mask) and spec

@@ -41,6 +41,8 @@ from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
@@ -61,7 +63,10 @@ logger = logging.getLogger(__name__)
 # "hybrid" (full attention, sliding window and chunked local groups, native), "fallback"
 # (vLLM's managers)
 # one group of these kinds alone runs on the group adapter (hybrid.py) too
-_GROUP_KINDS = (SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec)
+_GROUP_KINDS = (SlidingWindowSpec, SlidingWindowMLASpec, ChunkedLocalAttentionSpec, MambaSpec)
+# full attention on the one-group path: plain, or MLA's latent cache (DeepSeek V2/V3, Kimi:
+# vLLM's FullAttentionManager rules, the spec differs only in the memory layout)
+_FULL_KINDS = (FullAttentionSpec, MLAAttentionSpec)
 NATIVE_BUILDS: Counter = Counter()
 FALLBACK_REASONS: Counter = Counter()  # why the "fallback" ones run on vLLM's managers
 
@@ -73,7 +78,7 @@ def native_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
     if len(groups) != 1:
         return f"{len(groups)} KV cache groups (hybrid model)"
     spec = groups[0].kv_cache_spec
-    if type(spec) is not FullAttentionSpec:
+    if type(spec) not in _FULL_KINDS:
         return f"attention kind {type(spec).__name__}"
     if mgr.enable_caching and type(coord) is not UnitaryKVCacheCoordinator:
         return f"coordinator {type(coord).__name__}"
