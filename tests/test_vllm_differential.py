@@ -524,6 +524,17 @@ TestFullAndSlidingWindowEagle = FullAndSlidingWindowEagle.TestCase
 TestFullAndSlidingWindowEagle.settings = PROFILE
 TestSlidingWindowsEagle = SlidingWindowsEagle.TestCase
 TestSlidingWindowsEagle.settings = PROFILE
+
+
+class MixedBlockSizesWindowsOnly(Differential):
+    """Two windows (8 tokens in blocks of 4, 12 in blocks of 8), no full-attention group:
+    the hit's first candidate is the request's length, not an aligned one."""
+
+    SPECS = [lambda: sw_spec(8, 4), lambda: sw_spec(12, 8)]
+
+
+TestMixedBlockSizesWindowsOnly = MixedBlockSizesWindowsOnly.TestCase
+TestMixedBlockSizesWindowsOnly.settings = PROFILE
 TestMixedBlockSizes = MixedBlockSizes.TestCase
 TestMixedBlockSizes.settings = PROFILE
 TestMixedBlockSizesWindowLarger = MixedBlockSizesWindowLarger.TestCase

@@ -405,6 +405,8 @@ MIXED = {
     "full8+sw13/4": lambda: [full_spec(8), sw_spec(13, 4)],
     "sw6/4+full12+sw12/8": lambda: [sw_spec(6, 4), full_spec(12), sw_spec(12, 8)],
     "full4+full8": lambda: [full_spec(4), full_spec(8)],
+    # no full-attention group: a hit's candidate length is not aligned to start with
+    "sw8/4+sw12/8": lambda: [sw_spec(8, 4), sw_spec(12, 8)],
 }
 
 
