@@ -11,18 +11,19 @@ allocation, caching and free group by group in vLLM's order (one native call eac
 vLLM makes one per group: new blocks for all groups in one ``allocate``, popped in the order
 vLLM pops them; a request's blocks freed in one ``free`` in vLLM's placement).
 
-Served natively: every group ``FullAttentionSpec``, ``SlidingWindowSpec`` (window > 1),
-``ChunkedLocalAttentionSpec`` or ``MambaSpec`` (vLLM's Mamba rules: mamba.py; one window,
-chunk or Mamba group alone too, under vLLM's unitary coordinator), one block size equal to
-the scheduler block size (and the hash block size with caching), or full-attention and
-window groups of different block sizes (hashes at their gcd, hits and caching aligned to
-their lcm: ``_mixed_unsupported``), prefix caching on or off, EAGLE / MTP over full
-attention and windows of one block size, no context parallelism, lookahead hashes, metrics
-collector, a window group's sparse retention or partial hash hits (a retention interval of
-full attention, chunk and Mamba groups is served, set at construction or afterwards, as
-vLLM's tests do).
-Mamba prefill checkpoint blocks are served (mamba.py). Anything else (cross-attention, MLA, ...)
-runs on vLLM's own managers (``hybrid_unsupported`` says why).
+Served natively: every group ``FullAttentionSpec`` or ``MLAAttentionSpec``,
+``SlidingWindowSpec`` or ``SlidingWindowMLASpec`` (window > 1), ``ChunkedLocalAttentionSpec``,
+``MambaSpec`` (vLLM's Mamba rules: mamba.py; one window, chunk or Mamba group alone too,
+under vLLM's unitary coordinator) or ``CrossAttentionSpec`` (without prefix caching); one
+block size equal to the scheduler block size (and the hash block size with caching), or
+full-attention and window groups of different block sizes (hashes at their gcd, hits and
+caching aligned to their lcm: ``_mixed_unsupported``); prefix caching on or off; EAGLE / MTP
+over full attention and windows of one block size; lookahead block hashes beside no Mamba
+group; no context parallelism, prefill lookahead, metrics collector, a window group's
+sparse retention or partial hash hits (a retention interval of full attention, chunk and
+Mamba groups is served, set at construction or afterwards, as vLLM's tests do). Mamba
+prefill checkpoint blocks are served (mamba.py). Anything else (R-SWA, sink, hisparse roles,
+index rings, ...) runs on vLLM's own managers (``hybrid_unsupported`` says why).
 """
 
 from __future__ import annotations
