@@ -689,3 +689,32 @@ def test_a_partial_prompt_tail_is_an_extra_key_of_its_block(hash_fn):
             assert m.block_pool.get_cached_block(full, [0]) is None
     finally:
         BS, HASH_FN = old
+
+
+def test_eagle_drops_again_after_another_group_shrinks_the_hit():
+    """vLLM's fixed point with EAGLE: each EAGLE group drops its last block once per
+    candidate length, and a group that shrinks the candidate without dropping makes the
+    others drop again (``eagle_verified`` cleared). Full attention + windows of 5 and 12
+    tokens: a 40-token prompt cached in every group, then blocks evicted so that the 12-token
+    window shrinks the hit in the first pass (its block 9) and the 5-token window in the
+    second (its block 7): the 12-token window must look up again with the drop (its block 4
+    missing makes that lookup shorter than one without the drop)."""
+    ref, kvb = managers(64, [full_spec(), sw_spec(5), sw_spec(12)], use_eagle=True)
+    assert kvb.native
+    prompt = list(range(1, 41))
+    ids = []
+    for m in (ref, kvb):
+        r = request("a", prompt)
+        assert m.allocate_slots(r, 40) is not None
+        ids.append(m.get_block_ids("a"))
+        m.free(r)
+    assert ids[0] == ids[1]
+    (_, g1, g2) = ids[0]
+    for m in (ref, kvb):
+        m.evict_blocks({g2[9], g2[4], g1[7]})
+    got = []
+    for m in (ref, kvb):
+        blocks, hit, _ = m.get_computed_blocks(request("b", prompt + [99]))
+        got.append((hit, blocks.get_block_ids()))
+    assert got[0] == got[1]
+    assert got[0][0] == 3 * BS  # (without the second drop: 4 blocks)
