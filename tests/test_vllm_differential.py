@@ -98,9 +98,9 @@ def chunk_spec(chunk: int):
     )
 
 
-def mamba_spec(mode: str = "align", spec_blocks: int = 0, checkpoint_alignment=None):
+def mamba_spec(mode: str = "align", spec_blocks: int = 0, checkpoint_alignment=None, bs: int = BS):
     return MambaSpec(
-        block_size=BS,
+        block_size=bs,
         shapes=((1, 1),),
         dtypes=(torch.float32,),
         mamba_cache_mode=mode,
@@ -146,6 +146,7 @@ class Differential(RuleBasedStateMachine):
     RETENTION: tuple = (None,)
     EAGLE = False  # EAGLE / MTP speculative decoding: hits drop their last block
     LOOKAHEAD_HASH = 0  # vLLM's num_hash_lookahead_tokens: hashes cover tokens past a block
+    HBS = 0  # the hash block size (0: the specs' block sizes' gcd)
 
     @initialize(
         num_blocks=st.sampled_from([10, 16, 24, 40]),
@@ -160,7 +161,7 @@ class Differential(RuleBasedStateMachine):
         # their lcm (resolve_kv_cache_block_sizes); without caching both are the lcm
         sizes = [sp.block_size for sp in specs]
         sbs = math.lcm(*sizes)
-        self.hbs = math.gcd(*sizes) if caching else sbs
+        self.hbs = (self.HBS or math.gcd(*sizes)) if caching else sbs
         self.mixed = len(set(sizes)) > 1
         args = dict(
             max_model_len=256,
@@ -331,6 +332,15 @@ class Differential(RuleBasedStateMachine):
         for rid in self.live:
             assert self.ref.get_block_ids(rid) == self.kvb.get_block_ids(rid), rid
         ref_pool, kvb_pool = self.ref.block_pool, self.kvb.block_pool
+        # copy-on-write of partial hits: the same copies, whose ends the scheduler frees
+        # once they have run (here at once)
+        copies = [m.take_kv_cache_block_copies() for m in (self.ref, self.kvb)]
+        assert copies[0][0] == copies[1][0]
+        assert [b.block_id for b in copies[0][1]] == [b.block_id for b in copies[1][1]]
+        if copies[0][0]:
+            event("copy-on-write")
+            for m, (_, kept) in zip((self.ref, self.kvb), copies):
+                m.block_pool.free_blocks(kept)
         assert ref_pool.get_num_free_blocks() == kvb_pool.get_num_free_blocks()
         assert self.ref.usage == self.kvb.usage
         assert self.ref.make_prefix_cache_stats() == self.kvb.make_prefix_cache_stats()
@@ -549,6 +559,31 @@ class FullAndMambaCheckpoints(Differential):
     SPECS = [full_spec, lambda: mamba_spec(checkpoint_alignment=2)]
     CACHING = (True, True)
     RETENTION = (None, 0, 8, None)
+
+
+class MambaPartialHits(Differential):
+    """Mamba in blocks of 8 beside full attention in blocks of 4 (hashes of 4): vLLM's
+    partial hash hits (a Mamba hit on any hash boundary, the shared block copied on
+    write, the prompt's last hash boundary keyed inside a state block)."""
+
+    SPECS = [full_spec, lambda: mamba_spec(bs=8)]
+    CACHING = (True, True)
+
+
+class MambaPartialHitsFullLarger(Differential):
+    """Partial hash hits with full attention in blocks of 8 over hashes of 4 (its hits
+    probe the first non-full block's hash boundaries, copied on write too) beside Mamba
+    in blocks of 16."""
+
+    SPECS = [lambda: full_spec(8), lambda: mamba_spec(bs=16)]
+    HBS = 4
+    CACHING = (True, True)
+
+
+TestMambaPartialHits = MambaPartialHits.TestCase
+TestMambaPartialHits.settings = PROFILE
+TestMambaPartialHitsFullLarger = MambaPartialHitsFullLarger.TestCase
+TestMambaPartialHitsFullLarger.settings = PROFILE
 
 
 class MambaCheckpointsBlockAligned(Differential):

@@ -19,8 +19,9 @@ block size equal to the scheduler block size (and the hash block size with cachi
 full-attention and window groups of different block sizes (hashes at their gcd, hits and
 caching aligned to their lcm: ``_mixed_unsupported``); prefix caching on or off; EAGLE / MTP
 over full attention and windows of one block size; lookahead block hashes beside no Mamba
-group; no context parallelism, prefill lookahead, metrics collector, a window group's
-sparse retention or partial hash hits (a retention interval of full attention, chunk and
+group; partial hash hits over full attention and align-mode Mamba without checkpoint or
+speculative blocks (``_fine_unsupported``); no context parallelism, prefill lookahead,
+metrics collector or a window group's sparse retention (a retention interval of full attention, chunk and
 Mamba groups is served, set at construction or afterwards, as vLLM's tests do). Mamba
 prefill checkpoint blocks are served (mamba.py). Anything else (R-SWA, sink, hisparse roles,
 index rings, ...) runs on vLLM's own managers (``hybrid_unsupported`` says why).
@@ -40,6 +41,7 @@ from vllm.v1.core.kv_cache_coordinator import (
     UnitaryKVCacheCoordinator,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -85,7 +87,12 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
     if coord_cls is not want:
         return f"coordinator {coord_cls.__name__}"
     sizes = {stm.block_size for stm in coord.single_type_managers}
-    if len(sizes) != 1:
+    fine = bool(getattr(coord, "enable_partial_hash_hits", False))
+    if fine:  # (sub-block hits: a Mamba group's blocks longer than a hash block)
+        why = _fine_unsupported(coord, groups)
+        if why is not None:
+            return why
+    elif len(sizes) != 1:
         why = _mixed_unsupported(mgr, coord, groups)
         if why is not None:
             return why
@@ -95,8 +102,6 @@ def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
             bs != coord.block_pool.hash_block_size and mgr.enable_caching
         ):  # (without caching the hashes are not used)
             return "hash or scheduler block size differs from the block size"
-    if getattr(coord, "enable_partial_hash_hits", False):
-        return "partial hash hits"
     if opts.get("dcp_world_size", 1) != 1 or opts.get("pcp_world_size", 1) != 1:
         return "decode/prefill context parallelism"
     kinds = {_KINDS[type(g.kv_cache_spec)] for g in groups}
@@ -140,9 +145,58 @@ def _mixed_unsupported(mgr: VLLMKVCacheManager, coord: Any, groups: Sequence[Any
     return None
 
 
+def _fine_unsupported(coord: Any, groups: Sequence[Any]) -> Optional[str]:
+    """Why vLLM's fine-grained partial hash hits (an align-mode Mamba group whose blocks
+    are longer than a hash block: hits on hash-block boundaries inside blocks, shared tail
+    blocks copied on write) run on vLLM's managers, or None: served are full-attention and
+    align-mode Mamba groups without prefill checkpoint or speculative blocks, on vLLM's
+    block grid, without a retention interval (EAGLE and lookahead hashes beside Mamba are
+    refused by ``hybrid_unsupported`` itself)."""
+    for g in groups:
+        spec = g.kv_cache_spec
+        kind = _KINDS[type(spec)]
+        if kind not in (_FULL, _MAMBA):
+            return f"partial hash hits with {type(spec).__name__}"
+        if kind == _MAMBA:
+            if spec.num_prefill_checkpoint_blocks:
+                return "partial hash hits with Mamba prefill checkpoint blocks"
+            if spec.num_speculative_blocks:
+                return "partial hash hits with speculative Mamba blocks"
+    sbs, hbs = coord.scheduler_block_size, coord.block_pool.hash_block_size
+    for stm in coord.single_type_managers:
+        if sbs % stm.block_size or stm.block_size % hbs or stm.dcp_world_size != 1:
+            return "partial hash hits off the scheduler / hash block grid"
+    if getattr(coord, "retention_interval", None) is not None:
+        return "partial hash hits with a retention interval"
+    return None
+
+
 def _prefill_end(request: Any) -> int:
     """The token index the request's prefill ends at (vLLM's allocate_slots)."""
     return max(request.num_prompt_tokens, request.num_tokens - 1)
+
+
+class _LiveBlocks(Sequence):
+    """A request's table of one group as block views, read live (vLLM's req_to_blocks
+    lists are the manager's own: a Mamba table's entries change in place)."""
+
+    def __init__(self, view: Any, ids: list) -> None:
+        self._view = view
+        self._ids = ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._view(b) for b in self._ids[i]]
+        return self._view(self._ids[i])
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == other
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 class _HybridGroupView:
@@ -168,6 +222,8 @@ class _HybridGroupView:
     @property
     def req_to_blocks(self) -> dict:
         view, g = self._s.view, self._g
+        if self._s.fine:  # (tables that change in place: read live, as vLLM's lists)
+            return {rid: _LiveBlocks(view, t[g]) for rid, t in self._s.tables.items()}
         return {rid: [view(b) for b in t[g]] for rid, t in self._s.tables.items()}
 
     @property
@@ -212,6 +268,11 @@ class _HybridCoordinatorView:
         if value is not None and any(s.window):
             raise NotImplementedError(
                 "kvblocks: sparse retention of a sliding-window group set after the "
+                "manager was built"
+            )
+        if value is not None and s.fine:
+            raise NotImplementedError(
+                "kvblocks: a retention interval under partial hash hits set after the "
                 "manager was built"
             )
         s.retention = value
@@ -380,10 +441,13 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         num_tokens_main: Optional[int] = None,
         prefill_end: int = 0,
         num_encoder_tokens: int = 0,
+        num_local: int = -1,
     ) -> int:
         """vLLM's coordinator get_num_blocks_to_allocate, summed over the groups
         (``prefill_end``: the request's, for Mamba checkpoints under sparse retention;
-        ``num_encoder_tokens``: what a cross-attention group needs)."""
+        ``num_encoder_tokens``: what a cross-attention group needs; ``num_local``: the
+        local computed tokens, whose hit may end inside a block under partial hash
+        hits, -1: ``total_computed_tokens``)."""
         s = self._native
         tables = s.tables.get(rid)
         running = rid in s.ncached
@@ -403,6 +467,7 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                     total_computed_tokens,
                     prefill_end,
                     not apply_admission_cap,
+                    num_local,
                 )
                 continue
             req = required
@@ -429,6 +494,9 @@ class HybridKVCacheManager(VLLMKVCacheManager):
             tail = new_g[max(0, nsb - have) :]
             if len(tail):
                 n += s.pool.num_unreferenced(np.asarray(tail, dtype=np.int32))
+            if s.fine and len(new_g):  # a hit ending inside a block: its copy
+                if (total_computed_tokens if num_local < 0 else num_local) % bs:
+                    n += 1
             total += n
         return total
 
@@ -501,6 +569,7 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                 full_n,
                 _prefill_end(request),
                 num_encoder_tokens,
+                num_local,
             )
             if n + watermark > s.pool.num_free:
                 return None
@@ -517,6 +586,7 @@ class HybridKVCacheManager(VLLMKVCacheManager):
             num_main,
             _prefill_end(request),
             num_encoder_tokens,
+            num_local,
         )
         if n + watermark > s.pool.num_free - reserved_blocks:
             return None
@@ -550,6 +620,10 @@ class HybridKVCacheManager(VLLMKVCacheManager):
                 t.extend(ids)
                 nc[g] = len(t)
                 nulls[g] = nsb + nl
+                if s.fine and ids and num_local % s.bsz[g]:  # the hit ends inside its
+                    i = num_local // s.bsz[g]  # last block: copied at the allocation below
+                    s.phit[g][rid] = (i, ids[-1])
+                    nc[g] = i
             if touch:
                 s.pool.touch(touch)
             s.ncached[rid] = nc
@@ -586,20 +660,28 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         required = cdiv(need, self._bs)
         counts = []
         heads: list = []
+        was: list = []
         for g, t in enumerate(tables):
             if s.is_align[g]:
                 c, head = cast(Any, s.align).prepare(g, rid, t, num_main)
                 counts.append(c)
                 heads.append(head)
+                was.append(cast(Any, s.align).was)
                 continue
             r = cdiv(need + s.spec_tokens[g], self._bs) if s.spec_tokens[g] else required
             if s.mixed:
                 r = cdiv(need, s.bsz[g])
             elif s.cross[g]:
                 r = cdiv(num_encoder_tokens, self._bs)
-            counts.append(r - len(t))
+            if s.fine and rid in s.phit[g]:  # the hit's copy, popped first
+                counts.append(max(r - len(t), 0) + 1)
+            else:
+                counts.append(r - len(t))
             heads.append(None)
+            was.append(False)
         n_new = sum(c for c in counts if c > 0)
+        if s.fine:
+            return self._grow_fine(tables, rid, counts, heads, was, n_new)
         out: list = []
         new = s.allocate(n_new).tolist() if n_new else []
         pos = 0
@@ -615,6 +697,64 @@ class HybridKVCacheManager(VLLMKVCacheManager):
             out.append(part)
             any_out = any_out or bool(part)
         return out, any_out
+
+    def _grow_fine(
+        self, tables: list, rid: str, counts: list, heads: list, was: list, n_new: int
+    ) -> tuple[list, int]:
+        """``_grow``'s popping under partial hash hits: a group with a pending copy takes
+        the first of its blocks for it (vLLM's allocate_new_blocks with _partial_hit_reqs:
+        a full-attention group's copy replaces the hit block and is recorded as new, a
+        Mamba group's by mamba.py's copy_on_write)."""
+        s = self._native
+        new = s.allocate(n_new).tolist() if n_new else []
+        pos = 0
+        out: list = []
+        any_out = False
+        for g, (t, c, head) in enumerate(zip(tables, counts, heads)):
+            part = new[pos : pos + c] if c > 0 else []
+            pos += len(part)
+            lead: list = []
+            if part and rid in s.phit[g]:
+                cow = part[0]
+                part = part[1:]
+                if s.is_align[g]:
+                    if cast(Any, s.align).copy_on_write(g, rid, t, cow, was[g]):
+                        lead = [cow]
+                else:
+                    i, src = s.phit[g].pop(rid)
+                    t[i] = cow
+                    s.cow[g].append((src, cow))
+                    s.pool.incref([cow])
+                    s.stms[g].new_block_ids.append(cow)  # (vLLM records it in any case)
+                    lead = [cow]
+            t.extend(part)
+            zero = s.zeroing[g]
+            if zero is not None and part and not s.is_align[g]:
+                zero.new_block_ids.extend(part)
+            o = lead + (head or []) + part
+            out.append(o)
+            any_out = any_out or bool(o)
+        return out, any_out
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list:
+        align = self._native.align
+        if align is None or not self._native.fine:
+            return super().finalize_partial_tail_offloads(request)
+        return align.finalize(
+            request.request_id, request.num_computed_tokens, request.num_in_flight_tokens
+        )
+
+    def take_kv_cache_block_copies(self) -> tuple:
+        """vLLM's pending copy-on-write copies of partial hits (source, copy), group by
+        group, and both ends of each (the scheduler frees them once the copy has run)."""
+        s = self._native
+        if not s.fine:
+            return super().take_kv_cache_block_copies()
+        pairs = [p for c in s.cow for p in c]
+        for c in s.cow:
+            c.clear()
+        copies = [KVCacheBlockCopy(src_block_id=a, dst_block_id=b) for a, b in pairs]
+        return copies, [s.view(b) for p in pairs for b in p]
 
     def _allocate_running(
         self,

@@ -90,10 +90,23 @@ class _HybridState(_NativeState):
         # aligned to their lcm, ``scheduler_block_size``) take the ``mixed`` paths below;
         # ``scale[g]``: group g's block in hash blocks (its hashes: every scale-th one)
         self.bsz = [m.block_size for m in stms]
-        self.mixed = len(set(self.bsz)) > 1
+        # vLLM's fine-grained partial hash hits (an align-mode Mamba group's blocks longer
+        # than a hash block): hits and caching at hash-block granularity, a hit that ends
+        # inside a block copied on write (``phit``, ``cow``); served on the mixed paths
+        self.fine = bool(getattr(coord, "enable_partial_hash_hits", False))
+        self.mixed = len(set(self.bsz)) > 1 or self.fine
         self.sbs = coord.scheduler_block_size if self.mixed else stms[0].block_size
         self.hbs = vpool.hash_block_size if mgr.enable_caching else self.sbs
         self.scale = [bs // self.hbs if mgr.enable_caching else 1 for bs in self.bsz]
+        # the tokens a hit is aligned to (vLLM's _cache_hit_alignment_tokens)
+        self.halign = self.hbs if self.fine else self.sbs
+        # per group: request id -> (table index, block) of a hit ending inside that block,
+        # to be replaced by a private copy at the next allocation (vLLM's _partial_hit_reqs)
+        self.phit: list[dict[str, tuple[int, int]]] = [{} for _ in stms]
+        # per group: (source, copy) block pairs not yet taken (vLLM's _pending_cow_copies);
+        # both ends hold one reference more until the scheduler frees them
+        self.cow: list[list[tuple[int, int]]] = [[] for _ in stms]
+        self.stms = stms
         # per group: whether vLLM's FullAttentionManager caches the prompt's last hash
         # boundary inside a block as an extra key of that block (block size > hash size)
         self.partial = [
@@ -174,6 +187,8 @@ class _HybridState(_NativeState):
             kind = _KINDS[type(spec)]
             if kind == _WINDOW:
                 span = cdiv(spec.sliding_window - 1, self.bsz[gids[0]])
+            elif kind == _MAMBA and self.fine:  # the rightmost cached hash boundary
+                span = 0
             elif kind == _MAMBA:  # the rightmost cached block: a window of one block
                 kind, span = _WINDOW, 1
             else:
@@ -361,6 +376,8 @@ class _HybridState(_NativeState):
         group, nulls before it; else the run from block 0, rounded down."""
         g0 = gids[0]
         bs = self.bsz[g0]
+        if kind == _MAMBA:
+            return self._fine_mamba_hit(gids, hk, curr)
         a = self.sbs // bs  # blocks per alignment unit
         v = self.gview(hk, g0)
         m = min(curr // bs, len(v[0]))
@@ -376,8 +393,45 @@ class _HybridState(_NativeState):
                 e = miss - miss % a
         runs = [self.run(g, v[0], v[1], v[2], 0, m) for g in gids]
         k = min(len(r) for r in runs)
+        if self.fine:  # hits on hash boundaries: the first non-full block's interior too
+            out = [r[:k].tolist() for r in runs]
+            sc = self.scale[g0]
+            if sc > 1:
+                lo = k * sc
+                hi = min(lo + sc - 1, curr // self.hbs, len(hk[0]))
+                for fi in range(hi - 1, lo - 1, -1):
+                    tail = self._probe(gids, hk, fi)
+                    if tail is not None:
+                        for o, b in zip(out, tail):
+                            o.append(b)
+                        return out, (fi + 1) * self.hbs
+            return out, k * bs
         k -= k % a
         return [r[:k].tolist() for r in runs], k * bs
+
+    def _probe(self, gids: list[int], hk: tuple, fi: int) -> Optional[list]:
+        """The block each group of gids caches under hash fi (vLLM's get_cached_block:
+        None unless every group has one)."""
+        out = []
+        for g in gids:
+            r = self.run(g, hk[0], hk[1], hk[2], fi, fi + 1)
+            if not len(r):
+                return None
+            out.append(int(r[0]))
+        return out
+
+    def _fine_mamba_hit(self, gids: list[int], hk: tuple, curr: int) -> tuple[list, int]:
+        """vLLM's MambaManager.find_longest_cache_hit under partial hash hits: the rightmost
+        hash boundary of at most curr tokens whose key any block of each group holds (a
+        full block's or a partial tail's), that block after nulls up to its index."""
+        hbs = self.hbs
+        sc = self.scale[gids[0]]
+        for fi in range(min(curr // hbs, len(hk[0])) - 1, -1, -1):
+            tail = self._probe(gids, hk, fi)
+            if tail is not None:
+                i = fi // sc
+                return [[0] * i + [b] for b in tail], (fi + 1) * hbs
+        return [[] for _ in gids], 0
 
     def _eagle_hit(
         self, kind: int, gids: list[int], span: int, hk: tuple, curr: int, margin: int
@@ -599,17 +653,23 @@ class _HybridState(_NativeState):
         (a window group's masked by vLLM's reachable_block_mask: only the tail a hit at an
         aligned boundary reads), a full-attention group's partial prompt tail."""
         rid = request.request_id
-        n = num_tokens - num_tokens % self.sbs  # (vLLM's get_num_cacheable_tokens)
+        fine = self.fine
+        # (vLLM's get_num_cacheable_tokens: not rounded under partial hash hits)
+        n = num_tokens if fine else num_tokens - num_tokens % self.sbs
         nh = min(n, len(request.block_hashes) * self.hbs)
         tables = self.tables.get(rid)
         if tables is None:
             return
         nc = self.ncached.get(rid)
         if nc is None:
+            if fine:  # (a partial tail alone may make the request one vLLM tracks)
+                self._cache_fine_new(request, n, nh, tables)
+                return
             if nh < min(self.bsz):
                 return
             nc = self.ncached[rid] = [0] * self.num_groups
         bsz = self.bsz
+        align = self.align
         for g in range(self.num_groups):
             num_full = nh // bsz[g]
             c = nc[g]
@@ -627,14 +687,34 @@ class _HybridState(_NativeState):
                     )
                     if mask is not None:
                         ids_l = [b if keep else 0 for b, keep in zip(ids_l, mask)]
-                if self.partial[g]:  # a partial tail's block fills: its entries go first
-                    for b in ids_l:
+                if self.partial[g] or fine:  # a partial tail's block fills: its entries
+                    for b in ids_l:  # go first
                         if b and self.hashed[b]:
                             self.drop_entries(b)
                 self.cache_ids(request, g, ids_l, c, num_full)
                 nc[g] = num_full
             if self.partial[g]:
                 self._cache_partial_tail(request, g, n)
+            elif fine and self.is_align[g]:
+                cast(MambaAlign, align).fine_after_cache(request, g, n, c, nc)
+
+    def _cache_fine_new(self, request: Any, n: int, nh: int, tables: list) -> None:
+        """``_cache_mixed`` of a request no group tracks yet, under partial hash hits: the
+        counts made only if some group caches a block or a Mamba partial tail (vLLM's
+        num_cached_block then holds the request)."""
+        rid = request.request_id
+        nc = [0] * self.num_groups
+        self.ncached[rid] = nc
+        if nh >= min(self.bsz):
+            self._cache_mixed(request, n)
+            return
+        for g in range(self.num_groups):  # (no full block: the partial tails alone)
+            if self.partial[g]:
+                self._cache_partial_tail(request, g, n)
+            elif self.is_align[g]:
+                cast(MambaAlign, self.align).fine_after_cache(request, g, n, 0, nc)
+        if not any(rid in ph for ph in self.phit):
+            del self.ncached[rid]
 
     def _cache_partial_tail(self, request: Any, g: int, num_tokens: int) -> None:
         """vLLM's FullAttentionManager._cache_partial_tail_block and
@@ -650,12 +730,21 @@ class _HybridState(_NativeState):
         idx = boundary // bs
         if idx >= len(t) or not t[idx]:
             return
-        b = t[idx]
+        self.cache_partial(request, g, t[idx], boundary)
+
+    def cache_partial(self, request: Any, g: int, b: int, boundary: int) -> bytes:
+        """vLLM's BlockPool.cache_partial_block (existing entries kept): block b of group
+        g keyed by the request's hash ending at token ``boundary`` (a hash-block
+        boundary), its first key when it has none (the entry's token count is the
+        boundary), else an extra key, after a shorter prefix's entries give way; a
+        BlockStored of one hash block unless the block had that key. Returns the hash."""
+        hbs = self.hbs
+        hashes = request.block_hashes
         nhb = boundary // hbs
         h = hashes[nhb - 1]
         if self.hashed[b] and int(self.gid[b]) == g:
             if self.hash_of.get(b) == h or h in self.sec.get(b, ()):
-                return  # (vLLM: already cached, no event)
+                return h  # (vLLM: already cached, no event)
             if cast(np.ndarray, self.ntok)[b] < boundary:
                 self.drop_entries(b)  # a shorter prefix's entries give way
         if self.hashed[b]:
@@ -692,6 +781,7 @@ class _HybridState(_NativeState):
                     ),
                 )
             )
+        return h
 
     def _cache_run_or_bytes(self, g: int, b: int, h: bytes) -> None:
         """Block b (without an entry) cached under h in group g, as any block."""
@@ -820,6 +910,9 @@ class _HybridState(_NativeState):
         self.keys.pop(rid, None)
         if self.align is not None:
             self.align.forget(rid)
+        if self.fine:
+            for ph in self.phit:
+                ph.pop(rid, None)
         if not tables or nulls is None:
             return
         if self.uncached_held or self.mixed:  # a hole in a cached part (evict_blocks, a
@@ -853,6 +946,9 @@ class _HybridState(_NativeState):
         self.keys.pop(rid, None)
         if self.align is not None:
             self.align.forget(rid)
+        if self.fine:
+            for ph in self.phit:
+                ph.pop(rid, None)
         out: list[int] = []
         for g, t in enumerate(tables):
             if self.is_align[g]:  # the null head only: vLLM keeps the gaps

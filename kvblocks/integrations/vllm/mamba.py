@@ -47,14 +47,17 @@ manager is built): a Mamba group caches only the blocks vLLM's
 reads the interval.
 
 Without prefix caching ("none" mode) a Mamba group is a window of two tokens with ``spec``
-blocks more, which hybrid_state.py serves with its window rules. Partial (sub-block) hits
-and their copy-on-write and EAGLE's checkpoint shift are not served here: hybrid.py's
-``hybrid_unsupported`` sends those configurations to vLLM's managers.
+blocks more, which hybrid_state.py serves with its window rules. Partial (sub-block) hash
+hits (a block longer than a hash block) are served without checkpoint or speculative
+blocks: ``fine_after_cache`` keys the prompt's last hash boundary inside a state block,
+``copy_on_write`` places the copy of a block a hit or the request's own tail shares.
+EAGLE's checkpoint shift is not served: hybrid.py's ``hybrid_unsupported`` sends those
+configurations to vLLM's managers.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 from vllm.utils.math_utils import cdiv
@@ -119,6 +122,10 @@ class MambaAlign:
         # per group: request id -> (block id, boundary tokens) cached since the last take (a
         # request's first entry fixes its place, as in vLLM's one list of them)
         self.offloads: dict[int, dict[str, list[tuple[int, int]]]] = {g: {} for g in gids}
+        # per group: request id -> (block, boundary tokens) of the partial prompt tail it
+        # registered itself (vLLM's _producer_partial_tail_reqs)
+        self.producer: dict[int, dict[str, tuple[int, int]]] = {g: {} for g in gids}
+        self.was = False  # (prepare's: the request had been allocated before)
 
     # -- counting -----------------------------------------------------------------------------
     def deferred(self, g: int, hit: Any) -> bool:
@@ -176,15 +183,25 @@ class MambaAlign:
         query_start: int = 0,
         prefill_end: int = 0,
         record: bool = True,
+        num_local: int = -1,
     ) -> int:
-        """vLLM's MambaManager.get_num_blocks_to_allocate in align mode (no partial hit):
-        may be negative. ``record`` (not under the admission cap): the checkpoint decided
-        here is the one the allocation reserves."""
+        """vLLM's MambaManager.get_num_blocks_to_allocate in align mode: may be negative.
+        ``record`` (not under the admission cap): the checkpoint decided here is the one
+        the allocation reserves. A hit ending inside a block (``num_local`` tokens, under
+        partial hash hits) or a partial tail to copy asks one block more."""
         s = self.s
         if self.deferred(g, hit):
             return s.num_blocks + 1
         spec = self.spec[g]
-        n = -(-num_tokens_main // s.block_size) + spec - len(hit) - have  # (cdiv)
+        bs = s.bsz[g]
+        n = -(-num_tokens_main // bs) + spec - len(hit) - have  # (cdiv)
+        part = 0
+        if s.fine:
+            if num_local < 0:
+                num_local = query_start
+            part = int((len(hit) > 0 and num_local % bs != 0) or rid in s.phit[g])
+            if part:
+                n = (n if n > 0 else 0) + 1
         cb = 0
         if self.ckpt_align[g] is not None:
             if self.retention != 0:
@@ -197,7 +214,7 @@ class MambaAlign:
                 else:
                     self.checkpoints[g].pop(rid, None)
         if n > 0:
-            cap = (1 if rid in self.allocated[g] else 1 + spec) + cb
+            cap = (1 if rid in self.allocated[g] else 1 + spec) + cb + part
             if n > cap:
                 n = cap
         if len(hit):  # the hit's evictable blocks (a hit is nulls and one block)
@@ -211,12 +228,16 @@ class MambaAlign:
     def prepare(self, g: int, rid: str, t: list[int], num_tokens_main: int) -> tuple[int, list]:
         """vLLM's allocate_new_blocks up to popping: pads t with nulls, moves the
         speculative blocks; returns (blocks to pop, the entries this step returns before
-        the new blocks)."""
+        the new blocks). Under partial hash hits a pending copy (``s.phit``) counts one
+        block more, the first popped (``copy_on_write`` places it; ``self.was`` says
+        whether the request had been allocated before this call)."""
         spec = self.spec[g]
-        required = -(-num_tokens_main // self.s.block_size) + spec  # (cdiv)
+        required = -(-num_tokens_main // self.s.bsz[g]) + spec  # (cdiv)
         allocated = self.allocated[g]
         cb = int(rid in self.checkpoints[g])  # the checkpoint's index stays unpadded
-        if required <= len(t) and not cb:
+        ph = self.s.fine and rid in self.s.phit[g]
+        self.was = rid in allocated
+        if required <= len(t) and not cb and not ph:
             allocated.add(rid)
             return 0, []
         prev = len(t)
@@ -236,13 +257,37 @@ class MambaAlign:
                 t[i] = 0
         allocated.add(rid)
         n = required - len(t)
-        return (n if n > 0 else 0), t[prev:]
+        return (n if n > 0 else 0) + int(ph), t[prev:]
+
+    def copy_on_write(self, g: int, rid: str, t: list[int], cow: int, was: bool) -> bool:
+        """vLLM's allocate_new_blocks with a partial hit (``s.phit``): the copy ``cow`` (the
+        first block popped) replaces a new request's shared hit block in its table; a
+        running request that registered its own partial tail keeps writing its block, so
+        the entries move to the copy instead (and hits on them wait a step). Both ends of
+        the copy hold a reference more until the scheduler frees them. Returns whether
+        the copy leads the entries this step returns."""
+        s = self.s
+        idx, src = s.phit[g].pop(rid)
+        s.cow[g].append((src, cow))
+        if not was:
+            t[idx] = cow
+            s.pool.incref([cow])
+            return True
+        s.move(src, cow)
+        s.pool.incref([src])
+        tail = self.producer[g].pop(rid, None)
+        if tail is not None:  # the producer's boundary state, once the copy has run
+            self.offloads[g].setdefault(rid, []).append((cow, tail[1]))
+        h = s.hash_of.get(cow)
+        if h is not None:
+            self.this_step[g].add(h)
+        return False
 
     # -- freeing ------------------------------------------------------------------------------
     def remove_skipped(self, g: int, rid: str, t: list[int], processed: int) -> None:
         """vLLM's MambaManager.remove_skipped_blocks in align mode."""
         s = self.s
-        bs = s.block_size
+        bs = s.bsz[g]
         if processed - 1 > 0:
             last = min((processed - 1) // bs, len(t))
             first = self.retired[g].get(rid, 0)
@@ -265,6 +310,8 @@ class MambaAlign:
             self.retired[g].pop(rid, None)
             self.checkpoints[g].pop(rid, None)
             self.offloads[g].pop(rid, None)
+            self.producer[g].pop(rid, None)
+            self.s.phit[g].pop(rid, None)
 
     # -- caching ------------------------------------------------------------------------------
     def mask(self, request: Any, g: int, start: int, end: int) -> Optional[list]:
@@ -374,6 +421,55 @@ class MambaAlign:
                 if offloads is None:
                     offloads = self.offloads[g].setdefault(rid, [])
                 offloads.append((b, (i + 1) * bs))
+
+    def fine_after_cache(self, request: Any, g: int, n: int, before: int, nc: list) -> None:
+        """MambaManager.cache_blocks under partial hash hits, after the generic caching of
+        blocks [before, nc[g]): the prompt's last hash boundary (vLLM's
+        get_mamba_prefill_checkpoint_position at the hash block size) keys the state block
+        holding it; inside a block, that block is a partial hit of the request itself (its
+        next allocation copies it) and the cached count stops before it. The step's cached
+        hashes and the connector's boundary states as in ``after_cache``."""
+        s = self.s
+        rid = request.request_id
+        t = s.tables[rid][g]
+        after = nc[g]
+        hbs, bs = s.hbs, s.bsz[g]
+        if (
+            n > 0
+            and n % hbs == 0
+            and n == get_mamba_prefill_checkpoint_position(request.num_prompt_tokens, hbs, False)
+        ):
+            i = -(-n // bs) - 1  # (cdiv)
+            b = t[i] if i < len(t) else 0
+            if b and not (s.hashed[b] and int(cast(np.ndarray, s.ntok)[b]) == n):
+                h = s.cache_partial(request, g, b, n)
+                if n % bs:
+                    s.phit[g][rid] = (i, b)
+                    nc[g] = i
+                    self.producer[g][rid] = (b, n)
+                self.this_step[g].add(h)
+        if before >= after:
+            return
+        hash_of = s.hash_of
+        ntok = cast(np.ndarray, s.ntok)
+        this_step = self.this_step[g]
+        for b in t[before:after]:
+            if b:
+                h = hash_of.get(b)
+                if h is None:
+                    continue
+                this_step.add(h)
+                self.offloads[g].setdefault(rid, []).append((b, int(ntok[b])))
+
+    def finalize(self, rid: str, num_computed: int, in_flight: int) -> list:
+        """vLLM's finalize_partial_tail_offloads: a finishing request's own partial tail
+        not yet copied, (group, block, boundary) when nothing was computed past it."""
+        out = []
+        for g in self.gids:
+            tail = self.producer[g].pop(rid, None)
+            if tail is not None and in_flight == 0 and num_computed == tail[1]:
+                out.append((g, tail[0], tail[1]))
+        return out
 
     def new_step(self) -> None:
         for g in self.gids:

@@ -254,6 +254,29 @@ class NativeBlockPoolView:
             ids = [b if keep else 0 for b, keep in zip(ids, block_mask)]
         self._s.cache_ids(request, kv_cache_group_id, ids, num_cached_blocks, num_full_blocks)
 
+    def cache_partial_block(
+        self,
+        request: Any,
+        block: Any,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> Any:
+        """vLLM's ``BlockPool.cache_partial_block`` (pools whose entries carry token counts:
+        groups of different block sizes, partial hash hits): block keyed at a hash-block
+        boundary inside it, its entries dropped first when ``replace_existing_hashes``."""
+        s: Any = self._s  # (a hybrid state: the only kind whose ntok is kept)
+        b = int(block.block_id)
+        if b == 0:
+            return None
+        if s.ntok is None:
+            raise NotImplementedError("kvblocks: partial entries among one block size")
+        if replace_existing_hashes and s.hashed[b]:
+            s.drop_entries(b)
+        h = s.cache_partial(request, kv_cache_group_id, b, num_tokens)
+        return make_block_hash_with_group_id(h, kv_cache_group_id)
+
     def reset_prefix_cache(self) -> bool:
         return self._s.reset()
 
