@@ -536,16 +536,59 @@ def test_chunked_local_hits_are_null_before_the_chunk_and_decode_frees_them():
 
 def test_a_window_groups_sparse_retention_falls_back():
     """vLLM's sliding-window retention masks are not served: built with one, the model runs
-    on vLLM's managers; set afterwards on a native manager, it is refused."""
+    on vLLM's managers; set afterwards on a native manager that served nothing yet, the
+    manager goes to vLLM's own managers (which take the setting) and behaves as vLLM's; set
+    after it served requests, it is refused (NotImplementedError), nothing changed."""
     specs = [full_spec(), sw_spec(8)]
     c = config(32, specs)
     c.prefix_cache_retention_interval = 0
     kvb = KVCacheManager(c, max_model_len=256, scheduler_block_size=BS, hash_block_size=BS)
     assert not kvb.native
-    _, kvb = managers(32, specs)
+    ref, kvb = managers(32, specs, enable_kv_cache_events=True)
     assert kvb.native
+    held = kvb.coordinator  # (a reference taken before: it follows the manager)
+    before = NATIVE_BUILDS["fallback"]
+    for c in (ref.coordinator, held):
+        c.retention_interval = 0
+    assert not kvb.native and NATIVE_BUILDS["fallback"] == before + 1
+    assert kvb.coordinator.retention_interval == 0 == held.retention_interval
+    for i in range(3):  # the same answers as vLLM's from here on
+        got = []
+        for m in (ref, kvb):
+            r = request(f"r{i}", list(range(1, 30)))
+            blocks, hit, _ = m.get_computed_blocks(r)
+            got.append((hit, m.allocate_slots(r, 29 - hit, hit, blocks).get_block_ids()))
+            m.free(r)
+        assert got[0] == got[1]
+        assert ref.take_events() == kvb.take_events()
+    _, kvb = managers(32, specs)
+    assert kvb.allocate_slots(request("a", list(range(1, 10))), 9) is not None
     with pytest.raises(NotImplementedError):
         kvb.coordinator.retention_interval = 0
+    assert kvb.native and kvb.coordinator.retention_interval is None
+
+
+def test_a_setting_on_a_group_view_of_a_fresh_manager_goes_to_vllms_managers():
+    """vLLM's tests set attributes on a built manager's single-type managers (``use_eagle``,
+    a spy on ``cache_blocks``): a native manager that served nothing yet goes to vLLM's own
+    managers, and the setting reaches vLLM's manager object (the spy sees the calls)."""
+    ref, kvb = managers(32, [full_spec(), sw_spec(8)])
+    view = kvb.coordinator.single_type_managers[1]
+    calls: list = []
+    original = view.cache_blocks
+
+    def spy(request, n, *args, **kwargs):
+        calls.append(n)
+        return original(request, n, *args, **kwargs)
+
+    view.cache_blocks = spy
+    assert not kvb.native
+    assert kvb.coordinator.single_type_managers[1].cache_blocks is spy
+    for m in (ref, kvb):
+        assert m.allocate_slots(request("a", list(range(1, 14))), 13) is not None
+    assert calls == [12]  # (vLLM's coordinator caches up to a scheduler block boundary)
+    assert kvb.get_block_ids("a") == ref.get_block_ids("a")
+    assert [b.block_id for b in view.req_to_blocks["a"]] == ref.get_block_ids("a")[1]
 
 
 def cross_spec():

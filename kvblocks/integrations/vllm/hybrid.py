@@ -29,6 +29,7 @@ index rings, ...) runs on vLLM's own managers (``hybrid_unsupported`` says why).
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any, Optional, cast
@@ -52,6 +53,8 @@ from . import mamba
 from .hybrid_state import _FULL, _KINDS, _MAMBA, _WINDOW, _HybridState
 from .pool_view import NativeBlockPoolView
 from .state import _ADMITTING, _EMPTY_I32, NativeKVCacheBlocks, _ids_of
+
+logger = logging.getLogger(__name__)
 
 
 def hybrid_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
@@ -199,14 +202,48 @@ class _LiveBlocks(Sequence):
         return repr(list(self))
 
 
-class _HybridGroupView:
-    """vLLM's single-type manager of group g, with the native request tables."""
+def _late_setting(view: Any, name: str, value: Any) -> None:
+    """An attribute set on a group or coordinator view (vLLM's tests set ``use_eagle``, a
+    retention interval or a spy on a built manager): a manager that served nothing yet
+    hands the model to vLLM's own managers and the setting goes to vLLM's object; one that
+    served requests keeps it on the view (logged: the native path does not read it)."""
+    mgr = object.__getattribute__(view, "_m")
+    inner = object.__getattribute__(view, "_inner")
+    if mgr.native and mgr._pristine():
+        mgr._to_vllm(f"{name} set on a built manager's {type(inner).__name__}")
+    if mgr.native:
+        logger.warning("kvblocks: %s set on a native manager's view after it served requests", name)
+        object.__setattr__(view, name, value)
+    else:
+        setattr(inner, name, value)
 
-    def __init__(self, inner: Any, state: _HybridState, g: int, pool: Any) -> None:
-        self._inner = inner
-        self._s = state
-        self._g = g
-        self.block_pool = pool
+
+class _HybridGroupView:
+    """vLLM's single-type manager of group g, with the native request tables; once the
+    manager went to vLLM's managers (``_late_setting``), vLLM's manager itself."""
+
+    _OWN = frozenset(("_inner", "_s", "_g", "_m", "block_pool", "__class__", "__dict__"))
+
+    def __init__(self, inner: Any, state: _HybridState, g: int, pool: Any, mgr: Any) -> None:
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_s", state)
+        object.__setattr__(self, "_g", g)
+        object.__setattr__(self, "_m", mgr)
+        object.__setattr__(self, "block_pool", pool)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _HybridGroupView._OWN or object.__getattribute__(self, "_m").native:
+            return object.__getattribute__(self, name)
+        return getattr(object.__getattribute__(self, "_inner"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        _late_setting(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if object.__getattribute__(self, "_m").native:
+            object.__delattr__(self, name)
+        else:
+            delattr(object.__getattribute__(self, "_inner"), name)
 
     @property
     def _null_block(self) -> Any:
@@ -242,18 +279,34 @@ class _HybridGroupView:
 class _HybridCoordinatorView:
     """vLLM's hybrid coordinator, with the calls that touch blocks answered natively."""
 
+    _OWN = frozenset(
+        ("_inner", "_m", "block_pool", "single_type_managers", "__class__", "__dict__")
+    )
+
     def __init__(self, inner: Any, mgr: HybridKVCacheManager) -> None:
-        self._inner = inner
-        self._m = mgr
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_m", mgr)
         s = mgr._native
-        self.block_pool = mgr.block_pool
-        self.single_type_managers = tuple(
-            _HybridGroupView(stm, s, g, mgr.block_pool)
+        object.__setattr__(self, "block_pool", mgr.block_pool)
+        views = tuple(
+            _HybridGroupView(stm, s, g, mgr.block_pool, mgr)
             for g, stm in enumerate(inner.single_type_managers)
         )
+        object.__setattr__(self, "single_type_managers", views)
+
+    def __getattribute__(self, name: str) -> Any:
+        if object.__getattribute__(self, "_m").native or name in ("_inner", "_m"):
+            return object.__getattribute__(self, name)
+        return getattr(object.__getattribute__(self, "_inner"), name)  # (gone to vLLM's)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "retention_interval" and self._m.native:
+            object.__setattr__(self, name, value)  # (the property below)
+        else:
+            _late_setting(self, name, value)
 
     @property
     def retention_interval(self) -> Optional[int]:
@@ -265,16 +318,17 @@ class _HybridCoordinatorView:
         checkpoints follow it (mamba.py); a window group's sparse retention is not
         served natively, so it is refused rather than ignored."""
         s = self._m._native
+        why = None
         if value is not None and any(s.window):
-            raise NotImplementedError(
-                "kvblocks: sparse retention of a sliding-window group set after the "
-                "manager was built"
-            )
-        if value is not None and s.fine:
-            raise NotImplementedError(
-                "kvblocks: a retention interval under partial hash hits set after the "
-                "manager was built"
-            )
+            why = "sparse retention of a sliding-window group"
+        elif value is not None and s.fine:
+            why = "a retention interval under partial hash hits"
+        if why is not None:  # (not served natively: vLLM's managers take it, or it is
+            if not self._m._pristine():  # refused once requests ran)
+                raise NotImplementedError(f"kvblocks: {why} set after requests were served")
+            self._m._to_vllm(f"{why} set on a built manager")
+            self._inner.retention_interval = value
+            return
         s.retention = value
         if s.align is not None:
             s.align.retention = value
@@ -373,6 +427,31 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         self.coordinator = _HybridCoordinatorView(coord, self)
         self.coordinator.retention_interval = getattr(coord, "retention_interval", None)
         self._empty_groups = tuple(_EMPTY_I32 for _ in range(self._native.num_groups))
+
+    def _pristine(self) -> bool:
+        """Whether the native state never served a request (no table, no entry, no event,
+        every block free): the model can still go to vLLM's own managers exactly."""
+        s = self._native
+        p = s.pool
+        return (
+            not s.tables and not s.events and p.num_cached == 0 and p.num_free == s.num_blocks - 1
+        )
+
+    def _to_vllm(self, why: str) -> None:
+        """Hand this (pristine) manager to vLLM's own coordinator, single-type managers and
+        block pool, which ``KVCacheManager.__init__`` built and kept unused: from here it is
+        the fallback manager (``manager.KVCacheManager`` with ``native`` False), logged."""
+        from .manager import FALLBACK_REASONS, NATIVE_BUILDS
+        from .manager import KVCacheManager as Fallback
+
+        self.coordinator = self._vllm_coordinator
+        self.block_pool = self._vllm_coordinator.block_pool
+        self.native = False
+        self.__class__ = Fallback
+        NATIVE_BUILDS["hybrid"] -= 1
+        NATIVE_BUILDS["fallback"] += 1
+        FALLBACK_REASONS[why] += 1
+        logger.info("kvblocks: vLLM's own KV cache managers serve this model (%s)", why)
 
     def _blocks(self, per_group: Sequence[Any]) -> Any:
         if any(len(b) for b in per_group):
