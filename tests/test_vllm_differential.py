@@ -597,3 +597,26 @@ TestFullAndMambaCheckpoints = FullAndMambaCheckpoints.TestCase
 TestFullAndMambaCheckpoints.settings = PROFILE
 TestMambaCheckpointsBlockAligned = MambaCheckpointsBlockAligned.TestCase
 TestMambaCheckpointsBlockAligned.settings = PROFILE
+
+
+class MambaPartialHitsCheckpoints(Differential):
+    """Partial hash hits (full attention in blocks of 4, Mamba in blocks of 8, hashes of
+    4) with prefill checkpoint blocks aligned to a hash block: a checkpoint on a hash
+    boundary inside a block re-keys the reserved block there (its entries replaced) or,
+    transient, drops them."""
+
+    SPECS = [full_spec, lambda: mamba_spec(bs=8, checkpoint_alignment=4)]
+    CACHING = (True, True)
+
+
+class MambaPartialHitsCheckpointsHalf(Differential):
+    """The same with the checkpoint alignment half a hash block (2 tokens)."""
+
+    SPECS = [full_spec, lambda: mamba_spec(bs=8, checkpoint_alignment=2)]
+    CACHING = (True, True)
+
+
+TestMambaPartialHitsCheckpoints = MambaPartialHitsCheckpoints.TestCase
+TestMambaPartialHitsCheckpoints.settings = PROFILE
+TestMambaPartialHitsCheckpointsHalf = MambaPartialHitsCheckpointsHalf.TestCase
+TestMambaPartialHitsCheckpointsHalf.settings = PROFILE

@@ -161,8 +161,6 @@ def _fine_unsupported(coord: Any, groups: Sequence[Any]) -> Optional[str]:
         if kind not in (_FULL, _MAMBA):
             return f"partial hash hits with {type(spec).__name__}"
         if kind == _MAMBA:
-            if spec.num_prefill_checkpoint_blocks:
-                return "partial hash hits with Mamba prefill checkpoint blocks"
             if spec.num_speculative_blocks:
                 return "partial hash hits with speculative Mamba blocks"
     sbs, hbs = coord.scheduler_block_size, coord.block_pool.hash_block_size

@@ -145,12 +145,16 @@ class MambaAlign:
         align = self.ckpt_align[g]
         if align is None or query_end < prefill_end:
             return 0
-        bs = self.s.block_size
-        # (vLLM's validity needs start + bs <= pos < end, pos = (end - 1) // bs * bs: a
-        # decode step or a chunk within one block exports nothing; checked first, cheaply)
-        if query_start + bs >= query_end:
+        s = self.s
+        if s.fine:  # (positions on hash boundaries, the table at the group's block size)
+            hbs, bs = s.hbs, s.bsz[g]
+        else:
+            hbs = bs = s.block_size
+        # (vLLM's validity needs start + hbs <= pos < end, pos = (end - 1) // hbs * hbs: a
+        # decode step or a chunk within one hash block exports nothing; checked first)
+        if query_start + hbs >= query_end:
             return 0
-        pos = get_mamba_prefill_checkpoint_position(query_end, bs, False)
+        pos = get_mamba_prefill_checkpoint_position(query_end, hbs, False)
         idx = cdiv(query_end, bs) - 2
         if idx < 0:
             return 0
@@ -158,12 +162,12 @@ class MambaAlign:
             query_start=query_start,
             query_end=query_end,
             checkpoint_position=pos,
-            hash_block_size=bs,
+            hash_block_size=hbs,
             mamba_block_size=bs,
             checkpoint_alignment=align,
         ):
             return 0
-        t = self.s.tables.get(rid)
+        t = s.tables.get(rid)
         t = t[g] if t is not None else []
         if (
             idx >= len(t)
@@ -210,7 +214,7 @@ class MambaAlign:
             cb = int(pos > 0)
             if record:
                 if pos:
-                    self.checkpoints[g][rid] = (pos, cdiv(num_tokens_main, s.block_size) - 2)
+                    self.checkpoints[g][rid] = (pos, cdiv(num_tokens_main, bs) - 2)
                 else:
                     self.checkpoints[g].pop(rid, None)
         if n > 0:
@@ -434,7 +438,10 @@ class MambaAlign:
         t = s.tables[rid][g]
         after = nc[g]
         hbs, bs = s.hbs, s.bsz[g]
-        if (
+        ck = self.checkpoints[g].get(rid)
+        if ck is not None:  # (vLLM: the reserved checkpoint instead of the prompt's tail)
+            self._fine_checkpoint(request, g, t, ck)
+        elif (
             n > 0
             and n % hbs == 0
             and n == get_mamba_prefill_checkpoint_position(request.num_prompt_tokens, hbs, False)
@@ -460,6 +467,33 @@ class MambaAlign:
                     continue
                 this_step.add(h)
                 self.offloads[g].setdefault(rid, []).append((b, int(ntok[b])))
+
+    def _fine_checkpoint(self, request: Any, g: int, t: list, ck: tuple[int, int]) -> None:
+        """``_cache_checkpoint`` under partial hash hits: the checkpoint position is a hash
+        boundary, possibly inside a block and past the reserved block's own tokens. The
+        block keeps its entry there when the state is reusable (a block boundary, dense
+        retention; the prompt's checkpoint; the shared-prefix boundary), re-keyed at the
+        position after its entries go (vLLM's cache_partial_block replacing them); a
+        transient state loses every entry."""
+        s = self.s
+        pos, idx = ck
+        b = t[idx]
+        hbs = s.hbs
+        if (
+            pos % s.bsz[g]
+            and pos != get_mamba_prefill_checkpoint_position(request.num_prompt_tokens, hbs, False)
+            and pos != request.shared_prefix_boundary
+        ):
+            if b and s.hashed[b]:
+                s.drop_entries(b)  # the transient state overwrites the slot
+            return
+        if not b:
+            return
+        if s.hashed[b]:
+            if int(cast(np.ndarray, s.ntok)[b]) == pos:  # keyed there already
+                return
+            s.drop_entries(b)
+        self.this_step[g].add(s.cache_partial(request, g, b, pos))
 
     def finalize(self, rid: str, num_computed: int, in_flight: int) -> list:
         """vLLM's finalize_partial_tail_offloads: a finishing request's own partial tail
