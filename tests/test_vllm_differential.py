@@ -147,6 +147,7 @@ class Differential(RuleBasedStateMachine):
     EAGLE = False  # EAGLE / MTP speculative decoding: hits drop their last block
     LOOKAHEAD_HASH = 0  # vLLM's num_hash_lookahead_tokens: hashes cover tokens past a block
     HBS = 0  # the hash block size (0: the specs' block sizes' gcd)
+    CHUNK_SCALE = 1  # prefill chunks are CHUNK's sizes times this (longer blocks: longer)
 
     @initialize(
         num_blocks=st.sampled_from([10, 16, 24, 40]),
@@ -200,7 +201,7 @@ class Differential(RuleBasedStateMachine):
         for m, r in self._pairs(pair):
             blocks, hit, spb = m.get_computed_blocks(r)
             m.record_prefix_cache_stats(r, hit)  # the scheduler's call after the lookup
-            n = min(r.num_tokens - hit, chunk)
+            n = min(r.num_tokens - hit, chunk * self.CHUNK_SCALE)
             new = m.allocate_slots(
                 r, n, hit, blocks, num_lookahead_tokens=la, full_sequence_must_fit=must_fit
             )
@@ -268,7 +269,7 @@ class Differential(RuleBasedStateMachine):
                 r.append_output_token_ids(tok)
         out = []
         for m, r in self._pairs(pair):
-            n = min(r.num_tokens - r.num_computed_tokens, chunk)
+            n = min(r.num_tokens - r.num_computed_tokens, chunk * self.CHUNK_SCALE)
             new = m.allocate_slots(r, n, num_lookahead_tokens=la)
             if new is not None:
                 r.num_computed_tokens += n
@@ -607,6 +608,7 @@ class MambaPartialHitsCheckpoints(Differential):
 
     SPECS = [full_spec, lambda: mamba_spec(bs=8, checkpoint_alignment=4)]
     CACHING = (True, True)
+    CHUNK_SCALE = 2  # (chunks of 16 export states inside blocks before the prompt's end)
 
 
 class MambaPartialHitsCheckpointsHalf(Differential):
@@ -614,9 +616,34 @@ class MambaPartialHitsCheckpointsHalf(Differential):
 
     SPECS = [full_spec, lambda: mamba_spec(bs=8, checkpoint_alignment=2)]
     CACHING = (True, True)
+    CHUNK_SCALE = 2
 
 
 TestMambaPartialHitsCheckpoints = MambaPartialHitsCheckpoints.TestCase
 TestMambaPartialHitsCheckpoints.settings = PROFILE
 TestMambaPartialHitsCheckpointsHalf = MambaPartialHitsCheckpointsHalf.TestCase
 TestMambaPartialHitsCheckpointsHalf.settings = PROFILE
+
+
+class MambaPartialHitsSpeculative(Differential):
+    """Partial hash hits with two speculative Mamba blocks (moved to the table's end each
+    step) and checkpoint blocks aligned to half a hash block."""
+
+    SPECS = [full_spec, lambda: mamba_spec(spec_blocks=2, checkpoint_alignment=2, bs=8)]
+    CACHING = (True, True)
+    CHUNK_SCALE = 2
+
+
+class MambaPartialHitsSpeculativeOnly(Differential):
+    """Partial hash hits with one speculative Mamba block, no checkpoint blocks; full
+    attention in blocks of 8 over hashes of 4, Mamba in blocks of 16."""
+
+    SPECS = [lambda: full_spec(8), lambda: mamba_spec(spec_blocks=1, bs=16)]
+    HBS = 4
+    CACHING = (True, True)
+
+
+TestMambaPartialHitsSpeculative = MambaPartialHitsSpeculative.TestCase
+TestMambaPartialHitsSpeculative.settings = PROFILE
+TestMambaPartialHitsSpeculativeOnly = MambaPartialHitsSpeculativeOnly.TestCase
+TestMambaPartialHitsSpeculativeOnly.settings = PROFILE

@@ -19,8 +19,8 @@ block size equal to the scheduler block size (and the hash block size with cachi
 full-attention and window groups of different block sizes (hashes at their gcd, hits and
 caching aligned to their lcm: ``_mixed_unsupported``); prefix caching on or off; EAGLE / MTP
 over full attention and windows of one block size; lookahead block hashes beside no Mamba
-group; partial hash hits over full attention and align-mode Mamba without checkpoint or
-speculative blocks (``_fine_unsupported``); no context parallelism, prefill lookahead,
+group; partial hash hits over full attention and align-mode Mamba, checkpoint and
+speculative blocks included (``_fine_unsupported``); no context parallelism, prefill lookahead,
 metrics collector or a window group's sparse retention (a retention interval of full attention, chunk and
 Mamba groups is served, set at construction or afterwards, as vLLM's tests do). Mamba
 prefill checkpoint blocks are served (mamba.py). Anything else (R-SWA, sink, hisparse roles,
@@ -152,7 +152,7 @@ def _fine_unsupported(coord: Any, groups: Sequence[Any]) -> Optional[str]:
     """Why vLLM's fine-grained partial hash hits (an align-mode Mamba group whose blocks
     are longer than a hash block: hits on hash-block boundaries inside blocks, shared tail
     blocks copied on write) run on vLLM's managers, or None: served are full-attention and
-    align-mode Mamba groups without prefill checkpoint or speculative blocks, on vLLM's
+    align-mode Mamba groups (prefill checkpoint and speculative blocks too), on vLLM's
     block grid, without a retention interval (EAGLE and lookahead hashes beside Mamba are
     refused by ``hybrid_unsupported`` itself)."""
     for g in groups:
@@ -160,9 +160,6 @@ def _fine_unsupported(coord: Any, groups: Sequence[Any]) -> Optional[str]:
         kind = _KINDS[type(spec)]
         if kind not in (_FULL, _MAMBA):
             return f"partial hash hits with {type(spec).__name__}"
-        if kind == _MAMBA:
-            if spec.num_speculative_blocks:
-                return "partial hash hits with speculative Mamba blocks"
     sbs, hbs = coord.scheduler_block_size, coord.block_pool.hash_block_size
     for stm in coord.single_type_managers:
         if sbs % stm.block_size or stm.block_size % hbs or stm.dcp_world_size != 1:

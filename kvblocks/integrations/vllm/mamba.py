@@ -48,9 +48,10 @@ reads the interval.
 
 Without prefix caching ("none" mode) a Mamba group is a window of two tokens with ``spec``
 blocks more, which hybrid_state.py serves with its window rules. Partial (sub-block) hash
-hits (a block longer than a hash block) are served without checkpoint or speculative
-blocks: ``fine_after_cache`` keys the prompt's last hash boundary inside a state block,
-``copy_on_write`` places the copy of a block a hit or the request's own tail shares.
+hits (a block longer than a hash block) are served with checkpoint and speculative blocks
+too: ``fine_after_cache`` keys the prompt's last hash boundary inside a state block, or a
+reserved checkpoint at its hash boundary (``_fine_checkpoint``), ``copy_on_write`` places
+the copy of a block a hit or the request's own tail shares.
 EAGLE's checkpoint shift is not served: hybrid.py's ``hybrid_unsupported`` sends those
 configurations to vLLM's managers.
 """
