@@ -50,6 +50,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from . import mamba
+from .builds import FALLBACK_REASONS, NATIVE_BUILDS
 from .hybrid_state import _FULL, _KINDS, _MAMBA, _WINDOW, _HybridState
 from .pool_view import NativeBlockPoolView
 from .state import _ADMITTING, _EMPTY_I32, NativeKVCacheBlocks, _ids_of
@@ -407,7 +408,8 @@ class HybridKVCacheManager(VLLMKVCacheManager):
     kvblocks' native pool; ``KVCacheManager.__init__`` turns an instance into this class
     when ``hybrid_unsupported`` finds nothing against it."""
 
-    native: bool = True  # (manager.KVCacheManager's flag: this class is always native)
+    native: bool = True  # (manager.KVCacheManager's flag: True until _to_vllm)
+    _fallback_cls: type  # the class this instance was built as (manager.KVCacheManager)
     _native: _HybridState
     _bs: int
     block_pool: Any  # NativeBlockPoolView
@@ -436,13 +438,10 @@ class HybridKVCacheManager(VLLMKVCacheManager):
         """Hand this (pristine) manager to vLLM's own coordinator, single-type managers and
         block pool, which ``KVCacheManager.__init__`` built and kept unused: from here it is
         the fallback manager (``manager.KVCacheManager`` with ``native`` False), logged."""
-        from .manager import FALLBACK_REASONS, NATIVE_BUILDS
-        from .manager import KVCacheManager as Fallback
-
         self.coordinator = self._vllm_coordinator
         self.block_pool = self._vllm_coordinator.block_pool
         self.native = False
-        self.__class__ = Fallback
+        self.__class__ = self._fallback_cls
         NATIVE_BUILDS["hybrid"] -= 1
         NATIVE_BUILDS["fallback"] += 1
         FALLBACK_REASONS[why] += 1

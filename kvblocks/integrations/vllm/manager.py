@@ -28,7 +28,6 @@ single-type managers unchanged, and says so in the log.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -46,6 +45,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from .builds import FALLBACK_REASONS, NATIVE_BUILDS
 from .pool_view import NativeBlockPoolView
 from .state import (  # noqa: F401  (NativeKVCacheBlocks, _NativeState: names tests import)
     _ADMITTING,
@@ -59,16 +59,12 @@ logger = logging.getLogger(__name__)
 
 # VLLMKVCacheManager: vLLM's own class (this module is imported before enable() patches)
 
-# managers built in this process, by path: "full" (one full-attention group, native),
-# "hybrid" (full attention, sliding window and chunked local groups, native), "fallback"
-# (vLLM's managers)
+# (NATIVE_BUILDS, FALLBACK_REASONS: builds.py, names kept here for tests and tools)
 # one group of these kinds alone runs on the group adapter (hybrid.py) too
 _GROUP_KINDS = (SlidingWindowSpec, SlidingWindowMLASpec, ChunkedLocalAttentionSpec, MambaSpec)
 # full attention on the one-group path: plain, or MLA's latent cache (DeepSeek V2/V3, Kimi:
 # vLLM's FullAttentionManager rules, the spec differs only in the memory layout)
 _FULL_KINDS = (FullAttentionSpec, MLAAttentionSpec)
-NATIVE_BUILDS: Counter = Counter()
-FALLBACK_REASONS: Counter = Counter()  # why the "fallback" ones run on vLLM's managers
 
 
 def native_unsupported(mgr: VLLMKVCacheManager, opts: dict) -> Optional[str]:
@@ -224,6 +220,7 @@ class KVCacheManager(VLLMKVCacheManager):
             why = hybrid_unsupported(self, opts)
             if why is None:  # full attention, window and chunk groups: the group adapter
                 self.native = True
+                self._fallback_cls = type(self)  # (what _to_vllm turns it back into)
                 self.__class__ = HybridKVCacheManager
                 self._init_hybrid()
                 NATIVE_BUILDS["hybrid"] += 1

@@ -10,7 +10,7 @@ and enables kvblocks' manager before test modules are collected, so their
 With ``KVB_VLLM_NATIVE_LOG=<file>``, each test that builds a KV cache manager gets one line
 in that file: its node id and how many managers it built per path (``full`` and ``hybrid``
 run on kvblocks' native pool, ``fallback`` on vLLM's own managers; counted by
-``manager.NATIVE_BUILDS``), and after ``#`` why the fallback ones fell back.
+``builds.NATIVE_BUILDS``), and after ``#`` why the fallback ones fell back.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def pytest_runtest_protocol(item: Any, nextitem: Any) -> Iterator[None]:
     if not path:
         yield
         return
-    from .manager import FALLBACK_REASONS, NATIVE_BUILDS
+    from .builds import FALLBACK_REASONS, NATIVE_BUILDS
 
     before, why = dict(NATIVE_BUILDS), dict(FALLBACK_REASONS)
     yield
