@@ -112,13 +112,9 @@ int kvb_grp_append_batch(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
     KVB_CLEAR_ERR(L);
     uint32_t stamp = mgr_next_stamp(L);
     for (int64_t i = 0; i < n; i++) { /* the records: validation, capacity */
-        kvb_seq_t *s = live_seq(L, slots[i]);
-        L->err_a = i;
-        L->err_b = slots[i];
-        if (KVB_UNLIKELY(!s)) return KVB_EUNKNOWN;
-        if (KVB_UNLIKELY(s->stamp == stamp)) return KVB_EDUP;
-        if (KVB_UNLIKELY(s->swapped)) return KVB_ESWAPPED;
-        s->stamp = stamp;
+        kvb_seq_t *s;
+        int rc = batch_seq(L, L, slots, i, stamp, &s);
+        if (rc) return rc;
         int64_t w = blk_of(L, s->ntokens);
         if (KVB_UNLIKELY(s->ntokens + 1 > s->tcap || (L->hashing && w + 1 > s->hcap)) &&
             mgr_rec_reserve(L, s, s->ntokens + 1, w + 2))
@@ -221,14 +217,10 @@ static int schedule_check(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
     }
     uint32_t stamp = mgr_next_stamp(L);
     for (int64_t i = 0; i < B; i++) {
-        kvb_seq_t *s = live_seq(L, slots[i]);
+        kvb_seq_t *s;
+        int rc = batch_seq(L, E, slots, i, stamp, &s);
+        if (rc) return rc;
         int64_t q = qlens[i], d = drafts ? drafts[i] : 0;
-        E->err_a = i;
-        E->err_b = slots[i];
-        if (!s) return KVB_EUNKNOWN;
-        if (s->stamp == stamp) return KVB_EDUP;
-        if (s->swapped) return KVB_ESWAPPED;
-        s->stamp = stamp;
         E->err_b = q;
         if (q < 0 || q > s->ntokens) return KVB_EINVAL;
         E->err_b = d;
@@ -236,7 +228,7 @@ static int schedule_check(kvb_mgr_t *const *g, int32_t G, const int32_t *slots,
         for (int32_t j = 0; j < G; j++) {
             kvb_mgr_t *m = g[j];
             m->err_b = slots[i];
-            int rc = tbl_step_check(m, s, row_of(m, slots[i]), q, d);
+            rc = tbl_step_check(m, s, row_of(m, slots[i]), q, d);
             if (rc) {
                 m->err_a = i;
                 return fail_from(g, j, rc);

@@ -431,14 +431,10 @@ int kvb_grp_batch_need(kvb_mgr_t *const *g, int32_t G, const int32_t *slots, int
 /* Validation of a batch (unknown, twice, swapped out), error detail (index, slot). */
 static int batch_check(kvb_mgr_t *L, const int32_t *slots, int64_t n) {
     uint32_t stamp = mgr_next_stamp(L);
+    kvb_seq_t *s;
     for (int64_t i = 0; i < n; i++) {
-        kvb_seq_t *s = live_seq(L, slots[i]);
-        L->err_a = i;
-        L->err_b = slots[i];
-        if (KVB_UNLIKELY(!s)) return KVB_EUNKNOWN;
-        if (KVB_UNLIKELY(s->stamp == stamp)) return KVB_EDUP;
-        if (KVB_UNLIKELY(s->swapped)) return KVB_ESWAPPED;
-        s->stamp = stamp;
+        int rc = batch_seq(L, L, slots, i, stamp, &s);
+        if (rc) return rc;
     }
     L->err_a = L->err_b = 0;
     return KVB_OK;

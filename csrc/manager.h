@@ -39,6 +39,22 @@ KVB_INLINE int get_seq(kvb_mgr_t *L, int32_t slot, int allow_swapped, kvb_seq_t 
 /* The next batch call's stamp (duplicate checks); a wrap clears the old ones. */
 uint32_t mgr_next_stamp(kvb_mgr_t *L);
 
+/* The preamble of entry i of a batch call (stamp: the call's mgr_next_stamp): the live
+ * sequence in slots[i], refused when unknown, listed twice in the call or swapped out.
+ * Sets E's error detail (index i, the slot) and marks the record with the stamp. */
+KVB_INLINE int batch_seq(kvb_mgr_t *L, kvb_mgr_t *E, const int32_t *slots, int64_t i,
+                         uint32_t stamp, kvb_seq_t **out) {
+    kvb_seq_t *s = live_seq(L, slots[i]);
+    E->err_a = i;
+    E->err_b = slots[i];
+    if (KVB_UNLIKELY(!s)) return KVB_EUNKNOWN;
+    if (KVB_UNLIKELY(s->stamp == stamp)) return KVB_EDUP;
+    if (KVB_UNLIKELY(s->swapped)) return KVB_ESWAPPED;
+    s->stamp = stamp;
+    *out = s;
+    return KVB_OK;
+}
+
 /* Capacity of a record for ntok tokens and, when hashing, nblk block hashes. */
 int mgr_rec_reserve(const kvb_mgr_t *L, kvb_seq_t *s, int64_t ntok, int64_t nblk);
 

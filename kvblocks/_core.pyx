@@ -177,36 +177,11 @@ def hash_blocks(token_ids, block_size, *, parent=None, salt=None, key=None, algo
     return out, dig
 
 
-cdef kvb_hash_t _parent_hash(object parent) except *:
+cdef kvb_hash_t _key_of(object key, str what, type dtype_error) except *:
+    """A 128-bit key from an int in [0, 2**128) or a ``[lo, hi]`` uint64 pair; an array of
+    another dtype raises ``dtype_error``, of another shape InvalidArgumentError."""
     cdef kvb_hash_t h
-    if type(parent) is int:
-        if parent < 0 or parent >> 128:
-            raise InvalidArgumentError("parent hash must be a 128-bit unsigned int")
-        h.lo = parent & 0xFFFFFFFFFFFFFFFF
-        h.hi = parent >> 64
-        return h
-    try:
-        arr = np.asarray(parent)
-    except Exception as exc:
-        raise InvalidTypeError(f"parent: {type(exc).__name__}") from None
-    if arr.dtype != np.uint64 or arr.shape != (2,):
-        raise InvalidArgumentError("parent must be a 128-bit int or a uint64 [lo, hi] pair, "
-                                   f"got {arr.dtype} {arr.shape}")
-    h.lo = arr[0]
-    h.hi = arr[1]
-    return h
-
-
-cdef kvb_hash_t _one_key(object key, str what) except *:
-    """One 128-bit key: an int in [0, 2**128) (numpy integers too) or a ``[lo, hi]`` uint64
-    pair. Bools and floats are refused (InvalidTypeError), as as_int refuses them."""
-    cdef kvb_hash_t h
-    if PyBool_Check(key) or isinstance(key, float):
-        raise InvalidTypeError(f"{what} must be a 128-bit int or a uint64 [lo, hi] pair, got "
-                               f"{type(key).__name__}")
-    if type(key) in _NP_INT_TYPES:
-        key = int(key)
-    if isinstance(key, int):
+    if isinstance(key, int) and not PyBool_Check(key):
         if key < 0 or key >> 128:
             raise InvalidArgumentError(f"{what} must be a 128-bit unsigned int, got {key}")
         h.lo = key & 0xFFFFFFFFFFFFFFFF
@@ -217,14 +192,31 @@ cdef kvb_hash_t _one_key(object key, str what) except *:
     except Exception as exc:
         raise InvalidTypeError(f"{what}: {type(exc).__name__}") from None
     if arr.dtype != np.uint64:
-        raise InvalidTypeError(f"{what} must be a 128-bit int or a uint64 [lo, hi] pair, got "
-                               f"dtype {arr.dtype}")
+        raise dtype_error(f"{what} must be a 128-bit int or a uint64 [lo, hi] pair, got "
+                          f"dtype {arr.dtype}")
     if arr.shape != (2,):
         raise InvalidArgumentError(f"{what} must be a uint64 [lo, hi] pair, got shape "
                                    f"{arr.shape}")
     h.lo = arr[0]
     h.hi = arr[1]
     return h
+
+
+cdef kvb_hash_t _parent_hash(object parent) except *:
+    """A parent (or looked-up) hash: ``_key_of``, any non-uint64 array refused as a value."""
+    return _key_of(parent, "parent hash", InvalidArgumentError)
+
+
+cdef kvb_hash_t _one_key(object key, str what) except *:
+    """One 128-bit key: an int in [0, 2**128) (numpy integers too) or a ``[lo, hi]`` uint64
+    pair. Bools, floats and arrays of another dtype are refused (InvalidTypeError), as
+    as_int refuses them."""
+    if PyBool_Check(key) or isinstance(key, float):
+        raise InvalidTypeError(f"{what} must be a 128-bit int or a uint64 [lo, hi] pair, got "
+                               f"{type(key).__name__}")
+    if type(key) in _NP_INT_TYPES:
+        key = int(key)
+    return _key_of(key, what, InvalidTypeError)
 
 
 def hash_to_int(h):

@@ -772,3 +772,33 @@ def test_eagle_drops_again_after_another_group_shrinks_the_hit():
         got.append((hit, blocks.get_block_ids()))
     assert got[0] == got[1]
     assert got[0][0] == 3 * BS  # (without the second drop: 4 blocks)
+
+
+@pytest.mark.parametrize("shape", ["full", "full+sw8"])
+def test_cache_map_takes_back_only_the_entry_it_hid(shape):
+    """``cached_block_hash_to_block._cache``: vLLM's tests pop an entry to stage a miss and
+    set it back. Setting a key onto another block (an alias id, -1, an id out of range, a
+    block that holds another key) is refused and changes nothing; the popped entry itself
+    comes back and hits again."""
+    import copy
+
+    specs = {"full": lambda: [full_spec()], "full+sw8": lambda: [full_spec(), sw_spec(8)]}[shape]
+    ref, kvb = managers(32, specs())
+    prompt = list(range(1, 15))
+    r = request("a", prompt)
+    assert kvb.allocate_slots(r, 14) is not None
+    kvb.free(r)
+    m = kvb.block_pool.cached_block_hash_to_block
+    snap = copy.copy(m._cache)
+    key, b = next(iter(snap.items()))
+    other = next(v for k, v in snap.items() if v != b)
+    hit = kvb.get_num_cached_tokens(request("b", prompt))
+    assert m._cache.pop(key) == b
+    assert kvb.get_num_cached_tokens(request("c", prompt)) < hit
+    for bad in (other, -1, 0, 32, 2**40):
+        with pytest.raises(NotImplementedError):
+            m._cache[key] = bad
+    assert kvb.get_num_cached_tokens(request("d", prompt)) < hit
+    m._cache[key] = b
+    assert kvb.get_num_cached_tokens(request("e", prompt)) == hit
+    assert copy.copy(m._cache) == snap

@@ -134,9 +134,18 @@ class _CacheDict(MutableMapping):
         return b
 
     def __setitem__(self, key: bytes, block: Any) -> None:  # a block id (or a block)
+        """Shows a popped entry again: the block must still hold the key natively (its
+        first key, with the group's salt); anything else is refused, nothing changed."""
         s, h = self._s, bytes(key[:-4])
         b = int(getattr(block, "block_id", block))
-        if not s.hashed[b] or int(s.gid[b]) != int.from_bytes(key[-4:], "big"):
+        g = int.from_bytes(key[-4:], "big")
+        if not 0 < b < s.num_blocks or not s.hashed[b] or int(s.gid[b]) != g:
+            raise NotImplementedError("kvblocks' vLLM pool: only a popped entry can be set back")
+        own = s.to_keys([h])[0].copy()
+        salt = getattr(s, "salt", None)  # (hybrid states key group g with its salt)
+        if salt is not None:
+            own[1] ^= salt[g]
+        if not (s.pool.keys_of(b)[0] == own).all():
             raise NotImplementedError("kvblocks' vLLM pool: only a popped entry can be set back")
         if len(h) == 32:
             s.full[b] = np.frombuffer(h, dtype=np.uint64)
